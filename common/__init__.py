@@ -1,0 +1,1 @@
+"""Pieces every shuttle process shares: configuration, wire messages, sockets, errors."""

@@ -1,0 +1,175 @@
+"""Frozen configuration shared by the launcher and every process.
+
+The launcher resolves everything that needs a look at the model directory (max_model_len, end-of-sequence
+ids) once, then hands the same `ShuttleConfig` to each child as JSON, so no two processes can disagree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+
+from common.errors import ModelDirError
+
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent.parent / "shared" / "models" / "stories260K"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What the frontend, scheduler and worker need to know about the served model.
+
+    Attributes:
+        model_dir: Hugging Face model directory (config.json, weights, tokenizer files).
+        served_model_name: the name clients give in the ``model`` field.
+        max_model_len: longest context in tokens (prompt + output).
+        eos_token_ids: ids that end a sequence, from generation_config.json (else config.json).
+        dtype: torch dtype name of weights and KV cache ("float32", "bfloat16", "float16").
+    """
+
+    model_dir: str
+    served_model_name: str
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    dtype: str = "float32"
+
+    @staticmethod
+    def from_dir(model_dir: str | os.PathLike, max_model_len: int | None = None,
+                 served_model_name: str | None = None, dtype: str = "float32") -> "ModelConfig":
+        """Read config.json (and generation_config.json if present) from `model_dir`.
+
+        Raises:
+            ModelDirError: the directory or config.json is missing or malformed, or max_model_len exceeds
+                the model's position limit.
+        """
+        path = Path(model_dir)
+        if not path.is_dir():
+            raise ModelDirError(f"model directory {str(path)!r} does not exist")
+        hf_config = _read_json(path / "config.json")
+        generation = _read_json(path / "generation_config.json") if (path / "generation_config.json").exists() else {}
+        limit = hf_config.get("max_position_embeddings")
+        if not isinstance(limit, int) or limit <= 0:
+            raise ModelDirError(f"{path / 'config.json'} has no positive max_position_embeddings")
+        if max_model_len is None:
+            max_model_len = limit
+        elif not 0 < max_model_len <= limit:
+            raise ModelDirError(f"--max-model-len {max_model_len} is outside 1..{limit} for this model")
+        eos = generation.get("eos_token_id", hf_config.get("eos_token_id"))
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
+        return ModelConfig(
+            model_dir=str(path.resolve()),
+            served_model_name=served_model_name or path.name,
+            max_model_len=max_model_len,
+            eos_token_ids=eos_ids,
+            dtype=dtype,
+        )
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ModelDirError(f"{path} is missing") from None
+    except (OSError, ValueError) as exc:
+        raise ModelDirError(f"{path} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ModelDirError(f"{path} does not hold a JSON object")
+    return data
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache shape.
+
+    Attributes:
+        block_size: tokens per KV block.
+        num_kv_blocks: fixed number of blocks; ``None`` lets the worker size the cache from kv_cache_memory.
+        kv_cache_memory: bytes the worker may spend on K and V for all layers.
+        enable_prefix_caching: share full blocks of identical prefixes between requests.
+    """
+
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory: int = 1 << 30
+    enable_prefix_caching: bool = True
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Per-step budgets of the scheduler.
+
+    Attributes:
+        max_num_seqs: most sequences in one step.
+        max_num_batched_tokens: most tokens (prefill chunks + decodes) in one step.
+        max_waiting_requests: bound of the waiting queue; a submit past it is rejected (HTTP 503).
+        scheduling_policy: "fcfs" (arrival order) or "priority" (request field `priority`, lower first).
+        priority_aging_seconds: under "priority", seconds of waiting worth one priority level (0: no aging).
+    """
+
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    max_waiting_requests: int = 4096
+    scheduling_policy: str = "fcfs"
+    priority_aging_seconds: float = 10.0
+
+
+@dataclass(frozen=True)
+class IpcConfig:
+    """ZeroMQ endpoints. ipc:// paths live in a private 0700 runtime directory made by the launcher.
+
+    Attributes:
+        requests: scheduler ROUTER that frontends' DEALERs connect to (Submit/Abort in, outputs back).
+        plans: scheduler PUSH -> worker PULL, one StepPlan per step.
+        results: worker PUSH -> scheduler PULL, one StepResult per step plus start-up reports.
+        control: launcher PULL that every child reports readiness to.
+    """
+
+    requests: str
+    plans: str
+    results: str
+    control: str
+
+    @staticmethod
+    def in_directory(runtime_dir: str) -> "IpcConfig":
+        return IpcConfig(*(f"ipc://{runtime_dir}/{name}.sock" for name in ("requests", "plans", "results", "control")))
+
+
+@dataclass(frozen=True)
+class ShuttleConfig:
+    """Everything one serving group needs; built once by the launcher from the command line."""
+
+    model: ModelConfig
+    ipc: IpcConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # Test-only: seconds the worker sleeps in every step, to show the frontend never waits on the model.
+    debug_step_delay: float = 0.0
+
+    @staticmethod
+    def from_args(args: argparse.Namespace, ipc: IpcConfig) -> "ShuttleConfig":
+        """Build from `shuttle serve` arguments (see common/cli.py). Raises ModelDirError."""
+        model = ModelConfig.from_dir(args.model_dir, args.max_model_len, args.served_model_name, args.dtype)
+        max_batched = args.max_num_batched_tokens
+        return ShuttleConfig(
+            model=model,
+            ipc=ipc,
+            cache=CacheConfig(args.block_size, args.num_kv_blocks, args.kv_cache_memory, args.enable_prefix_caching),
+            scheduler=SchedulerConfig(args.max_num_seqs, max_batched, args.max_waiting_requests,
+                                      args.scheduling_policy, args.priority_aging_seconds),
+            host=args.host,
+            port=args.port,
+            debug_step_delay=args.debug_step_delay,
+        )
+
+    def to_json(self) -> str:
+        return msgspec.json.encode(self).decode()
+
+    @staticmethod
+    def from_json(text: str) -> "ShuttleConfig":
+        return msgspec.json.decode(text, type=ShuttleConfig)

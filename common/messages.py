@@ -1,0 +1,191 @@
+"""Every message on shuttle's sockets, grouped by channel; one tagged union per channel.
+
+Structs are array_like (positional on the wire), omit defaults and skip GC tracking. New fields are only
+ever appended, with defaults, so an older peer still decodes a newer message.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+from common.sampling import SamplingParams
+
+_WIRE = dict(array_like=True, omit_defaults=True, gc=False, tag=True)
+
+
+class FinishReason(enum.IntEnum):
+    """Why a request ended. ERROR carries an HTTP-like status and message in the output."""
+
+    STOP = 0
+    LENGTH = 1
+    ABORT = 2
+    ERROR = 3
+
+    @property
+    def openai_name(self) -> str:
+        return ("stop", "length", "abort", "error")[self]
+
+
+# ---- frontend -> scheduler (DEALER -> ROUTER) -------------------------------------------------------------
+
+class Submit(msgspec.Struct, **_WIRE):
+    """A new request. `arrival_time` is the frontend's time.time() in seconds."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    arrival_time: float
+    priority: int = 0
+
+
+class Abort(msgspec.Struct, **_WIRE):
+    """The client is gone or cancelled: free these requests' blocks now. Unknown ids are ignored."""
+
+    request_ids: list[str]
+
+
+class Hello(msgspec.Struct, **_WIRE):
+    """A frontend announces itself so the scheduler can send it stats before it submits anything."""
+
+
+FrontendMessage = Submit | Abort | Hello
+
+
+# ---- scheduler -> frontend (ROUTER -> DEALER) -------------------------------------------------------------
+
+class RequestOutput(msgspec.Struct, **_WIRE):
+    """What one request gained in one step.
+
+    Attributes:
+        new_token_ids: tokens sampled this step (usually one; none for an error).
+        finish_reason: set on the request's last output, exactly once.
+        num_cached_tokens: prompt tokens found in the prefix cache (sent on the first output).
+        error_status: HTTP-like status when finish_reason is ERROR (400 never fits, 503 queue full, 500).
+    """
+
+    request_id: str
+    new_token_ids: list[int] = []
+    finish_reason: FinishReason | None = None
+    num_cached_tokens: int = 0
+    error_status: int = 0
+    error_message: str = ""
+
+
+class SchedulerStats(msgspec.Struct, **_WIRE):
+    """Scheduler state for /health and metrics; sent after any step or queue change, never waited for."""
+
+    num_waiting: int = 0
+    num_running: int = 0
+    num_free_blocks: int = 0
+    num_cached_blocks: int = 0
+    num_total_blocks: int = 0
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_steps: int = 0
+
+
+class StepOutputs(msgspec.Struct, **_WIRE):
+    """All outputs for one frontend from one step (or from one admission decision)."""
+
+    outputs: list[RequestOutput]
+
+
+class SchedulerInfo(msgspec.Struct, **_WIRE):
+    """Answer to Hello: the cache geometry the frontend needs to validate requests."""
+
+    num_kv_blocks: int
+    block_size: int
+    max_model_len: int
+
+
+SchedulerMessage = StepOutputs | SchedulerStats | SchedulerInfo
+
+
+# ---- scheduler -> worker (PUSH -> PULL) -------------------------------------------------------------------
+
+class NewRequestData(msgspec.Struct, **_WIRE):
+    """First time the worker sees a request: everything it keeps for the request's life."""
+
+    request_id: str
+    token_ids: list[int]
+    sampling: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+
+
+class CachedRequestData(msgspec.Struct, **_WIRE):
+    """A request the worker already holds: only what changed since the last step.
+
+    `resumed` means the request was preempted: `new_block_ids` is then its whole new block table.
+    """
+
+    request_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+    resumed: bool = False
+
+
+class StepPlan(msgspec.Struct, **_WIRE):
+    """One forward pass. `finished_ids` are dropped by the worker before the step; `preempted_ids` lose
+    their block tables but keep their sampling state."""
+
+    step_id: int
+    new_requests: list[NewRequestData]
+    cached_requests: list[CachedRequestData]
+    finished_ids: list[str] = []
+    preempted_ids: list[str] = []
+
+
+class Shutdown(msgspec.Struct, **_WIRE):
+    """Stop the worker loop."""
+
+
+PlanMessage = StepPlan | Shutdown
+
+
+# ---- worker -> scheduler (PUSH -> PULL) -------------------------------------------------------------------
+
+class WorkerReady(msgspec.Struct, **_WIRE):
+    """Sent once after the model and KV cache are allocated. Sizes in bytes."""
+
+    rank: int
+    num_kv_blocks: int
+    kv_bytes_per_token: int
+    weight_bytes: int
+
+
+class StepResult(msgspec.Struct, **_WIRE):
+    """Sampled tokens of one step: `request_ids[i]` sampled `token_ids[i]`. Requests whose chunk did not
+    reach the end of their known tokens sample nothing and are absent."""
+
+    step_id: int
+    request_ids: list[str]
+    token_ids: list[int]
+
+
+class WorkerFailed(msgspec.Struct, **_WIRE):
+    """The step raised; the scheduler fails the step's requests and the worker goes on."""
+
+    step_id: int
+    message: str
+
+
+WorkerMessage = WorkerReady | StepResult | WorkerFailed
+
+
+# ---- any child -> launcher (PUSH -> PULL) -----------------------------------------------------------------
+
+class ProcessReady(msgspec.Struct, **_WIRE):
+    """A child finished starting. `info` carries figures the launcher prints (capacity, URL)."""
+
+    name: str
+    pid: int
+    info: dict[str, int | float | str] = {}
+
+
+ControlMessage = ProcessReady

@@ -1,0 +1,29 @@
+"""`python -m scheduler --config JSON`: the scheduler process (started by the launcher)."""
+
+import logging
+
+import zmq
+
+from common.process import child_main_args, report_ready
+from scheduler.loop import SchedulerLoop
+
+log = logging.getLogger("shuttle.scheduler")
+
+
+def main() -> None:
+    config = child_main_args("scheduler")
+    loop = SchedulerLoop(config, zmq.Context.instance())
+    worker = loop.wait_for_worker()
+    cache, model = config.cache, config.model
+    tokens = worker.num_kv_blocks * cache.block_size
+    log.info("KV cache: %d blocks of %d tokens = %d tokens, %d bytes/token; %d requests of max_model_len %d fit; "
+             "weights %.1f MiB", worker.num_kv_blocks, cache.block_size, tokens, worker.kv_bytes_per_token,
+             tokens // model.max_model_len, model.max_model_len, worker.weight_bytes / 2**20)
+    report_ready(config, "scheduler", num_kv_blocks=worker.num_kv_blocks, block_size=cache.block_size,
+                 kv_tokens=tokens, kv_bytes_per_token=worker.kv_bytes_per_token, weight_bytes=worker.weight_bytes,
+                 max_model_len=model.max_model_len)
+    loop.run()
+
+
+if __name__ == "__main__":
+    main()

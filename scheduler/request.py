@@ -1,0 +1,61 @@
+"""A request as the scheduler tracks it from Submit to its terminal output."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from common.messages import FinishReason
+from common.sampling import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2  # waiting again, its KV blocks freed; resumes by recomputing prompt + output
+    FINISHED = 3
+
+
+@dataclass(eq=False)
+class Request:
+    """Scheduler-side state of one request.
+
+    `num_computed_tokens` chases `num_tokens` (prompt + output so far): a prefill chunk or a decode moves it
+    forward; a preemption resets it to 0. The request samples a token only in a step whose chunk reaches
+    `num_tokens`.
+
+    Attributes:
+        client: ZeroMQ identity of the frontend that gets this request's outputs.
+        arrival_time: seconds (time.time()) when the frontend accepted the request.
+        num_cached_tokens: prompt tokens served from the prefix cache at first scheduling (-1 before).
+    """
+
+    request_id: str
+    client: bytes
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    arrival_time: float
+    priority: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    def token_at(self, index: int) -> int:
+        """Token id at position `index` of prompt + output, without concatenating the lists."""
+        n_prompt = len(self.prompt_token_ids)
+        return self.prompt_token_ids[index] if index < n_prompt else self.output_token_ids[index - n_prompt]

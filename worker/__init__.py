@@ -1,0 +1,1 @@
+"""The worker process: model weights, paged KV cache, one packed forward and sampling per step."""

@@ -1,0 +1,139 @@
+"""Per-request state kept across steps, and the packing of one StepPlan into model inputs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from common.messages import StepPlan
+from common.sampling import SamplingParams
+from worker.attention import DecodeBatch, PagedAttentionMetadata, PrefillSeq
+
+
+@dataclass(eq=False)
+class CachedRequestState:
+    """What the worker remembers of a request between steps.
+
+    Attributes:
+        token_ids: prompt + every token sampled so far (the worker appends its own samples).
+        block_ids: the block table, as the scheduler sent it.
+        generator: per-request RNG when the request has a seed, so its samples do not depend on the batch.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    sampling: SamplingParams
+    block_ids: list[int]
+    generator: torch.Generator | None = None
+    num_computed_tokens: int = 0
+
+
+@dataclass
+class PackedBatch:
+    """Model inputs for one step: all scheduled tokens of all sequences side by side, no padding.
+
+    Attributes:
+        input_ids, positions: int64 [T].
+        sample_rows: int64 [S], rows whose logits are sampled (the last scheduled token of each sequence
+            whose chunk reaches the end of its known tokens).
+        sampled_requests: the S requests, in row order.
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attention: PagedAttentionMetadata
+    sample_rows: torch.Tensor
+    sampled_requests: list[CachedRequestState] = field(default_factory=list)
+
+
+class InputBatch:
+    """Applies plans to the per-request states and packs each step's tensors.
+
+    Args:
+        block_size: tokens per KV block.
+        kv_caches: per layer (key, value) flattened caches handed to attention.
+    """
+
+    def __init__(self, block_size: int, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
+        self.block_size = block_size
+        self.kv_caches = kv_caches
+        self.requests: dict[str, CachedRequestState] = {}
+
+    def apply(self, plan: StepPlan) -> list[tuple[CachedRequestState, int]]:
+        """Update states from the plan; returns (state, num_scheduled_tokens) in plan order."""
+        for request_id in plan.finished_ids:
+            self.requests.pop(request_id, None)
+        for request_id in plan.preempted_ids:
+            if request_id in self.requests:
+                self.requests[request_id].block_ids = []
+        scheduled = []
+        for new in plan.new_requests:
+            generator = None
+            if new.sampling.seed is not None:
+                generator = torch.Generator().manual_seed(new.sampling.seed % 2**64)
+            state = CachedRequestState(new.request_id, list(new.token_ids), new.sampling, list(new.block_ids),
+                                       generator, new.num_computed_tokens)
+            self.requests[new.request_id] = state
+            scheduled.append((state, new.num_scheduled_tokens))
+        for cached in plan.cached_requests:
+            state = self.requests[cached.request_id]
+            if cached.resumed:
+                state.block_ids = list(cached.new_block_ids)
+            else:
+                state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+            scheduled.append((state, cached.num_scheduled_tokens))
+        return scheduled
+
+    def pack(self, scheduled: list[tuple[CachedRequestState, int]]) -> PackedBatch:
+        """Build the packed tensors and attention metadata for the scheduled requests."""
+        input_ids: list[int] = []
+        positions: list[torch.Tensor] = []
+        slots: list[torch.Tensor] = []
+        prefills: list[PrefillSeq] = []
+        decode_rows: list[int] = []
+        decode_slots: list[torch.Tensor] = []
+        sample_rows: list[int] = []
+        sampled: list[CachedRequestState] = []
+        for state, num_new in scheduled:
+            start, end = state.num_computed_tokens, state.num_computed_tokens + num_new
+            row = len(input_ids)
+            input_ids.extend(state.token_ids[start:end])
+            context_slots = self._slots(state.block_ids, end)  # [end]
+            positions.append(torch.arange(start, end))
+            slots.append(context_slots[start:end])
+            if num_new == 1:
+                decode_rows.append(row)
+                decode_slots.append(context_slots)
+            else:
+                prefills.append(PrefillSeq(row, row + num_new, context_slots, _chunk_mask(start, end)))
+            if end == len(state.token_ids):
+                sample_rows.append(row + num_new - 1)
+                sampled.append(state)
+        attention = PagedAttentionMetadata(self.kv_caches, torch.cat(slots), prefills, _decode_batch(decode_rows, decode_slots))
+        return PackedBatch(torch.tensor(input_ids), torch.cat(positions), attention,
+                           torch.tensor(sample_rows, dtype=torch.long), sampled)
+
+    def _slots(self, block_ids: list[int], num_tokens: int) -> torch.Tensor:
+        """Cache slot of each of the first `num_tokens` tokens: block_ids[p // bs] * bs + p % bs."""
+        positions = torch.arange(num_tokens)
+        table = torch.tensor(block_ids[: -(-num_tokens // self.block_size)])
+        return table[positions // self.block_size] * self.block_size + positions % self.block_size
+
+
+def _chunk_mask(start: int, end: int) -> torch.Tensor | None:
+    """Causal mask of queries [start, end) over keys [0, end); None when start is 0 (plain causal)."""
+    if start == 0:
+        return None
+    query_pos = torch.arange(start, end).unsqueeze(1)
+    return torch.arange(end).unsqueeze(0) <= query_pos  # [n, end]
+
+
+def _decode_batch(rows: list[int], context_slots: list[torch.Tensor]) -> DecodeBatch | None:
+    if not rows:
+        return None
+    lengths = torch.tensor([len(s) for s in context_slots])
+    padded = torch.nn.utils.rnn.pad_sequence(context_slots, batch_first=True)  # [B, max_context]
+    mask = torch.arange(padded.shape[1]).unsqueeze(0) < lengths.unsqueeze(1)
+    return DecodeBatch(torch.tensor(rows), padded, mask[:, None, None, :])
