@@ -1,0 +1,75 @@
+"""The `shuttle` command. `shuttle serve [MODEL_DIR]` starts a serving group (see common/launcher.py)."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+
+from common.config import DEFAULT_MODEL_DIR, CacheConfig, SchedulerConfig
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """'512MiB', '2GB', '1048576' -> bytes. Raises argparse.ArgumentTypeError."""
+    match = _SIZE.match(text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 512MiB or 2GiB)")
+    return int(float(match.group(1)) * _UNITS[(match.group(2) or "").lower()])
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="shuttle", description="LLM serving engine")
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="start frontend, scheduler and worker on one model",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    default_model = str(DEFAULT_MODEL_DIR) if DEFAULT_MODEL_DIR.is_dir() else None
+    serve.add_argument("model_dir", nargs="?", default=default_model, metavar="MODEL_DIR",
+                       help="Hugging Face model directory (config.json, safetensors, tokenizer.json)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    serve.add_argument("--served-model-name", default=None, help="name clients use (default: directory name)")
+    serve.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    serve.add_argument("--max-model-len", type=_positive, default=None, help="default: the model's position limit")
+    sched, cache = SchedulerConfig(), CacheConfig()
+    serve.add_argument("--max-num-seqs", type=_positive, default=sched.max_num_seqs)
+    serve.add_argument("--max-num-batched-tokens", type=_positive, default=sched.max_num_batched_tokens)
+    serve.add_argument("--max-waiting-requests", type=_positive, default=sched.max_waiting_requests,
+                       help="past this many queued requests, new ones get HTTP 503")
+    serve.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default=sched.scheduling_policy)
+    serve.add_argument("--priority-aging-seconds", type=float, default=sched.priority_aging_seconds,
+                       help="under --scheduling-policy priority: seconds of waiting worth one priority level "
+                            "(0 turns aging off)")
+    serve.add_argument("--block-size", type=_positive, default=cache.block_size, help="tokens per KV block")
+    serve.add_argument("--num-kv-blocks", type=_positive, default=None,
+                       help="fixed number of KV blocks (overrides --kv-cache-memory)")
+    serve.add_argument("--kv-cache-memory", type=parse_bytes, default=cache.kv_cache_memory,
+                       help="bytes for the KV cache, e.g. 512MiB")
+    serve.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                       default=cache.enable_prefix_caching)
+    serve.add_argument("--zmq-transport", choices=["ipc", "tcp"], default="ipc",
+                       help="ipc:// sockets in a private runtime directory, or tcp:// on loopback")
+    serve.add_argument("--debug-step-delay", type=float, default=0.0, help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        from common.launcher import serve
+        return serve(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

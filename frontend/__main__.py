@@ -1,0 +1,15 @@
+"""`python -m frontend --config JSON`: the HTTP frontend process (started by the launcher)."""
+
+import uvloop
+
+from common.process import child_main_args, report_ready
+from frontend.app import serve
+
+
+def main() -> None:
+    config = child_main_args("frontend")
+    uvloop.run(serve(config, lambda url: report_ready(config, "frontend", url=url)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""The aiohttp application: routes, health, and the server's start-up."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from aiohttp import web
+
+from common.config import ShuttleConfig
+from frontend.engine_client import EngineClient
+from frontend.openai_api import create_completion, list_models, openai_errors
+from frontend.state import STATE, FrontendState
+from frontend.tokenizer import TextTokenizer
+from frontend.websocket import websocket_handler
+
+log = logging.getLogger("shuttle.frontend")
+
+
+async def health(request: web.Request) -> web.Response:
+    """Liveness plus the scheduler's latest stats; answers from memory, never waits on the model."""
+    state = request.app[STATE]
+    stats = state.engine.stats
+    return web.json_response({
+        "status": "ok",
+        "in_flight": state.engine.num_in_flight,
+        "scheduler": {name: getattr(stats, name) for name in stats.__struct_fields__},
+    })
+
+
+def build_app(state: FrontendState) -> web.Application:
+    app = web.Application(middlewares=[openai_errors], client_max_size=4 * 2**20)
+    app[STATE] = state
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_post("/v1/completions", create_completion)
+    app.router.add_get("/v1/ws", websocket_handler)
+    return app
+
+
+async def serve(config: ShuttleConfig, on_ready) -> None:
+    """Connect to the scheduler, start listening on config.host:config.port, call `on_ready(url)`, run forever."""
+    tokenizer = TextTokenizer(config.model.model_dir)
+    engine = EngineClient(config.ipc.requests)
+    await engine.start()
+    app = build_app(FrontendState(config, engine, tokenizer))
+    # handler_cancellation: a client that disconnects cancels its handler, which aborts its request.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, config.port)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    url = f"http://{config.host}:{port}"
+    log.info("serving %s on %s", config.model.served_model_name, url)
+    on_ready(url)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()
+        engine.close()

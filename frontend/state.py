@@ -1,0 +1,25 @@
+"""What the frontend's handlers share: configuration, the engine client and the tokenizer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from common.config import ShuttleConfig
+from frontend.engine_client import EngineClient
+from frontend.tokenizer import TextTokenizer
+
+
+@dataclass
+class FrontendState:
+    config: ShuttleConfig
+    engine: EngineClient
+    tokenizer: TextTokenizer
+
+    @property
+    def model_name(self) -> str:
+        return self.config.model.served_model_name
+
+
+STATE = web.AppKey("shuttle_state", FrontendState)

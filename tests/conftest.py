@@ -1,0 +1,32 @@
+import functools
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tests.server import MODEL_DIR, ShuttleServer
+
+
+@functools.cache
+def hf_model():
+    return AutoModelForCausalLM.from_pretrained(MODEL_DIR).eval()
+
+
+@functools.cache
+def hf_tokenizer():
+    return AutoTokenizer.from_pretrained(MODEL_DIR)
+
+
+def hf_greedy(prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' own greedy generate on the same model directory: the reference for exactness."""
+    with torch.inference_mode():
+        out = hf_model().generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, len(prompt_ids):].tolist()
+
+
+@pytest.fixture(scope="module")
+def server():
+    """A default stories260K server shared by a test module."""
+    srv = ShuttleServer()
+    yield srv
+    srv.stop()

@@ -1,0 +1,88 @@
+"""Starts a real `shuttle serve` (launcher + three processes) for end-to-end tests and always stops it by PID."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+MODEL_DIR = Path(os.environ.get("SHUTTLE_TEST_MODEL", REPO.parent / "shared" / "models" / "stories260K"))
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (exited, not yet reaped by its parent) counts as gone.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+class ShuttleServer:
+    """`shuttle serve MODEL --port 0 *args` in its own process group.
+
+    Attributes:
+        url: base URL once ready. pids: {"worker", "scheduler", "frontend"} -> pid. output: launcher stdout lines.
+    """
+
+    def __init__(self, *args: str, model_dir: Path = MODEL_DIR, start_timeout: float = 120.0):
+        cmd = [sys.executable, "-m", "common.cli", "serve", str(model_dir), "--port", "0", *args]
+        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, text=True, start_new_session=True)
+        self.output: list[str] = []
+        self.url = ""
+        self.pids: dict[str, int] = {}
+        ready = threading.Event()
+        threading.Thread(target=self._read, args=(ready,), daemon=True).start()
+        if not ready.wait(start_timeout) or not self.url:
+            self.stop()
+            raise RuntimeError("shuttle serve did not become ready:\n" + "\n".join(self.output))
+
+    def _read(self, ready: threading.Event) -> None:
+        for line in self.proc.stdout:
+            self.output.append(line.rstrip("\n"))
+            if line.startswith("shuttle: ready "):
+                info = json.loads(line[len("shuttle: ready "):])
+                self.url, self.pids = info["url"], info["pids"]
+                ready.set()
+        ready.set()
+
+    @property
+    def all_pids(self) -> list[int]:
+        return [self.proc.pid, *self.pids.values()]
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0) -> int | None:
+        """Signal the launcher, wait, then kill by PID anything of ours still alive. Returns its exit status."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        for pid in self.all_pids:
+            if pid_alive(pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        if self.proc.poll() is None:
+            self.proc.wait(5)
+        return self.proc.returncode
+
+    def wait_gone(self, timeout: float = 5.0) -> list[int]:
+        """PIDs of the group still alive after `timeout` seconds (empty when all are gone)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            alive = [p for p in self.all_pids if pid_alive(p)]
+            if not alive:
+                return []
+            time.sleep(0.05)
+        return [p for p in self.all_pids if pid_alive(p)]
