@@ -1,0 +1,35 @@
+#!/usr/bin/env python3
+"""Stream one completion over shuttle's WebSocket and print the text as it arrives.
+
+    .venv/bin/python scripts/ws_client.py "Once upon a time" --max-tokens 40 --url ws://127.0.0.1:8000/v1/ws
+"""
+
+import argparse
+import asyncio
+import json
+import sys
+
+import aiohttp
+
+
+async def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("prompt")
+    parser.add_argument("--url", default="ws://127.0.0.1:8000/v1/ws")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    args = parser.parse_args()
+    async with aiohttp.ClientSession() as session, session.ws_connect(args.url) as ws:
+        await ws.send_json({"type": "generate", "id": "1", "prompt": args.prompt, "max_tokens": args.max_tokens,
+                            "temperature": args.temperature})
+        while True:
+            msg = await ws.receive_json()
+            if msg["type"] == "delta":
+                print(msg["text"], end="", flush=True)
+            else:
+                print("\n" + json.dumps(msg))
+                return 0 if msg["type"] == "done" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(asyncio.run(main()))

@@ -1,0 +1,32 @@
+"""Small HTTP/SSE/WebSocket helpers for end-to-end tests."""
+
+from __future__ import annotations
+
+import json
+
+import aiohttp
+
+
+async def post_completion(session: aiohttp.ClientSession, url: str, **body) -> tuple[int, dict]:
+    async with session.post(f"{url}/v1/completions", json=body) as response:
+        return response.status, await response.json()
+
+
+async def stream_completion(session: aiohttp.ClientSession, url: str, **body) -> list[dict]:
+    """POST with stream=true; returns the decoded `data:` events, checking the stream ends with [DONE]."""
+    events: list = []
+    async with session.post(f"{url}/v1/completions", json={**body, "stream": True}) as response:
+        assert response.status == 200, await response.text()
+        assert response.headers["Content-Type"].startswith("text/event-stream")
+        async for raw in response.content:
+            line = raw.decode().strip()
+            if line.startswith("data: "):
+                events.append(line[len("data: "):])
+    assert events and events[-1] == "[DONE]", events[-3:]
+    return [json.loads(e) for e in events[:-1]]
+
+
+async def health(session: aiohttp.ClientSession, url: str) -> dict:
+    async with session.get(f"{url}/health") as response:
+        assert response.status == 200
+        return await response.json()

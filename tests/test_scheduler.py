@@ -1,0 +1,138 @@
+"""The scheduler without a model: driven by fabricated sampled tokens, the block pool checked every step."""
+
+import itertools
+import random
+
+from common.config import SchedulerConfig
+from common.messages import FinishReason, StepResult, Submit
+from common.sampling import SamplingParams
+from scheduler.kv_cache import KVCacheManager
+from scheduler.scheduler import Scheduler
+
+EOS = 2
+
+
+def make_scheduler(num_blocks=64, block_size=4, max_model_len=128, **config) -> Scheduler:
+    return Scheduler(SchedulerConfig(**config), KVCacheManager(num_blocks, block_size), max_model_len, (EOS,))
+
+
+_arrival = itertools.count()
+
+
+def submit(s: Scheduler, rid: str, prompt_len: int, max_tokens: int = 8, client=b"c", **sampling) -> None:
+    s.add_request(client, Submit(rid, list(range(10, 10 + prompt_len)), SamplingParams(max_tokens=max_tokens, **sampling),
+                                 float(next(_arrival))))
+
+
+def run_step(s: Scheduler, token_for=lambda rid: 5):
+    step = s.schedule()
+    s.kv.pool.check_invariants()
+    sampled = [rid for rid, n in step.num_scheduled.items()
+               if s.requests[rid].num_computed_tokens + n == s.requests[rid].num_tokens]
+    s.update_from_output(step, StepResult(step.plan.step_id, sampled, [token_for(rid) for rid in sampled]))
+    s.kv.pool.check_invariants()
+    return step, s.take_outputs()
+
+
+def test_chunked_prefill_respects_token_budget_and_decodes_first():
+    s = make_scheduler(max_num_batched_tokens=8)
+    submit(s, "short", 3, max_tokens=10)
+    step, _ = run_step(s)
+    assert step.num_scheduled == {"short": 3}
+    submit(s, "long", 20)
+    step, _ = run_step(s)
+    assert step.num_scheduled == {"short": 1, "long": 7}  # decode first, prompt chunked into the rest
+    step, _ = run_step(s)
+    assert step.num_scheduled == {"short": 1, "long": 7}
+    step, outputs = run_step(s)
+    assert step.num_scheduled == {"short": 1, "long": 6}
+    assert [o.request_id for o in outputs[b"c"]] == ["short", "long"]  # long sampled its first token
+
+
+def test_stops_on_eos_max_tokens_and_max_model_len():
+    s = make_scheduler(max_model_len=12)
+    submit(s, "eos", 3, max_tokens=50)
+    submit(s, "len", 3, max_tokens=4)
+    submit(s, "ctx", 8, max_tokens=50, ignore_eos=True)
+    finished = {}
+    for i in range(10):
+        _, outputs = run_step(s, lambda rid: EOS if rid in ("eos", "ctx") and i == 2 else 7)
+        for o in outputs.get(b"c", []):
+            if o.finish_reason is not None:
+                finished[o.request_id] = o.finish_reason
+    assert finished == {"eos": FinishReason.STOP, "len": FinishReason.LENGTH, "ctx": FinishReason.LENGTH}
+    assert not s.has_work and s.kv.pool.num_free == 64
+
+
+def test_max_num_seqs_and_queue_bound():
+    s = make_scheduler(max_num_seqs=2, max_waiting_requests=3)
+    for i in range(5):
+        submit(s, f"r{i}", 2)
+    outputs = s.take_outputs()[b"c"]
+    assert [(o.request_id, o.error_status) for o in outputs] == [("r3", 503), ("r4", 503)]
+    step, _ = run_step(s)
+    assert sorted(step.num_scheduled) == ["r0", "r1"]
+
+
+def test_never_fitting_request_is_rejected():
+    s = make_scheduler(num_blocks=4, block_size=4)
+    submit(s, "huge", 10, max_tokens=10)
+    [out] = s.take_outputs()[b"c"]
+    assert out.finish_reason == FinishReason.ERROR and out.error_status == 400
+    assert not s.has_work
+
+
+def test_preemption_recomputes_and_every_request_finishes():
+    s = make_scheduler(num_blocks=12, block_size=4)
+    for i in range(6):
+        submit(s, f"r{i}", 8, max_tokens=12, ignore_eos=True)
+    produced = {f"r{i}": [] for i in range(6)}
+    finished = set()
+    for _ in range(400):
+        if not s.has_work:
+            break
+        _, outputs = run_step(s, lambda rid: 3)
+        for o in outputs.get(b"c", []):
+            produced[o.request_id] += o.new_token_ids
+            if o.finish_reason is not None:
+                finished.add(o.request_id)
+    assert finished == set(produced) and all(len(t) == 12 for t in produced.values())
+    assert s.num_preemptions > 0
+    assert s.kv.pool.num_free == 12
+
+
+def test_abort_frees_blocks_and_tells_worker():
+    s = make_scheduler()
+    submit(s, "a", 6)
+    run_step(s)
+    assert s.kv.pool.num_free < 64
+    s.abort(["a", "unknown"])
+    assert s.kv.pool.num_free == 64
+    [out] = s.take_outputs()[b"c"]
+    assert out.finish_reason == FinishReason.ABORT
+    step = s.schedule()
+    assert step.plan.finished_ids == ["a"]
+
+
+def test_randomized_submits_aborts_and_finishes_never_leak():
+    rng = random.Random(3)
+    s = make_scheduler(num_blocks=24, block_size=4, max_num_batched_tokens=16, max_num_seqs=6)
+    ids = itertools.count()
+    terminal: dict[str, int] = {}
+    for _ in range(600):
+        if rng.random() < 0.4:
+            submit(s, f"q{next(ids)}", rng.randrange(1, 30), max_tokens=rng.randrange(1, 40))
+        if s.requests and rng.random() < 0.1:
+            s.abort([rng.choice(sorted(s.requests))])
+        if s.has_work:
+            _, outputs = run_step(s, lambda rid: EOS if rng.random() < 0.05 else 9)
+        else:
+            outputs = s.take_outputs()
+        for o in outputs.get(b"c", []):
+            if o.finish_reason is not None:
+                terminal[o.request_id] = terminal.get(o.request_id, 0) + 1
+    s.abort(list(s.requests))
+    for o in s.take_outputs().get(b"c", []):
+        terminal[o.request_id] = terminal.get(o.request_id, 0) + 1
+    assert s.kv.pool.num_free == 24 and not s.has_work and s.num_preemptions > 0
+    assert set(terminal.values()) == {1} and len(terminal) == next(ids)  # exactly one terminal output each
