@@ -50,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--priority-aging-seconds", type=float, default=sched.priority_aging_seconds,
                        help="under --scheduling-policy priority: seconds of waiting worth one priority level "
                             "(0 turns aging off)")
+    serve.add_argument("--request-timeout", type=float, default=sched.request_timeout,
+                       help="seconds from arrival after which an unfinished request ends with an error "
+                            "(0: never; a request's own `timeout` field can ask for less or more)")
     serve.add_argument("--block-size", type=_positive, default=cache.block_size, help="tokens per KV block")
     serve.add_argument("--num-kv-blocks", type=_positive, default=None,
                        help="fixed number of KV blocks (overrides --kv-cache-memory)")

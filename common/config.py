@@ -108,6 +108,7 @@ class SchedulerConfig:
         max_waiting_requests: bound of the waiting queue; a submit past it is rejected (HTTP 503).
         scheduling_policy: "fcfs" (arrival order) or "priority" (request field `priority`, lower first).
         priority_aging_seconds: under "priority", seconds of waiting worth one priority level (0: no aging).
+        request_timeout: seconds from arrival after which an unfinished request ends with an error (0: never).
     """
 
     max_num_seqs: int = 128
@@ -115,6 +116,7 @@ class SchedulerConfig:
     max_waiting_requests: int = 4096
     scheduling_policy: str = "fcfs"
     priority_aging_seconds: float = 10.0
+    request_timeout: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -161,7 +163,7 @@ class ShuttleConfig:
             ipc=ipc,
             cache=CacheConfig(args.block_size, args.num_kv_blocks, args.kv_cache_memory, args.enable_prefix_caching),
             scheduler=SchedulerConfig(args.max_num_seqs, max_batched, args.max_waiting_requests,
-                                      args.scheduling_policy, args.priority_aging_seconds),
+                                      args.scheduling_policy, args.priority_aging_seconds, args.request_timeout),
             host=args.host,
             port=args.port,
             debug_step_delay=args.debug_step_delay,

@@ -31,13 +31,15 @@ class FinishReason(enum.IntEnum):
 # ---- frontend -> scheduler (DEALER -> ROUTER) -------------------------------------------------------------
 
 class Submit(msgspec.Struct, **_WIRE):
-    """A new request. `arrival_time` is the frontend's time.time() in seconds."""
+    """A new request. `arrival_time` is the frontend's time.time() in seconds; `timeout` (seconds from
+    arrival, 0 = the server's --request-timeout) ends the request with an error if it is still unfinished."""
 
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
     arrival_time: float
     priority: int = 0
+    timeout: float = 0.0
 
 
 class Abort(msgspec.Struct, **_WIRE):
@@ -85,6 +87,8 @@ class SchedulerStats(msgspec.Struct, **_WIRE):
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_steps: int = 0
+    num_rejected: int = 0
+    num_timed_out: int = 0
 
 
 class StepOutputs(msgspec.Struct, **_WIRE):

@@ -44,6 +44,7 @@ class TextGeneration:
     prompt_token_ids: list[int]
     sampling: SamplingParams
     priority: int = 0
+    timeout: float = 0.0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     finish_reason: str | None = None
@@ -56,7 +57,8 @@ class TextGeneration:
             GenerationError: the scheduler rejected or failed the request.
         """
         detokenizer = IncrementalDetokenizer(self.tokenizer, self.prompt_token_ids)
-        async for output in self.engine.generate(self.request_id, self.prompt_token_ids, self.sampling, self.priority):
+        async for output in self.engine.generate(self.request_id, self.prompt_token_ids, self.sampling,
+                                                self.priority, self.timeout):
             if output.finish_reason == FinishReason.ERROR:
                 raise GenerationError(output.error_status or 500, output.error_message)
             self.num_output_tokens += len(output.new_token_ids)

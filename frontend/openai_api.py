@@ -29,7 +29,7 @@ def prepare_generation(state: FrontendState, body: CompletionRequest, request_id
         raise ModelNotFound(f"The model `{body.model}` does not exist; this server serves `{state.model_name}`")
     ids = prompt_token_ids(body.prompt, state.tokenizer.encode, state.tokenizer.vocab_size)
     sampling = sampling_params(body, len(ids), state.config.model.max_model_len, state.tokenizer.vocab_size)
-    return TextGeneration(state.engine, state.tokenizer, request_id, ids, sampling, body.priority)
+    return TextGeneration(state.engine, state.tokenizer, request_id, ids, sampling, body.priority, body.timeout or 0.0)
 
 
 def _choice(text: str, finish_reason: str | None, body: CompletionRequest, generation: TextGeneration,

@@ -19,7 +19,8 @@ class CompletionRequest(msgspec.Struct, kw_only=True):
     """Body of POST /v1/completions (and of a WebSocket `generate` message).
 
     Unknown fields are ignored, as OpenAI and vLLM do. `return_token_ids` (a vLLM extension) adds
-    `prompt_token_ids` and `token_ids` to each choice. `priority` is vLLM's: lower runs sooner.
+    `prompt_token_ids` and `token_ids` to each choice. `priority` is vLLM's: lower runs sooner. `timeout`
+    (seconds from arrival) ends the request with an error if it has not finished by then.
     """
 
     prompt: Any = None
@@ -37,6 +38,7 @@ class CompletionRequest(msgspec.Struct, kw_only=True):
     ignore_eos: bool = False
     min_tokens: int = 0
     priority: int = 0
+    timeout: float | None = None
     return_token_ids: bool = False
     user: str | None = None
 
@@ -87,6 +89,8 @@ def sampling_params(request: CompletionRequest, num_prompt_tokens: int, max_mode
     Raises:
         InvalidRequestError: a parameter out of range, or prompt + max_tokens over max_model_len.
     """
+    if request.timeout is not None and not 0 < request.timeout <= 86400:
+        raise InvalidRequestError("timeout must be in (0, 86400] seconds", param="timeout")
     if request.n != 1:
         raise InvalidRequestError("only n=1 is supported", param="n")
     room = max_model_len - num_prompt_tokens

@@ -54,6 +54,7 @@ class SchedulerLoop:
         assert self.scheduler is not None, "wait_for_worker() first"
         while True:
             self._drain_inbox(0 if self.scheduler.has_work else IDLE_POLL_MS)
+            self.scheduler.expire(time.time())
             if self.scheduler.has_work and not self._step():
                 self._drain_inbox(IDLE_POLL_MS)  # nothing fits this step: wait for a change, don't spin
             self._publish()

@@ -9,7 +9,7 @@ preempted: its blocks are freed and it waits again, to be recomputed later.
 
 from __future__ import annotations
 
-import time
+import heapq
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -55,6 +55,9 @@ class Scheduler:
         self._needs_full_block_table: set[str] = set()  # preempted: resend the whole table on resume
         self._step_id = 0
         self.num_preemptions = 0
+        self.num_rejected = 0
+        self.num_timed_out = 0
+        self._deadlines: list[tuple[float, str]] = []
         self._pending_outputs: dict[bytes, list[RequestOutput]] = defaultdict(list)
 
     # ---- arrivals and departures ------------------------------------------------------------------------
@@ -68,12 +71,38 @@ class Scheduler:
             return self._reject(client, submit.request_id, 400,
                                 f"prompt + max_tokens needs {max_len} tokens of KV cache; the whole cache holds "
                                 f"{self.kv.pool.num_blocks * self.kv.block_size}")
-        if len(self.waiting) >= self.config.max_waiting_requests:
-            return self._reject(client, submit.request_id, 503, "the server is at capacity: waiting queue is full")
         request = Request(submit.request_id, client, list(submit.prompt_token_ids), submit.sampling,
                           submit.arrival_time, submit.priority)
+        if len(self.waiting) >= self.config.max_waiting_requests and not self._make_room_for(request):
+            return self._reject(client, submit.request_id, 503, "the server is at capacity: waiting queue is full")
+        timeout = submit.timeout or self.config.request_timeout
+        if timeout > 0:
+            request.deadline = submit.arrival_time + timeout
+            heapq.heappush(self._deadlines, (request.deadline, request.request_id))
         self.requests[request.request_id] = request
         self.waiting.push(request)
+
+    def _make_room_for(self, request: Request) -> bool:
+        """With the waiting queue full, turn away its lowest-ranked request if `request` ranks above it.
+        Under FCFS a newcomer always ranks last, so only the priority policy can displace anyone."""
+        if self.waiting.policy == "fcfs":
+            return False
+        worst = max(self.waiting, key=self.waiting.rank)
+        if self.waiting.rank(request) >= self.waiting.rank(worst):
+            return False
+        self.num_rejected += 1
+        self._finish(worst, FinishReason.ERROR, 503, "the server is at capacity: displaced by higher-priority requests")
+        return True
+
+    def expire(self, now: float) -> None:
+        """End every request whose deadline (time.time() seconds) has passed, freeing its blocks."""
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, request_id = heapq.heappop(self._deadlines)
+            request = self.requests.get(request_id)
+            if request is not None:
+                self.num_timed_out += 1
+                self._finish(request, FinishReason.ERROR, 408,
+                             f"request timed out after {request.deadline - request.arrival_time:g} s")
 
     def abort(self, request_ids: list[str]) -> None:
         """End requests now (client gone or cancelled); their blocks return to the pool immediately."""
@@ -90,6 +119,7 @@ class Scheduler:
                 self._finish(request, FinishReason.ERROR, status, message)
 
     def _reject(self, client: bytes, request_id: str, status: int, message: str) -> None:
+        self.num_rejected += 1
         self._pending_outputs[client].append(
             RequestOutput(request_id, finish_reason=FinishReason.ERROR, error_status=status, error_message=message))
 
@@ -247,4 +277,5 @@ class Scheduler:
         return SchedulerStats(
             num_waiting=len(self.waiting), num_running=len(self.running), num_free_blocks=pool.num_free,
             num_cached_blocks=pool.num_cached, num_total_blocks=pool.num_blocks, num_preemptions=self.num_preemptions,
-            prefix_cache_queries=self.kv.prefix_queries, prefix_cache_hits=self.kv.prefix_hits, num_steps=self._step_id)
+            prefix_cache_queries=self.kv.prefix_queries, prefix_cache_hits=self.kv.prefix_hits, num_steps=self._step_id,
+            num_rejected=self.num_rejected, num_timed_out=self.num_timed_out)

@@ -1,0 +1,254 @@
+"""Issue 3 acceptance: prefix caching, preemption, never-fitting requests, priority with aging, bounded admission,
+timeouts, and no leaked blocks, each against real processes."""
+
+import asyncio
+import json
+import random
+import time
+
+import aiohttp
+import pytest
+
+from tests.client import health, post_completion
+from tests.conftest import hf_greedy
+from tests.server import ShuttleServer
+
+
+def unlimited_session() -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=300))
+
+
+async def wait_idle_and_free(session, url, within=10.0) -> dict:
+    deadline = time.monotonic() + within
+    while True:
+        stats = (await health(session, url))["scheduler"]
+        if stats["num_running"] == stats["num_waiting"] == 0 and stats["num_free_blocks"] == stats["num_total_blocks"]:
+            return stats
+        assert time.monotonic() < deadline, stats
+        await asyncio.sleep(0.05)
+
+
+async def greedy_ids(session, url, prompt_ids, max_tokens) -> dict:
+    status, body = await post_completion(session, url, prompt=prompt_ids, max_tokens=max_tokens, temperature=0,
+                                         return_token_ids=True)
+    assert status == 200, body
+    return body
+
+
+# ---- 1. prefix caching ----------------------------------------------------------------------------------------
+
+async def test_shared_prefix_is_cached_and_outputs_match_with_caching_on_and_off():
+    rng = random.Random(1)
+    prefix = [1] + [rng.randrange(3, 512) for _ in range(199)]
+    prompts = [prefix + [rng.randrange(3, 512) for _ in range(n)] for n in (17, 40)]
+    outputs = {}
+    for flag in ("--enable-prefix-caching", "--no-enable-prefix-caching"):
+        srv = ShuttleServer(flag)
+        try:
+            async with unlimited_session() as session:
+                first = await greedy_ids(session, srv.url, prompts[0], 50)
+                second = await greedy_ids(session, srv.url, prompts[1], 50)
+                stats = (await health(session, srv.url))["scheduler"]
+        finally:
+            srv.stop()
+        cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+        if flag == "--enable-prefix-caching":
+            assert cached >= 192 and stats["prefix_cache_hits"] >= 192
+        else:
+            assert cached == 0 and stats["prefix_cache_hits"] == 0
+        outputs[flag] = [first["choices"][0]["token_ids"], second["choices"][0]["token_ids"]]
+    assert outputs["--enable-prefix-caching"] == outputs["--no-enable-prefix-caching"]
+    assert outputs["--enable-prefix-caching"] == [hf_greedy(p, 50) for p in prompts]
+
+
+# ---- 2, 3, 7. a KV cache far too small: preemption, rejection, no leaks -----------------------------------------
+
+@pytest.fixture(scope="module")
+def small_cache_server():
+    srv = ShuttleServer("--num-kv-blocks", "48", "--block-size", "16")
+    yield srv
+    srv.stop()
+
+
+async def test_preemption_under_memory_pressure_keeps_outputs_exact(small_cache_server):
+    rng = random.Random(2)
+    prompts = [[1] + [rng.randrange(3, 512) for _ in range(rng.randrange(40, 160))] for _ in range(24)]
+    max_tokens = [rng.randrange(100, 250) for _ in prompts]
+    assert sum(len(p) + m for p, m in zip(prompts, max_tokens)) > 5 * 48 * 16
+    async with unlimited_session() as session:
+        before = (await health(session, small_cache_server.url))["scheduler"]["num_preemptions"]
+        results = await asyncio.gather(*(greedy_ids(session, small_cache_server.url, p, m)
+                                         for p, m in zip(prompts, max_tokens)))
+        stats = await wait_idle_and_free(session, small_cache_server.url)
+    for prompt, m, result in zip(prompts, max_tokens, results):
+        assert result["choices"][0]["token_ids"] == hf_greedy(prompt, m)
+    assert stats["num_preemptions"] > before
+    print(f"preemptions: {stats['num_preemptions'] - before}")
+
+
+async def test_never_fitting_request_gets_400():
+    srv = ShuttleServer("--num-kv-blocks", "20")  # 320 tokens of KV cache
+    try:
+        async with unlimited_session() as session:
+            started = time.monotonic()
+            status, body = await post_completion(session, srv.url, prompt=[1] * 100, max_tokens=300)
+            assert status == 400 and body["error"]["code"] == 400 and "KV cache" in body["error"]["message"]
+            assert time.monotonic() - started < 2.0
+            async with session.post(f"{srv.url}/v1/completions",
+                                    json={"prompt": [1] * 100, "max_tokens": 300, "stream": True}) as response:
+                assert response.status == 400
+            status, ok = await post_completion(session, srv.url, prompt=[1] * 100, max_tokens=200, temperature=0)
+            assert status == 200
+            await wait_idle_and_free(session, srv.url)
+    finally:
+        srv.stop()
+
+
+async def test_random_disconnects_and_preemptions_leak_no_block(small_cache_server):
+    rng = random.Random(7)
+    url = small_cache_server.url
+
+    async def one(i: int, session) -> None:
+        body = {"prompt": [1] + [rng.randrange(3, 512) for _ in range(rng.randrange(1, 200))],
+                "max_tokens": rng.randrange(1, 250), "temperature": rng.choice([0, 0.8]), "stream": True}
+        leave_after = rng.choice([None, None, 0, 1, 5, 20])
+        await asyncio.sleep(rng.random() * 0.5)
+        async with session.post(f"{url}/v1/completions", json=body) as response:
+            assert response.status == 200
+            lines = 0
+            async for _ in response.content:
+                lines += 1
+                if leave_after is not None and lines > leave_after:
+                    response.close()
+                    return
+
+    async with unlimited_session() as session:
+        await asyncio.gather(*(one(i, session) for i in range(40)))
+        await wait_idle_and_free(session, url)
+
+
+# ---- 4. priority with aging --------------------------------------------------------------------------------------
+
+async def stream_first_token_time(session, url, **body) -> tuple[float, float]:
+    """(first-token time, finish time) of a streamed request, time.monotonic() seconds."""
+    first = None
+    async with session.post(f"{url}/v1/completions", json={**body, "stream": True}) as response:
+        assert response.status == 200, await response.text()
+        async for raw in response.content:
+            if first is None and raw.startswith(b"data: {"):
+                first = time.monotonic()
+    return first, time.monotonic()
+
+
+async def test_high_priority_requests_start_before_queued_low_priority_ones():
+    srv = ShuttleServer("--scheduling-policy", "priority", "--max-num-seqs", "2", "--debug-step-delay", "0.01")
+    try:
+        async with unlimited_session() as session:
+            job = {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+            lows = [asyncio.create_task(stream_first_token_time(session, srv.url, priority=10, **job))
+                    for _ in range(100)]
+            while (await health(session, srv.url))["scheduler"]["num_waiting"] < 90:
+                await asyncio.sleep(0.01)
+            highs_submitted = time.monotonic()
+            highs = await asyncio.gather(*(stream_first_token_time(session, srv.url, priority=0, **job)
+                                           for _ in range(5)))
+            lows = await asyncio.gather(*lows)
+    finally:
+        srv.stop()
+    last_high_start = max(first for first, _ in highs)
+    # Lows not yet started when the highs arrived; only the (at most max_num_seqs) lows already being admitted in
+    # the step then in flight may show their first token before the last high's.
+    late_lows = [first for first, _ in lows if first > highs_submitted]
+    assert len(late_lows) >= 80
+    assert sum(first < last_high_start for first in late_lows) <= 2
+
+
+async def low_priority_wait_under_steady_high_traffic(aging_seconds: str) -> tuple[float, float]:
+    """Keep 3 high-priority requests outstanding for 5 s while one low-priority request waits.
+    Returns (low request's finish time, end of the high stream), seconds from the stream's start."""
+    srv = ShuttleServer("--scheduling-policy", "priority", "--max-num-seqs", "1", "--debug-step-delay", "0.01",
+                        "--priority-aging-seconds", aging_seconds)
+    job = {"prompt": "Once upon a time", "max_tokens": 10, "temperature": 0, "ignore_eos": True}
+    try:
+        async with unlimited_session() as session:
+            start = time.monotonic()
+            stream_until = start + 5.0
+
+            async def high_stream():
+                while time.monotonic() < stream_until:
+                    await stream_first_token_time(session, srv.url, priority=0, **job)
+                return time.monotonic()
+
+            streams = [asyncio.create_task(high_stream()) for _ in range(3)]
+            await asyncio.sleep(0.3)
+            _, low_done = await stream_first_token_time(session, srv.url, priority=4, **{**job, "max_tokens": 3})
+            stream_end = max(await asyncio.gather(*streams))
+    finally:
+        srv.stop()
+    return low_done - start, stream_end - start
+
+
+async def test_aging_lets_low_priority_finish_under_steady_high_priority_traffic():
+    low_done, stream_end = await low_priority_wait_under_steady_high_traffic("0.25")
+    print(f"with aging 0.25 s/level: low-priority request (4 levels down) finished at {low_done:.2f} s "
+          f"of a {stream_end:.2f} s high-priority stream")
+    assert low_done < stream_end - 1.0
+
+
+async def test_without_aging_low_priority_starves_until_high_traffic_stops():
+    low_done, stream_end = await low_priority_wait_under_steady_high_traffic("0")
+    assert low_done >= stream_end - 0.05
+
+
+# ---- 5, 6. bounded admission and timeouts ------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def bounded_server():
+    srv = ShuttleServer("--max-waiting-requests", "8", "--max-num-seqs", "2", "--debug-step-delay", "0.05")
+    yield srv
+    srv.stop()
+
+
+async def test_burst_past_the_waiting_bound_gets_exact_503s(bounded_server):
+    url = bounded_server.url
+    async with unlimited_session() as session:
+        blockers = [asyncio.create_task(post_completion(session, url, prompt="Hi", max_tokens=60, ignore_eos=True))
+                    for _ in range(2)]
+        while (await health(session, url))["scheduler"]["num_running"] < 2:
+            await asyncio.sleep(0.02)
+
+        async def one():
+            async with session.post(f"{url}/v1/completions", json={"prompt": "Hello", "max_tokens": 4}) as response:
+                return response.status, response.headers.get("Retry-After"), await response.json()
+
+        results = await asyncio.gather(*(one() for _ in range(50)))
+        blocked = await asyncio.gather(*blockers)
+        await wait_idle_and_free(session, url)
+    statuses = sorted(status for status, _, _ in results)
+    assert statuses == [200] * 8 + [503] * 42
+    for status, retry_after, body in results:
+        if status == 503:
+            assert retry_after is not None and body["error"]["code"] == 503
+        else:
+            assert body["choices"][0]["finish_reason"] in ("stop", "length")
+    assert all(status == 200 for status, _ in blocked)
+
+
+async def test_stalled_stream_times_out_with_error_event_and_frees_blocks(bounded_server):
+    url = bounded_server.url
+    async with unlimited_session() as session:
+        events = []
+        started = time.monotonic()
+        async with session.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 300, "ignore_eos": True,
+                                                               "stream": True, "timeout": 0.8}) as response:
+            assert response.status == 200
+            async for raw in response.content:
+                if raw.startswith(b"data: "):
+                    events.append(raw[6:].strip())
+        elapsed = time.monotonic() - started
+        assert events[-1] == b"[DONE]"
+        error = json.loads(events[-2])
+        assert error["error"]["code"] == 408 and "timed out" in error["error"]["message"]
+        assert len(events) > 3 and 0.8 <= elapsed < 3.0
+        stats = await wait_idle_and_free(session, url, within=2.0)
+        assert stats["num_timed_out"] >= 1
