@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 
@@ -60,6 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="bytes for the KV cache, e.g. 512MiB")
     serve.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                        default=cache.enable_prefix_caching)
+    serve.add_argument("--chat-template", default=None, metavar="FILE",
+                       help="Jinja chat template overriding the one in tokenizer_config.json")
+    serve.add_argument("--api-key", default=os.environ.get("SHUTTLE_API_KEY"),
+                       help="require 'Authorization: Bearer KEY' on every endpoint but /health and /metrics "
+                            "(default: $SHUTTLE_API_KEY)")
     serve.add_argument("--zmq-transport", choices=["ipc", "tcp"], default="ipc",
                        help="ipc:// sockets in a private runtime directory, or tcp:// on loopback")
     serve.add_argument("--debug-step-delay", type=float, default=0.0, help=argparse.SUPPRESS)

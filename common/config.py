@@ -152,6 +152,7 @@ class ShuttleConfig:
     port: int = 8000
     # Test-only: seconds the worker sleeps in every step, to show the frontend never waits on the model.
     debug_step_delay: float = 0.0
+    chat_template: str | None = None  # Jinja file overriding the tokenizer's chat template
 
     @staticmethod
     def from_args(args: argparse.Namespace, ipc: IpcConfig) -> "ShuttleConfig":
@@ -167,6 +168,7 @@ class ShuttleConfig:
             host=args.host,
             port=args.port,
             debug_step_delay=args.debug_step_delay,
+            chat_template=args.chat_template,
         )
 
     def to_json(self) -> str:

@@ -57,10 +57,14 @@ class Supervisor:
         self.config = config
         self.procs: dict[str, subprocess.Popen] = {}
 
-    def start(self) -> None:
+    def start(self, api_key: str | None) -> None:
         payload = self.config.to_json()
         for name in CHILDREN:
-            self.procs[name] = subprocess.Popen([sys.executable, "-m", name, "--config", payload])
+            env = dict(os.environ)
+            env.pop("SHUTTLE_API_KEY", None)
+            if name == "frontend" and api_key:
+                env["SHUTTLE_API_KEY"] = api_key  # through the environment: argv is visible to every user
+            self.procs[name] = subprocess.Popen([sys.executable, "-m", name, "--config", payload], env=env)
 
     def dead_child(self) -> tuple[str, subprocess.Popen] | None:
         for name, proc in self.procs.items():
@@ -100,15 +104,17 @@ def serve(args: argparse.Namespace) -> int:
             config = ShuttleConfig.from_args(args, ipc)
             if not os.path.isfile(os.path.join(config.model.model_dir, "tokenizer.json")):
                 raise ModelDirError(f"{config.model.model_dir} has no tokenizer.json")
+            if config.chat_template and not os.path.isfile(config.chat_template):
+                raise ModelDirError(f"--chat-template {config.chat_template} is not a readable file")
         except ModelDirError as exc:
             print(f"shuttle: error: {exc}", file=sys.stderr)
             return 2
-        return _run(config)
+        return _run(config, args.api_key)
     finally:
         shutil.rmtree(runtime_dir, ignore_errors=True)
 
 
-def _run(config: ShuttleConfig) -> int:
+def _run(config: ShuttleConfig, api_key: str | None) -> int:
     control: Channel[ControlMessage] = Channel(zmq.Context.instance(), zmq.PULL, config.ipc.control, bind=True,
                                                recv_type=ControlMessage)
     supervisor = Supervisor(config)
@@ -118,7 +124,7 @@ def _run(config: ShuttleConfig) -> int:
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        supervisor.start()
+        supervisor.start(api_key)
         ready = _wait_until_ready(supervisor, control)
         if ready is None:
             return 1

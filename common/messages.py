@@ -28,6 +28,14 @@ class FinishReason(enum.IntEnum):
         return ("stop", "length", "abort", "error")[self]
 
 
+class TokenLogprobs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Log-probabilities (natural log, of the model's raw distribution) around one sampled token."""
+
+    logprob: float
+    top_token_ids: list[int] = []
+    top_logprobs: list[float] = []
+
+
 # ---- frontend -> scheduler (DEALER -> ROUTER) -------------------------------------------------------------
 
 class Submit(msgspec.Struct, **_WIRE):
@@ -73,6 +81,7 @@ class RequestOutput(msgspec.Struct, **_WIRE):
     num_cached_tokens: int = 0
     error_status: int = 0
     error_message: str = ""
+    logprobs: list[TokenLogprobs] = []  # one per new token, when the request asked for logprobs
 
 
 class SchedulerStats(msgspec.Struct, **_WIRE):
@@ -170,6 +179,7 @@ class StepResult(msgspec.Struct, **_WIRE):
     step_id: int
     request_ids: list[str]
     token_ids: list[int]
+    logprobs: list[TokenLogprobs | None] = []  # aligned with request_ids when any request asked
 
 
 class WorkerFailed(msgspec.Struct, **_WIRE):

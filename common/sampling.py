@@ -7,6 +7,9 @@ import msgspec
 from common.errors import InvalidRequestError
 
 
+MAX_LOGPROBS = 20  # most alternatives per token, as OpenAI's top_logprobs
+
+
 class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, frozen=True):
     """How to pick each next token of a request.
 
@@ -19,7 +22,13 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
         seed: seeds a per-request generator so the request samples the same tokens in any batch.
         stop_token_ids: ids that end the request besides the model's end-of-sequence ids.
         ignore_eos: keep generating past end-of-sequence ids.
-        min_tokens: end-of-sequence and stop ids are not honoured before this many output tokens.
+        min_tokens: end-of-sequence and stop ids are masked out until this many output tokens exist.
+        presence_penalty: subtracted from the logit of every token already in the output (OpenAI).
+        frequency_penalty: subtracted once per earlier occurrence in the output (OpenAI).
+        repetition_penalty: logits of tokens in prompt or output are divided by it when positive and
+            multiplied when negative (CTRL, Keskar et al. 2019; as in transformers). 1 = off.
+        logit_bias: (token id, bias) pairs added to the logits before sampling (OpenAI, bias in [-100, 100]).
+        logprobs: None for no log-probabilities; k >= 0 returns the sampled token's and the k most likely.
     """
 
     max_tokens: int = 16
@@ -31,10 +40,20 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # Below 1e-5 (vLLM's _SAMPLING_EPS) dividing by the temperature overflows: treat it as greedy.
+        return self.temperature < 1e-5
 
     def validate(self, vocab_size: int) -> None:
         """Raise InvalidRequestError (naming the parameter) for a value out of range."""
@@ -42,12 +61,19 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
             ("max_tokens", self.max_tokens >= 1, "must be at least 1"),
             ("temperature", 0.0 <= self.temperature <= 100.0, "must be in [0, 100]"),
             ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
-            ("top_k", self.top_k >= 0 or self.top_k == -1, "must be -1, 0 (off) or positive"),
+            ("top_k", -1 <= self.top_k < 2**31, "must be -1 or 0 (off), or a positive count below 2**31"),
             ("min_p", 0.0 <= self.min_p <= 1.0, "must be in [0, 1]"),
             ("min_tokens", 0 <= self.min_tokens <= self.max_tokens, "must be in [0, max_tokens]"),
             ("seed", self.seed is None or -(2**63) <= self.seed < 2**64, "must fit in 64 bits"),
             ("stop_token_ids", all(0 <= t < vocab_size for t in self.stop_token_ids),
              f"must be token ids in [0, {vocab_size})"),
+            ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "must be in [-2, 2]"),
+            ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "must be in [-2, 2]"),
+            ("repetition_penalty", 0.0 < self.repetition_penalty <= 10.0, "must be in (0, 10]"),
+            ("logit_bias", all(0 <= t < vocab_size and -100.0 <= b <= 100.0 for t, b in self.logit_bias),
+             f"keys must be token ids in [0, {vocab_size}) and values in [-100, 100]"),
+            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+             f"must be in [0, {MAX_LOGPROBS}]"),
         )
         for param, ok, why in checks:
             if not ok:

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 
 from aiohttp import web
 
 from common.config import ShuttleConfig
+from frontend.chat import ChatTemplate
 from frontend.engine_client import EngineClient
-from frontend.openai_api import create_completion, list_models, openai_errors
+from frontend.middleware import api_key_auth, json_content_type, openai_errors
+from frontend.openai_api import create_chat_completion, create_completion, list_models
 from frontend.state import STATE, FrontendState
+from frontend.tokenize_api import detokenize, tokenize
 from frontend.tokenizer import TextTokenizer
 from frontend.websocket import websocket_handler
 
@@ -28,12 +32,19 @@ async def health(request: web.Request) -> web.Response:
     })
 
 
-def build_app(state: FrontendState) -> web.Application:
-    app = web.Application(middlewares=[openai_errors], client_max_size=4 * 2**20)
+MAX_BODY_BYTES = 4 * 2**20
+
+
+def build_app(state: FrontendState, api_key: str | None = None) -> web.Application:
+    middlewares = [openai_errors] + ([api_key_auth(api_key)] if api_key else []) + [json_content_type]
+    app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
     app[STATE] = state
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", list_models)
     app.router.add_post("/v1/completions", create_completion)
+    app.router.add_post("/v1/chat/completions", create_chat_completion)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/v1/ws", websocket_handler)
     return app
 
@@ -43,7 +54,8 @@ async def serve(config: ShuttleConfig, on_ready) -> None:
     tokenizer = TextTokenizer(config.model.model_dir)
     engine = EngineClient(config.ipc.requests)
     await engine.start()
-    app = build_app(FrontendState(config, engine, tokenizer))
+    chat_template = ChatTemplate(config.model.model_dir, config.chat_template)
+    app = build_app(FrontendState(config, engine, tokenizer, chat_template), os.environ.get("SHUTTLE_API_KEY"))
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its request.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()

@@ -1,13 +1,14 @@
-"""One request's life in the frontend: submit, detokenize incrementally, count tokens, end exactly once."""
+"""One sequence's life in the frontend: submit, detokenize incrementally, apply stop strings, count tokens."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from common.messages import FinishReason
+from common.messages import FinishReason, TokenLogprobs
 from common.sampling import SamplingParams
 from frontend.engine_client import EngineClient
+from frontend.stop import StopStringMatcher
 from frontend.tokenizer import IncrementalDetokenizer, TextTokenizer
 
 
@@ -21,20 +22,22 @@ class GenerationError(Exception):
 
 @dataclass
 class TextDelta:
-    """New text and the token ids that produced it; `finish_reason` ("stop", "length", "abort") on the last."""
+    """New text, the token ids that produced it and their logprobs; `finish_reason` on the last delta."""
 
     text: str
     token_ids: list[int]
+    logprobs: list[TokenLogprobs]
     finish_reason: str | None = None
 
 
 @dataclass
 class TextGeneration:
-    """Drives one request through the engine and keeps its usage counts.
+    """Drives one sequence (one choice) through the engine and keeps its usage counts.
 
     Attributes:
-        prompt_token_ids: the tokenized prompt.
-        num_output_tokens: tokens generated so far (the end-of-sequence token included, as OpenAI counts).
+        index: the choice index in the response.
+        stop: stop strings; the output ends right before the first one found (finish_reason "stop").
+        num_output_tokens: tokens generated (the end-of-sequence token included, as OpenAI counts).
         num_cached_tokens: prompt tokens the scheduler found in the prefix cache.
     """
 
@@ -43,38 +46,42 @@ class TextGeneration:
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
+    index: int = 0
     priority: int = 0
     timeout: float = 0.0
+    stop: list[str] = field(default_factory=list)
+    include_stop: bool = False
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     finish_reason: str | None = None
-    _pending_ids: list[int] = field(default_factory=list)
 
     async def deltas(self) -> AsyncIterator[TextDelta]:
-        """Yield text deltas until the request finishes.
+        """Yield text deltas until the sequence finishes; leaving early aborts it in the scheduler.
 
         Raises:
             GenerationError: the scheduler rejected or failed the request.
         """
         detokenizer = IncrementalDetokenizer(self.tokenizer, self.prompt_token_ids)
+        matcher = StopStringMatcher(self.stop, self.include_stop)
+        pending_ids: list[int] = []
+        pending_logprobs: list[TokenLogprobs] = []
         async for output in self.engine.generate(self.request_id, self.prompt_token_ids, self.sampling,
-                                                self.priority, self.timeout):
+                                                 self.priority, self.timeout):
             if output.finish_reason == FinishReason.ERROR:
                 raise GenerationError(output.error_status or 500, output.error_message)
             self.num_output_tokens += len(output.new_token_ids)
             self.num_cached_tokens = output.num_cached_tokens
-            self._pending_ids.extend(output.new_token_ids)
-            text = detokenizer.add(output.new_token_ids)
-            if output.finish_reason is not None:
-                text += detokenizer.flush()
-                self.finish_reason = output.finish_reason.openai_name
+            pending_ids.extend(output.new_token_ids)
+            pending_logprobs.extend(output.logprobs)
+            text = matcher.feed(detokenizer.add(output.new_token_ids))
+            if matcher.stopped:
+                self.finish_reason = "stop"
+            elif output.finish_reason is not None:
+                text += matcher.feed(detokenizer.flush()) if not matcher.stopped else ""
+                text += matcher.flush()
+                self.finish_reason = "stop" if matcher.stopped else output.finish_reason.openai_name
             if text or self.finish_reason is not None:
-                ids, self._pending_ids = self._pending_ids, []
-                yield TextDelta(text, ids, self.finish_reason)
-
-    def usage(self) -> dict:
-        """OpenAI `usage` object."""
-        prompt = len(self.prompt_token_ids)
-        return {"prompt_tokens": prompt, "completion_tokens": self.num_output_tokens,
-                "total_tokens": prompt + self.num_output_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens}}
+                yield TextDelta(text, pending_ids, pending_logprobs, self.finish_reason)
+                pending_ids, pending_logprobs = [], []
+            if self.finish_reason is not None:
+                return  # for a stop string, leaving the engine's generator aborts the request

@@ -1,98 +1,206 @@
-"""POST /v1/completions and GET /v1/models in OpenAI's shapes, with SSE streaming."""
+"""POST /v1/completions, POST /v1/chat/completions and GET /v1/models in OpenAI's shapes, with SSE streaming."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
-from contextlib import aclosing
 
+import msgspec
 from aiohttp import web
 
 from common.errors import InvalidRequestError
+from frontend.choices import collect, merge, usage
 from frontend.generation import GenerationError, TextGeneration
-from frontend.protocol import CompletionRequest, decode_body, error_body, prompt_token_ids, sampling_params
+from frontend.protocol import (
+    ChatCompletionRequest, CompletionRequest, SamplingFields, check_logprobs, completion_prompts, decode_body,
+    error_body, sampling_params,
+)
+from frontend.responses import chat_logprobs, completion_logprobs
 from frontend.state import STATE, FrontendState
+
+# Prompts longer than this many characters are tokenized off the event loop, so one huge prompt cannot stall
+# every other client.
+TOKENIZE_IN_THREAD_CHARS = 20_000
 
 
 class ModelNotFound(Exception):
     """The request names a model this server does not serve (HTTP 404)."""
 
 
-def prepare_generation(state: FrontendState, body: CompletionRequest, request_id: str) -> TextGeneration:
-    """Validate a completion request and build its generation.
+def check_model(state: FrontendState, model: str | None) -> None:
+    if model is not None and model != state.model_name:
+        raise ModelNotFound(f"The model `{model}` does not exist; this server serves `{state.model_name}`")
+
+
+async def run_blocking_if_long(func, text_size: int, *args):
+    if text_size > TOKENIZE_IN_THREAD_CHARS:
+        return await asyncio.to_thread(func, *args)
+    return func(*args)
+
+
+def build_generations(state: FrontendState, body: SamplingFields, prompts: list[list[int]], request_id: str,
+                      max_tokens: int | None, logprobs: int | None) -> list[TextGeneration]:
+    """One TextGeneration per (prompt, choice); choice index = prompt index * n + j. With a seed, choice j of a
+    prompt samples with seed + j, so the n choices differ yet each is reproducible.
 
     Raises:
-        InvalidRequestError: a bad prompt or parameter.
-        ModelNotFound: `model` names another model.
+        InvalidRequestError: a parameter out of range for any prompt.
     """
-    if body.model is not None and body.model != state.model_name:
-        raise ModelNotFound(f"The model `{body.model}` does not exist; this server serves `{state.model_name}`")
-    ids = prompt_token_ids(body.prompt, state.tokenizer.encode, state.tokenizer.vocab_size)
-    sampling = sampling_params(body, len(ids), state.config.model.max_model_len, state.tokenizer.vocab_size)
-    return TextGeneration(state.engine, state.tokenizer, request_id, ids, sampling, body.priority, body.timeout or 0.0)
+    stops = body.stop_strings()
+    model = state.config.model
+    generations = []
+    for p, ids in enumerate(prompts):
+        base = sampling_params(body, len(ids), model.max_model_len, state.tokenizer.vocab_size, max_tokens, logprobs)
+        for j in range(body.n):
+            sampling = base if base.seed is None else msgspec.structs.replace(base, seed=(base.seed + j) % 2**64)
+            index = p * body.n + j
+            generations.append(TextGeneration(
+                state.engine, state.tokenizer, f"{request_id}-{index}", ids, sampling, index, body.priority,
+                body.timeout or 0.0, stops, body.include_stop_str_in_output))
+    return generations
 
 
-def _choice(text: str, finish_reason: str | None, body: CompletionRequest, generation: TextGeneration,
-            token_ids: list[int] | None) -> dict:
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-    if body.return_token_ids and token_ids is not None:
-        choice["token_ids"] = token_ids
-    return choice
-
+# ---- /v1/completions --------------------------------------------------------------------------------------------
 
 async def create_completion(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = decode_body(await request.read(), CompletionRequest)
-    request_id = state.engine.new_request_id()
-    generation = prepare_generation(state, body, request_id)
+    check_model(state, body.model)
+    if body.best_of is not None and body.best_of != body.n:
+        raise InvalidRequestError("best_of is not supported (leave it out or equal to n)", param="best_of")
+    if body.suffix:
+        raise InvalidRequestError("suffix is not supported", param="suffix")
+    logprobs = check_logprobs(body.logprobs, "logprobs")
+    if body.echo and logprobs is not None:
+        raise InvalidRequestError("echo together with logprobs (prompt logprobs) is not supported", param="echo")
+    size = len(body.prompt) if isinstance(body.prompt, str) else sum(len(p) for p in body.prompt or [] if isinstance(p, str))
+    prompts = await run_blocking_if_long(completion_prompts, size, body.prompt, state.tokenizer.encode,
+                                         state.tokenizer.vocab_size)
+    request_id = state.engine.new_request_id("cmpl")
+    generations = build_generations(state, body, prompts, request_id, body.max_tokens, logprobs)
+    echo_texts = {}
+    if body.echo:
+        originals = body.prompt if isinstance(body.prompt, list) and not isinstance(body.prompt[0], int) else [body.prompt]
+        for g in generations:
+            original = originals[g.index // body.n]
+            echo_texts[g.index] = original if isinstance(original, str) else state.tokenizer.decode(g.prompt_token_ids)
     envelope = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": state.model_name}
+
+    def choice(g: TextGeneration, text: str, token_ids: list[int], lps, finish: str | None, first: bool) -> dict:
+        prefix = echo_texts.get(g.index, "") if first else ""
+        out = {"index": g.index, "text": prefix + text,
+               "logprobs": completion_logprobs(state.tokenizer, token_ids, lps, len(prefix)) if logprobs is not None
+               else None,
+               "finish_reason": finish}
+        if body.return_token_ids:
+            out["token_ids"] = token_ids
+            if first:
+                out["prompt_token_ids"] = g.prompt_token_ids
+        return out
+
     if body.stream:
-        return await _stream_completion(request, generation, body, envelope)
-    texts, token_ids = [], []
-    async for delta in generation.deltas():
-        texts.append(delta.text)
-        token_ids.extend(delta.token_ids)
-    choice = _choice("".join(texts), generation.finish_reason, body, generation, token_ids)
-    if body.return_token_ids:
-        choice["prompt_token_ids"] = generation.prompt_token_ids
-    return web.json_response({**envelope, "choices": [choice], "usage": generation.usage()})
+        return await _stream(request, generations, body, envelope, lambda g, d, first: choice(
+            g, d.text, d.token_ids, d.logprobs, d.finish_reason, first), chat=False)
+    results = await collect(generations)
+    choices = [choice(r.generation, r.text, r.token_ids, r.logprobs, r.generation.finish_reason, True)
+               for r in results]
+    return web.json_response({**envelope, "choices": choices, "usage": usage(generations)}, dumps=_dumps)
 
 
-async def _stream_completion(request: web.Request, generation: TextGeneration, body: CompletionRequest,
-                             envelope: dict) -> web.StreamResponse:
-    async with aclosing(generation.deltas()) as deltas:  # closing aborts the request if the client left
-        return await _write_sse(request, deltas, generation, body, envelope)
+# ---- /v1/chat/completions ---------------------------------------------------------------------------------------
+
+async def create_chat_completion(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    body = decode_body(await request.read(), ChatCompletionRequest)
+    check_model(state, body.model)
+    if body.tools:
+        raise InvalidRequestError("tools are not supported", param="tools")
+    if body.response_format and body.response_format.get("type", "text") != "text":
+        raise InvalidRequestError("only response_format {\"type\": \"text\"} is supported", param="response_format")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
+    logprobs = check_logprobs(body.top_logprobs or 0, "top_logprobs") if body.logprobs else None
+    text = state.chat_template.render(body.messages)
+    ids = await run_blocking_if_long(state.tokenizer.encode, len(text), text, False)
+    if not ids:
+        raise InvalidRequestError("the rendered chat prompt is empty", param="messages")
+    request_id = state.engine.new_request_id("chatcmpl")
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    generations = build_generations(state, body, [ids], request_id, max_tokens, logprobs)
+    envelope = {"id": request_id, "created": int(time.time()), "model": state.model_name}
+
+    def chunk_choice(g: TextGeneration, delta, first: bool) -> dict:
+        message = {"content": delta.text} if delta.text else {}
+        return {"index": g.index, "delta": message,
+                "logprobs": chat_logprobs(state.tokenizer, delta.token_ids, delta.logprobs) if logprobs is not None
+                else None,
+                "finish_reason": delta.finish_reason}
+
+    if body.stream:
+        return await _stream(request, generations, body, {**envelope, "object": "chat.completion.chunk"},
+                             chunk_choice, chat=True)
+    results = await collect(generations)
+    choices = [{"index": r.generation.index, "message": {"role": "assistant", "content": r.text},
+                "logprobs": chat_logprobs(state.tokenizer, r.token_ids, r.logprobs) if logprobs is not None else None,
+                "finish_reason": r.generation.finish_reason} for r in results]
+    return web.json_response({**envelope, "object": "chat.completion", "choices": choices,
+                              "usage": usage(generations)}, dumps=_dumps)
 
 
-async def _write_sse(request: web.Request, deltas, generation: TextGeneration, body: CompletionRequest,
-                     envelope: dict) -> web.StreamResponse:
-    # Wait for the first delta before sending headers, so an admission error is a real HTTP status.
-    first = await anext(deltas)
+# ---- streaming --------------------------------------------------------------------------------------------------
+
+async def _stream(request: web.Request, generations: list[TextGeneration], body: SamplingFields, envelope: dict,
+                  make_choice, chat: bool) -> web.StreamResponse:
+    """Server-Sent Events for all choices, then (with stream_options.include_usage) a usage chunk, then [DONE].
+
+    The first event is awaited before the headers go out, so an admission error is a real HTTP status; an error
+    after that arrives as a `data: {"error": ...}` event.
+    """
+    events = merge(generations)
+    try:
+        first = await anext(events)
+    except StopAsyncIteration:
+        first = None
+    except BaseException:
+        await events.aclose()
+        raise
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(request)
 
     async def send(payload: dict | str) -> None:
-        data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+        data = payload if isinstance(payload, str) else _dumps(payload)
         await response.write(f"data: {data}\n\n".encode())
 
+    started: set[int] = set()
     try:
-        delta = first
-        while True:
-            chunk = {**envelope, "choices": [_choice(delta.text, delta.finish_reason, body, generation, delta.token_ids)]}
-            if body.return_token_ids and delta is first:
-                chunk["choices"][0]["prompt_token_ids"] = generation.prompt_token_ids
-            await send(chunk)
-            if delta.finish_reason is not None:
-                break
-            delta = await anext(deltas)
-    except GenerationError as exc:
-        await send(error_body(exc.status, str(exc)))
+        item = first
+        while item is not None:
+            generation, delta = item
+            is_first = generation.index not in started
+            started.add(generation.index)
+            if chat and is_first:  # OpenAI's chat streams open each choice with a role-only delta
+                await send({**envelope, "choices": [{"index": generation.index, "delta": {"role": "assistant",
+                            "content": ""}, "logprobs": None, "finish_reason": None}]})
+            await send({**envelope, "choices": [make_choice(generation, delta, is_first and not chat)]})
+            item = await anext(events, None)
+    except Exception as exc:
+        status = exc.status if isinstance(exc, GenerationError) else 500
+        if status == 500 and not isinstance(exc, GenerationError):
+            request.app.logger.exception("stream failed")
+        await send(error_body(status, str(exc) if isinstance(exc, GenerationError) else "internal server error"))
     else:
         if body.stream_options is not None and body.stream_options.include_usage:
-            await send({**envelope, "choices": [], "usage": generation.usage()})
+            await send({**envelope, "choices": [], "usage": usage(generations)})
+    finally:
+        await events.aclose()
     await send("[DONE]")
     await response.write_eof()
     return response
+
+
+def _dumps(obj) -> str:
+    return json.dumps(obj, ensure_ascii=False)
 
 
 async def list_models(request: web.Request) -> web.Response:
@@ -100,26 +208,3 @@ async def list_models(request: web.Request) -> web.Response:
     model = {"id": state.model_name, "object": "model", "created": 0, "owned_by": "shuttle",
              "root": state.config.model.model_dir, "max_model_len": state.config.model.max_model_len}
     return web.json_response({"object": "list", "data": [model]})
-
-
-@web.middleware
-async def openai_errors(request: web.Request, handler) -> web.StreamResponse:
-    """Turn every failure into an OpenAI error body with the right status; never a stack trace to the client."""
-    try:
-        return await handler(request)
-    except InvalidRequestError as exc:
-        return web.json_response(error_body(400, str(exc), exc.param), status=400)
-    except ModelNotFound as exc:
-        return web.json_response(error_body(404, str(exc), "model"), status=404)
-    except GenerationError as exc:
-        headers = {"Retry-After": "1"} if exc.status == 503 else None
-        return web.json_response(error_body(exc.status, str(exc)), status=exc.status, headers=headers)
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        return web.json_response(error_body(exc.status, exc.reason), status=exc.status)
-    except (ConnectionResetError, GeneratorExit):
-        raise
-    except Exception:
-        request.app.logger.exception("unhandled error serving %s %s", request.method, request.path)
-        return web.json_response(error_body(500, "internal server error"), status=500)

@@ -2,28 +2,31 @@
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
 import msgspec
 
 from common.errors import InvalidRequestError
-from common.sampling import SamplingParams
+from common.sampling import MAX_LOGPROBS, SamplingParams
+
+MAX_N = 16  # most choices per request
+MAX_PROMPTS = 64  # most prompts in one completions request
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_usage: bool = False
 
 
-class CompletionRequest(msgspec.Struct, kw_only=True):
-    """Body of POST /v1/completions (and of a WebSocket `generate` message).
+class SamplingFields(msgspec.Struct, kw_only=True):
+    """Fields both completion endpoints share. Unknown fields are ignored, as OpenAI and vLLM do.
 
-    Unknown fields are ignored, as OpenAI and vLLM do. `return_token_ids` (a vLLM extension) adds
-    `prompt_token_ids` and `token_ids` to each choice. `priority` is vLLM's: lower runs sooner. `timeout`
-    (seconds from arrival) ends the request with an error if it has not finished by then.
+    vLLM extensions: top_k, min_p, repetition_penalty, stop_token_ids, ignore_eos, min_tokens, priority,
+    include_stop_str_in_output, return_token_ids (adds prompt_token_ids and token_ids to each choice).
+    `timeout` (seconds from arrival) ends the request with an error (HTTP 408) if it has not finished by then.
     """
 
-    prompt: Any = None
     model: str | None = None
     max_tokens: int | None = None
     temperature: float = 1.0
@@ -34,13 +37,68 @@ class CompletionRequest(msgspec.Struct, kw_only=True):
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[str, float] | None = None
     priority: int = 0
     timeout: float | None = None
     return_token_ids: bool = False
     user: str | None = None
+
+    def stop_strings(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stops) > 16 or any(not s for s in stops):
+            raise InvalidRequestError("stop must be a non-empty string or a list of at most 16 of them", param="stop")
+        return stops
+
+
+class CompletionRequest(SamplingFields, kw_only=True):
+    """Body of POST /v1/completions (and of a WebSocket `generate` message).
+
+    `prompt`: a string, a list of strings, a list of token ids, or a list of lists of token ids.
+    `logprobs`: an integer k, the sampled token's logprob plus the k most likely; `echo` prepends the prompt.
+    """
+
+    prompt: Any = None
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class ChatMessage(msgspec.Struct, kw_only=True):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields, kw_only=True):
+    """Body of POST /v1/chat/completions. `max_completion_tokens` is OpenAI's newer name for max_tokens."""
+
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+
+
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    tokens: list[int]
+    model: str | None = None
 
 
 _DECODE_PATH = re.compile(r"at `\$\.([A-Za-z_]\w*)")
@@ -59,47 +117,66 @@ def decode_body(body: bytes, request_type: type) -> Any:
         raise InvalidRequestError(f"invalid request body: {exc}", param=match.group(1) if match else None) from None
     except msgspec.DecodeError as exc:
         raise InvalidRequestError(f"request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise InvalidRequestError("request body is nested too deeply") from None
 
 
-def prompt_token_ids(prompt: Any, encode, vocab_size: int) -> list[int]:
-    """Token ids of a single prompt: a string or a list of token ids.
+def _is_token_list(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def completion_prompts(prompt: Any, encode, vocab_size: int) -> list[list[int]]:
+    """Token ids of each prompt of a completions request.
 
     Raises:
-        InvalidRequestError: missing, empty, of the wrong type, or holding ids outside the vocabulary.
+        InvalidRequestError: missing, empty, of the wrong type, too many, or holding ids outside the vocabulary.
     """
     if prompt is None:
         raise InvalidRequestError("prompt is required", param="prompt")
-    if isinstance(prompt, str):
-        ids = encode(prompt)
-    elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        if not all(0 <= t < vocab_size for t in prompt):
-            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab_size})", param="prompt")
-        ids = list(prompt)
+    if isinstance(prompt, str) or _is_token_list(prompt):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or _is_token_list(p) for p in prompt):
+        prompts = prompt
     else:
-        raise InvalidRequestError("prompt must be a string or a list of token ids", param="prompt")
-    if not ids:
-        raise InvalidRequestError("prompt is empty", param="prompt")
-    return ids
+        raise InvalidRequestError("prompt must be a string, a list of strings, a list of token ids or a list of "
+                                  "lists of token ids (none of them empty)", param="prompt")
+    if len(prompts) > MAX_PROMPTS:
+        raise InvalidRequestError(f"at most {MAX_PROMPTS} prompts per request", param="prompt")
+    result = []
+    for p in prompts:
+        ids = encode(p) if isinstance(p, str) else list(p)
+        if not ids:
+            raise InvalidRequestError("prompt is empty", param="prompt")
+        if not all(0 <= t < vocab_size for t in ids):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab_size})", param="prompt")
+        result.append(ids)
+    return result
 
 
-def sampling_params(request: CompletionRequest, num_prompt_tokens: int, max_model_len: int,
-                    vocab_size: int) -> SamplingParams:
-    """SamplingParams of a completion request; max_tokens defaults to what is left of max_model_len.
+def sampling_params(request: SamplingFields, num_prompt_tokens: int, max_model_len: int, vocab_size: int,
+                    max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    """SamplingParams of one prompt of a request; max_tokens defaults to what is left of max_model_len.
 
     Raises:
         InvalidRequestError: a parameter out of range, or prompt + max_tokens over max_model_len.
     """
     if request.timeout is not None and not 0 < request.timeout <= 86400:
         raise InvalidRequestError("timeout must be in (0, 86400] seconds", param="timeout")
-    if request.n != 1:
-        raise InvalidRequestError("only n=1 is supported", param="n")
+    if not -(2**31) <= request.priority < 2**31:
+        raise InvalidRequestError("priority must fit in 32 bits", param="priority")
+    if not 1 <= request.n <= MAX_N:
+        raise InvalidRequestError(f"n must be in [1, {MAX_N}]", param="n")
+    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+        if not math.isfinite(getattr(request, name)):
+            raise InvalidRequestError(f"{name} must be a finite number", param=name)
     room = max_model_len - num_prompt_tokens
     if room < 1:
         raise InvalidRequestError(
             f"This model's maximum context length is {max_model_len} tokens; the prompt has {num_prompt_tokens} "
             f"tokens, which leaves no room for output", param="prompt")
-    max_tokens = room if request.max_tokens is None else request.max_tokens
-    if max_tokens > room:
+    if max_tokens is None:
+        max_tokens = room
+    elif max_tokens > room:
         raise InvalidRequestError(
             f"This model's maximum context length is {max_model_len} tokens. However, you requested "
             f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} for the "
@@ -108,14 +185,35 @@ def sampling_params(request: CompletionRequest, num_prompt_tokens: int, max_mode
         max_tokens=max_tokens, temperature=request.temperature, top_p=request.top_p,
         top_k=0 if request.top_k == -1 else request.top_k, min_p=request.min_p, seed=request.seed,
         stop_token_ids=tuple(request.stop_token_ids or ()), ignore_eos=request.ignore_eos,
-        min_tokens=request.min_tokens)
+        min_tokens=request.min_tokens, presence_penalty=request.presence_penalty,
+        frequency_penalty=request.frequency_penalty, repetition_penalty=request.repetition_penalty,
+        logit_bias=_logit_bias(request.logit_bias), logprobs=logprobs)
     params.validate(vocab_size)
     return params
 
 
+def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    if not bias:
+        return ()
+    try:
+        pairs = tuple((int(token), float(value)) for token, value in bias.items())
+    except ValueError:
+        raise InvalidRequestError("logit_bias keys must be token ids", param="logit_bias") from None
+    if not all(math.isfinite(v) for _, v in pairs):
+        raise InvalidRequestError("logit_bias values must be finite", param="logit_bias")
+    return pairs
+
+
+def check_logprobs(value: int | None, param: str) -> int | None:
+    if value is not None and not 0 <= value <= MAX_LOGPROBS:
+        raise InvalidRequestError(f"{param} must be in [0, {MAX_LOGPROBS}]", param=param)
+    return value
+
+
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               408: "timeout_error", 413: "invalid_request_error", 415: "invalid_request_error",
-               429: "rate_limit_error", 500: "internal_server_error", 503: "service_unavailable_error"}
+               405: "invalid_request_error", 408: "timeout_error", 413: "invalid_request_error",
+               415: "invalid_request_error", 429: "rate_limit_error", 500: "internal_server_error",
+               503: "service_unavailable_error"}
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from common.config import ShuttleConfig
+from frontend.chat import ChatTemplate
 from frontend.engine_client import EngineClient
 from frontend.tokenizer import TextTokenizer
 
@@ -16,6 +17,7 @@ class FrontendState:
     config: ShuttleConfig
     engine: EngineClient
     tokenizer: TextTokenizer
+    chat_template: ChatTemplate
 
     @property
     def model_name(self) -> str:

@@ -28,9 +28,19 @@ class TextTokenizer:
             raise ModelDirError(f"cannot load {path}: {exc}") from None
         self.vocab_size = self._tokenizer.get_vocab_size()
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`, with the special tokens (BOS) the tokenizer's post-processor adds."""
-        return self._tokenizer.encode(text).ids
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def token_text(self, token_id: int) -> tuple[str, list[int]]:
+        """(display text, UTF-8 bytes) of one token, for logprobs. A byte-fallback token such as <0xE2> is
+        shown as "bytes:\\xe2" (vLLM's convention) with its single byte."""
+        piece = self._tokenizer.id_to_token(token_id) or ""
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            value = int(piece[3:5], 16)
+            return f"bytes:\\x{value:02x}", [value]
+        text = piece.replace("\u2581", " ")
+        return text, list(text.encode())
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)

@@ -6,85 +6,144 @@ Protocol (JSON text frames; several generations may share one socket, told apart
   server -> {"type": "done", "id": ..., "finish_reason": "stop"|"length"|"abort", "usage": {...}}
   client -> {"type": "cancel", "id": ...}       the generation ends with a "done" whose finish_reason is "abort"
   server -> {"type": "error", "id": ..., "error": {OpenAI error object}}     instead of "done" when it failed
-Every generate gets exactly one "done" or "error". Closing the socket aborts all its generations.
+Every generate gets exactly one "done" or "error". A cancel for an id that is not generating (already done,
+or never started) is ignored. Closing the socket aborts all its generations.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
+import logging
 from contextlib import aclosing
+from dataclasses import dataclass
 
 from aiohttp import WSMsgType, web
 
 from common.errors import InvalidRequestError
-from frontend.generation import GenerationError
-from frontend.openai_api import ModelNotFound, prepare_generation
-from frontend.protocol import CompletionRequest, decode_body, error_body
-from frontend.state import STATE
+from frontend.choices import usage
+from frontend.generation import GenerationError, TextGeneration
+from frontend.openai_api import ModelNotFound, build_generations, check_model
+from frontend.protocol import CompletionRequest, completion_prompts, decode_body, error_body
+from frontend.state import STATE, FrontendState
+
+log = logging.getLogger("shuttle.frontend")
 
 
-async def websocket_handler(request: web.Request) -> web.WebSocketResponse:
-    state = request.app[STATE]
-    ws = web.WebSocketResponse(heartbeat=30)
-    await ws.prepare(request)
-    running: dict[str, asyncio.Task] = {}
+@dataclass(eq=False)
+class _Stream:
+    """One generation on the socket; `ended` once its terminal frame has been sent."""
 
-    async def run(client_id: str, body: CompletionRequest) -> None:
+    client_id: str
+    task: asyncio.Task | None = None
+    generation: TextGeneration | None = None
+    ended: bool = False
+
+
+class _Session:
+    def __init__(self, ws: web.WebSocketResponse, state: FrontendState):
+        self.ws = ws
+        self.state = state
+        self.streams: dict[str, _Stream] = {}
+        self._ids = itertools.count()
+
+    async def send(self, frame: dict) -> None:
+        if not self.ws.closed:
+            await self.ws.send_str(json.dumps(frame, ensure_ascii=False))
+
+    async def error(self, client_id: str | None, status: int, message: str, param: str | None = None) -> None:
+        await self.send({"type": "error", "id": client_id, "error": error_body(status, message, param)["error"]})
+
+    async def end(self, stream: _Stream, frame: dict) -> None:
+        """Send the stream's one terminal frame (done or error) and forget it."""
+        if stream.ended:
+            return
+        stream.ended = True
+        self.streams.pop(stream.client_id, None)
+        await self.send(frame)
+
+    async def dispatch(self, data: str) -> None:
         try:
-            generation = prepare_generation(state, body, state.engine.new_request_id("ws"))
+            frame = json.loads(data)
+        except (ValueError, RecursionError) as exc:
+            return await self.error(None, 400, f"invalid JSON: {exc}")
+        if not isinstance(frame, dict):
+            return await self.error(None, 400, "frame must be a JSON object")
+        raw_id = frame.get("id")
+        client_id = str(raw_id) if raw_id is not None else f"gen-{next(self._ids)}"
+        kind = frame.get("type")
+        if kind == "cancel":
+            stream = self.streams.get(client_id)
+            if stream is not None and stream.task is not None:
+                stream.task.cancel()
+            return
+        if kind != "generate":
+            return await self.error(client_id, 400, "type must be 'generate' or 'cancel'", "type")
+        if client_id in self.streams:
+            return await self.error(client_id, 400, f"id {client_id!r} is already generating", "id")
+        stream = _Stream(client_id)
+        self.streams[client_id] = stream
+        stream.task = asyncio.create_task(self.run(stream, frame))
+        stream.task.add_done_callback(lambda task: self._ended_without_frame(stream, task))
+
+    def _ended_without_frame(self, stream: _Stream, task: asyncio.Task) -> None:
+        # A task cancelled before it ever ran (generate then cancel in one burst) still owes its terminal frame.
+        if not stream.ended and not self.ws.closed:
+            asyncio.get_running_loop().create_task(self.end(stream, self._done(stream, "abort")))
+        self.streams.pop(stream.client_id, None)
+
+    def _done(self, stream: _Stream, finish_reason: str | None) -> dict:
+        generations = [stream.generation] if stream.generation is not None else []
+        return {"type": "done", "id": stream.client_id, "finish_reason": finish_reason,
+                "usage": usage(generations) if generations else None}
+
+    async def run(self, stream: _Stream, frame: dict) -> None:
+        client_id = stream.client_id
+        try:
+            fields = {k: v for k, v in frame.items() if k not in ("type", "id")}
+            if fields.get("n", 1) != 1 or fields.get("stream") is False:
+                raise InvalidRequestError("the websocket streams one choice per generate; leave n and stream out")
+            body = decode_body(json.dumps(fields).encode(), CompletionRequest)
+            check_model(self.state, body.model)
+            prompts = completion_prompts(body.prompt, self.state.tokenizer.encode, self.state.tokenizer.vocab_size)
+            if len(prompts) != 1:
+                raise InvalidRequestError("the websocket takes one prompt per generate", param="prompt")
+            [generation] = build_generations(self.state, body, prompts, self.state.engine.new_request_id("ws"),
+                                             body.max_tokens, None)
+            stream.generation = generation
             async with aclosing(generation.deltas()) as deltas:
                 async for delta in deltas:
                     if delta.text or delta.token_ids:
-                        await ws.send_json({"type": "delta", "id": client_id, "text": delta.text,
-                                            "token_ids": delta.token_ids})
-            await ws.send_json({"type": "done", "id": client_id, "finish_reason": generation.finish_reason,
-                                "usage": generation.usage()})
+                        await self.send({"type": "delta", "id": client_id, "text": delta.text,
+                                         "token_ids": delta.token_ids})
+            await self.end(stream, self._done(stream, generation.finish_reason))
         except asyncio.CancelledError:
-            if not ws.closed:
-                await ws.send_json({"type": "done", "id": client_id, "finish_reason": "abort",
-                                    "usage": generation.usage()})
-        except (InvalidRequestError, ModelNotFound, GenerationError) as exc:
-            status = 400 if isinstance(exc, InvalidRequestError) else 404 if isinstance(exc, ModelNotFound) else exc.status
-            await ws.send_json({"type": "error", "id": client_id,
-                                "error": error_body(status, str(exc), getattr(exc, "param", None))["error"]})
-        finally:
-            running.pop(client_id, None)
+            await self.end(stream, self._done(stream, "abort"))
+        except InvalidRequestError as exc:
+            await self.end(stream, {"type": "error", "id": client_id, "error": error_body(400, str(exc), exc.param)["error"]})
+        except ModelNotFound as exc:
+            await self.end(stream, {"type": "error", "id": client_id, "error": error_body(404, str(exc), "model")["error"]})
+        except GenerationError as exc:
+            await self.end(stream, {"type": "error", "id": client_id, "error": error_body(exc.status, str(exc))["error"]})
+        except Exception:
+            log.exception("websocket generation %s failed", client_id)
+            await self.end(stream, {"type": "error", "id": client_id,
+                                    "error": error_body(500, "internal server error")["error"]})
 
+
+async def websocket_handler(request: web.Request) -> web.WebSocketResponse:
+    ws = web.WebSocketResponse(heartbeat=30, max_msg_size=4 * 2**20)
+    await ws.prepare(request)
+    session = _Session(ws, request.app[STATE])
     try:
         async for message in ws:
-            if message.type != WSMsgType.TEXT:
-                continue
-            await _dispatch(message.data, ws, running, run)
+            if message.type == WSMsgType.TEXT:
+                await session.dispatch(message.data)
+            elif message.type == WSMsgType.BINARY:
+                await session.error(None, 400, "send JSON as text frames; binary frames are not accepted")
     finally:
-        for task in list(running.values()):
-            task.cancel()
+        for stream in list(session.streams.values()):
+            if stream.task is not None:
+                stream.task.cancel()
     return ws
-
-
-async def _dispatch(data: str, ws: web.WebSocketResponse, running: dict[str, asyncio.Task], run) -> None:
-    try:
-        frame = json.loads(data)
-    except ValueError as exc:
-        return await ws.send_json({"type": "error", "id": None, "error": error_body(400, f"invalid JSON: {exc}")["error"]})
-    if not isinstance(frame, dict):
-        return await ws.send_json({"type": "error", "id": None, "error": error_body(400, "frame must be a JSON object")["error"]})
-    client_id = str(frame.get("id") or f"gen-{len(running)}-{id(frame)}")
-    kind = frame.get("type")
-    if kind == "cancel":
-        task = running.get(client_id)
-        if task is not None:
-            task.cancel()
-        return
-    if kind != "generate":
-        return await ws.send_json({"type": "error", "id": client_id,
-                                   "error": error_body(400, "type must be 'generate' or 'cancel'", "type")["error"]})
-    if client_id in running:
-        return await ws.send_json({"type": "error", "id": client_id,
-                                   "error": error_body(400, f"id {client_id!r} is already generating", "id")["error"]})
-    try:
-        body = decode_body(json.dumps({k: v for k, v in frame.items() if k not in ("type", "id")}).encode(),
-                           CompletionRequest)
-    except InvalidRequestError as exc:
-        return await ws.send_json({"type": "error", "id": client_id, "error": error_body(400, str(exc), exc.param)["error"]})
-    running[client_id] = asyncio.create_task(run(client_id, body))

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from common.config import SchedulerConfig
 from common.messages import (
     CachedRequestData, FinishReason, NewRequestData, RequestOutput, SchedulerStats, StepPlan, StepResult, Submit,
+    TokenLogprobs,
 )
 from scheduler.kv_cache import KVCacheManager
 from scheduler.queue import WaitingQueue
@@ -124,7 +125,7 @@ class Scheduler:
             RequestOutput(request_id, finish_reason=FinishReason.ERROR, error_status=status, error_message=message))
 
     def _finish(self, request: Request, reason: FinishReason, status: int = 0, message: str = "",
-                new_token_ids: list[int] | None = None) -> None:
+                new_token_ids: list[int] | None = None, logprobs: list[TokenLogprobs] | None = None) -> None:
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         else:
@@ -138,7 +139,8 @@ class Scheduler:
             self._known_to_worker.discard(request.request_id)
             self._finished_since_plan.append(request.request_id)
         self._pending_outputs[request.client].append(RequestOutput(
-            request.request_id, new_token_ids or [], reason, max(request.num_cached_tokens, 0), status, message))
+            request.request_id, new_token_ids or [], reason, max(request.num_cached_tokens, 0), status, message,
+            logprobs or []))
 
     # ---- planning -----------------------------------------------------------------------------------------
 
@@ -245,17 +247,18 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is not None and request.status == RequestStatus.RUNNING:
                 request.num_computed_tokens += num_new
-        for request_id, token_id in zip(result.request_ids, result.token_ids):
+        for i, (request_id, token_id) in enumerate(zip(result.request_ids, result.token_ids)):
             request = self.requests.get(request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted or preempted while the step ran
             request.output_token_ids.append(token_id)
+            logprobs = [result.logprobs[i]] if result.logprobs and result.logprobs[i] is not None else []
             reason = self._stop_reason(request, token_id)
             if reason is not None:
-                self._finish(request, reason, new_token_ids=[token_id])
+                self._finish(request, reason, new_token_ids=[token_id], logprobs=logprobs)
             else:
                 self._pending_outputs[request.client].append(RequestOutput(
-                    request_id, [token_id], None, request.num_cached_tokens))
+                    request_id, [token_id], None, request.num_cached_tokens, logprobs=logprobs))
 
     def _stop_reason(self, request: Request, token_id: int) -> FinishReason | None:
         sampling = request.sampling

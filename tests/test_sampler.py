@@ -1,15 +1,20 @@
-"""Sampler: greedy is argmax, filters keep the right tokens, seeded rows do not depend on the batch."""
+"""Sampler: greedy is argmax, filters keep the right tokens, seeded rows do not depend on the batch, penalties,
+logit_bias, min_tokens and logprobs do what OpenAI documents."""
 
 import torch
 
 from common.sampling import SamplingParams
-from worker.sampler import Sampler
+from worker.sampler import Sampler, SamplingState
+
+
+def states(params: SamplingParams, n: int, prompt_len: int = 1) -> list[SamplingState]:
+    return [SamplingState(params, prompt_len) for _ in range(n)]
 
 
 def test_greedy_is_argmax():
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
-    tokens = Sampler()(logits, [SamplingParams(temperature=0.0)] * 4, [None] * 4)
-    assert tokens.tolist() == logits.argmax(-1).tolist()
+    out = Sampler()(logits, states(SamplingParams(temperature=0.0), 4), [[1]] * 4)
+    assert out.token_ids == logits.argmax(-1).tolist() and out.logprobs is None
 
 
 def test_top_k_top_p_min_p_restrict_choices():
@@ -17,27 +22,55 @@ def test_top_k_top_p_min_p_restrict_choices():
     sampler = Sampler(seed=1)
     for params, allowed in [(SamplingParams(top_k=2), {0, 1}), (SamplingParams(top_p=0.5), {0}),
                             (SamplingParams(min_p=0.2), {0, 1})]:
-        tokens = sampler(logits, [params] * 200, [None] * 200)
-        assert set(tokens.tolist()) <= allowed
-    tokens = sampler(logits, [SamplingParams()] * 200, [None] * 200)
-    assert len(set(tokens.tolist())) >= 3  # no filter: other tokens do appear
+        assert set(sampler(logits, states(params, 200), [[1]] * 200).token_ids) <= allowed
+    assert len(set(sampler(logits, states(SamplingParams(), 200), [[1]] * 200).token_ids)) >= 3
 
 
 def test_seeded_row_is_independent_of_batch():
     logits = torch.randn(6, 100, generator=torch.Generator().manual_seed(2))
     params = SamplingParams(temperature=1.0, seed=42)
-
-    def alone() -> int:
-        return Sampler()(logits[2:3], [params], [torch.Generator().manual_seed(42)]).item()
-
-    batch = Sampler(seed=5)(logits, [SamplingParams()] * 2 + [params] + [SamplingParams()] * 3,
-                            [None, None, torch.Generator().manual_seed(42), None, None, None])
-    assert batch[2].item() == alone()
+    alone = Sampler()(logits[2:3], [SamplingState(params, 1)], [[1]]).token_ids[0]
+    rows = states(SamplingParams(), 2) + [SamplingState(params, 1)] + states(SamplingParams(), 3)
+    assert Sampler(seed=5)(logits, rows, [[1]] * 6).token_ids[2] == alone
 
 
 def test_sampling_follows_the_distribution():
     probs = torch.tensor([0.5, 0.3, 0.2])
     logits = probs.log().unsqueeze(0).repeat(4000, 1)
-    tokens = Sampler(seed=3)(logits, [SamplingParams()] * 4000, [None] * 4000)
-    freq = torch.bincount(tokens, minlength=3).float() / 4000
-    assert torch.allclose(freq, probs, atol=0.03)
+    tokens = torch.tensor(Sampler(seed=3)(logits, states(SamplingParams(), 4000), [[1]] * 4000).token_ids)
+    assert torch.allclose(torch.bincount(tokens, minlength=3).float() / 4000, probs, atol=0.03)
+
+
+def test_logit_bias_min_tokens_and_penalties():
+    logits = torch.tensor([[0.0, 5.0, 4.0, 1.0]])
+    greedy = SamplingParams(temperature=0.0)
+    sampler = Sampler(eos_token_ids=(1,))
+    assert sampler(logits.clone(), [SamplingState(SamplingParams(temperature=0.0, logit_bias=((3, 10.0),)), 1)],
+                   [[0]]).token_ids == [3]
+    # token 1 is EOS: masked until min_tokens outputs exist
+    assert sampler(logits.clone(), [SamplingState(SamplingParams(temperature=0.0, min_tokens=2), 1)],
+                   [[0, 2]]).token_ids == [2]
+    assert sampler(logits.clone(), [SamplingState(SamplingParams(temperature=0.0, min_tokens=1), 1)],
+                   [[0, 2]]).token_ids == [1]
+    # output already holds token 1 twice: frequency penalty 1.0 lowers it by 2, below token 2
+    assert sampler(logits.clone(), [SamplingState(SamplingParams(temperature=0.0, frequency_penalty=1.0), 1)],
+                   [[0, 1, 1]]).token_ids == [2]
+    assert sampler(logits.clone(), [SamplingState(SamplingParams(temperature=0.0, presence_penalty=1.5), 1)],
+                   [[0, 1, 1]]).token_ids == [2]
+    assert sampler(logits.clone(), [SamplingState(SamplingParams(temperature=0.0, repetition_penalty=2.0), 1)],
+                   [[1]]).token_ids == [2]  # token 1 in the prompt: 5 / 2 < 4
+    assert sampler(logits.clone(), [SamplingState(greedy, 1)], [[0, 1, 1]]).token_ids == [1]
+
+
+def test_logprobs_are_raw_log_softmax_with_sorted_top_k():
+    logits = torch.randn(3, 30, generator=torch.Generator().manual_seed(4))
+    rows = [SamplingState(SamplingParams(temperature=0.0, logprobs=5), 1), SamplingState(SamplingParams(), 1),
+            SamplingState(SamplingParams(temperature=0.7, logprobs=0, seed=1), 1)]
+    out = Sampler()(logits.clone(), rows, [[1]] * 3)
+    reference = logits.log_softmax(-1)
+    first, second, third = out.logprobs
+    assert second is None and third.top_token_ids == []
+    assert abs(first.logprob - reference[0, out.token_ids[0]].item()) < 1e-6
+    assert first.top_token_ids == reference[0].topk(5).indices.tolist()
+    assert first.top_logprobs == sorted(first.top_logprobs, reverse=True)
+    assert abs(third.logprob - reference[2, out.token_ids[2]].item()) < 1e-6

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 import torch
 
 from common.messages import StepPlan
-from common.sampling import SamplingParams
 from worker.attention import DecodeBatch, PagedAttentionMetadata, PrefillSeq
+from worker.sampler import SamplingState
 
 
 @dataclass(eq=False)
@@ -18,14 +18,13 @@ class CachedRequestState:
     Attributes:
         token_ids: prompt + every token sampled so far (the worker appends its own samples).
         block_ids: the block table, as the scheduler sent it.
-        generator: per-request RNG when the request has a seed, so its samples do not depend on the batch.
+        sampling: parameters plus the state (seeded generator, penalty counts) that must outlive one step.
     """
 
     request_id: str
     token_ids: list[int]
-    sampling: SamplingParams
+    sampling: SamplingState
     block_ids: list[int]
-    generator: torch.Generator | None = None
     num_computed_tokens: int = 0
 
 
@@ -69,11 +68,9 @@ class InputBatch:
                 self.requests[request_id].block_ids = []
         scheduled = []
         for new in plan.new_requests:
-            generator = None
-            if new.sampling.seed is not None:
-                generator = torch.Generator().manual_seed(new.sampling.seed % 2**64)
-            state = CachedRequestState(new.request_id, list(new.token_ids), new.sampling, list(new.block_ids),
-                                       generator, new.num_computed_tokens)
+            state = CachedRequestState(new.request_id, list(new.token_ids),
+                                       SamplingState(new.sampling, len(new.token_ids)), list(new.block_ids),
+                                       new.num_computed_tokens)
             self.requests[new.request_id] = state
             scheduled.append((state, new.num_scheduled_tokens))
         for cached in plan.cached_requests:

@@ -29,7 +29,7 @@ class ModelRunner:
                                          DTYPES[model_cfg.dtype], device, cache_cfg.num_kv_blocks,
                                          cache_cfg.kv_cache_memory)
         self.batch = InputBatch(cache_cfg.block_size, self.kv_cache.flat_views())
-        self.sampler = Sampler()
+        self.sampler = Sampler(model_cfg.eos_token_ids)
 
     @property
     def weight_bytes(self) -> int:
@@ -53,7 +53,8 @@ class ModelRunner:
             return StepResult(plan.step_id, [], [])
         logits = output.logits[0]  # [S, vocab]
         requests = packed.sampled_requests
-        tokens = self.sampler(logits, [r.sampling for r in requests], [r.generator for r in requests]).tolist()
-        for state, token in zip(requests, tokens):
+        sampled = self.sampler(logits, [r.sampling for r in requests], [r.token_ids for r in requests])
+        for state, token in zip(requests, sampled.token_ids):
             state.token_ids.append(token)
-        return StepResult(plan.step_id, [r.request_id for r in requests], tokens)
+            state.sampling.record(token)
+        return StepResult(plan.step_id, [r.request_id for r in requests], sampled.token_ids, sampled.logprobs or [])

@@ -1,0 +1,86 @@
+"""Running the choices of one request together: collected (non-streaming) or merged into one stream."""
+
+from __future__ import annotations
+
+import asyncio
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from common.messages import TokenLogprobs
+from frontend.generation import TextDelta, TextGeneration
+
+
+@dataclass
+class CollectedChoice:
+    generation: TextGeneration
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+
+async def collect(generations: list[TextGeneration]) -> list[CollectedChoice]:
+    """Run every generation to its end. The first error cancels the others (aborting them) and is raised."""
+
+    async def run(choice: CollectedChoice) -> CollectedChoice:
+        texts = []
+        async with aclosing(choice.generation.deltas()) as deltas:
+            async for delta in deltas:
+                texts.append(delta.text)
+                choice.token_ids.extend(delta.token_ids)
+                choice.logprobs.extend(delta.logprobs)
+        choice.text = "".join(texts)
+        return choice
+
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(run(CollectedChoice(g))) for g in generations]
+    except BaseExceptionGroup as group_error:
+        raise group_error.exceptions[0] from None
+    return [t.result() for t in tasks]
+
+
+async def merge(generations: list[TextGeneration]) -> AsyncIterator[tuple[TextGeneration, TextDelta]]:
+    """Yield (generation, delta) from all generations as they arrive. An error in any is raised here; leaving
+    early cancels (and so aborts) the rest."""
+    queue: asyncio.Queue = asyncio.Queue()
+    remaining = len(generations)
+
+    async def pump(generation: TextGeneration) -> None:
+        try:
+            async with aclosing(generation.deltas()) as deltas:
+                async for delta in deltas:
+                    queue.put_nowait((generation, delta))
+        except Exception as exc:  # handed to the consumer, who decides
+            queue.put_nowait((generation, exc))
+        finally:
+            queue.put_nowait(None)
+
+    tasks = [asyncio.create_task(pump(g)) for g in generations]
+    try:
+        while remaining:
+            item = await queue.get()
+            if item is None:
+                remaining -= 1
+                continue
+            generation, payload = item
+            if isinstance(payload, Exception):
+                raise payload
+            yield generation, payload
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def usage(generations: list[TextGeneration]) -> dict:
+    """OpenAI `usage`: each distinct prompt counted once (n choices share it), every choice's output counted."""
+    prompts: dict[int, TextGeneration] = {}
+    for g in generations:
+        prompts.setdefault(id(g.prompt_token_ids), g)
+    prompt_tokens = sum(len(g.prompt_token_ids) for g in prompts.values())
+    completion_tokens = sum(g.num_output_tokens for g in generations)
+    cached = sum(max(h.num_cached_tokens for h in generations if h.prompt_token_ids is g.prompt_token_ids)
+                 for g in prompts.values())
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached}}

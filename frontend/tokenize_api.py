@@ -1,0 +1,34 @@
+"""POST /tokenize and POST /detokenize (vLLM's shapes)."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from common.errors import InvalidRequestError
+from frontend.openai_api import check_model
+from frontend.protocol import DetokenizeRequest, TokenizeRequest, decode_body
+from frontend.state import STATE
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    """{"prompt": str} or {"messages": [...]} -> {"tokens": [...], "count": n, "max_model_len": m}."""
+    state = request.app[STATE]
+    body = decode_body(await request.read(), TokenizeRequest)
+    check_model(state, body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise InvalidRequestError("give exactly one of prompt or messages", param="prompt")
+    if body.messages is not None:
+        ids = state.tokenizer.encode(state.chat_template.render(body.messages), add_special_tokens=False)
+    else:
+        ids = state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    return web.json_response({"tokens": ids, "count": len(ids), "max_model_len": state.config.model.max_model_len})
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    """{"tokens": [...]} -> {"prompt": text}."""
+    state = request.app[STATE]
+    body = decode_body(await request.read(), DetokenizeRequest)
+    check_model(state, body.model)
+    if not all(0 <= t < state.tokenizer.vocab_size for t in body.tokens):
+        raise InvalidRequestError(f"tokens must be ids in [0, {state.tokenizer.vocab_size})", param="tokens")
+    return web.json_response({"prompt": state.tokenizer.decode(body.tokens, skip_special_tokens=False)})
