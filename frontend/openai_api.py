@@ -61,6 +61,12 @@ def build_generations(state: FrontendState, body: SamplingFields, prompts: list[
     return generations
 
 
+def _text_size(prompt) -> int:
+    if isinstance(prompt, str):
+        return len(prompt)
+    return sum(len(p) for p in prompt if isinstance(p, str)) if isinstance(prompt, list) else 0
+
+
 # ---- /v1/completions --------------------------------------------------------------------------------------------
 
 async def create_completion(request: web.Request) -> web.StreamResponse:
@@ -74,8 +80,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     logprobs = check_logprobs(body.logprobs, "logprobs")
     if body.echo and logprobs is not None:
         raise InvalidRequestError("echo together with logprobs (prompt logprobs) is not supported", param="echo")
-    size = len(body.prompt) if isinstance(body.prompt, str) else sum(len(p) for p in body.prompt or [] if isinstance(p, str))
-    prompts = await run_blocking_if_long(completion_prompts, size, body.prompt, state.tokenizer.encode,
+    prompts = await run_blocking_if_long(completion_prompts, _text_size(body.prompt), body.prompt, state.tokenizer.encode,
                                          state.tokenizer.vocab_size)
     request_id = state.engine.new_request_id("cmpl")
     generations = build_generations(state, body, prompts, request_id, body.max_tokens, logprobs)

@@ -101,7 +101,7 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True):
     model: str | None = None
 
 
-_DECODE_PATH = re.compile(r"at `\$\.([A-Za-z_]\w*)")
+_DECODE_PATH = re.compile(r"(?:at `\$\.|missing required field `)([A-Za-z_]\w*)")
 
 
 def decode_body(body: bytes, request_type: type) -> Any:

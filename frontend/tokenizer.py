@@ -2,19 +2,37 @@
 
 from __future__ import annotations
 
+import codecs
+import json
+from functools import lru_cache
 from pathlib import Path
 
 from tokenizers import Tokenizer
 
 from common.errors import ModelDirError
 
-# Prompt tokens kept as context when detokenizing the first output tokens, so that a continuation gets the
-# leading space the tokenizer's decoder would strip at the start of a text.
-_CONTEXT_TOKENS = 6
+
+@lru_cache(maxsize=1)
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's printable stand-in character for each byte (the ByteLevel pre-tokenizer's table), reversed."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            chars[chr(byte)] = byte
+        else:
+            chars[chr(256 + extra)] = byte
+            extra += 1
+    return chars
 
 
 class TextTokenizer:
     """The model's tokenizer.json.
+
+    Besides encode/decode it knows each token's raw bytes when the decoder is one of the two common kinds
+    (SentencePiece-style "▁" with byte fallback, or GPT-2 style ByteLevel), which lets detokenization be a
+    plain incremental UTF-8 decode (`token_bytes`, None for other decoders).
 
     Raises:
         ModelDirError: tokenizer.json is missing or unreadable.
@@ -27,10 +45,14 @@ class TextTokenizer:
         except Exception as exc:
             raise ModelDirError(f"cannot load {path}: {exc}") from None
         self.vocab_size = self._tokenizer.get_vocab_size()
+        self.token_bytes, self.strips_leading_space = self._token_bytes(json.loads(self._tokenizer.to_str()))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`, with the special tokens (BOS) the tokenizer's post-processor adds."""
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def token_text(self, token_id: int) -> tuple[str, list[int]]:
         """(display text, UTF-8 bytes) of one token, for logprobs. A byte-fallback token such as <0xE2> is
@@ -42,41 +64,87 @@ class TextTokenizer:
         text = piece.replace("\u2581", " ")
         return text, list(text.encode())
 
-    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+    def _token_bytes(self, spec: dict) -> tuple[list[bytes] | None, bool]:
+        steps = spec.get("decoder") or {}
+        steps = steps.get("decoders", [steps]) if steps.get("type") == "Sequence" else [steps]
+        kinds = {step.get("type") for step in steps}
+        strips = any(step.get("type") == "Strip" and step.get("start", 0) > 0 for step in steps) or any(
+            step.get("type") == "Metaspace" and step.get("prepend_scheme", "always") != "never" for step in steps)
+        special = {t["id"] for t in spec.get("added_tokens", []) if t.get("special")}
+        if kinds <= {"Replace", "ByteFallback", "Fuse", "Strip", "Metaspace"} and (
+                "ByteFallback" in kinds or "Metaspace" in kinds):
+            def to_bytes(piece: str) -> bytes:
+                if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                    return bytes([int(piece[3:5], 16)])
+                return piece.replace("\u2581", " ").encode()
+        elif kinds == {"ByteLevel"}:
+            alphabet = _byte_level_alphabet()
+
+            def to_bytes(piece: str) -> bytes:
+                return bytes(alphabet[ch] for ch in piece) if all(ch in alphabet for ch in piece) else piece.encode()
+            strips = False
+        else:
+            return None, False
+        table = []
+        for token_id in range(self.vocab_size):
+            piece = self._tokenizer.id_to_token(token_id)
+            table.append(b"" if token_id in special or piece is None else to_bytes(piece))
+        return table, strips
 
 
 class IncrementalDetokenizer:
-    """Turns a stream of token ids into text deltas that concatenate to the decoded output.
+    """Turns a stream of token ids into text deltas that never split a UTF-8 character.
 
-    Decodes a short window of tokens twice (up to the last emitted token, and up to the newest) and emits
-    the difference, holding text back while it ends in an incomplete UTF-8 sequence (U+FFFD from byte
-    fallback), so half a character is never emitted.
+    With a byte table (`TextTokenizer.token_bytes`) this is an incremental UTF-8 decode of the tokens' bytes:
+    complete characters go out at once, an incomplete sequence waits for its next bytes, and an invalid one
+    becomes U+FFFD exactly where the model produced it. Otherwise it decodes a sliding window of tokens twice
+    and emits the difference, holding text that ends in U+FFFD.
 
     Args:
         tokenizer: the model's tokenizer.
-        prompt_token_ids: the prompt; its last tokens give the first output tokens their spacing.
+        prompt_token_ids: the prompt; if it shows no text, the first output's leading space is dropped, as the
+            tokenizer's own decode does at the start of a text.
     """
+
+    _CONTEXT_TOKENS = 6
 
     def __init__(self, tokenizer: TextTokenizer, prompt_token_ids: list[int]):
         self._tokenizer = tokenizer
-        self._ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
-        self._prefix_offset = 0
-        self._read_offset = len(self._ids)
+        self._table = tokenizer.token_bytes
+        if self._table is not None:
+            self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+            self._strip_space = tokenizer.strips_leading_space and not any(self._table[t] for t in prompt_token_ids)
+        else:
+            self._ids = list(prompt_token_ids[-self._CONTEXT_TOKENS:])
+            self._prefix_offset, self._read_offset = 0, len(self._ids)
 
     def add(self, new_token_ids: list[int]) -> str:
         """Append tokens; return the text they complete (possibly empty)."""
-        self._ids.extend(new_token_ids)
-        prefix_text = self._tokenizer.decode(self._ids[self._prefix_offset:self._read_offset])
-        full_text = self._tokenizer.decode(self._ids[self._prefix_offset:])
-        if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
-            return ""
-        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-        return full_text[len(prefix_text):]
+        if self._table is None:
+            return self._add_by_window(new_token_ids)
+        return self._strip(self._utf8.decode(b"".join(self._table[t] for t in new_token_ids)))
 
     def flush(self) -> str:
-        """Text still held back at the end of the output (an incomplete byte sequence the model really made)."""
+        """Text still held back at the end (an incomplete byte sequence: U+FFFD, as the model really made it)."""
+        if self._table is None:
+            text = self._window_delta(force=True)
+            return text
+        return self._strip(self._utf8.decode(b"", final=True))
+
+    def _strip(self, text: str) -> str:
+        if self._strip_space and text:
+            self._strip_space = False
+            return text[1:] if text.startswith(" ") else text
+        return text
+
+    def _add_by_window(self, new_token_ids: list[int]) -> str:
+        self._ids.extend(new_token_ids)
+        return self._window_delta(force=False)
+
+    def _window_delta(self, force: bool) -> str:
         prefix_text = self._tokenizer.decode(self._ids[self._prefix_offset:self._read_offset])
         full_text = self._tokenizer.decode(self._ids[self._prefix_offset:])
-        self._prefix_offset = self._read_offset = len(self._ids)
-        return full_text[len(prefix_text):] if full_text.startswith(prefix_text) else ""
+        if not force and (len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd")):
+            return ""
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        return full_text[len(prefix_text):] if full_text.startswith(prefix_text) else full_text
