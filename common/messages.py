@@ -82,6 +82,7 @@ class RequestOutput(msgspec.Struct, **_WIRE):
     error_status: int = 0
     error_message: str = ""
     logprobs: list[TokenLogprobs] = []  # one per new token, when the request asked for logprobs
+    first_scheduled_time: float = 0.0  # time.time() when the request left the queue (on its first output)
 
 
 class SchedulerStats(msgspec.Struct, **_WIRE):
@@ -98,6 +99,10 @@ class SchedulerStats(msgspec.Struct, **_WIRE):
     num_steps: int = 0
     num_rejected: int = 0
     num_timed_out: int = 0
+    num_blocks_in_use: int = 0
+    # Per step since the previous stats message: sequences and tokens scheduled (for the per-step histograms).
+    step_batch_sizes: list[int] = []
+    step_token_counts: list[int] = []
 
 
 class StepOutputs(msgspec.Struct, **_WIRE):

@@ -11,6 +11,7 @@ from aiohttp import web
 from common.config import ShuttleConfig
 from frontend.chat import ChatTemplate
 from frontend.engine_client import EngineClient
+from frontend.metrics import Metrics
 from frontend.middleware import api_key_auth, json_content_type, openai_errors
 from frontend.openai_api import create_chat_completion, create_completion, list_models
 from frontend.state import STATE, FrontendState
@@ -35,11 +36,18 @@ async def health(request: web.Request) -> web.Response:
 MAX_BODY_BYTES = 4 * 2**20
 
 
+async def metrics(request: web.Request) -> web.Response:
+    """Prometheus text format."""
+    body = request.app[STATE].metrics.render()
+    return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+
 def build_app(state: FrontendState, api_key: str | None = None) -> web.Application:
     middlewares = [openai_errors] + ([api_key_auth(api_key)] if api_key else []) + [json_content_type]
     app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
     app[STATE] = state
     app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/models", list_models)
     app.router.add_post("/v1/completions", create_completion)
     app.router.add_post("/v1/chat/completions", create_chat_completion)
@@ -53,9 +61,11 @@ async def serve(config: ShuttleConfig, on_ready) -> None:
     """Connect to the scheduler, start listening on config.host:config.port, call `on_ready(url)`, run forever."""
     tokenizer = TextTokenizer(config.model.model_dir)
     engine = EngineClient(config.ipc.requests)
+    registry = Metrics(lambda: engine.stats)
+    engine.on_stats = registry.observe_steps
     await engine.start()
     chat_template = ChatTemplate(config.model.model_dir, config.chat_template)
-    app = build_app(FrontendState(config, engine, tokenizer, chat_template), os.environ.get("SHUTTLE_API_KEY"))
+    app = build_app(FrontendState(config, engine, tokenizer, chat_template, registry), os.environ.get("SHUTTLE_API_KEY"))
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its request.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()

@@ -35,6 +35,7 @@ class EngineClient:
         self._background: set[asyncio.Task] = set()
         self.info: SchedulerInfo | None = None
         self.stats = SchedulerStats()
+        self.on_stats = None  # called with every SchedulerStats message (the metrics' per-step histograms)
 
     async def start(self, timeout: float = 120.0) -> SchedulerInfo:
         """Say Hello and wait for the scheduler's cache geometry, then start listening.
@@ -61,6 +62,8 @@ class EngineClient:
                         queue.put_nowait(output)
             elif isinstance(msg, SchedulerStats):
                 self.stats = msg
+                if self.on_stats is not None:
+                    self.on_stats(msg)
 
     @property
     def num_in_flight(self) -> int:

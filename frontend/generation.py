@@ -8,6 +8,7 @@ from typing import AsyncIterator
 from common.messages import FinishReason, TokenLogprobs
 from common.sampling import SamplingParams
 from frontend.engine_client import EngineClient
+from frontend.metrics import RequestMetrics
 from frontend.stop import StopStringMatcher
 from frontend.tokenizer import IncrementalDetokenizer, TextTokenizer
 
@@ -51,6 +52,7 @@ class TextGeneration:
     timeout: float = 0.0
     stop: list[str] = field(default_factory=list)
     include_stop: bool = False
+    metrics: RequestMetrics | None = None
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     finish_reason: str | None = None
@@ -61,13 +63,26 @@ class TextGeneration:
         Raises:
             GenerationError: the scheduler rejected or failed the request.
         """
+        try:
+            async for delta in self._deltas():
+                yield delta
+        finally:
+            if self.metrics is not None:
+                self.metrics.on_finish(self.finish_reason or "abort")
+
+    async def _deltas(self) -> AsyncIterator[TextDelta]:
         detokenizer = IncrementalDetokenizer(self.tokenizer, self.prompt_token_ids)
         matcher = StopStringMatcher(self.stop, self.include_stop)
         pending_ids: list[int] = []
         pending_logprobs: list[TokenLogprobs] = []
         async for output in self.engine.generate(self.request_id, self.prompt_token_ids, self.sampling,
                                                  self.priority, self.timeout):
+            if self.metrics is not None:
+                self.metrics.on_output(output)
             if output.finish_reason == FinishReason.ERROR:
+                if self.metrics is not None and output.error_status in (400, 503) and not self.num_output_tokens:
+                    self.metrics.on_rejected(output.error_status)
+                self.finish_reason = "error"
                 raise GenerationError(output.error_status or 500, output.error_message)
             self.num_output_tokens += len(output.new_token_ids)
             self.num_cached_tokens = output.num_cached_tokens
@@ -77,7 +92,7 @@ class TextGeneration:
             if matcher.stopped:
                 self.finish_reason = "stop"
             elif output.finish_reason is not None:
-                text += matcher.feed(detokenizer.flush()) if not matcher.stopped else ""
+                text += matcher.feed(detokenizer.flush())
                 text += matcher.flush()
                 self.finish_reason = "stop" if matcher.stopped else output.finish_reason.openai_name
             if text or self.finish_reason is not None:

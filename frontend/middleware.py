@@ -10,6 +10,7 @@ from common.errors import InvalidRequestError
 from frontend.generation import GenerationError
 from frontend.openai_api import ModelNotFound
 from frontend.protocol import error_body
+from frontend.state import STATE
 
 OPEN_PATHS = ("/health", "/metrics")
 
@@ -24,6 +25,7 @@ async def openai_errors(request: web.Request, handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except InvalidRequestError as exc:
+        request.app[STATE].metrics.rejected.labels("invalid").inc()
         return _error(400, str(exc), exc.param)
     except ModelNotFound as exc:
         return _error(404, str(exc), "model")

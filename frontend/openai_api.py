@@ -57,7 +57,7 @@ def build_generations(state: FrontendState, body: SamplingFields, prompts: list[
             index = p * body.n + j
             generations.append(TextGeneration(
                 state.engine, state.tokenizer, f"{request_id}-{index}", ids, sampling, index, body.priority,
-                body.timeout or 0.0, stops, body.include_stop_str_in_output))
+                body.timeout or 0.0, stops, body.include_stop_str_in_output, state.metrics.request(len(ids))))
     return generations
 
 

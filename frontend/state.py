@@ -9,6 +9,7 @@ from aiohttp import web
 from common.config import ShuttleConfig
 from frontend.chat import ChatTemplate
 from frontend.engine_client import EngineClient
+from frontend.metrics import Metrics
 from frontend.tokenizer import TextTokenizer
 
 
@@ -18,6 +19,7 @@ class FrontendState:
     engine: EngineClient
     tokenizer: TextTokenizer
     chat_template: ChatTemplate
+    metrics: Metrics
 
     @property
     def model_name(self) -> str:

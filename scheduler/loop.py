@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 
+import msgspec
 import zmq
 
 from common.config import ShuttleConfig
@@ -15,6 +16,7 @@ from common.messages import (
 )
 from scheduler.kv_cache import KVCacheManager
 from scheduler.scheduler import ScheduledStep, Scheduler
+from scheduler.stats import StepStats
 
 log = logging.getLogger("shuttle.scheduler")
 
@@ -37,6 +39,7 @@ class SchedulerLoop:
         self.worker: WorkerReady | None = None
         self._last_stats = None
         self._last_stats_time = 0.0
+        self.step_stats = StepStats()
 
     def wait_for_worker(self) -> WorkerReady:
         """Block until the worker reports its KV capacity, then build the scheduler around it."""
@@ -71,6 +74,8 @@ class SchedulerLoop:
             self.scheduler.fail(list(step.num_scheduled), 500, f"model execution failed: {result.message}")
         else:
             self.scheduler.update_from_output(step, result)
+            self.step_stats.on_step(len(step.num_scheduled), sum(step.num_scheduled.values()),
+                                    step.num_prompt_tokens, len(result.token_ids))
         return True
 
     def _wait_for_result(self, step: ScheduledStep) -> StepResult | WorkerFailed:
@@ -110,7 +115,9 @@ class SchedulerLoop:
             self.frontends.send(StepOutputs(outputs), identity=client)
         now = time.monotonic()
         stats = self.scheduler.stats()
+        self.step_stats.maybe_log(stats)
         if stats != self._last_stats or now - self._last_stats_time > STATS_INTERVAL_S:
-            for client in self.clients:
-                self.frontends.send(stats, identity=client)
             self._last_stats, self._last_stats_time = stats, now
+            message = self.step_stats.attach(msgspec.structs.replace(stats))
+            for client in self.clients:
+                self.frontends.send(message, identity=client)

@@ -42,6 +42,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    first_scheduled_time: float = 0.0  # time.time() when first admitted to the running set
     deadline: float = float("inf")  # time.time() seconds after which the request ends with a timeout error
 
     @property

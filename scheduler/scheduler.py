@@ -10,6 +10,7 @@ preempted: its blocks are freed and it waits again, to be recomputed later.
 from __future__ import annotations
 
 import heapq
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -29,6 +30,7 @@ class ScheduledStep:
 
     plan: StepPlan
     num_scheduled: dict[str, int] = field(default_factory=dict)
+    num_prompt_tokens: int = 0  # of the scheduled tokens, how many are prompt (prefill) tokens
 
 
 class Scheduler:
@@ -138,9 +140,10 @@ class Scheduler:
         if request.request_id in self._known_to_worker:
             self._known_to_worker.discard(request.request_id)
             self._finished_since_plan.append(request.request_id)
+        first = len(request.output_token_ids) <= 1
         self._pending_outputs[request.client].append(RequestOutput(
             request.request_id, new_token_ids or [], reason, max(request.num_cached_tokens, 0), status, message,
-            logprobs or []))
+            logprobs or [], request.first_scheduled_time if first else 0.0))
 
     # ---- planning -----------------------------------------------------------------------------------------
 
@@ -186,6 +189,7 @@ class Scheduler:
                 self.waiting.pop()
                 if request.num_cached_tokens < 0:
                     request.num_cached_tokens = num_cached
+                    request.first_scheduled_time = time.time()
                 request.num_computed_tokens = num_cached
                 request.status = RequestStatus.RUNNING
                 self.running.append(request)
@@ -226,6 +230,9 @@ class Scheduler:
         plan.preempted_ids, self._preempted_since_plan = self._preempted_since_plan, []
         for request_id, num_new in step.num_scheduled.items():
             request = self.requests[request_id]
+            num_prompt = len(request.prompt_token_ids)
+            step.num_prompt_tokens += max(0, min(request.num_computed_tokens + num_new, num_prompt)
+                                          - request.num_computed_tokens)
             if request_id not in self._known_to_worker:
                 self._known_to_worker.add(request_id)
                 plan.new_requests.append(NewRequestData(
@@ -258,7 +265,8 @@ class Scheduler:
                 self._finish(request, reason, new_token_ids=[token_id], logprobs=logprobs)
             else:
                 self._pending_outputs[request.client].append(RequestOutput(
-                    request_id, [token_id], None, request.num_cached_tokens, logprobs=logprobs))
+                    request_id, [token_id], None, request.num_cached_tokens, logprobs=logprobs,
+                    first_scheduled_time=request.first_scheduled_time if len(request.output_token_ids) == 1 else 0.0))
 
     def _stop_reason(self, request: Request, token_id: int) -> FinishReason | None:
         sampling = request.sampling
@@ -281,4 +289,5 @@ class Scheduler:
             num_waiting=len(self.waiting), num_running=len(self.running), num_free_blocks=pool.num_free,
             num_cached_blocks=pool.num_cached, num_total_blocks=pool.num_blocks, num_preemptions=self.num_preemptions,
             prefix_cache_queries=self.kv.prefix_queries, prefix_cache_hits=self.kv.prefix_hits, num_steps=self._step_id,
-            num_rejected=self.num_rejected, num_timed_out=self.num_timed_out)
+            num_rejected=self.num_rejected, num_timed_out=self.num_timed_out,
+            num_blocks_in_use=pool.num_blocks - pool.num_free)
