@@ -211,5 +211,6 @@ def _dumps(obj) -> str:
 async def list_models(request: web.Request) -> web.Response:
     state = request.app[STATE]
     model = {"id": state.model_name, "object": "model", "created": 0, "owned_by": "shuttle",
-             "root": state.config.model.model_dir, "max_model_len": state.config.model.max_model_len}
+             "root": state.config.model.model_dir, "max_model_len": state.config.model.max_model_len,
+             "vocab_size": state.tokenizer.vocab_size}
     return web.json_response({"object": "list", "data": [model]})

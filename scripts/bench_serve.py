@@ -1,0 +1,236 @@
+#!/usr/bin/env python3
+"""Serving benchmark: drive a running shuttle (or any OpenAI-compatible) server over streaming HTTP and report
+what users feel: TTFT, TPOT, ITL, end-to-end latency (mean, median, p90, p99), throughput and goodput.
+
+Workload: seeded random token-id prompts (input/output lengths uniform in [len*(1-r), len*(1+r)], optionally
+behind a shared prefix) or a JSONL file of {"prompt": ..., "max_tokens": ...}. Arrivals: Poisson at
+--request-rate, or as fast as --max-concurrency allows. Output lengths are fixed with ignore_eos.
+
+    .venv/bin/python scripts/bench_serve.py --url http://127.0.0.1:8000 --num-prompts 200 --max-concurrency 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import aiohttp
+from tqdm import tqdm
+
+
+@dataclass
+class RequestSpec:
+    prompt: list[int] | str
+    prompt_len: int
+    max_tokens: int
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    prompt_len: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itls: list[float] = field(default_factory=list)
+    error: str = ""
+
+
+def random_workload(n: int, input_len: int, output_len: int, range_ratio: float, shared_prefix_len: int,
+                    vocab_size: int, seed: int) -> list[RequestSpec]:
+    rng = random.Random(seed)
+    low_token = 3  # skip <unk>, <s>, </s>
+    prefix = [rng.randrange(low_token, vocab_size) for _ in range(shared_prefix_len)]
+
+    def length(mean: int) -> int:
+        return max(1, rng.randint(int(mean * (1 - range_ratio)), int(mean * (1 + range_ratio))))
+
+    specs = []
+    for _ in range(n):
+        prompt = [1] + prefix + [rng.randrange(low_token, vocab_size) for _ in range(length(input_len))]
+        specs.append(RequestSpec(prompt, len(prompt), length(output_len)))
+    return specs
+
+
+def file_workload(path: str, n: int) -> list[RequestSpec]:
+    specs = []
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                item = json.loads(line)
+                prompt = item["prompt"]
+                specs.append(RequestSpec(prompt, len(prompt) if isinstance(prompt, list) else 0,
+                                         int(item.get("max_tokens", 128))))
+    return specs[:n] if n else specs
+
+
+async def run_one(session: aiohttp.ClientSession, url: str, model: str, spec: RequestSpec) -> RequestResult:
+    body = {"model": model, "prompt": spec.prompt, "max_tokens": spec.max_tokens, "temperature": 0.0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    result = RequestResult(ok=False, prompt_len=spec.prompt_len)
+    last = start
+    try:
+        async with session.post(f"{url}/v1/completions", json=body) as response:
+            if response.status != 200:
+                result.error = f"HTTP {response.status}: {(await response.text())[:200]}"
+                return result
+            async for raw in response.content:
+                line = raw.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    result.error = event["error"]["message"]
+                    return result
+                now = time.perf_counter()
+                if event.get("choices") and event["choices"][0].get("text"):
+                    if result.ttft == 0.0:
+                        result.ttft = now - start
+                    else:
+                        result.itls.append(now - last)
+                    last = now
+                if event.get("usage"):
+                    result.output_tokens = event["usage"]["completion_tokens"]
+                    result.prompt_len = event["usage"]["prompt_tokens"]
+        result.e2e = time.perf_counter() - start
+        result.ok = True
+    except aiohttp.ClientError as exc:
+        result.error = repr(exc)
+    return result
+
+
+async def run_benchmark(url: str, specs: list[RequestSpec], request_rate: float, max_concurrency: int | None,
+                        seed: int, progress: bool) -> tuple[list[RequestResult], float]:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                     timeout=aiohttp.ClientTimeout(total=3600)) as session:
+        async with session.get(f"{url}/v1/models") as response:
+            model = (await response.json())["data"][0]["id"]
+        semaphore = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+        bar = tqdm(total=len(specs), disable=not progress, desc="requests")
+        rng = random.Random(seed + 1)
+
+        async def guarded(spec: RequestSpec) -> RequestResult:
+            if semaphore is None:
+                result = await run_one(session, url, model, spec)
+            else:
+                async with semaphore:
+                    result = await run_one(session, url, model, spec)
+            bar.update(1)
+            return result
+
+        start = time.perf_counter()
+        tasks = []
+        for spec in specs:
+            tasks.append(asyncio.create_task(guarded(spec)))
+            if request_rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(request_rate))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+        bar.close()
+    return results, duration
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    """mean, median, p90, p99 in milliseconds (nearest-rank percentiles)."""
+    if not values:
+        return {"mean": 0.0, "median": 0.0, "p90": 0.0, "p99": 0.0}
+    ordered = sorted(values)
+
+    def rank(p: float) -> float:
+        return ordered[min(len(ordered) - 1, max(0, int(round(p / 100 * len(ordered) + 0.5)) - 1))]
+
+    return {"mean": 1000 * statistics.fmean(ordered), "median": 1000 * statistics.median(ordered),
+            "p90": 1000 * rank(90), "p99": 1000 * rank(99)}
+
+
+def summarize(results: list[RequestResult], duration: float, ttft_slo_ms: float | None,
+              tpot_slo_ms: float | None) -> dict:
+    done = [r for r in results if r.ok]
+    tpots = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in done if r.output_tokens > 1]
+    good = [r for r in done
+            if (ttft_slo_ms is None or 1000 * r.ttft <= ttft_slo_ms)
+            and (tpot_slo_ms is None or r.output_tokens <= 1 or 1000 * (r.e2e - r.ttft) / (r.output_tokens - 1)
+                 <= tpot_slo_ms)]
+    return {
+        "completed": len(done), "failed": len(results) - len(done), "duration_s": duration,
+        "request_throughput": len(done) / duration,
+        "input_token_throughput": sum(r.prompt_len for r in done) / duration,
+        "output_token_throughput": sum(r.output_tokens for r in done) / duration,
+        "total_input_tokens": sum(r.prompt_len for r in done), "total_output_tokens": sum(r.output_tokens for r in done),
+        "goodput": len(good) / duration if (ttft_slo_ms or tpot_slo_ms) else None,
+        "ttft_ms": percentiles([r.ttft for r in done]), "tpot_ms": percentiles(tpots),
+        "itl_ms": percentiles([x for r in done for x in r.itls]), "e2e_ms": percentiles([r.e2e for r in done]),
+        "errors": sorted({r.error for r in results if not r.ok})[:5],
+    }
+
+
+def print_table(summary: dict) -> None:
+    print(f"{'completed':<28}{summary['completed']:>12}   failed {summary['failed']}")
+    print(f"{'duration (s)':<28}{summary['duration_s']:>12.2f}")
+    print(f"{'request throughput (req/s)':<28}{summary['request_throughput']:>12.2f}")
+    print(f"{'input throughput (tok/s)':<28}{summary['input_token_throughput']:>12.1f}")
+    print(f"{'output throughput (tok/s)':<28}{summary['output_token_throughput']:>12.1f}")
+    if summary["goodput"] is not None:
+        print(f"{'goodput (req/s)':<28}{summary['goodput']:>12.2f}")
+    print(f"{'(ms)':<10}{'mean':>10}{'median':>10}{'p90':>10}{'p99':>10}")
+    for name in ("ttft", "tpot", "itl", "e2e"):
+        row = summary[f"{name}_ms"]
+        print(f"{name.upper():<10}" + "".join(f"{row[k]:>10.1f}" for k in ("mean", "median", "p90", "p99")))
+    for error in summary["errors"]:
+        print(f"error: {error}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--url", default="http://127.0.0.1:8000")
+    parser.add_argument("--num-prompts", type=int, default=200)
+    parser.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second")
+    parser.add_argument("--max-concurrency", type=int, default=None)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--range-ratio", type=float, default=0.5, help="lengths uniform in len*(1 +- r)")
+    parser.add_argument("--shared-prefix-len", type=int, default=0)
+    parser.add_argument("--dataset", default=None, help="JSONL of {prompt, max_tokens} instead of random prompts")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--ttft-slo-ms", type=float, default=None)
+    parser.add_argument("--tpot-slo-ms", type=float, default=None)
+    parser.add_argument("--result-json", default="bench_results/bench_serve.json")
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+
+    if args.dataset:
+        specs = file_workload(args.dataset, args.num_prompts)
+    else:
+        vocab_size = asyncio.run(_vocab_size(args.url))
+        specs = random_workload(args.num_prompts, args.input_len, args.output_len, args.range_ratio,
+                                args.shared_prefix_len, vocab_size, args.seed)
+    results, duration = asyncio.run(run_benchmark(args.url, specs, args.request_rate, args.max_concurrency, args.seed,
+                                                  not args.no_progress))
+    summary = summarize(results, duration, args.ttft_slo_ms, args.tpot_slo_ms)
+    summary["config"] = {k: v for k, v in vars(args).items() if k != "no_progress"}
+    summary["config"]["request_rate"] = str(args.request_rate)
+    print_table(summary)
+    if args.result_json:
+        import os
+        os.makedirs(os.path.dirname(args.result_json) or ".", exist_ok=True)
+        with open(args.result_json, "w") as f:
+            json.dump(summary, f, indent=2)
+        print(f"wrote {args.result_json}")
+    return 0 if summary["failed"] == 0 else 1
+
+
+async def _vocab_size(url: str) -> int:
+    async with aiohttp.ClientSession() as session:
+        async with session.get(f"{url}/v1/models") as response:
+            return (await response.json())["data"][0].get("vocab_size", 32000)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
