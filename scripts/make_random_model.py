@@ -1,0 +1,60 @@
+#!/usr/bin/env python3
+"""Create a randomly initialised Llama model directory of a realistic shape, with the Llama 2 tokenizer, for
+benchmarks that must not download anything.
+
+    .venv/bin/python scripts/make_random_model.py --shape 110m --out /tmp/shuttle-models/llama-110m
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+SHAPES = {
+    # The 110M-parameter Llama 2 shape of llama2.c's stories110M.
+    "110m": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=12,
+                 intermediate_size=2048, max_position_embeddings=1024),
+    "15m": dict(hidden_size=288, num_hidden_layers=6, num_attention_heads=6, num_key_value_heads=6,
+                intermediate_size=768, max_position_embeddings=256),
+}
+DEFAULT_TOKENIZER = Path(__file__).resolve().parent.parent.parent / "shared" / "tokenizers" / "llama2"
+
+
+def make_random_model(out: Path, shape: str = "110m", tokenizer_dir: Path = DEFAULT_TOKENIZER, seed: int = 0) -> Path:
+    """Write config.json, model.safetensors, generation_config.json and the tokenizer files into `out`.
+
+    Raises:
+        KeyError: unknown shape. FileNotFoundError: tokenizer_dir lacks tokenizer.json.
+    """
+    if not (tokenizer_dir / "tokenizer.json").exists():
+        raise FileNotFoundError(f"{tokenizer_dir}/tokenizer.json")
+    config = LlamaConfig(vocab_size=32000, bos_token_id=1, eos_token_id=2, tie_word_embeddings=True, **SHAPES[shape])
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (tokenizer_dir / name).exists():
+            shutil.copy(tokenizer_dir / name, out / name)
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="110m")
+    parser.add_argument("--out", type=Path, default=None, help="default: /tmp/shuttle-models/llama-SHAPE")
+    parser.add_argument("--tokenizer", type=Path, default=DEFAULT_TOKENIZER)
+    args = parser.parse_args()
+    out = make_random_model(args.out or Path(f"/tmp/shuttle-models/llama-{args.shape}"), args.shape, args.tokenizer)
+    params = sum(p.numel() for p in LlamaForCausalLM.from_pretrained(out).parameters())
+    print(f"wrote {out} ({params / 1e6:.1f}M parameters)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
