@@ -4,8 +4,12 @@ transformers calls the registered function once per layer with the new tokens' q
 RoPE) and passes through any extra keyword given to the model's forward, so the step's `PagedAttentionMetadata`
 travels as the keyword `paged_attention`. The function first writes every new key/value into the paged
 cache (so a sequence can read blocks that another sequence of the same step fills), then attends each
-sequence over its own blocks: prefills one by one, decodes together in one padded batch. No dense mask
-across requests is ever built, and the cache is never copied.
+sequence over its own blocks, gathered whole blocks at a time. No dense mask across requests is built, no
+padding is attended, and the cache is never copied.
+
+Why one sequence at a time, decodes included: on CPU a padded decode batch with a mask measured 2x slower
+than this loop (B=50, context 320, 12 heads: 44 ms against 23 ms per layer), because SDPA falls back to its
+masked math path and the padded gather copies more.
 """
 
 from __future__ import annotations
@@ -21,34 +25,22 @@ ATTENTION_NAME = "shuttle_paged"
 
 
 @dataclass
-class PrefillSeq:
-    """A sequence computing several tokens this step.
+class SequenceAttention:
+    """One sequence's share of the packed batch.
 
     Attributes:
-        query_start, query_end: its rows in the packed batch.
-        context_slots: int64 [context_len], cache slots of all its tokens so far (new ones included).
-        mask: bool [num_query, context_len], True where attention is allowed; None when plain causal.
+        query_start, query_end: its rows in the packed batch (query_end - query_start tokens this step).
+        block_ids: int64 [num_blocks_used], the blocks holding its context.
+        context_len: tokens attended (computed before + new), in tokens.
+        mask: bool [num_query, context_len], True where attention is allowed; None when causal alignment
+            is trivial (a single query token, or a prefill that starts at position 0).
     """
 
     query_start: int
     query_end: int
-    context_slots: torch.Tensor
+    block_ids: torch.Tensor
+    context_len: int
     mask: torch.Tensor | None
-
-
-@dataclass
-class DecodeBatch:
-    """Sequences computing exactly one token this step, attended together.
-
-    Attributes:
-        query_rows: int64 [B], their rows in the packed batch.
-        context_slots: int64 [B, max_context], cache slots, padded with slot 0.
-        mask: bool [B, 1, 1, max_context], False on padding.
-    """
-
-    query_rows: torch.Tensor
-    context_slots: torch.Tensor
-    mask: torch.Tensor
 
 
 @dataclass
@@ -56,14 +48,13 @@ class PagedAttentionMetadata:
     """Everything attention needs for one step, built once and shared by all layers.
 
     Attributes:
-        kv_caches: per layer (key, value), each [num_blocks * block_size, num_kv_heads, head_dim].
-        slot_mapping: int64 [T], cache slot of each packed token.
+        kv_caches: per layer (key, value), each [num_blocks, block_size, num_kv_heads, head_dim].
+        slot_mapping: int64 [T], cache slot (block * block_size + offset) of each packed token.
     """
 
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     slot_mapping: torch.Tensor
-    prefills: list[PrefillSeq]
-    decodes: DecodeBatch | None
+    sequences: list[SequenceAttention]
 
 
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -82,27 +73,23 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     if paged_attention is None:
         raise ValueError("shuttle_paged attention needs the `paged_attention` metadata keyword")
     meta = paged_attention
-    key_cache, value_cache = meta.kv_caches[module.layer_idx]
-    key_cache.index_copy_(0, meta.slot_mapping, key[0].transpose(0, 1))  # [T, kv_heads, head_dim]
-    value_cache.index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1))
+    key_cache, value_cache = meta.kv_caches[module.layer_idx]  # [blocks, block_size, kv_heads, head_dim]
+    kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+    key_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, key[0].transpose(0, 1))
+    value_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1))
 
     q = query[0]  # [heads, T, head_dim]
     out = q.new_empty(q.shape[1], q.shape[0], q.shape[2])  # [T, heads, head_dim]
-    for seq in meta.prefills:
-        keys = key_cache[seq.context_slots].transpose(0, 1)  # [kv_heads, context, head_dim]
-        values = value_cache[seq.context_slots].transpose(0, 1)
+    for seq in meta.sequences:
+        # [blocks_used, block_size, kv_heads, hd] -> [context, kv_heads, hd] -> [kv_heads, context, hd]
+        keys = key_cache.index_select(0, seq.block_ids).view(-1, kv_heads, head_dim)[:seq.context_len].transpose(0, 1)
+        values = value_cache.index_select(0, seq.block_ids).view(-1, kv_heads, head_dim)[:seq.context_len].transpose(0, 1)
+        num_query = seq.query_end - seq.query_start
         attended = F.scaled_dot_product_attention(
             q[:, seq.query_start:seq.query_end].unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
-            attn_mask=seq.mask, is_causal=seq.mask is None, scale=scaling, enable_gqa=True)  # [1, heads, n, hd]
+            attn_mask=seq.mask, is_causal=seq.mask is None and num_query > 1, scale=scaling,
+            enable_gqa=True)  # [1, heads, num_query, head_dim]
         out[seq.query_start:seq.query_end] = attended[0].transpose(0, 1)
-    if meta.decodes is not None:
-        batch = meta.decodes
-        queries = q[:, batch.query_rows].transpose(0, 1).unsqueeze(2)  # [B, heads, 1, head_dim]
-        keys = key_cache[batch.context_slots].permute(0, 2, 1, 3)  # [B, kv_heads, context, head_dim]
-        values = value_cache[batch.context_slots].permute(0, 2, 1, 3)
-        attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=batch.mask, scale=scaling,
-                                                  enable_gqa=True)  # [B, heads, 1, head_dim]
-        out[batch.query_rows] = attended[:, :, 0]
     return out.unsqueeze(0), None
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from common.messages import StepPlan
-from worker.attention import DecodeBatch, PagedAttentionMetadata, PrefillSeq
+from worker.attention import PagedAttentionMetadata, SequenceAttention
 from worker.sampler import SamplingState
 
 
@@ -51,7 +51,7 @@ class InputBatch:
 
     Args:
         block_size: tokens per KV block.
-        kv_caches: per layer (key, value) flattened caches handed to attention.
+        kv_caches: per layer (key, value), each [num_blocks, block_size, num_kv_heads, head_dim].
     """
 
     def __init__(self, block_size: int, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
@@ -88,49 +88,30 @@ class InputBatch:
         input_ids: list[int] = []
         positions: list[torch.Tensor] = []
         slots: list[torch.Tensor] = []
-        prefills: list[PrefillSeq] = []
-        decode_rows: list[int] = []
-        decode_slots: list[torch.Tensor] = []
+        sequences: list[SequenceAttention] = []
         sample_rows: list[int] = []
         sampled: list[CachedRequestState] = []
+        bs = self.block_size
         for state, num_new in scheduled:
             start, end = state.num_computed_tokens, state.num_computed_tokens + num_new
             row = len(input_ids)
             input_ids.extend(state.token_ids[start:end])
-            context_slots = self._slots(state.block_ids, end)  # [end]
-            positions.append(torch.arange(start, end))
-            slots.append(context_slots[start:end])
-            if num_new == 1:
-                decode_rows.append(row)
-                decode_slots.append(context_slots)
-            else:
-                prefills.append(PrefillSeq(row, row + num_new, context_slots, _chunk_mask(start, end)))
+            block_ids = torch.tensor(state.block_ids[: -(-end // bs)], dtype=torch.long)
+            new_positions = torch.arange(start, end)
+            positions.append(new_positions)
+            slots.append(block_ids[new_positions // bs] * bs + new_positions % bs)
+            sequences.append(SequenceAttention(row, row + num_new, block_ids, end, _chunk_mask(start, end)))
             if end == len(state.token_ids):
                 sample_rows.append(row + num_new - 1)
                 sampled.append(state)
-        attention = PagedAttentionMetadata(self.kv_caches, torch.cat(slots), prefills, _decode_batch(decode_rows, decode_slots))
+        attention = PagedAttentionMetadata(self.kv_caches, torch.cat(slots), sequences)
         return PackedBatch(torch.tensor(input_ids), torch.cat(positions), attention,
                            torch.tensor(sample_rows, dtype=torch.long), sampled)
 
-    def _slots(self, block_ids: list[int], num_tokens: int) -> torch.Tensor:
-        """Cache slot of each of the first `num_tokens` tokens: block_ids[p // bs] * bs + p % bs."""
-        positions = torch.arange(num_tokens)
-        table = torch.tensor(block_ids[: -(-num_tokens // self.block_size)])
-        return table[positions // self.block_size] * self.block_size + positions % self.block_size
-
 
 def _chunk_mask(start: int, end: int) -> torch.Tensor | None:
-    """Causal mask of queries [start, end) over keys [0, end); None when start is 0 (plain causal)."""
-    if start == 0:
+    """Causal mask of queries [start, end) over keys [0, end); None for one query or a prefill from 0."""
+    if start == 0 or end - start == 1:
         return None
     query_pos = torch.arange(start, end).unsqueeze(1)
     return torch.arange(end).unsqueeze(0) <= query_pos  # [n, end]
-
-
-def _decode_batch(rows: list[int], context_slots: list[torch.Tensor]) -> DecodeBatch | None:
-    if not rows:
-        return None
-    lengths = torch.tensor([len(s) for s in context_slots])
-    padded = torch.nn.utils.rnn.pad_sequence(context_slots, batch_first=True)  # [B, max_context]
-    mask = torch.arange(padded.shape[1]).unsqueeze(0) < lengths.unsqueeze(1)
-    return DecodeBatch(torch.tensor(rows), padded, mask[:, None, None, :])

@@ -37,7 +37,3 @@ class KVCache:
         layers = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
                   for _ in range(num_layers)]
         return KVCache(layers, num_blocks, bytes_per_token)
-
-    def flat_views(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer (key, value) viewed as [num_blocks * block_size, num_kv_heads, head_dim] (no copy)."""
-        return [(k.view(-1, *k.shape[2:]), v.view(-1, *v.shape[2:])) for k, v in self.layers]

@@ -28,7 +28,7 @@ class ModelRunner:
         self.kv_cache = KVCache.allocate(num_layers, num_kv_heads, head_dim, cache_cfg.block_size,
                                          DTYPES[model_cfg.dtype], device, cache_cfg.num_kv_blocks,
                                          cache_cfg.kv_cache_memory)
-        self.batch = InputBatch(cache_cfg.block_size, self.kv_cache.flat_views())
+        self.batch = InputBatch(cache_cfg.block_size, self.kv_cache.layers)
         self.sampler = Sampler(model_cfg.eos_token_ids)
 
     @property
