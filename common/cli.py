@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import sys
 
@@ -37,17 +36,22 @@ def build_parser() -> argparse.ArgumentParser:
     default_model = str(DEFAULT_MODEL_DIR) if DEFAULT_MODEL_DIR.is_dir() else None
     serve.add_argument("model_dir", nargs="?", default=default_model, metavar="MODEL_DIR",
                        help="Hugging Face model directory (config.json, safetensors, tokenizer.json)")
-    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--host", default="127.0.0.1", help="address the HTTP server listens on")
     serve.add_argument("--port", type=int, default=8000, help="0 picks a free port")
-    serve.add_argument("--served-model-name", default=None, help="name clients use (default: directory name)")
-    serve.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    serve.add_argument("--served-model-name", default=None,
+                       help="the `model` name clients use; None means the model directory's name")
+    serve.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                       help="weights and KV cache dtype")
     serve.add_argument("--max-model-len", type=_positive, default=None, help="default: the model's position limit")
     sched, cache = SchedulerConfig(), CacheConfig()
-    serve.add_argument("--max-num-seqs", type=_positive, default=sched.max_num_seqs)
-    serve.add_argument("--max-num-batched-tokens", type=_positive, default=sched.max_num_batched_tokens)
+    serve.add_argument("--max-num-seqs", type=_positive, default=sched.max_num_seqs,
+                       help="most sequences in one step")
+    serve.add_argument("--max-num-batched-tokens", type=_positive, default=sched.max_num_batched_tokens,
+                       help="most tokens in one step; longer prompts are prefilled in chunks")
     serve.add_argument("--max-waiting-requests", type=_positive, default=sched.max_waiting_requests,
                        help="past this many queued requests, new ones get HTTP 503")
-    serve.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default=sched.scheduling_policy)
+    serve.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default=sched.scheduling_policy,
+                       help="fcfs: arrival order; priority: the request field `priority`, lower first, with aging")
     serve.add_argument("--priority-aging-seconds", type=float, default=sched.priority_aging_seconds,
                        help="under --scheduling-policy priority: seconds of waiting worth one priority level "
                             "(0 turns aging off)")
@@ -60,10 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--kv-cache-memory", type=parse_bytes, default=cache.kv_cache_memory,
                        help="bytes for the KV cache, e.g. 512MiB")
     serve.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                       default=cache.enable_prefix_caching)
+                       default=cache.enable_prefix_caching, help="share KV blocks of identical prompt prefixes")
     serve.add_argument("--chat-template", default=None, metavar="FILE",
                        help="Jinja chat template overriding the one in tokenizer_config.json")
-    serve.add_argument("--api-key", default=os.environ.get("SHUTTLE_API_KEY"),
+    serve.add_argument("--api-key", default=None,
                        help="require 'Authorization: Bearer KEY' on every endpoint but /health and /metrics "
                             "(default: $SHUTTLE_API_KEY)")
     serve.add_argument("--zmq-transport", choices=["ipc", "tcp"], default="ipc",

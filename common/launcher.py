@@ -109,7 +109,7 @@ def serve(args: argparse.Namespace) -> int:
         except ModelDirError as exc:
             print(f"shuttle: error: {exc}", file=sys.stderr)
             return 2
-        return _run(config, args.api_key)
+        return _run(config, args.api_key or os.environ.get("SHUTTLE_API_KEY"))
     finally:
         shutil.rmtree(runtime_dir, ignore_errors=True)
 
