@@ -70,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=None,
                        help="require 'Authorization: Bearer KEY' on every endpoint but /health and /metrics "
                             "(default: $SHUTTLE_API_KEY)")
+    serve.add_argument("--batch-endpoint", default=None,
+                       help="ZeroMQ endpoint for batch clients (default: tcp://HOST:PORT+1; 'none' disables)")
     serve.add_argument("--zmq-transport", choices=["ipc", "tcp"], default="ipc",
                        help="ipc:// sockets in a private runtime directory, or tcp:// on loopback")
     serve.add_argument("--debug-step-delay", type=float, default=0.0, help=argparse.SUPPRESS)

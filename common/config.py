@@ -69,6 +69,13 @@ class ModelConfig:
         )
 
 
+def _batch_endpoint(args: argparse.Namespace) -> str:
+    """--batch-endpoint, else tcp://HOST:(PORT + 1) (any free port when --port is 0); "none" disables it."""
+    if args.batch_endpoint:
+        return "" if args.batch_endpoint == "none" else args.batch_endpoint
+    return f"tcp://{args.host}:{args.port + 1 if args.port else '*'}"
+
+
 def _read_json(path: Path) -> dict:
     try:
         data = json.loads(path.read_text())
@@ -153,6 +160,7 @@ class ShuttleConfig:
     # Test-only: seconds the worker sleeps in every step, to show the frontend never waits on the model.
     debug_step_delay: float = 0.0
     chat_template: str | None = None  # Jinja file overriding the tokenizer's chat template
+    batch_endpoint: str = ""  # ZeroMQ endpoint for batch clients ("" = none)
 
     @staticmethod
     def from_args(args: argparse.Namespace, ipc: IpcConfig) -> "ShuttleConfig":
@@ -169,6 +177,7 @@ class ShuttleConfig:
             port=args.port,
             debug_step_delay=args.debug_step_delay,
             chat_template=args.chat_template,
+            batch_endpoint=_batch_endpoint(args),
         )
 
     def to_json(self) -> str:

@@ -173,5 +173,7 @@ def _announce(config: ShuttleConfig, supervisor: Supervisor, ready: dict[str, di
     _say(f"KV cache {cap['num_kv_blocks']} blocks x {cap['block_size']} tokens = {cap['kv_tokens']} tokens "
          f"({cap['kv_bytes_per_token']} bytes/token); {fit} requests of max_model_len {config.model.max_model_len} fit")
     pids = {name: proc.pid for name, proc in supervisor.procs.items()}
-    _say(f"serving {config.model.served_model_name} at {url}  (Ctrl-C stops)")
-    _say("ready " + json.dumps({"url": url, "pids": pids, "launcher_pid": os.getpid()}))
+    batch = ready["frontend"].get("batch_endpoint", "")
+    _say(f"serving {config.model.served_model_name} at {url}" + (f", batch jobs at {batch}" if batch else "")
+         + "  (Ctrl-C stops)")
+    _say("ready " + json.dumps({"url": url, "batch_endpoint": batch, "pids": pids, "launcher_pid": os.getpid()}))

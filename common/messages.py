@@ -197,6 +197,42 @@ class WorkerFailed(msgspec.Struct, **_WIRE):
 WorkerMessage = WorkerReady | StepResult | WorkerFailed
 
 
+# ---- batch client <-> frontend (DEALER -> ROUTER) ------------------------------------------------------------
+
+class BatchJob(msgspec.Struct, **_WIRE):
+    """One completion job from a batch client: text (or token ids) in, text out, the /v1/completions validation.
+
+    `job_id` is the client's own; results come back under it, in completion order, not submission order.
+    """
+
+    job_id: str
+    prompt: str | list[int]
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = []
+    priority: int = 0
+    ignore_eos: bool = False
+
+
+class BatchResult(msgspec.Struct, **_WIRE):
+    """A job's one terminal answer: the completion, or an error with an HTTP-like status."""
+
+    job_id: str
+    text: str = ""
+    token_ids: list[int] = []
+    finish_reason: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error_status: int = 0
+    error_message: str = ""
+
+
+BatchClientMessage = BatchJob
+
+
 # ---- any child -> launcher (PUSH -> PULL) -----------------------------------------------------------------
 
 class ProcessReady(msgspec.Struct, **_WIRE):

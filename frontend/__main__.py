@@ -8,7 +8,7 @@ from frontend.app import serve
 
 def main() -> None:
     config = child_main_args("frontend")
-    uvloop.run(serve(config, lambda url: report_ready(config, "frontend", url=url)))
+    uvloop.run(serve(config, lambda url, batch: report_ready(config, "frontend", url=url, batch_endpoint=batch)))
 
 
 if __name__ == "__main__":

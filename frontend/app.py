@@ -18,6 +18,7 @@ from frontend.state import STATE, FrontendState
 from frontend.tokenize_api import detokenize, tokenize
 from frontend.tokenizer import TextTokenizer
 from frontend.websocket import websocket_handler
+from frontend.zmq_api import BatchEndpoint
 
 log = logging.getLogger("shuttle.frontend")
 
@@ -58,14 +59,18 @@ def build_app(state: FrontendState, api_key: str | None = None) -> web.Applicati
 
 
 async def serve(config: ShuttleConfig, on_ready) -> None:
-    """Connect to the scheduler, start listening on config.host:config.port, call `on_ready(url)`, run forever."""
+    """Connect to the scheduler, listen on config.host:config.port (and the batch endpoint), call
+    `on_ready(url, batch_endpoint)`, run forever."""
     tokenizer = TextTokenizer(config.model.model_dir)
     engine = EngineClient(config.ipc.requests)
     registry = Metrics(lambda: engine.stats)
     engine.on_stats = registry.observe_steps
     await engine.start()
     chat_template = ChatTemplate(config.model.model_dir, config.chat_template)
-    app = build_app(FrontendState(config, engine, tokenizer, chat_template, registry), os.environ.get("SHUTTLE_API_KEY"))
+    state = FrontendState(config, engine, tokenizer, chat_template, registry)
+    app = build_app(state, os.environ.get("SHUTTLE_API_KEY"))
+    batch = BatchEndpoint(state, config.batch_endpoint) if config.batch_endpoint else None
+    batch_task = asyncio.create_task(batch.serve()) if batch else None
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its request.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
@@ -74,9 +79,12 @@ async def serve(config: ShuttleConfig, on_ready) -> None:
     host, port = runner.addresses[0][:2]
     url = f"http://{config.host}:{port}"
     log.info("serving %s on %s", config.model.served_model_name, url)
-    on_ready(url)
+    on_ready(url, batch.endpoint if batch else "")
     try:
         await asyncio.Event().wait()
     finally:
+        if batch_task is not None:
+            batch_task.cancel()
+            batch.close()
         await runner.cleanup()
         engine.close()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import sys
@@ -106,9 +107,13 @@ async def run_one(session: aiohttp.ClientSession, url: str, model: str, spec: Re
     return result
 
 
+def _headers(api_key: str | None) -> dict:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
 async def run_benchmark(url: str, specs: list[RequestSpec], request_rate: float, max_concurrency: int | None,
-                        seed: int, progress: bool) -> tuple[list[RequestResult], float]:
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                        seed: int, progress: bool, api_key: str | None = None) -> tuple[list[RequestResult], float]:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), headers=_headers(api_key),
                                      timeout=aiohttp.ClientTimeout(total=3600)) as session:
         async with session.get(f"{url}/v1/models") as response:
             model = (await response.json())["data"][0]["id"]
@@ -202,23 +207,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ttft-slo-ms", type=float, default=None)
     parser.add_argument("--tpot-slo-ms", type=float, default=None)
     parser.add_argument("--result-json", default="bench_results/bench_serve.json")
+    parser.add_argument("--api-key", default=os.environ.get("SHUTTLE_API_KEY"),
+                        help="sent as Authorization: Bearer (default: $SHUTTLE_API_KEY)")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
 
     if args.dataset:
         specs = file_workload(args.dataset, args.num_prompts)
     else:
-        vocab_size = asyncio.run(_vocab_size(args.url))
+        vocab_size = asyncio.run(_vocab_size(args.url, args.api_key))
         specs = random_workload(args.num_prompts, args.input_len, args.output_len, args.range_ratio,
                                 args.shared_prefix_len, vocab_size, args.seed)
     results, duration = asyncio.run(run_benchmark(args.url, specs, args.request_rate, args.max_concurrency, args.seed,
-                                                  not args.no_progress))
+                                                  not args.no_progress, args.api_key))
     summary = summarize(results, duration, args.ttft_slo_ms, args.tpot_slo_ms)
-    summary["config"] = {k: v for k, v in vars(args).items() if k != "no_progress"}
+    summary["config"] = {k: v for k, v in vars(args).items() if k not in ("no_progress", "api_key")}
     summary["config"]["request_rate"] = str(args.request_rate)
     print_table(summary)
     if args.result_json:
-        import os
         os.makedirs(os.path.dirname(args.result_json) or ".", exist_ok=True)
         with open(args.result_json, "w") as f:
             json.dump(summary, f, indent=2)
@@ -226,8 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if summary["failed"] == 0 else 1
 
 
-async def _vocab_size(url: str) -> int:
-    async with aiohttp.ClientSession() as session:
+async def _vocab_size(url: str, api_key: str | None) -> int:
+    async with aiohttp.ClientSession(headers=_headers(api_key)) as session:
         async with session.get(f"{url}/v1/models") as response:
             return (await response.json())["data"][0].get("vocab_size", 32000)
 

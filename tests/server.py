@@ -36,9 +36,11 @@ class ShuttleServer:
 
     def __init__(self, *args: str, model_dir: Path = MODEL_DIR, start_timeout: float = 120.0):
         cmd = [sys.executable, "-m", "common.cli", "serve", str(model_dir), "--port", "0", *args]
+        # --port 0 makes the batch endpoint pick a free port too (tcp://127.0.0.1:*)
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, text=True, start_new_session=True)
         self.output: list[str] = []
         self.url = ""
+        self.batch_endpoint = ""
         self.pids: dict[str, int] = {}
         ready = threading.Event()
         threading.Thread(target=self._read, args=(ready,), daemon=True).start()
@@ -51,7 +53,7 @@ class ShuttleServer:
             self.output.append(line.rstrip("\n"))
             if line.startswith("shuttle: ready "):
                 info = json.loads(line[len("shuttle: ready "):])
-                self.url, self.pids = info["url"], info["pids"]
+                self.url, self.pids, self.batch_endpoint = info["url"], info["pids"], info["batch_endpoint"]
                 ready.set()
         ready.set()
 
