@@ -27,6 +27,7 @@ from common.messages import ControlMessage
 
 CHILDREN = ("worker", "scheduler", "frontend")
 STOP_TIMEOUT_S = 4.0
+FRONTEND_GRACE_S = 1.5  # of STOP_TIMEOUT_S: time the frontend gets to fail in-flight requests cleanly
 START_TIMEOUT_S = 300.0
 
 
@@ -73,10 +74,18 @@ class Supervisor:
         return None
 
     def stop(self) -> None:
+        """Frontend first, so it can answer every in-flight request with an error before the others go."""
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        frontend = self.procs.get("frontend")
+        if frontend is not None and frontend.poll() is None:
+            frontend.terminate()
+            try:
+                frontend.wait(timeout=FRONTEND_GRACE_S)
+            except subprocess.TimeoutExpired:
+                pass
         for proc in self.procs.values():
             if proc.poll() is None:
                 proc.terminate()
-        deadline = time.monotonic() + STOP_TIMEOUT_S
         for proc in self.procs.values():
             try:
                 proc.wait(timeout=max(deadline - time.monotonic(), 0.01))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 
 from aiohttp import web
 
@@ -35,6 +36,7 @@ async def health(request: web.Request) -> web.Response:
 
 
 MAX_BODY_BYTES = 4 * 2**20
+SHUTDOWN_GRACE_S = 0.5
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -80,8 +82,15 @@ async def serve(config: ShuttleConfig, on_ready) -> None:
     url = f"http://{config.host}:{port}"
     log.info("serving %s on %s", config.model.served_model_name, url)
     on_ready(url, batch.endpoint if batch else "")
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
     try:
-        await asyncio.Event().wait()
+        await stop.wait()
+        # Shutting down (Ctrl-C, or another process died): every in-flight request gets its terminal error now,
+        # and its handler a moment to write it, before the server goes.
+        if engine.num_in_flight:
+            engine.fail_all(503, "the server is shutting down")
+            await asyncio.sleep(SHUTDOWN_GRACE_S)
     finally:
         if batch_task is not None:
             batch_task.cancel()

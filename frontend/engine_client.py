@@ -91,6 +91,13 @@ class EngineClient:
             if not finished:
                 self.abort(request_id)
 
+    def fail_all(self, status: int, message: str) -> None:
+        """End every in-flight request with an error output (the engine is going away), so each client gets a
+        terminal answer instead of a dropped connection."""
+        for request_id, queue in self._queues.items():
+            queue.put_nowait(RequestOutput(request_id, finish_reason=FinishReason.ERROR, error_status=status,
+                                           error_message=message))
+
     def abort(self, request_id: str) -> None:
         """Tell the scheduler to drop the request now; safe to call from a cancelled task."""
         task = asyncio.get_running_loop().create_task(self._channel.send(Abort([request_id])))

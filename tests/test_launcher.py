@@ -63,3 +63,25 @@ async def test_tcp_transport_serves():
         assert status == 200 and body["usage"]["completion_tokens"] <= 4
     finally:
         srv.stop()
+
+
+async def test_in_flight_requests_get_an_error_when_the_worker_dies():
+    import asyncio
+    import json
+
+    srv = ShuttleServer("--debug-step-delay", "0.2")
+    try:
+        async with aiohttp.ClientSession() as session:
+            long_job = {"prompt": "Hi", "max_tokens": 200, "ignore_eos": True}
+            plain = asyncio.create_task(post_completion(session, srv.url, **long_job))
+            async with session.post(f"{srv.url}/v1/completions", json={**long_job, "stream": True}) as response:
+                await response.content.readline()
+                os.kill(srv.pids["worker"], signal.SIGKILL)
+                events = [line.decode().strip() async for line in response.content if line.startswith(b"data: ")]
+            status, body = await plain
+        assert events[-1] == "data: [DONE]"
+        assert json.loads(events[-2][len("data: "):])["error"]["code"] == 503
+        assert status == 503 and body["error"]["code"] == 503
+        assert srv.proc.wait(10) == 1
+    finally:
+        srv.stop()
