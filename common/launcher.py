@@ -181,6 +181,10 @@ def _announce(config: ShuttleConfig, supervisor: Supervisor, ready: dict[str, di
     fit = cap["kv_tokens"] // config.model.max_model_len
     _say(f"KV cache {cap['num_kv_blocks']} blocks x {cap['block_size']} tokens = {cap['kv_tokens']} tokens "
          f"({cap['kv_bytes_per_token']} bytes/token); {fit} requests of max_model_len {config.model.max_model_len} fit")
+    if fit == 0:
+        _say(f"warning: the KV cache holds {cap['kv_tokens']} tokens, fewer than max_model_len "
+             f"{config.model.max_model_len}: requests needing more are rejected (raise --kv-cache-memory or "
+             f"--num-kv-blocks, or lower --max-model-len)")
     pids = {name: proc.pid for name, proc in supervisor.procs.items()}
     batch = ready["frontend"].get("batch_endpoint", "")
     _say(f"serving {config.model.served_model_name} at {url}" + (f", batch jobs at {batch}" if batch else "")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 
@@ -19,10 +18,6 @@ from frontend.protocol import (
 from frontend.responses import chat_logprobs, completion_logprobs
 from frontend.state import STATE, FrontendState
 
-# Prompts longer than this many characters are tokenized off the event loop, so one huge prompt cannot stall
-# every other client.
-TOKENIZE_IN_THREAD_CHARS = 20_000
-
 
 class ModelNotFound(Exception):
     """The request names a model this server does not serve (HTTP 404)."""
@@ -33,14 +28,8 @@ def check_model(state: FrontendState, model: str | None) -> None:
         raise ModelNotFound(f"The model `{model}` does not exist; this server serves `{state.model_name}`")
 
 
-async def run_blocking_if_long(func, text_size: int, *args):
-    if text_size > TOKENIZE_IN_THREAD_CHARS:
-        return await asyncio.to_thread(func, *args)
-    return func(*args)
-
-
 def build_generations(state: FrontendState, body: SamplingFields, prompts: list[list[int]], request_id: str,
-                      max_tokens: int | None, logprobs: int | None) -> list[TextGeneration]:
+                      max_tokens: int | None, logprobs: int | None, prompt_param: str = "prompt") -> list[TextGeneration]:
     """One TextGeneration per (prompt, choice); choice index = prompt index * n + j. With a seed, choice j of a
     prompt samples with seed + j, so the n choices differ yet each is reproducible.
 
@@ -49,9 +38,14 @@ def build_generations(state: FrontendState, body: SamplingFields, prompts: list[
     """
     stops = body.stop_strings()
     model = state.config.model
+    queue_bound = state.config.scheduler.max_waiting_requests
+    if len(prompts) * body.n > queue_bound:
+        raise InvalidRequestError(f"{len(prompts)} prompt(s) x n={body.n} sequences exceed the server's waiting "
+                                  f"queue bound of {queue_bound}", param="n")
     generations = []
     for p, ids in enumerate(prompts):
-        base = sampling_params(body, len(ids), model.max_model_len, state.tokenizer.vocab_size, max_tokens, logprobs)
+        base = sampling_params(body, len(ids), model.max_model_len, state.tokenizer.vocab_size, max_tokens, logprobs,
+                               prompt_param)
         for j in range(body.n):
             sampling = base if base.seed is None else msgspec.structs.replace(base, seed=(base.seed + j) % 2**64)
             index = p * body.n + j
@@ -59,12 +53,6 @@ def build_generations(state: FrontendState, body: SamplingFields, prompts: list[
                 state.engine, state.tokenizer, f"{request_id}-{index}", ids, sampling, index, body.priority,
                 body.timeout or 0.0, stops, body.include_stop_str_in_output, state.metrics.request(len(ids))))
     return generations
-
-
-def _text_size(prompt) -> int:
-    if isinstance(prompt, str):
-        return len(prompt)
-    return sum(len(p) for p in prompt if isinstance(p, str)) if isinstance(prompt, list) else 0
 
 
 # ---- /v1/completions --------------------------------------------------------------------------------------------
@@ -80,8 +68,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     logprobs = check_logprobs(body.logprobs, "logprobs")
     if body.echo and logprobs is not None:
         raise InvalidRequestError("echo together with logprobs (prompt logprobs) is not supported", param="echo")
-    prompts = await run_blocking_if_long(completion_prompts, _text_size(body.prompt), body.prompt, state.tokenizer.encode,
-                                         state.tokenizer.vocab_size)
+    prompts = completion_prompts(body.prompt, state.tokenizer, state.config.model.max_model_len)
     request_id = state.engine.new_request_id("cmpl")
     generations = build_generations(state, body, prompts, request_id, body.max_tokens, logprobs)
     echo_texts = {}
@@ -92,11 +79,15 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
             echo_texts[g.index] = original if isinstance(original, str) else state.tokenizer.decode(g.prompt_token_ids)
     envelope = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": state.model_name}
 
+    emitted: dict[int, int] = {}  # characters of each choice's text sent so far (stream chunks)
+
     def choice(g: TextGeneration, text: str, token_ids: list[int], lps, finish: str | None, first: bool) -> dict:
         prefix = echo_texts.get(g.index, "") if first else ""
+        start = emitted.get(g.index, 0) + len(prefix)
+        emitted[g.index] = start + len(text)
         out = {"index": g.index, "text": prefix + text,
-               "logprobs": completion_logprobs(state.tokenizer, token_ids, lps, len(prefix)) if logprobs is not None
-               else None,
+               "logprobs": completion_logprobs(state.tokenizer, token_ids, lps, start, len(text))
+               if logprobs is not None else None,
                "finish_reason": finish}
         if body.return_token_ids:
             out["token_ids"] = token_ids
@@ -127,12 +118,12 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
         raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
     logprobs = check_logprobs(body.top_logprobs or 0, "top_logprobs") if body.logprobs else None
     text = state.chat_template.render(body.messages)
-    ids = await run_blocking_if_long(state.tokenizer.encode, len(text), text, False)
+    ids = state.tokenizer.encode(text, False, state.config.model.max_model_len, param="messages")
     if not ids:
         raise InvalidRequestError("the rendered chat prompt is empty", param="messages")
     request_id = state.engine.new_request_id("chatcmpl")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    generations = build_generations(state, body, [ids], request_id, max_tokens, logprobs)
+    generations = build_generations(state, body, [ids], request_id, max_tokens, logprobs, prompt_param="messages")
     envelope = {"id": request_id, "created": int(time.time()), "model": state.model_name}
 
     def chunk_choice(g: TextGeneration, delta, first: bool) -> dict:

@@ -15,7 +15,7 @@ MAX_N = 16  # most choices per request
 MAX_PROMPTS = 64  # most prompts in one completions request
 
 
-class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
+class StreamOptions(msgspec.Struct):
     include_usage: bool = False
 
 
@@ -101,7 +101,8 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True):
     model: str | None = None
 
 
-_DECODE_PATH = re.compile(r"(?:at `\$\.|missing required field `)([A-Za-z_]\w*)")
+_DECODE_PATH = re.compile(r"at `\$\.([A-Za-z_]\w*)")
+_MISSING_FIELD = re.compile(r"missing required field `([A-Za-z_]\w*)`")
 
 
 def decode_body(body: bytes, request_type: type) -> Any:
@@ -113,7 +114,7 @@ def decode_body(body: bytes, request_type: type) -> Any:
     try:
         return msgspec.json.decode(body, type=request_type)
     except msgspec.ValidationError as exc:
-        match = _DECODE_PATH.search(str(exc))
+        match = _DECODE_PATH.search(str(exc)) or _MISSING_FIELD.search(str(exc))
         raise InvalidRequestError(f"invalid request body: {exc}", param=match.group(1) if match else None) from None
     except msgspec.DecodeError as exc:
         raise InvalidRequestError(f"request body is not valid JSON: {exc}") from None
@@ -125,7 +126,7 @@ def _is_token_list(value: Any) -> bool:
     return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
 
 
-def completion_prompts(prompt: Any, encode, vocab_size: int) -> list[list[int]]:
+def completion_prompts(prompt: Any, tokenizer, max_model_len: int) -> list[list[int]]:
     """Token ids of each prompt of a completions request.
 
     Raises:
@@ -144,17 +145,17 @@ def completion_prompts(prompt: Any, encode, vocab_size: int) -> list[list[int]]:
         raise InvalidRequestError(f"at most {MAX_PROMPTS} prompts per request", param="prompt")
     result = []
     for p in prompts:
-        ids = encode(p) if isinstance(p, str) else list(p)
+        ids = tokenizer.encode(p, max_tokens=max_model_len) if isinstance(p, str) else list(p)
         if not ids:
             raise InvalidRequestError("prompt is empty", param="prompt")
-        if not all(0 <= t < vocab_size for t in ids):
-            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab_size})", param="prompt")
+        if not all(0 <= t < tokenizer.vocab_size for t in ids):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {tokenizer.vocab_size})", param="prompt")
         result.append(ids)
     return result
 
 
 def sampling_params(request: SamplingFields, num_prompt_tokens: int, max_model_len: int, vocab_size: int,
-                    max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+                    max_tokens: int | None, logprobs: int | None, prompt_param: str = "prompt") -> SamplingParams:
     """SamplingParams of one prompt of a request; max_tokens defaults to what is left of max_model_len.
 
     Raises:
@@ -164,6 +165,8 @@ def sampling_params(request: SamplingFields, num_prompt_tokens: int, max_model_l
         raise InvalidRequestError("timeout must be in (0, 86400] seconds", param="timeout")
     if not -(2**31) <= request.priority < 2**31:
         raise InvalidRequestError("priority must fit in 32 bits", param="priority")
+    if request.stream_options is not None and not request.stream:
+        raise InvalidRequestError("stream_options is only allowed with stream: true", param="stream_options")
     if not 1 <= request.n <= MAX_N:
         raise InvalidRequestError(f"n must be in [1, {MAX_N}]", param="n")
     for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
@@ -173,7 +176,7 @@ def sampling_params(request: SamplingFields, num_prompt_tokens: int, max_model_l
     if room < 1:
         raise InvalidRequestError(
             f"This model's maximum context length is {max_model_len} tokens; the prompt has {num_prompt_tokens} "
-            f"tokens, which leaves no room for output", param="prompt")
+            f"tokens, which leaves no room for output", param=prompt_param)
     if max_tokens is None:
         max_tokens = room
     elif max_tokens > room:
@@ -195,10 +198,10 @@ def sampling_params(request: SamplingFields, num_prompt_tokens: int, max_model_l
 def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
     if not bias:
         return ()
-    try:
-        pairs = tuple((int(token), float(value)) for token, value in bias.items())
-    except ValueError:
-        raise InvalidRequestError("logit_bias keys must be token ids", param="logit_bias") from None
+    if not all(token.isascii() and token.isdigit() and str(int(token)) == token for token in bias):
+        raise InvalidRequestError("logit_bias keys must be token ids written as plain decimal numbers",
+                                  param="logit_bias")
+    pairs = tuple((int(token), float(value)) for token, value in bias.items())
     if not all(math.isfinite(v) for _, v in pairs):
         raise InvalidRequestError("logit_bias values must be finite", param="logit_bias")
     return pairs

@@ -7,13 +7,18 @@ from frontend.tokenizer import TextTokenizer
 
 
 def completion_logprobs(tokenizer: TextTokenizer, token_ids: list[int], logprobs: list[TokenLogprobs],
-                        text_offset: int) -> dict:
-    """The completions API's logprobs object: tokens, token_logprobs, top_logprobs, text_offset."""
+                        text_offset: int, text_length: int) -> dict:
+    """The completions API's logprobs object: tokens, token_logprobs, top_logprobs, text_offset.
+
+    `text_offset` is where these tokens' text starts in the choice's whole text (cumulative across stream
+    chunks) and `text_length` how long that text is; a token's offset advances by its own text, never past the
+    end of the text it belongs to (a byte-fallback token has no text of its own until its character completes).
+    """
     tokens = [tokenizer.token_text(t)[0] for t in token_ids]
-    offsets = []
-    for token in tokens:
-        offsets.append(text_offset)
-        text_offset += len(token)
+    offsets, advanced = [], 0
+    for token_id in token_ids:
+        offsets.append(text_offset + min(advanced, text_length))
+        advanced += len(tokenizer.token_bytes[token_id].decode(errors="ignore")) if tokenizer.token_bytes else 1
     return {
         "tokens": tokens,
         "token_logprobs": [lp.logprob for lp in logprobs],

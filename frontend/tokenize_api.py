@@ -15,12 +15,13 @@ async def tokenize(request: web.Request) -> web.Response:
     state = request.app[STATE]
     body = decode_body(await request.read(), TokenizeRequest)
     check_model(state, body.model)
+    max_model_len = state.config.model.max_model_len
     if (body.prompt is None) == (body.messages is None):
         raise InvalidRequestError("give exactly one of prompt or messages", param="prompt")
     if body.messages is not None:
-        ids = state.tokenizer.encode(state.chat_template.render(body.messages), add_special_tokens=False)
+        ids = state.tokenizer.encode(state.chat_template.render(body.messages), False, max_model_len, "messages")
     else:
-        ids = state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        ids = state.tokenizer.encode(body.prompt, body.add_special_tokens, max_model_len)
     return web.json_response({"tokens": ids, "count": len(ids), "max_model_len": state.config.model.max_model_len})
 
 

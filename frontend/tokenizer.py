@@ -9,7 +9,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from common.errors import ModelDirError
+from common.errors import InvalidRequestError, ModelDirError
 
 
 @lru_cache(maxsize=1)
@@ -46,9 +46,24 @@ class TextTokenizer:
             raise ModelDirError(f"cannot load {path}: {exc}") from None
         self.vocab_size = self._tokenizer.get_vocab_size()
         self.token_bytes, self.strips_leading_space = self._token_bytes(json.loads(self._tokenizer.to_str()))
+        # No token stands for more characters than its vocabulary entry has (byte-level and "▁" pieces map one
+        # character to at most one character), which bounds how long a text of N tokens can be.
+        self.max_chars_per_token = max(len(piece) for piece in self._tokenizer.get_vocab(with_added_tokens=True))
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`, with the special tokens (BOS) the tokenizer's post-processor adds."""
+    def encode(self, text: str, add_special_tokens: bool = True, max_tokens: int | None = None,
+               param: str = "prompt") -> list[int]:
+        """Token ids of `text`, with the special tokens (BOS) the tokenizer's post-processor adds.
+
+        Tokenization holds the GIL, so a text that cannot possibly fit in `max_tokens` tokens is refused before
+        it is tokenized (a 4 MB prompt would otherwise stall the event loop for seconds).
+
+        Raises:
+            InvalidRequestError: `text` has more than 2 * max_tokens * max_chars_per_token characters (the 2 allows
+                for normalizers that merge characters).
+        """
+        if max_tokens is not None and len(text) > 2 * max_tokens * self.max_chars_per_token:
+            raise InvalidRequestError(f"the {param} is far longer than the model's maximum context of {max_tokens} "
+                                      f"tokens ({len(text)} characters)", param=param)
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:

@@ -102,11 +102,13 @@ class _Session:
         client_id = stream.client_id
         try:
             fields = {k: v for k, v in frame.items() if k not in ("type", "id")}
-            if fields.get("n", 1) != 1 or fields.get("stream") is False:
-                raise InvalidRequestError("the websocket streams one choice per generate; leave n and stream out")
+            unsupported = sorted({"n", "stream", "stream_options", "logprobs", "echo"} & fields.keys())
+            if unsupported:
+                raise InvalidRequestError(f"not supported on the websocket: {', '.join(unsupported)} (it streams one "
+                                          f"choice's text per generate)", param=unsupported[0])
             body = decode_body(json.dumps(fields).encode(), CompletionRequest)
             check_model(self.state, body.model)
-            prompts = completion_prompts(body.prompt, self.state.tokenizer.encode, self.state.tokenizer.vocab_size)
+            prompts = completion_prompts(body.prompt, self.state.tokenizer, self.state.config.model.max_model_len)
             if len(prompts) != 1:
                 raise InvalidRequestError("the websocket takes one prompt per generate", param="prompt")
             [generation] = build_generations(self.state, body, prompts, self.state.engine.new_request_id("ws"),

@@ -62,7 +62,7 @@ class BatchEndpoint:
         body = CompletionRequest(prompt=job.prompt, max_tokens=job.max_tokens, temperature=job.temperature,
                                  top_p=job.top_p, top_k=job.top_k, seed=job.seed, stop=job.stop or None,
                                  priority=job.priority, ignore_eos=job.ignore_eos)
-        prompts = completion_prompts(body.prompt, state.tokenizer.encode, state.tokenizer.vocab_size)
+        prompts = completion_prompts(body.prompt, state.tokenizer, state.config.model.max_model_len)
         generations = build_generations(state, body, prompts, state.engine.new_request_id("batch"), body.max_tokens,
                                         None)
         [done] = await collect(generations)

@@ -79,6 +79,8 @@ class Scheduler:
         if len(self.waiting) >= self.config.max_waiting_requests and not self._make_room_for(request):
             return self._reject(client, submit.request_id, 503, "the server is at capacity: waiting queue is full")
         timeout = submit.timeout or self.config.request_timeout
+        if submit.timeout and self.config.request_timeout:  # the server's limit is a cap, not a default only
+            timeout = min(submit.timeout, self.config.request_timeout)
         if timeout > 0:
             request.deadline = submit.arrival_time + timeout
             heapq.heappush(self._deadlines, (request.deadline, request.request_id))
@@ -105,7 +107,7 @@ class Scheduler:
             if request is not None:
                 self.num_timed_out += 1
                 self._finish(request, FinishReason.ERROR, 408,
-                             f"request timed out after {request.deadline - request.arrival_time:g} s")
+                             f"request timed out after {request.deadline - request.arrival_time:.3g} s")
 
     def abort(self, request_ids: list[str]) -> None:
         """End requests now (client gone or cancelled); their blocks return to the pool immediately."""

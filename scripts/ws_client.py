@@ -7,6 +7,7 @@
 import argparse
 import asyncio
 import json
+import os
 import sys
 
 import aiohttp
@@ -18,8 +19,11 @@ async def main() -> int:
     parser.add_argument("--url", default="ws://127.0.0.1:8000/v1/ws")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--api-key", default=os.environ.get("SHUTTLE_API_KEY"),
+                        help="sent as Authorization: Bearer (default: $SHUTTLE_API_KEY)")
     args = parser.parse_args()
-    async with aiohttp.ClientSession() as session, session.ws_connect(args.url) as ws:
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    async with aiohttp.ClientSession(headers=headers) as session, session.ws_connect(args.url) as ws:
         await ws.send_json({"type": "generate", "id": "1", "prompt": args.prompt, "max_tokens": args.max_tokens,
                             "temperature": args.temperature})
         while True:

@@ -234,6 +234,12 @@ async def test_burst_past_the_waiting_bound_gets_exact_503s(bounded_server):
     assert all(status == 200 for status, _ in blocked)
 
 
+async def test_more_sequences_than_the_queue_bound_is_a_400_not_a_503(bounded_server):
+    async with unlimited_session() as session:
+        status, body = await post_completion(session, bounded_server.url, prompt="Hi", max_tokens=2, n=9)
+    assert status == 400 and body["error"]["param"] == "n"
+
+
 async def test_stalled_stream_times_out_with_error_event_and_frees_blocks(bounded_server):
     url = bounded_server.url
     async with unlimited_session() as session:

@@ -244,3 +244,17 @@ async def test_tokenize_detokenize_and_open_health(api_server):
         async with session.post(f"{api_server.url}/tokenize", json={"messages": [{"role": "user", "content": PROMPT}]},
                                 headers=auth) as response:
             assert (await response.json())["tokens"][0] == 1  # the template's bos_token
+
+
+def test_streamed_logprobs_offsets_are_cumulative(client):
+    body = dict(model="stories", prompt=PROMPT, max_tokens=8, temperature=0, logprobs=1)
+    full = client.completions.create(**body).choices[0]
+    chunks = list(client.completions.create(**body, stream=True))
+    offsets = [o for c in chunks for o in c.choices[0].logprobs.text_offset]
+    assert offsets == full.logprobs.text_offset
+    starts, position = [], 0
+    for c in chunks:
+        starts.append(position)
+        position += len(c.choices[0].text)
+    assert [c.choices[0].logprobs.text_offset[0] for c in chunks] == starts
+    assert all(full.text[o:].startswith(t) for o, t in zip(full.logprobs.text_offset, full.logprobs.tokens))
