@@ -145,8 +145,10 @@ async def test_high_priority_requests_start_before_queued_low_priority_ones():
     try:
         async with unlimited_session() as session:
             job = {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
-            lows = [asyncio.create_task(stream_first_token_time(session, srv.url, priority=10, **job))
-                    for _ in range(100)]
+            # Lows run 16 tokens, so a running slot frees only every ~8 steps: the 5 highs reach the scheduler
+            # well before that even on a loaded machine.
+            lows = [asyncio.create_task(stream_first_token_time(session, srv.url, priority=10,
+                                                                **{**job, "max_tokens": 16})) for _ in range(100)]
             while (await health(session, srv.url))["scheduler"]["num_waiting"] < 90:
                 await asyncio.sleep(0.01)
             highs_submitted = time.monotonic()
