@@ -180,11 +180,13 @@ async def _stream(request: web.Request, generations: list[TextGeneration], body:
                             "content": ""}, "logprobs": None, "finish_reason": None}]})
             await send({**envelope, "choices": [make_choice(generation, delta, is_first and not chat)]})
             item = await anext(events, None)
-    except Exception as exc:
-        status = exc.status if isinstance(exc, GenerationError) else 500
-        if status == 500 and not isinstance(exc, GenerationError):
-            request.app.logger.exception("stream failed")
-        await send(error_body(status, str(exc) if isinstance(exc, GenerationError) else "internal server error"))
+    except GenerationError as exc:
+        await send(error_body(exc.status, str(exc)))
+    except ConnectionResetError:
+        raise  # the client is gone: closing `events` below aborts its requests
+    except Exception:
+        request.app.logger.exception("stream failed")
+        await send(error_body(500, "internal server error"))
     else:
         if body.stream_options is not None and body.stream_options.include_usage:
             await send({**envelope, "choices": [], "usage": usage(generations)})
