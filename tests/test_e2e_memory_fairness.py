@@ -54,6 +54,8 @@ async def test_shared_prefix_is_cached_and_outputs_match_with_caching_on_and_off
         cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
         if flag == "--enable-prefix-caching":
             assert cached >= 192 and stats["prefix_cache_hits"] >= 192
+            print(f"prefix caching: second request cached {cached} of {len(prompts[1])} prompt tokens; "
+                  f"hit rate {stats['prefix_cache_hits'] / stats['prefix_cache_queries']:.1%} over both requests")
         else:
             assert cached == 0 and stats["prefix_cache_hits"] == 0
         outputs[flag] = [first["choices"][0]["token_ids"], second["choices"][0]["token_ids"]]
