@@ -16,9 +16,6 @@ class InvalidRequestError(ShuttleError):
         param: the request field at fault (``None`` when no single field is).
     """
 
-    status = 400
-    error_type = "invalid_request_error"
-
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
         self.param = param

@@ -108,7 +108,3 @@ class EngineClient:
         if self._listener is not None:
             self._listener.cancel()
         self._channel.close()
-
-
-def is_error(output: RequestOutput) -> bool:
-    return output.finish_reason == FinishReason.ERROR

@@ -90,8 +90,3 @@ class KVCacheManager:
         table = self.block_tables.pop(request.request_id, [])
         self._block_hashes.pop(request.request_id, None)
         self.pool.release(table[::-1])
-
-    @property
-    def usage(self) -> float:
-        """Fraction of blocks referenced by some request."""
-        return 1.0 - self.pool.num_free / self.pool.num_blocks

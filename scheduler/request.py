@@ -56,8 +56,3 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status == RequestStatus.FINISHED
-
-    def token_at(self, index: int) -> int:
-        """Token id at position `index` of prompt + output, without concatenating the lists."""
-        n_prompt = len(self.prompt_token_ids)
-        return self.prompt_token_ids[index] if index < n_prompt else self.output_token_ids[index - n_prompt]
