@@ -83,6 +83,7 @@ class RequestOutput(msgspec.Struct, **_WIRE):
     error_message: str = ""
     logprobs: list[TokenLogprobs] = []  # one per new token, when the request asked for logprobs
     first_scheduled_time: float = 0.0  # time.time() when the request left the queue (on its first output)
+    prompt_logprobs: list[TokenLogprobs] = []  # prompt tokens 1.. (on the first output), if asked
 
 
 class SchedulerStats(msgspec.Struct, **_WIRE):
@@ -185,6 +186,14 @@ class StepResult(msgspec.Struct, **_WIRE):
     request_ids: list[str]
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None] = []  # aligned with request_ids when any request asked
+    prompt_logprobs: list[PromptLogprobs] = []  # for requests with prompt_logprobs whose prefill ran this step
+
+
+class PromptLogprobs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Logprobs of consecutive prompt tokens computed in one step (the first prompt token has none)."""
+
+    request_id: str
+    entries: list[TokenLogprobs]
 
 
 class WorkerFailed(msgspec.Struct, **_WIRE):

@@ -29,6 +29,8 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
             multiplied when negative (CTRL, Keskar et al. 2019; as in transformers). 1 = off.
         logit_bias: (token id, bias) pairs added to the logits before sampling (OpenAI, bias in [-100, 100]).
         logprobs: None for no log-probabilities; k >= 0 returns the sampled token's and the k most likely.
+        prompt_logprobs: like logprobs, for every prompt token after the first (completions' echo + logprobs).
+            Such a request bypasses the prefix cache: cached tokens have no logits.
     """
 
     max_tokens: int = 16
@@ -45,6 +47,7 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     @property
     def has_penalties(self) -> bool:

@@ -53,6 +53,7 @@ class TextGeneration:
     stop: list[str] = field(default_factory=list)
     include_stop: bool = False
     metrics: RequestMetrics | None = None
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     finish_reason: str | None = None
@@ -86,6 +87,8 @@ class TextGeneration:
                 raise GenerationError(output.error_status or 500, output.error_message)
             self.num_output_tokens += len(output.new_token_ids)
             self.num_cached_tokens = output.num_cached_tokens
+            if output.prompt_logprobs:
+                self.prompt_logprobs = output.prompt_logprobs
             pending_ids.extend(output.new_token_ids)
             pending_logprobs.extend(output.logprobs)
             text = matcher.feed(detokenizer.add(output.new_token_ids))

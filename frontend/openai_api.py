@@ -15,7 +15,7 @@ from frontend.protocol import (
     ChatCompletionRequest, CompletionRequest, SamplingFields, check_logprobs, completion_prompts, decode_body,
     error_body, sampling_params,
 )
-from frontend.responses import chat_logprobs, completion_logprobs
+from frontend.responses import chat_logprobs, completion_logprobs, prompt_logprobs_object
 from frontend.state import STATE, FrontendState
 
 
@@ -29,7 +29,8 @@ def check_model(state: FrontendState, model: str | None) -> None:
 
 
 def build_generations(state: FrontendState, body: SamplingFields, prompts: list[list[int]], request_id: str,
-                      max_tokens: int | None, logprobs: int | None, prompt_param: str = "prompt") -> list[TextGeneration]:
+                      max_tokens: int | None, logprobs: int | None, prompt_param: str = "prompt",
+                      prompt_logprobs: int | None = None) -> list[TextGeneration]:
     """One TextGeneration per (prompt, choice); choice index = prompt index * n + j. With a seed, choice j of a
     prompt samples with seed + j, so the n choices differ yet each is reproducible.
 
@@ -45,7 +46,7 @@ def build_generations(state: FrontendState, body: SamplingFields, prompts: list[
     generations = []
     for p, ids in enumerate(prompts):
         base = sampling_params(body, len(ids), model.max_model_len, state.tokenizer.vocab_size, max_tokens, logprobs,
-                               prompt_param)
+                               prompt_param, prompt_logprobs)
         for j in range(body.n):
             sampling = base if base.seed is None else msgspec.structs.replace(base, seed=(base.seed + j) % 2**64)
             index = p * body.n + j
@@ -66,11 +67,11 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     if body.suffix:
         raise InvalidRequestError("suffix is not supported", param="suffix")
     logprobs = check_logprobs(body.logprobs, "logprobs")
-    if body.echo and logprobs is not None:
-        raise InvalidRequestError("echo together with logprobs (prompt logprobs) is not supported", param="echo")
     prompts = completion_prompts(body.prompt, state.tokenizer, state.config.model.max_model_len)
     request_id = state.engine.new_request_id("cmpl")
-    generations = build_generations(state, body, prompts, request_id, body.max_tokens, logprobs)
+    # echo with logprobs also scores the prompt (how lm-eval-harness computes loglikelihoods)
+    generations = build_generations(state, body, prompts, request_id, body.max_tokens, logprobs,
+                                    prompt_logprobs=logprobs if body.echo else None)
     echo_texts = {}
     if body.echo:
         originals = body.prompt if isinstance(body.prompt, list) and not isinstance(body.prompt[0], int) else [body.prompt]
@@ -85,10 +86,12 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
         prefix = echo_texts.get(g.index, "") if first else ""
         start = emitted.get(g.index, 0) + len(prefix)
         emitted[g.index] = start + len(text)
-        out = {"index": g.index, "text": prefix + text,
-               "logprobs": completion_logprobs(state.tokenizer, token_ids, lps, start, len(text))
-               if logprobs is not None else None,
-               "finish_reason": finish}
+        lp_object = None
+        if logprobs is not None:
+            lp_object = completion_logprobs(state.tokenizer, token_ids, lps, start, len(text))
+            if prefix:
+                lp_object = prompt_logprobs_object(state.tokenizer, g.prompt_token_ids, g.prompt_logprobs, lp_object)
+        out = {"index": g.index, "text": prefix + text, "logprobs": lp_object, "finish_reason": finish}
         if body.return_token_ids:
             out["token_ids"] = token_ids
             if first:

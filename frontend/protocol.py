@@ -155,7 +155,8 @@ def completion_prompts(prompt: Any, tokenizer, max_model_len: int) -> list[list[
 
 
 def sampling_params(request: SamplingFields, num_prompt_tokens: int, max_model_len: int, vocab_size: int,
-                    max_tokens: int | None, logprobs: int | None, prompt_param: str = "prompt") -> SamplingParams:
+                    max_tokens: int | None, logprobs: int | None, prompt_param: str = "prompt",
+                    prompt_logprobs: int | None = None) -> SamplingParams:
     """SamplingParams of one prompt of a request; max_tokens defaults to what is left of max_model_len.
 
     Raises:
@@ -190,7 +191,7 @@ def sampling_params(request: SamplingFields, num_prompt_tokens: int, max_model_l
         stop_token_ids=tuple(request.stop_token_ids or ()), ignore_eos=request.ignore_eos,
         min_tokens=request.min_tokens, presence_penalty=request.presence_penalty,
         frequency_penalty=request.frequency_penalty, repetition_penalty=request.repetition_penalty,
-        logit_bias=_logit_bias(request.logit_bias), logprobs=logprobs)
+        logit_bias=_logit_bias(request.logit_bias), logprobs=logprobs, prompt_logprobs=prompt_logprobs)
     params.validate(vocab_size)
     return params
 

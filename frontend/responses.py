@@ -14,17 +14,38 @@ def completion_logprobs(tokenizer: TextTokenizer, token_ids: list[int], logprobs
     chunks) and `text_length` how long that text is; a token's offset advances by its own text, never past the
     end of the text it belongs to (a byte-fallback token has no text of its own until its character completes).
     """
-    tokens = [tokenizer.token_text(t)[0] for t in token_ids]
-    offsets, advanced = [], 0
-    for token_id in token_ids:
-        offsets.append(text_offset + min(advanced, text_length))
-        advanced += len(tokenizer.token_bytes[token_id].decode(errors="ignore")) if tokenizer.token_bytes else 1
     return {
-        "tokens": tokens,
+        "tokens": [tokenizer.token_text(t)[0] for t in token_ids],
         "token_logprobs": [lp.logprob for lp in logprobs],
         "top_logprobs": [{tokenizer.token_text(i)[0]: v for i, v in zip(lp.top_token_ids, lp.top_logprobs)}
                          for lp in logprobs],
-        "text_offset": offsets,
+        "text_offset": _offsets(tokenizer, token_ids, text_offset, text_length),
+    }
+
+
+def _offsets(tokenizer: TextTokenizer, token_ids: list[int], start: int, text_length: int) -> list[int]:
+    """Where each token's text starts: advancing by each token's own characters, never past the text's end."""
+    offsets, advanced = [], 0
+    for token_id in token_ids:
+        offsets.append(start + min(advanced, text_length))
+        advanced += len(tokenizer.token_bytes[token_id].decode(errors="ignore")) if tokenizer.token_bytes else 1
+    return offsets
+
+
+def prompt_logprobs_object(tokenizer: TextTokenizer, prompt_token_ids: list[int], prompt_logprobs: list[TokenLogprobs],
+                           output: dict) -> dict:
+    """Prepend the echoed prompt's tokens to a completions logprobs object; the first prompt token has no logprob
+    (null), as in OpenAI's legacy API. Prompt offsets count from the start of the echoed text."""
+    echo_length = output["text_offset"][0] if output["text_offset"] else 0
+    prompt = completion_logprobs(tokenizer, prompt_token_ids[1:], prompt_logprobs, 0, echo_length)
+    offsets = _offsets(tokenizer, prompt_token_ids, 0, echo_length)
+    if tokenizer.strips_leading_space and echo_length:  # decoding drops the first visible token's leading space
+        offsets = [offsets[0]] + [max(o - 1, 0) for o in offsets[1:]]
+    return {
+        "tokens": [tokenizer.token_text(prompt_token_ids[0])[0]] + prompt["tokens"] + output["tokens"],
+        "token_logprobs": [None] + prompt["token_logprobs"] + output["token_logprobs"],
+        "top_logprobs": [None] + prompt["top_logprobs"] + output["top_logprobs"],
+        "text_offset": offsets + output["text_offset"],
     }
 
 

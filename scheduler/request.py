@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from common.messages import FinishReason
+from common.messages import FinishReason, TokenLogprobs
 from common.sampling import SamplingParams
 
 
@@ -44,6 +44,7 @@ class Request:
     num_preemptions: int = 0
     first_scheduled_time: float = 0.0  # time.time() when first admitted to the running set
     deadline: float = float("inf")  # time.time() seconds after which the request ends with a timeout error
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # gathered over prefill chunks
 
     @property
     def num_tokens(self) -> int:

@@ -145,7 +145,8 @@ class Scheduler:
         first = len(request.output_token_ids) <= 1
         self._pending_outputs[request.client].append(RequestOutput(
             request.request_id, new_token_ids or [], reason, max(request.num_cached_tokens, 0), status, message,
-            logprobs or [], request.first_scheduled_time if first else 0.0))
+            logprobs or [], request.first_scheduled_time if first else 0.0,
+            request.prompt_logprobs if first else []))
 
     # ---- planning -----------------------------------------------------------------------------------------
 
@@ -182,7 +183,7 @@ class Scheduler:
                 request = self.waiting.peek()
                 if request is None:
                     break
-                cached = self.kv.find_cached_prefix(request)
+                cached = [] if request.sampling.prompt_logprobs is not None else self.kv.find_cached_prefix(request)
                 num_cached = len(cached) * self.kv.block_size
                 num_new = min(request.num_tokens - num_cached, budget)
                 added = self.kv.allocate_slots(request, num_new, cached)
@@ -256,6 +257,10 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is not None and request.status == RequestStatus.RUNNING:
                 request.num_computed_tokens += num_new
+        for chunk in result.prompt_logprobs:
+            request = self.requests.get(chunk.request_id)
+            if request is not None:
+                request.prompt_logprobs.extend(chunk.entries)
         for i, (request_id, token_id) in enumerate(zip(result.request_ids, result.token_ids)):
             request = self.requests.get(request_id)
             if request is None or request.status != RequestStatus.RUNNING:
@@ -266,9 +271,11 @@ class Scheduler:
             if reason is not None:
                 self._finish(request, reason, new_token_ids=[token_id], logprobs=logprobs)
             else:
+                first = len(request.output_token_ids) == 1
                 self._pending_outputs[request.client].append(RequestOutput(
                     request_id, [token_id], None, request.num_cached_tokens, logprobs=logprobs,
-                    first_scheduled_time=request.first_scheduled_time if len(request.output_token_ids) == 1 else 0.0))
+                    first_scheduled_time=request.first_scheduled_time if first else 0.0,
+                    prompt_logprobs=request.prompt_logprobs if first else []))
 
     def _stop_reason(self, request: Request, token_id: int) -> FinishReason | None:
         sampling = request.sampling

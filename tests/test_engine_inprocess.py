@@ -53,3 +53,34 @@ def test_matches_transformers(num_blocks, max_batched, prefix_caching):
         assert scheduler.num_preemptions > 0
     if prefix_caching:
         assert scheduler.kv.prefix_hits > 0
+
+
+def test_prompt_logprobs_across_prefill_chunks_and_preemption():
+    import torch
+
+    from tests.conftest import hf_model
+
+    rng = random.Random(5)
+    prompts = [[1] + [rng.randrange(3, 512) for _ in range(n)] for n in (60, 45, 90)]
+    model = ModelConfig.from_dir(MODEL_DIR)
+    config = ShuttleConfig(model=model, ipc=IpcConfig.in_directory("/nonexistent"),
+                           cache=CacheConfig(16, 14), scheduler=SchedulerConfig(max_num_batched_tokens=7))
+    runner = ModelRunner(config)
+    scheduler = Scheduler(config.scheduler, KVCacheManager(14, 16), model.max_model_len, model.eos_token_ids)
+    for i, prompt in enumerate(prompts):
+        params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
+        scheduler.add_request(b"c", Submit(str(i), prompt, params, time.time() + i))
+    got = {}
+    while scheduler.has_work:
+        step = scheduler.schedule()
+        scheduler.update_from_output(step, runner.execute(step.plan))
+        for out in scheduler.take_outputs().get(b"c", []):
+            if out.prompt_logprobs:
+                assert out.request_id not in got  # sent once, even after a preemption recomputed the prompt
+                got[out.request_id] = [lp.logprob for lp in out.prompt_logprobs]
+    assert scheduler.num_preemptions > 0
+    for i, prompt in enumerate(prompts):
+        with torch.inference_mode():
+            reference = hf_model()(torch.tensor([prompt])).logits[0].log_softmax(-1)
+        want = reference[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+        assert torch.allclose(torch.tensor(got[str(i)]), want, atol=1e-4)

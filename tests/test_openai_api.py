@@ -258,3 +258,20 @@ def test_streamed_logprobs_offsets_are_cumulative(client):
         position += len(c.choices[0].text)
     assert [c.choices[0].logprobs.text_offset[0] for c in chunks] == starts
     assert all(full.text[o:].startswith(t) for o, t in zip(full.logprobs.text_offset, full.logprobs.tokens))
+
+
+def test_echo_with_logprobs_scores_the_prompt_like_transformers(client):
+    """lm-eval-harness's loglikelihood call: echo + logprobs returns every prompt token's logprob."""
+    ids = hf_tokenizer()(PROMPT + ", there was a dog").input_ids
+    with torch.inference_mode():
+        reference = hf_model()(torch.tensor([ids])).logits[0].log_softmax(-1)
+    for _ in range(2):  # the second time the prompt is in the prefix cache, which echo + logprobs must bypass
+        result = client.completions.create(model="stories", prompt=ids, max_tokens=1, temperature=0, echo=True,
+                                           logprobs=2)
+        lp = result.choices[0].logprobs
+        assert len(lp.tokens) == len(ids) + 1 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        want = reference[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+        assert torch.allclose(torch.tensor(lp.token_logprobs[1:len(ids)]), want, atol=1e-4)
+        assert all(len(top) == 2 for top in lp.top_logprobs[1:])
+        assert result.choices[0].text.startswith(hf_tokenizer().decode(ids, skip_special_tokens=True))
+        assert lp.text_offset == sorted(lp.text_offset)

@@ -26,6 +26,7 @@ class CachedRequestState:
     sampling: SamplingState
     block_ids: list[int]
     num_computed_tokens: int = 0
+    next_prompt_logprob: int = 0  # first prompt position whose logits (predicting the next token) are not sent yet
 
 
 @dataclass
@@ -37,6 +38,8 @@ class PackedBatch:
         sample_rows: int64 [S], rows whose logits are sampled (the last scheduled token of each sequence
             whose chunk reaches the end of its known tokens).
         sampled_requests: the S requests, in row order.
+        prompt_rows: per request asking for prompt logprobs, (state, rows, next prompt token ids): logits are
+            also kept at those rows, after the S sampling rows, in this order.
     """
 
     input_ids: torch.Tensor
@@ -44,6 +47,13 @@ class PackedBatch:
     attention: PagedAttentionMetadata
     sample_rows: torch.Tensor
     sampled_requests: list[CachedRequestState] = field(default_factory=list)
+    prompt_rows: list[tuple[CachedRequestState, list[int], list[int]]] = field(default_factory=list)
+
+    @property
+    def logits_rows(self) -> torch.Tensor:
+        """int64: the rows whose logits the model computes (sampling rows, then prompt-logprob rows)."""
+        extra = [r for _, rows, _ in self.prompt_rows for r in rows]
+        return torch.cat([self.sample_rows, torch.tensor(extra, dtype=torch.long)]) if extra else self.sample_rows
 
 
 class InputBatch:
@@ -91,6 +101,7 @@ class InputBatch:
         sequences: list[SequenceAttention] = []
         sample_rows: list[int] = []
         sampled: list[CachedRequestState] = []
+        prompt_rows: list[tuple[CachedRequestState, list[int], list[int]]] = []
         bs = self.block_size
         for state, num_new in scheduled:
             start, end = state.num_computed_tokens, state.num_computed_tokens + num_new
@@ -104,9 +115,16 @@ class InputBatch:
             if end == len(state.token_ids):
                 sample_rows.append(row + num_new - 1)
                 sampled.append(state)
+            if state.sampling.params.prompt_logprobs is not None:
+                # position p's logits predict token p + 1; the last prompt position is the ordinary sample
+                first, last = max(start, state.next_prompt_logprob), min(end, state.sampling.prompt_len - 1)
+                if first < last:
+                    prompt_rows.append((state, [row + p - start for p in range(first, last)],
+                                        state.token_ids[first + 1:last + 1]))
+                    state.next_prompt_logprob = last
         attention = PagedAttentionMetadata(self.kv_caches, torch.cat(slots), sequences)
         return PackedBatch(torch.tensor(input_ids), torch.cat(positions), attention,
-                           torch.tensor(sample_rows, dtype=torch.long), sampled)
+                           torch.tensor(sample_rows, dtype=torch.long), sampled, prompt_rows)
 
 
 def _chunk_mask(start: int, end: int) -> torch.Tensor | None:

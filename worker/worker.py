@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from common.config import ShuttleConfig
-from common.messages import StepPlan, StepResult
+from common.messages import PromptLogprobs, StepPlan, StepResult, TokenLogprobs
 from worker.input_batch import InputBatch
 from worker.kv_cache import KVCache
 from worker.model_loader import DTYPES, kv_geometry, load_model
@@ -45,16 +45,33 @@ class ModelRunner:
         output = self.model(
             input_ids=packed.input_ids.unsqueeze(0).to(self.device),
             position_ids=packed.positions.unsqueeze(0).to(self.device),
-            logits_to_keep=packed.sample_rows.to(self.device),
+            logits_to_keep=packed.logits_rows.to(self.device),
             use_cache=False,
             paged_attention=packed.attention,
         )
-        if not packed.sampled_requests:
-            return StepResult(plan.step_id, [], [])
-        logits = output.logits[0]  # [S, vocab]
+        logits = output.logits[0]  # [S + prompt-logprob rows, vocab]
         requests = packed.sampled_requests
-        sampled = self.sampler(logits, [r.sampling for r in requests], [r.token_ids for r in requests])
+        prompt_logprobs = self._prompt_logprobs(logits[len(requests):], packed.prompt_rows)
+        if not requests:
+            return StepResult(plan.step_id, [], [], prompt_logprobs=prompt_logprobs)
+        sampled = self.sampler(logits[:len(requests)], [r.sampling for r in requests], [r.token_ids for r in requests])
         for state, token in zip(requests, sampled.token_ids):
             state.token_ids.append(token)
             state.sampling.record(token)
-        return StepResult(plan.step_id, [r.request_id for r in requests], sampled.token_ids, sampled.logprobs or [])
+        return StepResult(plan.step_id, [r.request_id for r in requests], sampled.token_ids, sampled.logprobs or [],
+                          prompt_logprobs)
+
+    @staticmethod
+    def _prompt_logprobs(logits: torch.Tensor, prompt_rows) -> list[PromptLogprobs]:
+        """Raw log-softmax at prompt positions: the logprob of each next prompt token and the top k."""
+        out, offset = [], 0
+        for state, rows, targets in prompt_rows:
+            log_softmax = logits[offset:offset + len(rows)].float().log_softmax(dim=-1)  # [rows, vocab]
+            offset += len(rows)
+            k = state.sampling.params.prompt_logprobs
+            top = log_softmax.topk(k, dim=-1) if k else None
+            chosen = log_softmax[torch.arange(len(rows)), torch.tensor(targets)].tolist()
+            out.append(PromptLogprobs(state.request_id, [
+                TokenLogprobs(chosen[i], top.indices[i].tolist() if top else [], top.values[i].tolist() if top else [])
+                for i in range(len(rows))]))
+        return out
