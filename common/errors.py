@@ -9,6 +9,19 @@ class ModelDirError(ShuttleError):
     """The model directory is missing or its config files cannot be read."""
 
 
+class GenerationError(ShuttleError):
+    """An accepted request ended with an error output from the scheduler (status: HTTP-like code, e.g. 503 queue
+    full, 408 timeout, 500 model failure)."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+class ModelNotFoundError(ShuttleError):
+    """The request names a model this server does not serve: HTTP 404."""
+
+
 class InvalidRequestError(ShuttleError):
     """A request that can never run as given: HTTP 400, OpenAI type ``invalid_request_error``.
 

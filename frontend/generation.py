@@ -5,20 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
+from common.errors import GenerationError
 from common.messages import FinishReason, TokenLogprobs
 from common.sampling import SamplingParams
 from frontend.engine_client import EngineClient
 from frontend.metrics import RequestMetrics
 from frontend.stop import StopStringMatcher
 from frontend.tokenizer import IncrementalDetokenizer, TextTokenizer
-
-
-class GenerationError(Exception):
-    """The request ended with an error output from the scheduler (status: HTTP-like code)."""
-
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status = status
 
 
 @dataclass

@@ -6,10 +6,8 @@ import hmac
 
 from aiohttp import web
 
-from common.errors import InvalidRequestError
-from frontend.generation import GenerationError
-from frontend.openai_api import ModelNotFound
-from frontend.protocol import error_body
+from common.errors import GenerationError, InvalidRequestError, ModelNotFoundError
+from frontend.protocol import client_error, error_body
 from frontend.state import STATE
 
 OPEN_PATHS = ("/health", "/metrics")
@@ -24,13 +22,11 @@ async def openai_errors(request: web.Request, handler) -> web.StreamResponse:
     """Turn every failure into an OpenAI error body with the right status; never a stack trace to the client."""
     try:
         return await handler(request)
-    except InvalidRequestError as exc:
-        request.app[STATE].metrics.rejected.labels("invalid").inc()
-        return _error(400, str(exc), exc.param)
-    except ModelNotFound as exc:
-        return _error(404, str(exc), "model")
-    except GenerationError as exc:
-        return _error(exc.status, str(exc), headers={"Retry-After": "1"} if exc.status == 503 else None)
+    except (InvalidRequestError, ModelNotFoundError, GenerationError) as exc:
+        status, param = client_error(exc)
+        if isinstance(exc, InvalidRequestError):
+            request.app[STATE].metrics.rejected.labels("invalid").inc()
+        return _error(status, str(exc), param, headers={"Retry-After": "1"} if status == 503 else None)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise

@@ -8,9 +8,9 @@ import time
 import msgspec
 from aiohttp import web
 
-from common.errors import InvalidRequestError
+from common.errors import GenerationError, InvalidRequestError, ModelNotFoundError
 from frontend.choices import collect, merge, usage
-from frontend.generation import GenerationError, TextGeneration
+from frontend.generation import TextGeneration
 from frontend.protocol import (
     ChatCompletionRequest, CompletionRequest, SamplingFields, check_logprobs, completion_prompts, decode_body,
     error_body, sampling_params,
@@ -19,13 +19,9 @@ from frontend.responses import chat_logprobs, completion_logprobs, prompt_logpro
 from frontend.state import STATE, FrontendState
 
 
-class ModelNotFound(Exception):
-    """The request names a model this server does not serve (HTTP 404)."""
-
-
 def check_model(state: FrontendState, model: str | None) -> None:
     if model is not None and model != state.model_name:
-        raise ModelNotFound(f"The model `{model}` does not exist; this server serves `{state.model_name}`")
+        raise ModelNotFoundError(f"The model `{model}` does not exist; this server serves `{state.model_name}`")
 
 
 def build_generations(state: FrontendState, body: SamplingFields, prompts: list[list[int]], request_id: str,

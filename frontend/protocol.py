@@ -8,7 +8,7 @@ from typing import Any
 
 import msgspec
 
-from common.errors import InvalidRequestError
+from common.errors import GenerationError, InvalidRequestError, ModelNotFoundError
 from common.sampling import MAX_LOGPROBS, SamplingParams
 
 MAX_N = 16  # most choices per request
@@ -218,6 +218,20 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "
                405: "invalid_request_error", 408: "timeout_error", 413: "invalid_request_error",
                415: "invalid_request_error", 429: "rate_limit_error", 500: "internal_server_error",
                503: "service_unavailable_error"}
+
+
+def client_error(exc: BaseException) -> tuple[int, str | None] | None:
+    """(HTTP status, param) for an error that is the client's to see, or None for an internal failure.
+
+    The one mapping shared by HTTP, the WebSocket and the batch endpoint.
+    """
+    if isinstance(exc, InvalidRequestError):
+        return 400, exc.param
+    if isinstance(exc, ModelNotFoundError):
+        return 404, "model"
+    if isinstance(exc, GenerationError):
+        return exc.status, None
+    return None
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict:

@@ -23,9 +23,9 @@ from aiohttp import WSMsgType, web
 
 from common.errors import InvalidRequestError
 from frontend.choices import usage
-from frontend.generation import GenerationError, TextGeneration
-from frontend.openai_api import ModelNotFound, build_generations, check_model
-from frontend.protocol import CompletionRequest, completion_prompts, decode_body, error_body
+from frontend.generation import TextGeneration
+from frontend.openai_api import build_generations, check_model
+from frontend.protocol import CompletionRequest, client_error, completion_prompts, decode_body, error_body
 from frontend.state import STATE, FrontendState
 
 log = logging.getLogger("shuttle.frontend")
@@ -122,16 +122,13 @@ class _Session:
             await self.end(stream, self._done(stream, generation.finish_reason))
         except asyncio.CancelledError:
             await self.end(stream, self._done(stream, "abort"))
-        except InvalidRequestError as exc:
-            await self.end(stream, {"type": "error", "id": client_id, "error": error_body(400, str(exc), exc.param)["error"]})
-        except ModelNotFound as exc:
-            await self.end(stream, {"type": "error", "id": client_id, "error": error_body(404, str(exc), "model")["error"]})
-        except GenerationError as exc:
-            await self.end(stream, {"type": "error", "id": client_id, "error": error_body(exc.status, str(exc))["error"]})
-        except Exception:
-            log.exception("websocket generation %s failed", client_id)
-            await self.end(stream, {"type": "error", "id": client_id,
-                                    "error": error_body(500, "internal server error")["error"]})
+        except Exception as exc:
+            known = client_error(exc)
+            if known is None:
+                log.exception("websocket generation %s failed", client_id)
+            status, param = known or (500, None)
+            message = str(exc) if known else "internal server error"
+            await self.end(stream, {"type": "error", "id": client_id, "error": error_body(status, message, param)["error"]})
 
 
 async def websocket_handler(request: web.Request) -> web.WebSocketResponse:

@@ -13,13 +13,11 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from common.errors import InvalidRequestError
 from common.ipc import AsyncChannel
 from common.messages import BatchClientMessage, BatchJob, BatchResult
 from frontend.choices import collect
-from frontend.generation import GenerationError
 from frontend.openai_api import build_generations
-from frontend.protocol import CompletionRequest, completion_prompts
+from frontend.protocol import CompletionRequest, client_error, completion_prompts
 from frontend.state import FrontendState
 
 log = logging.getLogger("shuttle.frontend")
@@ -49,12 +47,12 @@ class BatchEndpoint:
     async def _run(self, client: bytes, job: BatchJob) -> None:
         try:
             result = await self._complete(job)
-        except (InvalidRequestError, GenerationError) as exc:
-            status = exc.status if isinstance(exc, GenerationError) else 400
-            result = BatchResult(job.job_id, error_status=status, error_message=str(exc))
-        except Exception:
-            log.exception("batch job %s failed", job.job_id)
-            result = BatchResult(job.job_id, error_status=500, error_message="internal server error")
+        except Exception as exc:
+            known = client_error(exc)
+            if known is None:
+                log.exception("batch job %s failed", job.job_id)
+            result = BatchResult(job.job_id, error_status=known[0] if known else 500,
+                                 error_message=str(exc) if known else "internal server error")
         await self.channel.send(result, identity=client)
 
     async def _complete(self, job: BatchJob) -> BatchResult:

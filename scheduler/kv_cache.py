@@ -24,8 +24,9 @@ class KVCacheManager:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_caching)
         self.block_tables: dict[str, list[int]] = {}
-        self._block_hashes: dict[str, list[int]] = {}
-        self.prefix_queries = 0  # prompt tokens looked up, summed over lookups
+        self._block_hashes: dict[str, list[tuple[int, tuple[int, ...]]]] = {}
+        self._num_registered: dict[str, int] = {}  # leading table blocks already indexed in the pool
+        self.prefix_queries = 0  # prompt tokens looked up, summed over admitted requests
         self.prefix_hits = 0  # of which found cached
 
     def blocks_needed(self, num_tokens: int) -> int:
@@ -36,22 +37,20 @@ class KVCacheManager:
 
         At least one token is always left to compute, because the step that computes it samples the next.
         """
-        self.prefix_queries += request.num_tokens
         if not self.pool.enable_caching:
             return []
         hits: list[int] = []
-        parent: int | None = None
-        tokens = request.all_token_ids
-        for start in range(0, (len(tokens) - 1) // self.block_size * self.block_size, self.block_size):
-            chunk = tuple(tokens[start:start + self.block_size])
-            block_hash = hash((parent, chunk))
+        for block_hash, chunk in self._full_blocks(request, (request.num_tokens - 1) // self.block_size):
             block_id = self.pool.lookup(block_hash, chunk)
             if block_id is None:
                 break
             hits.append(block_id)
-            parent = block_hash
-        self.prefix_hits += len(hits) * self.block_size
         return hits
+
+    def record_prefix_lookup(self, num_tokens: int, num_cached_tokens: int) -> None:
+        """Count one admitted request's lookup (failed admissions retry and are not counted twice)."""
+        self.prefix_queries += num_tokens
+        self.prefix_hits += num_cached_tokens
 
     def allocate_slots(self, request: Request, num_new_tokens: int, cached_blocks: list[int] = ()) -> list[int] | None:
         """Make room for `num_new_tokens` more tokens after the computed (and `cached_blocks`) ones.
@@ -72,21 +71,33 @@ class KVCacheManager:
         self._cache_full_blocks(request, table, covered)
         return added
 
+    def _full_blocks(self, request: Request, num_blocks: int) -> list[tuple[int, tuple[int, ...]]]:
+        """(chained hash, token ids) of the request's first `num_blocks` full blocks, each computed once per request
+        (tokens are only ever appended, so they stay valid across preemption)."""
+        blocks = self._block_hashes.setdefault(request.request_id, [])
+        if len(blocks) < num_blocks:
+            tokens = request.all_token_ids
+            for index in range(len(blocks), num_blocks):
+                chunk = tuple(tokens[index * self.block_size:(index + 1) * self.block_size])
+                blocks.append((hash((blocks[-1][0] if blocks else None, chunk)), chunk))
+        return blocks[:num_blocks]
+
     def _cache_full_blocks(self, request: Request, table: list[int], num_covered_tokens: int) -> None:
+        """Index the table's newly full blocks in the pool, so later requests can share them."""
         if not self.pool.enable_caching:
             return
-        hashes = self._block_hashes.setdefault(request.request_id, [])
-        tokens = None
-        for index in range(len(hashes), num_covered_tokens // self.block_size):
-            if tokens is None:
-                tokens = request.all_token_ids
-            chunk = tuple(tokens[index * self.block_size:(index + 1) * self.block_size])
-            block_hash = hash((hashes[-1] if hashes else None, chunk))
-            self.pool.cache(table[index], block_hash, chunk)
-            hashes.append(block_hash)
+        registered = self._num_registered.get(request.request_id, 0)
+        full = num_covered_tokens // self.block_size
+        if full > registered:
+            for index, (block_hash, chunk) in enumerate(self._full_blocks(request, full)[registered:], registered):
+                self.pool.cache(table[index], block_hash, chunk)
+            self._num_registered[request.request_id] = full
 
-    def free(self, request: Request) -> None:
-        """Release the request's blocks (tail first); full ones stay findable in the prefix cache."""
+    def free(self, request: Request, finished: bool = True) -> None:
+        """Release the request's blocks (tail first); full ones stay findable in the prefix cache. A preempted
+        request (finished=False) keeps its block hashes for when it resumes."""
         table = self.block_tables.pop(request.request_id, [])
-        self._block_hashes.pop(request.request_id, None)
+        self._num_registered.pop(request.request_id, None)
+        if finished:
+            self._block_hashes.pop(request.request_id, None)
         self.pool.release(table[::-1])

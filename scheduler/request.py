@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from common.messages import FinishReason, TokenLogprobs
+from common.messages import TokenLogprobs
 from common.sampling import SamplingParams
 
 
@@ -40,10 +40,9 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1
     status: RequestStatus = RequestStatus.WAITING
-    finish_reason: FinishReason | None = None
-    num_preemptions: int = 0
     first_scheduled_time: float = 0.0  # time.time() when first admitted to the running set
     deadline: float = float("inf")  # time.time() seconds after which the request ends with a timeout error
+    has_output: bool = False  # an output was sent (the first one carries the once-only fields)
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # gathered over prefill chunks
 
     @property
@@ -53,7 +52,3 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status == RequestStatus.FINISHED

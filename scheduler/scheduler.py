@@ -123,6 +123,16 @@ class Scheduler:
             if request is not None:
                 self._finish(request, FinishReason.ERROR, status, message)
 
+    def _emit(self, request: Request, token_ids: list[int], reason: FinishReason | None = None,
+              logprobs: list[TokenLogprobs] | None = None, status: int = 0, message: str = "") -> None:
+        """Queue one output for the request's frontend; its first output also carries what is sent once
+        (when it left the queue, and the prompt's logprobs)."""
+        first = not request.has_output
+        request.has_output = True
+        self._pending_outputs[request.client].append(RequestOutput(
+            request.request_id, token_ids, reason, max(request.num_cached_tokens, 0), status, message, logprobs or [],
+            request.first_scheduled_time if first else 0.0, request.prompt_logprobs if first else []))
+
     def _reject(self, client: bytes, request_id: str, status: int, message: str) -> None:
         self.num_rejected += 1
         self._pending_outputs[client].append(
@@ -136,17 +146,12 @@ class Scheduler:
             self.waiting.remove(request.request_id)
         self.kv.free(request)
         request.status = RequestStatus.FINISHED
-        request.finish_reason = reason
         del self.requests[request.request_id]
         self._needs_full_block_table.discard(request.request_id)
         if request.request_id in self._known_to_worker:
             self._known_to_worker.discard(request.request_id)
             self._finished_since_plan.append(request.request_id)
-        first = len(request.output_token_ids) <= 1
-        self._pending_outputs[request.client].append(RequestOutput(
-            request.request_id, new_token_ids or [], reason, max(request.num_cached_tokens, 0), status, message,
-            logprobs or [], request.first_scheduled_time if first else 0.0,
-            request.prompt_logprobs if first else []))
+        self._emit(request, new_token_ids or [], reason, logprobs, status, message)
 
     # ---- planning -----------------------------------------------------------------------------------------
 
@@ -190,6 +195,8 @@ class Scheduler:
                 if added is None:
                     break
                 self.waiting.pop()
+                if request.sampling.prompt_logprobs is None:
+                    self.kv.record_prefix_lookup(request.num_tokens, num_cached)
                 if request.num_cached_tokens < 0:
                     request.num_cached_tokens = num_cached
                     request.first_scheduled_time = time.time()
@@ -217,10 +224,9 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
-        self.kv.free(request)
+        self.kv.free(request, finished=False)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
-        request.num_preemptions += 1
         self.num_preemptions += 1
         if request.request_id in self._known_to_worker:
             self._preempted_since_plan.append(request.request_id)
@@ -271,11 +277,7 @@ class Scheduler:
             if reason is not None:
                 self._finish(request, reason, new_token_ids=[token_id], logprobs=logprobs)
             else:
-                first = len(request.output_token_ids) == 1
-                self._pending_outputs[request.client].append(RequestOutput(
-                    request_id, [token_id], None, request.num_cached_tokens, logprobs=logprobs,
-                    first_scheduled_time=request.first_scheduled_time if first else 0.0,
-                    prompt_logprobs=request.prompt_logprobs if first else []))
+                self._emit(request, [token_id], logprobs=logprobs)
 
     def _stop_reason(self, request: Request, token_id: int) -> FinishReason | None:
         sampling = request.sampling

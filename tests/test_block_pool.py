@@ -68,6 +68,7 @@ def test_random_operations_never_leak():
             request = make_request(rid, tokens)
             hits = kv.find_cached_prefix(request)
             if kv.allocate_slots(request, len(tokens) - len(hits) * 4, hits) is not None:
+                kv.record_prefix_lookup(len(tokens), len(hits) * 4)
                 live[rid] = request
         kv.pool.check_invariants()
     for request in live.values():
@@ -75,3 +76,15 @@ def test_random_operations_never_leak():
     kv.pool.check_invariants()
     assert kv.pool.num_free == 32
     assert kv.prefix_hits > 0
+
+
+def test_preempted_request_keeps_its_hashes_and_finds_its_own_blocks():
+    kv = KVCacheManager(num_blocks=6, block_size=4)
+    request = make_request("a", list(range(1, 14)))  # 13 tokens: 3 full blocks
+    kv.allocate_slots(request, 13)
+    table = list(kv.block_tables["a"])
+    kv.free(request, finished=False)  # preempted: blocks return, still indexed
+    assert kv.find_cached_prefix(request) == table[:3]
+    kv.free(request)
+    kv.pool.check_invariants()
+    assert kv.pool.num_free == 6

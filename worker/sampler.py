@@ -30,6 +30,9 @@ class SamplingState:
         self.generator = torch.Generator().manual_seed(params.seed % 2**64) if params.seed is not None else None
         self.output_counts: torch.Tensor | None = None
         self.seen: torch.Tensor | None = None
+        # logit_bias as tensors once, not every step: int64 ids [B], float32 biases [B]
+        self.bias_ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.long)
+        self.bias_values = torch.tensor([b for _, b in params.logit_bias], dtype=torch.float32)
 
     def penalty_tensors(self, token_ids: list[int], vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.output_counts is None:
@@ -112,8 +115,7 @@ class Sampler:
         for i, state in enumerate(states):
             params = state.params
             if params.logit_bias:
-                ids = torch.tensor([t for t, _ in params.logit_bias])
-                logits[i, ids] += torch.tensor([b for _, b in params.logit_bias])
+                logits[i, state.bias_ids] += state.bias_values
             if len(token_ids[i]) - state.prompt_len < params.min_tokens:
                 stop_ids = list(params.stop_token_ids) + ([] if params.ignore_eos else list(self.eos_token_ids))
                 if stop_ids:
