@@ -6,7 +6,7 @@ import argparse
 import re
 import sys
 
-from common.config import DEFAULT_MODEL_DIR, CacheConfig, SchedulerConfig
+from common.config import DEFAULT_MODEL_DIR, CacheConfig, SchedulerConfig, WorkerConfig
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--request-timeout", type=float, default=sched.request_timeout,
                        help="seconds from arrival after which an unfinished request ends with an error "
                             "(0: never; a request's own `timeout` field can ask for less or more)")
+    serve.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=sched.async_scheduling,
+                       help="plan the next step while the worker runs the current one (two steps in flight); "
+                            "--no-async-scheduling plans, waits and settles one step at a time")
     serve.add_argument("--block-size", type=_positive, default=cache.block_size, help="tokens per KV block")
     serve.add_argument("--num-kv-blocks", type=_positive, default=None,
                        help="fixed number of KV blocks (overrides --kv-cache-memory)")
@@ -65,6 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="bytes for the KV cache, e.g. 512MiB")
     serve.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                        default=cache.enable_prefix_caching, help="share KV blocks of identical prompt prefixes")
+    serve.add_argument("--attention-backend", choices=["auto", "cpu", "reference"],
+                       default=WorkerConfig().attention_backend,
+                       help="auto: cpu on a CPU; cpu: numba paged decode kernel + per-sequence prefill; reference: "
+                            "one sequence at a time with torch SDPA")
     serve.add_argument("--chat-template", default=None, metavar="FILE",
                        help="Jinja chat template overriding the one in tokenizer_config.json")
     serve.add_argument("--api-key", default=None,

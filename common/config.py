@@ -51,12 +51,13 @@ class ModelConfig:
             raise ModelDirError(f"model directory {str(path)!r} does not exist")
         hf_config = _read_json(path / "config.json")
         generation = _read_json(path / "generation_config.json") if (path / "generation_config.json").exists() else {}
-        limit = hf_config.get("max_position_embeddings")
-        if not isinstance(limit, int) or limit <= 0:
-            raise ModelDirError(f"{path / 'config.json'} has no positive max_position_embeddings")
+        limit = context_limit(hf_config)
         if max_model_len is None:
+            if limit is None:
+                raise ModelDirError(f"{path / 'config.json'} names no context limit ({', '.join(CONTEXT_LIMIT_KEYS)}); "
+                                    f"pass --max-model-len")
             max_model_len = limit
-        elif not 0 < max_model_len <= limit:
+        elif limit is not None and not 0 < max_model_len <= limit:
             raise ModelDirError(f"--max-model-len {max_model_len} is outside 1..{limit} for this model")
         eos = generation.get("eos_token_id", hf_config.get("eos_token_id"))
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
@@ -67,6 +68,21 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             dtype=dtype,
         )
+
+
+# Names architectures give their position limit, in the order vLLM's and transformers' configs are read.
+CONTEXT_LIMIT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "max_seq_len",
+                      "n_ctx", "max_seq_length")
+
+
+def context_limit(hf_config: dict) -> int | None:
+    """The model's position limit in tokens from its config.json (or its text_config), None if it names none."""
+    for config in (hf_config, hf_config.get("text_config") or {}):
+        for key in CONTEXT_LIMIT_KEYS:
+            value = config.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return None
 
 
 def _batch_endpoint(args: argparse.Namespace) -> str:
@@ -116,6 +132,7 @@ class SchedulerConfig:
         scheduling_policy: "fcfs" (arrival order) or "priority" (request field `priority`, lower first).
         priority_aging_seconds: under "priority", seconds of waiting worth one priority level (0: no aging).
         request_timeout: seconds from arrival after which an unfinished request ends with an error (0: never).
+        async_scheduling: plan step N+1 while the worker runs step N (at most two steps in flight).
     """
 
     max_num_seqs: int = 128
@@ -124,6 +141,19 @@ class SchedulerConfig:
     scheduling_policy: str = "fcfs"
     priority_aging_seconds: float = 10.0
     request_timeout: float = 0.0
+    async_scheduling: bool = True
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """How the worker executes steps.
+
+    Attributes:
+        attention_backend: "auto" (cpu on a CPU), "cpu" (numba paged decode kernel + per-sequence prefill) or
+            "reference" (one sequence at a time with torch SDPA).
+    """
+
+    attention_backend: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -155,6 +185,7 @@ class ShuttleConfig:
     ipc: IpcConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    worker: WorkerConfig = field(default_factory=WorkerConfig)
     host: str = "127.0.0.1"
     port: int = 8000
     # Test-only: seconds the worker sleeps in every step, to show the frontend never waits on the model.
@@ -172,7 +203,9 @@ class ShuttleConfig:
             ipc=ipc,
             cache=CacheConfig(args.block_size, args.num_kv_blocks, args.kv_cache_memory, args.enable_prefix_caching),
             scheduler=SchedulerConfig(args.max_num_seqs, max_batched, args.max_waiting_requests,
-                                      args.scheduling_policy, args.priority_aging_seconds, args.request_timeout),
+                                      args.scheduling_policy, args.priority_aging_seconds, args.request_timeout,
+                                      args.async_scheduling),
+            worker=WorkerConfig(args.attention_backend),
             host=args.host,
             port=args.port,
             debug_step_delay=args.debug_step_delay,

@@ -136,7 +136,8 @@ def _run(config: ShuttleConfig, api_key: str | None) -> int:
         supervisor.start(api_key)
         ready = _wait_until_ready(supervisor, control)
         if ready is None:
-            return 1
+            dead = supervisor.dead_child()
+            return 2 if dead is not None and dead[1].returncode == 2 else 1  # 2: a child refused the model
         _announce(config, supervisor, ready)
         while True:
             dead = supervisor.dead_child()

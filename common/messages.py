@@ -107,9 +107,11 @@ class SchedulerStats(msgspec.Struct, **_WIRE):
 
 
 class StepOutputs(msgspec.Struct, **_WIRE):
-    """All outputs for one frontend from one step (or from one admission decision)."""
+    """All outputs for one frontend from one step (or from one admission decision), with the scheduler's stats
+    after it riding along (None when unchanged since the last message to this frontend)."""
 
     outputs: list[RequestOutput]
+    stats: SchedulerStats | None = None
 
 
 class SchedulerInfo(msgspec.Struct, **_WIRE):
@@ -126,7 +128,9 @@ SchedulerMessage = StepOutputs | SchedulerStats | SchedulerInfo
 # ---- scheduler -> worker (PUSH -> PULL) -------------------------------------------------------------------
 
 class NewRequestData(msgspec.Struct, **_WIRE):
-    """First time the worker sees a request: everything it keeps for the request's life."""
+    """First time the worker sees a request (or again after a preemption): everything it keeps for the request's
+    life. `token_ids` are the prompt followed by the outputs known so far; the first `prompt_len` are the prompt
+    (0: all of them)."""
 
     request_id: str
     token_ids: list[int]
@@ -134,30 +138,28 @@ class NewRequestData(msgspec.Struct, **_WIRE):
     block_ids: list[int]
     num_computed_tokens: int
     num_scheduled_tokens: int
+    prompt_len: int = 0
 
 
 class CachedRequestData(msgspec.Struct, **_WIRE):
-    """A request the worker already holds: only what changed since the last step.
-
-    `resumed` means the request was preempted: `new_block_ids` is then its whole new block table.
-    """
+    """A request the worker already holds: only what changed since the last step. The step computes tokens
+    [num_computed_tokens, num_computed_tokens + num_scheduled_tokens); a decode's input token is the one the
+    worker itself sampled in the previous step."""
 
     request_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
     num_scheduled_tokens: int
-    resumed: bool = False
 
 
 class StepPlan(msgspec.Struct, **_WIRE):
-    """One forward pass. `finished_ids` are dropped by the worker before the step; `preempted_ids` lose
-    their block tables but keep their sampling state."""
+    """One forward pass. The worker forgets `finished_ids` before the step (finished, aborted or preempted: a
+    preempted request comes back later as a new request with all its known tokens)."""
 
     step_id: int
     new_requests: list[NewRequestData]
     cached_requests: list[CachedRequestData]
     finished_ids: list[str] = []
-    preempted_ids: list[str] = []
 
 
 class Shutdown(msgspec.Struct, **_WIRE):
@@ -190,10 +192,12 @@ class StepResult(msgspec.Struct, **_WIRE):
 
 
 class PromptLogprobs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """Logprobs of consecutive prompt tokens computed in one step (the first prompt token has none)."""
+    """Logprobs of consecutive prompt tokens computed in one step: entries[i] is the logprob of prompt token
+    start + 1 + i (the first prompt token has none)."""
 
     request_id: str
     entries: list[TokenLogprobs]
+    start: int = 0
 
 
 class WorkerFailed(msgspec.Struct, **_WIRE):

@@ -60,10 +60,15 @@ class EngineClient:
                     queue = self._queues.get(output.request_id)
                     if queue is not None:
                         queue.put_nowait(output)
+                if msg.stats is not None:
+                    self._on_stats(msg.stats)
             elif isinstance(msg, SchedulerStats):
-                self.stats = msg
-                if self.on_stats is not None:
-                    self.on_stats(msg)
+                self._on_stats(msg)
+
+    def _on_stats(self, stats: SchedulerStats) -> None:
+        self.stats = stats
+        if self.on_stats is not None:
+            self.on_stats(stats)
 
     @property
     def num_in_flight(self) -> int:

@@ -18,7 +18,7 @@ class KVBlock:
 
     block_id: int
     ref_cnt: int = 0
-    block_hash: int | None = None
+    block_hash: bytes | None = None
     token_ids: tuple[int, ...] = ()
 
 
@@ -35,7 +35,7 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self._by_hash: dict[int, int] = {}
+        self._by_hash: dict[bytes, int] = {}
 
     @property
     def num_free(self) -> int:
@@ -66,7 +66,7 @@ class BlockPool:
             ids.append(block_id)
         return ids
 
-    def lookup(self, block_hash: int, token_ids: tuple[int, ...]) -> int | None:
+    def lookup(self, block_hash: bytes, token_ids: tuple[int, ...]) -> int | None:
         """The cached block holding exactly `token_ids` under `block_hash`, if any."""
         block_id = self._by_hash.get(block_hash)
         if block_id is None or self.blocks[block_id].token_ids != token_ids:
@@ -92,7 +92,7 @@ class BlockPool:
                     self._forget(block)
                 self._free[block_id] = None
 
-    def cache(self, block_id: int, block_hash: int, token_ids: tuple[int, ...]) -> None:
+    def cache(self, block_id: int, block_hash: bytes, token_ids: tuple[int, ...]) -> None:
         """Index a full, in-use block under its chained hash (first writer wins for duplicate contents)."""
         if not self.enable_caching or block_hash in self._by_hash:
             return

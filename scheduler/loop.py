@@ -1,18 +1,23 @@
-"""The scheduler's busy loop: drain inbox, schedule, send plan, receive result, update, publish."""
+"""The scheduler's busy loop: drain inbox, schedule, send plan, receive result, settle, publish.
+
+With overlapped scheduling (the default) up to two plans are in flight: step N+1 is planned and sent while the
+worker runs step N, so the worker never waits for the scheduler and the scheduler never waits for the worker
+while it could plan. `--no-async-scheduling` keeps one plan in flight (plan, wait, settle) for comparison.
+"""
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 
-import msgspec
 import zmq
 
 from common.config import ShuttleConfig
 from common.ipc import Channel
 from common.messages import (
-    Abort, FrontendMessage, Hello, SchedulerInfo, StepOutputs, StepResult, Submit, WorkerFailed, WorkerMessage,
-    WorkerReady,
+    Abort, FrontendMessage, Hello, SchedulerInfo, SchedulerStats, StepOutputs, StepResult, Submit, WorkerFailed,
+    WorkerMessage, WorkerReady,
 )
 from scheduler.kv_cache import KVCacheManager
 from scheduler.scheduler import ScheduledStep, Scheduler
@@ -21,11 +26,11 @@ from scheduler.stats import StepStats
 log = logging.getLogger("shuttle.scheduler")
 
 IDLE_POLL_MS = 100  # how long an idle scheduler sleeps on its inbox before re-checking
-STATS_INTERVAL_S = 0.5  # stats go out at least this often while anything changes, and after every step
+STATS_INTERVAL_S = 0.5  # stats go out on their own at most this often; otherwise they ride on step outputs
 
 
 class SchedulerLoop:
-    """Connects the Scheduler to its sockets. Construct, then `run()` until Shutdown or a signal."""
+    """Connects the Scheduler to its sockets. Construct, then `wait_for_worker()` and `run()`."""
 
     def __init__(self, config: ShuttleConfig, ctx: zmq.Context):
         self.config = config
@@ -37,9 +42,14 @@ class SchedulerLoop:
         self.clients: set[bytes] = set()
         self.scheduler: Scheduler | None = None
         self.worker: WorkerReady | None = None
-        self._last_stats = None
-        self._last_stats_time = 0.0
+        self.max_in_flight = 2 if config.scheduler.async_scheduling else 1
+        self.in_flight: deque[ScheduledStep] = deque()
         self.step_stats = StepStats()
+        self._last_broadcast: SchedulerStats | None = None
+        self._last_broadcast_time = 0.0
+        self._poller = zmq.Poller()
+        self._poller.register(self.results.socket, zmq.POLLIN)
+        self._poller.register(self.frontends.socket, zmq.POLLIN)
 
     def wait_for_worker(self) -> WorkerReady:
         """Block until the worker reports its KV capacity, then build the scheduler around it."""
@@ -55,51 +65,55 @@ class SchedulerLoop:
 
     def run(self) -> None:
         assert self.scheduler is not None, "wait_for_worker() first"
+        scheduler = self.scheduler
         while True:
-            self._drain_inbox(0 if self.scheduler.has_work else IDLE_POLL_MS)
-            self.scheduler.expire(time.time())
-            if self.scheduler.has_work and not self._step():
-                self._drain_inbox(IDLE_POLL_MS)  # nothing fits this step: wait for a change, don't spin
+            idle = not self.in_flight and not scheduler.has_work
+            self._drain_inbox(IDLE_POLL_MS if idle else 0)
+            scheduler.expire(time.time())
+            sent = len(self.in_flight) < self.max_in_flight and scheduler.has_work and self._plan_and_send()
+            if self.in_flight and (not sent or len(self.in_flight) >= self.max_in_flight):
+                result = self._wait_for_result()
+                self._settle(self.in_flight.popleft(), result)
+            elif not sent and scheduler.has_work:
+                self._drain_inbox(IDLE_POLL_MS)  # nothing fits and nothing runs: wait for a change, don't spin
             self._publish()
 
-    def _step(self) -> bool:
-        """Run one step; False when the plan was empty and nothing was sent."""
+    def _plan_and_send(self) -> bool:
+        """Plan one step and send it; False when the plan was empty and nothing was sent."""
         step = self.scheduler.schedule()
-        if not step.num_scheduled and not step.plan.finished_ids and not step.plan.preempted_ids:
+        if step.is_empty:
             return False
         self.plans.send(step.plan)
-        result = self._wait_for_result(step)
-        if isinstance(result, WorkerFailed):
-            log.error("worker failed step %d: %s", result.step_id, result.message)
-            self.scheduler.fail(list(step.num_scheduled), 500, f"model execution failed: {result.message}")
-        else:
-            self.scheduler.update_from_output(step, result)
-            self.step_stats.on_step(len(step.num_scheduled), sum(step.num_scheduled.values()),
-                                    step.num_prompt_tokens, len(result.token_ids))
+        self.in_flight.append(step)
         return True
 
-    def _wait_for_result(self, step: ScheduledStep) -> StepResult | WorkerFailed:
-        """Wait for the step's result while still taking in Submits and Aborts."""
-        poller = zmq.Poller()
-        poller.register(self.results.socket, zmq.POLLIN)
-        poller.register(self.frontends.socket, zmq.POLLIN)
+    def _settle(self, step: ScheduledStep, result: StepResult | WorkerFailed) -> None:
+        if isinstance(result, WorkerFailed):
+            log.error("worker failed step %d: %s", result.step_id, result.message)
+            self.scheduler.fail_step(step, 500, f"model execution failed: {result.message}")
+            return
+        self.scheduler.update_from_output(step, result)
+        self.step_stats.on_step(len(step.scheduled), step.num_tokens, step.num_prompt_tokens, len(result.token_ids))
+
+    def _wait_for_result(self) -> StepResult | WorkerFailed:
+        """Wait for the oldest step in flight to return, still taking in Submits and Aborts meanwhile."""
+        expected = self.in_flight[0].plan.step_id
         while True:
-            ready = dict(poller.poll())
+            ready = dict(self._poller.poll())
             if self.frontends.socket in ready:
                 self._drain_inbox(0)
             if self.results.socket in ready:
                 msg = self.results.recv()
-                if isinstance(msg, (StepResult, WorkerFailed)) and msg.step_id == step.plan.step_id:
+                if isinstance(msg, (StepResult, WorkerFailed)) and msg.step_id == expected:
                     return msg
-                log.warning("ignoring unexpected worker message %r", type(msg).__name__)
+                log.warning("ignoring unexpected worker message %s", type(msg).__name__)
 
     def _drain_inbox(self, timeout_ms: int) -> None:
         if not self.frontends.poll(timeout_ms):
             return
         while self.frontends.poll(0):
             client, msg = self.frontends.recv_from()
-            if client not in self.clients:
-                self.clients.add(client)
+            self.clients.add(client)
             if isinstance(msg, Submit):
                 self.scheduler.add_request(client, msg)
             elif isinstance(msg, Abort):
@@ -108,16 +122,27 @@ class SchedulerLoop:
                 kv = self.scheduler.kv
                 self.frontends.send(SchedulerInfo(kv.pool.num_blocks, kv.block_size, self.scheduler.max_model_len),
                                     identity=client)
-                self._last_stats = None  # make sure the newcomer gets stats at once
+                self._last_broadcast = None  # make sure the newcomer gets stats at once
 
     def _publish(self) -> None:
-        for client, outputs in self.scheduler.take_outputs().items():
-            self.frontends.send(StepOutputs(outputs), identity=client)
+        """Send each frontend its outputs with the stats riding along; stats go out on their own only when they
+        changed and nobody got outputs for a while (so an idle engine's /health stays current)."""
+        outputs = self.scheduler.take_outputs()
         now = time.monotonic()
+        due = self._last_broadcast is None or now - self._last_broadcast_time >= STATS_INTERVAL_S
+        if not outputs and not due:
+            return
         stats = self.scheduler.stats()
         self.step_stats.maybe_log(stats)
-        if stats != self._last_stats or now - self._last_stats_time > STATS_INTERVAL_S:
-            self._last_stats, self._last_stats_time = stats, now
-            message = self.step_stats.attach(msgspec.structs.replace(stats))
-            for client in self.clients:
-                self.frontends.send(message, identity=client)
+        with_steps = self.step_stats.attach(stats)  # the per-step lists go to one frontend, once
+        for client, client_outputs in outputs.items():
+            self.frontends.send(StepOutputs(client_outputs, with_steps), identity=client)
+            with_steps = stats
+        if due:
+            if stats != self._last_broadcast or with_steps is not stats:
+                for client in self.clients:
+                    if client not in outputs:
+                        self.frontends.send(with_steps, identity=client)
+                        with_steps = stats
+                self._last_broadcast = stats
+            self._last_broadcast_time = now

@@ -18,6 +18,10 @@ from scheduler.request import Request
 class WaitingQueue:
     """A heap of waiting requests with lazy removal.
 
+    A heap entry counts only while its own push is the member's current one (a sequence number per push), so a
+    request id that a client reuses after an abort can never resurrect the old entry, and a request removed
+    and pushed again is never popped twice.
+
     Args:
         policy: "fcfs" or "priority".
         aging_seconds: with "priority", waiting seconds worth one priority level (0 turns aging off).
@@ -30,7 +34,7 @@ class WaitingQueue:
         self.aging_seconds = aging_seconds
         self._heap: list[tuple[tuple[float, float], int, Request]] = []
         self._counter = itertools.count()
-        self._members: dict[str, Request] = {}
+        self._members: dict[str, tuple[Request, int]] = {}  # request id -> (request, sequence number of its push)
 
     def rank(self, request: Request) -> tuple[float, float]:
         """Sort key of a request under this policy; preemption picks the running request with the largest."""
@@ -41,8 +45,9 @@ class WaitingQueue:
         return (float(request.priority), request.arrival_time)
 
     def push(self, request: Request) -> None:
-        self._members[request.request_id] = request
-        heapq.heappush(self._heap, (self.rank(request), next(self._counter), request))
+        seq = next(self._counter)
+        self._members[request.request_id] = (request, seq)
+        heapq.heappush(self._heap, (self.rank(request), seq, request))
 
     def peek(self) -> Request | None:
         self._drop_removed()
@@ -54,19 +59,28 @@ class WaitingQueue:
         del self._members[request.request_id]
         return request
 
-    def remove(self, request_id: str) -> Request | None:
-        """Take a request out wherever it is (O(1); the heap entry is dropped when it surfaces)."""
-        return self._members.pop(request_id, None)
+    def remove(self, request: Request) -> bool:
+        """Take this request out wherever it is (O(1); the heap entry is dropped when it surfaces)."""
+        member = self._members.get(request.request_id)
+        if member is not None and member[0] is request:
+            del self._members[request.request_id]
+            return True
+        return False
 
     def _drop_removed(self) -> None:
-        while self._heap and self._heap[0][2].request_id not in self._members:
+        while self._heap:
+            _, seq, request = self._heap[0]
+            member = self._members.get(request.request_id)
+            if member is not None and member[1] == seq:
+                return
             heapq.heappop(self._heap)
 
     def __len__(self) -> int:
         return len(self._members)
 
-    def __contains__(self, request_id: str) -> bool:
-        return request_id in self._members
+    def __contains__(self, request: Request) -> bool:
+        member = self._members.get(request.request_id)
+        return member is not None and member[0] is request
 
     def __iter__(self) -> Iterator[Request]:
-        return iter(self._members.values())
+        return (request for request, _ in self._members.values())

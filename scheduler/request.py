@@ -20,14 +20,16 @@ class RequestStatus(enum.IntEnum):
 class Request:
     """Scheduler-side state of one request.
 
-    `num_computed_tokens` chases `num_tokens` (prompt + output so far): a prefill chunk or a decode moves it
-    forward; a preemption resets it to 0. The request samples a token only in a step whose chunk reaches
-    `num_tokens`.
+    The scheduler books a step when it plans it: `num_computed_tokens` advances at schedule time, and a step whose
+    chunk reaches the end of the known tokens adds a placeholder for the token it will sample
+    (`num_output_placeholders`). The step's result settles the placeholder into `output_token_ids`. So
+    `num_computed_tokens` chases `num_tokens_booked` (prompt + output + placeholders); a preemption resets both.
 
     Attributes:
         client: ZeroMQ identity of the frontend that gets this request's outputs.
         arrival_time: seconds (time.time()) when the frontend accepted the request.
         num_cached_tokens: prompt tokens served from the prefix cache at first scheduling (-1 before).
+        epoch: how many times the request was preempted; a step planned in an earlier epoch is stale for it.
     """
 
     request_id: str
@@ -38,7 +40,10 @@ class Request:
     priority: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    num_output_placeholders: int = 0
     num_cached_tokens: int = -1
+    epoch: int = 0
+    rank: tuple[float, float] = (0.0, 0.0)  # the waiting queue's sort key, fixed at arrival (smaller runs sooner)
     status: RequestStatus = RequestStatus.WAITING
     first_scheduled_time: float = 0.0  # time.time() when first admitted to the running set
     deadline: float = float("inf")  # time.time() seconds after which the request ends with a timeout error
@@ -47,8 +52,18 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
+        """Prompt + output tokens whose ids are known."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens_booked(self) -> int:
+        """Known tokens plus the ones that steps in flight will sample."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_output_placeholders
 
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_live(self) -> bool:
+        return self.status != RequestStatus.FINISHED

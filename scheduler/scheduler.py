@@ -1,18 +1,28 @@
 """Step planning: which requests run next and how many tokens each computes.
 
 There is no prefill phase and no decode phase (the note atop vLLM v1's `schedule()` says the same): every
-request has `num_computed_tokens` chasing `num_tokens`, under one token budget per step. Running requests
-are served first (a decode costs one token), then waiting requests fill what is left, their prompts cut
-into chunks. When a running request needs a block and none is free, the lowest-ranked running request is
-preempted: its blocks are freed and it waits again, to be recomputed later.
+request has `num_computed_tokens` chasing its booked tokens, under one token budget per step. Running requests
+are served first (a decode costs one token), then waiting requests fill what is left, their prompts cut into
+chunks. When a running request needs a block and none is free, the lowest-ranked running request is preempted:
+its blocks are freed and it waits again, to be recomputed later.
+
+Book at schedule time, settle on results: `schedule()` advances `num_computed_tokens` and adds a placeholder for
+each token the step will sample, so the next step can be planned while this one runs (the worker feeds its own
+samples forward). `update_from_output()` turns placeholders into tokens, checks stop conditions and commits
+written blocks to the prefix cache. A result for a request that finished or was preempted since the step was
+planned is dropped: each planned entry remembers the Request object and its preemption epoch, never just an id
+that a client could reuse.
 """
 
 from __future__ import annotations
 
+import bisect
 import heapq
+import itertools
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from common.config import SchedulerConfig
 from common.messages import (
@@ -23,14 +33,46 @@ from scheduler.kv_cache import KVCacheManager
 from scheduler.queue import WaitingQueue
 from scheduler.request import Request, RequestStatus
 
+_RANK = attrgetter("rank")
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    """One request's share of a planned step: tokens [start, start + num_new) are computed, and the request
+    samples a token when `samples` (its chunk reaches the end of its booked tokens)."""
+
+    request: Request
+    epoch: int
+    start: int
+    num_new: int
+    samples: bool
+
 
 @dataclass
 class ScheduledStep:
-    """What the scheduler remembers of the plan in flight, to apply its result."""
+    """What the scheduler remembers of a planned step, to settle its result."""
 
     plan: StepPlan
-    num_scheduled: dict[str, int] = field(default_factory=dict)
+    scheduled: dict[str, ScheduledRequest] = field(default_factory=dict)
     num_prompt_tokens: int = 0  # of the scheduled tokens, how many are prompt (prefill) tokens
+
+    @property
+    def num_scheduled(self) -> dict[str, int]:
+        """request id -> tokens computed in this step."""
+        return {rid: s.num_new for rid, s in self.scheduled.items()}
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new for s in self.scheduled.values())
+
+    @property
+    def sampling_ids(self) -> list[str]:
+        """Ids of the requests that sample a token in this step, in plan order."""
+        return [rid for rid, s in self.scheduled.items() if s.samples]
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled and not self.plan.finished_ids
 
 
 class Scheduler:
@@ -51,16 +93,15 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.requests: dict[str, Request] = {}
         self.waiting = WaitingQueue(config.scheduling_policy, config.priority_aging_seconds)
-        self.running: list[Request] = []
+        self.running: list[Request] = []  # kept in rank order: the preemption victim is always last
         self._known_to_worker: set[str] = set()
         self._finished_since_plan: list[str] = []
-        self._preempted_since_plan: list[str] = []
-        self._needs_full_block_table: set[str] = set()  # preempted: resend the whole table on resume
         self._step_id = 0
         self.num_preemptions = 0
         self.num_rejected = 0
         self.num_timed_out = 0
-        self._deadlines: list[tuple[float, str]] = []
+        self._deadlines: list[tuple[float, int, Request]] = []
+        self._deadline_seq = itertools.count()
         self._pending_outputs: dict[bytes, list[RequestOutput]] = defaultdict(list)
 
     # ---- arrivals and departures ------------------------------------------------------------------------
@@ -76,6 +117,7 @@ class Scheduler:
                                 f"{self.kv.pool.num_blocks * self.kv.block_size}")
         request = Request(submit.request_id, client, list(submit.prompt_token_ids), submit.sampling,
                           submit.arrival_time, submit.priority)
+        request.rank = self.waiting.rank(request)
         if len(self.waiting) >= self.config.max_waiting_requests and not self._make_room_for(request):
             return self._reject(client, submit.request_id, 503, "the server is at capacity: waiting queue is full")
         timeout = submit.timeout or self.config.request_timeout
@@ -83,7 +125,7 @@ class Scheduler:
             timeout = min(submit.timeout, self.config.request_timeout)
         if timeout > 0:
             request.deadline = submit.arrival_time + timeout
-            heapq.heappush(self._deadlines, (request.deadline, request.request_id))
+            heapq.heappush(self._deadlines, (request.deadline, next(self._deadline_seq), request))
         self.requests[request.request_id] = request
         self.waiting.push(request)
 
@@ -92,8 +134,8 @@ class Scheduler:
         Under FCFS a newcomer always ranks last, so only the priority policy can displace anyone."""
         if self.waiting.policy == "fcfs":
             return False
-        worst = max(self.waiting, key=self.waiting.rank)
-        if self.waiting.rank(request) >= self.waiting.rank(worst):
+        worst = max(self.waiting, key=_RANK)
+        if request.rank >= worst.rank:
             return False
         self.num_rejected += 1
         self._finish(worst, FinishReason.ERROR, 503, "the server is at capacity: displaced by higher-priority requests")
@@ -102,26 +144,31 @@ class Scheduler:
     def expire(self, now: float) -> None:
         """End every request whose deadline (time.time() seconds) has passed, freeing its blocks."""
         while self._deadlines and self._deadlines[0][0] <= now:
-            _, request_id = heapq.heappop(self._deadlines)
-            request = self.requests.get(request_id)
-            if request is not None:
+            _, _, request = heapq.heappop(self._deadlines)
+            if request.is_live:
                 self.num_timed_out += 1
                 self._finish(request, FinishReason.ERROR, 408,
                              f"request timed out after {request.deadline - request.arrival_time:.3g} s")
 
     def abort(self, request_ids: list[str]) -> None:
-        """End requests now (client gone or cancelled); their blocks return to the pool immediately."""
+        """End requests now (client gone or cancelled); their blocks return to the pool immediately. A step in
+        flight that still computes them is harmless: the worker runs plans in order, so blocks reused by a later
+        plan are written after it, and its sampled tokens for them are dropped when it returns."""
         for request_id in request_ids:
             request = self.requests.get(request_id)
             if request is not None:
                 self._finish(request, FinishReason.ABORT)
 
-    def fail(self, request_ids: list[str], status: int, message: str) -> None:
-        """End requests with an error output (e.g. the worker failed their step)."""
-        for request_id in request_ids:
-            request = self.requests.get(request_id)
-            if request is not None:
-                self._finish(request, FinishReason.ERROR, status, message)
+    def fail_step(self, step: ScheduledStep, status: int, message: str) -> None:
+        """End every live request of a step the worker failed with an error output."""
+        for entry in step.scheduled.values():
+            if entry.request.is_live:
+                self._finish(entry.request, FinishReason.ERROR, status, message)
+
+    def fail_all(self, status: int, message: str) -> None:
+        """End every request with an error output (the worker is gone)."""
+        for request in list(self.requests.values()):
+            self._finish(request, FinishReason.ERROR, status, message)
 
     def _emit(self, request: Request, token_ids: list[int], reason: FinishReason | None = None,
               logprobs: list[TokenLogprobs] | None = None, status: int = 0, message: str = "") -> None:
@@ -143,15 +190,17 @@ class Scheduler:
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         else:
-            self.waiting.remove(request.request_id)
+            self.waiting.remove(request)
         self.kv.free(request)
         request.status = RequestStatus.FINISHED
         del self.requests[request.request_id]
-        self._needs_full_block_table.discard(request.request_id)
+        self._forget_in_worker(request)
+        self._emit(request, new_token_ids or [], reason, logprobs, status, message)
+
+    def _forget_in_worker(self, request: Request) -> None:
         if request.request_id in self._known_to_worker:
             self._known_to_worker.discard(request.request_id)
             self._finished_since_plan.append(request.request_id)
-        self._emit(request, new_token_ids or [], reason, logprobs, status, message)
 
     # ---- planning -----------------------------------------------------------------------------------------
 
@@ -160,27 +209,25 @@ class Scheduler:
         return bool(self.running) or len(self.waiting) > 0
 
     def schedule(self) -> ScheduledStep:
-        """Plan one step under max_num_seqs and max_num_batched_tokens."""
+        """Plan one step under max_num_seqs and max_num_batched_tokens, booking its tokens."""
         budget = self.config.max_num_batched_tokens
         step = ScheduledStep(StepPlan(self._step_id, [], []))
         self._step_id += 1
         new_blocks: dict[str, list[int]] = {}
 
         preemptions_before = self.num_preemptions
-        # Serve in rank order, so the lowest-ranked running request (the preemption victim) is always last
-        # and never one already planned this step.
-        self.running.sort(key=self.waiting.rank)
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            index += 1
+            num_new = min(request.num_tokens_booked - request.num_computed_tokens, budget)
+            if num_new <= 0 or self._booked_to_the_end(request):
+                continue  # its last token is already booked: it waits for a step in flight to settle
             added = self._allocate_or_preempt(request, num_new)
             if added is None:
                 break  # the request itself was preempted; everything after it ranks lower still
             new_blocks[request.request_id] = added
-            step.num_scheduled[request.request_id] = num_new
-            budget -= num_new
-            index += 1
+            budget -= self._book(step, request, num_new)
 
         # A step that had to preempt admits nobody: the blocks it freed belong to the running requests.
         if self.num_preemptions == preemptions_before:
@@ -202,13 +249,30 @@ class Scheduler:
                     request.first_scheduled_time = time.time()
                 request.num_computed_tokens = num_cached
                 request.status = RequestStatus.RUNNING
-                self.running.append(request)
+                bisect.insort(self.running, request, key=_RANK)
                 new_blocks[request.request_id] = added
-                step.num_scheduled[request.request_id] = num_new
-                budget -= num_new
+                budget -= self._book(step, request, num_new)
 
         self._fill_plan(step, new_blocks)
         return step
+
+    def _booked_to_the_end(self, request: Request) -> bool:
+        """True when a placeholder already books the request's last token (max_tokens or max_model_len)."""
+        return (len(request.output_token_ids) + request.num_output_placeholders >= request.sampling.max_tokens
+                or request.num_tokens_booked >= self.max_model_len)
+
+    def _book(self, step: ScheduledStep, request: Request, num_new: int) -> int:
+        """Advance the request's computed tokens now; a chunk that reaches its end books a sampled placeholder."""
+        start = request.num_computed_tokens
+        end = request.num_computed_tokens = start + num_new
+        samples = end == request.num_tokens_booked
+        if samples:
+            request.num_output_placeholders += 1
+        step.scheduled[request.request_id] = ScheduledRequest(request, request.epoch, start, num_new, samples)
+        num_prompt = len(request.prompt_token_ids)
+        if start < num_prompt:
+            step.num_prompt_tokens += min(end, num_prompt) - start
+        return num_new
 
     def _allocate_or_preempt(self, request: Request, num_new: int) -> list[int] | None:
         """Allocate slots for a running request, preempting lower-ranked ones until it fits.
@@ -223,61 +287,64 @@ class Scheduler:
                 return None
 
     def _preempt(self, request: Request) -> None:
+        """Free the request's blocks and queue it again; the worker forgets it, and a step in flight that samples
+        for it is stale (a new epoch). It resumes by recomputing its prompt and confirmed outputs."""
         self.running.remove(request)
         self.kv.free(request, finished=False)
         request.num_computed_tokens = 0
+        request.num_output_placeholders = 0
+        request.epoch += 1
         request.status = RequestStatus.PREEMPTED
         self.num_preemptions += 1
-        if request.request_id in self._known_to_worker:
-            self._preempted_since_plan.append(request.request_id)
-            self._needs_full_block_table.add(request.request_id)
+        self._forget_in_worker(request)
         self.waiting.push(request)
 
     def _fill_plan(self, step: ScheduledStep, new_blocks: dict[str, list[int]]) -> None:
         plan = step.plan
         plan.finished_ids, self._finished_since_plan = self._finished_since_plan, []
-        plan.preempted_ids, self._preempted_since_plan = self._preempted_since_plan, []
-        for request_id, num_new in step.num_scheduled.items():
-            request = self.requests[request_id]
-            num_prompt = len(request.prompt_token_ids)
-            step.num_prompt_tokens += max(0, min(request.num_computed_tokens + num_new, num_prompt)
-                                          - request.num_computed_tokens)
+        for request_id, entry in step.scheduled.items():
             if request_id not in self._known_to_worker:
                 self._known_to_worker.add(request_id)
+                request = entry.request
                 plan.new_requests.append(NewRequestData(
-                    request_id, request.all_token_ids, request.sampling, self.kv.block_tables[request_id],
-                    request.num_computed_tokens, num_new))
+                    request_id, request.all_token_ids, request.sampling, list(self.kv.block_tables[request_id]),
+                    entry.start, entry.num_new, len(request.prompt_token_ids) if request.output_token_ids else 0))
             else:
-                resumed = request_id in self._needs_full_block_table
-                self._needs_full_block_table.discard(request_id)
-                blocks = self.kv.block_tables[request_id] if resumed else new_blocks[request_id]
                 plan.cached_requests.append(CachedRequestData(
-                    request_id, blocks, request.num_computed_tokens, num_new, resumed))
+                    request_id, new_blocks[request_id], entry.start, entry.num_new))
 
     # ---- results --------------------------------------------------------------------------------------------
 
     def update_from_output(self, step: ScheduledStep, result: StepResult) -> None:
-        """Advance computed tokens, append sampled ones and finish what stopped. Outputs collect in
-        `take_outputs()`."""
-        for request_id, num_new in step.num_scheduled.items():
-            request = self.requests.get(request_id)
-            if request is not None and request.status == RequestStatus.RUNNING:
-                request.num_computed_tokens += num_new
+        """Settle a step: commit written blocks, turn placeholders into sampled tokens, finish what stopped.
+        Outputs collect in `take_outputs()`."""
+        scheduled = step.scheduled
+        for entry in scheduled.values():
+            request = entry.request
+            if request.is_live and request.epoch == entry.epoch:
+                self.kv.commit(request, entry.start + entry.num_new)
         for chunk in result.prompt_logprobs:
-            request = self.requests.get(chunk.request_id)
-            if request is not None:
-                request.prompt_logprobs.extend(chunk.entries)
+            entry = scheduled.get(chunk.request_id)
+            if entry is not None and entry.request.is_live:
+                collected = entry.request.prompt_logprobs
+                if chunk.start <= len(collected) < chunk.start + len(chunk.entries):  # recomputed chunks add nothing
+                    collected.extend(chunk.entries[len(collected) - chunk.start:])
+        logprobs = result.logprobs
         for i, (request_id, token_id) in enumerate(zip(result.request_ids, result.token_ids)):
-            request = self.requests.get(request_id)
-            if request is None or request.status != RequestStatus.RUNNING:
-                continue  # aborted or preempted while the step ran
+            entry = scheduled.get(request_id)
+            if entry is None:
+                continue
+            request = entry.request
+            if not request.is_live or request.epoch != entry.epoch:
+                continue  # finished, aborted or preempted since this step was planned
+            request.num_output_placeholders -= 1
             request.output_token_ids.append(token_id)
-            logprobs = [result.logprobs[i]] if result.logprobs and result.logprobs[i] is not None else []
+            token_logprobs = [logprobs[i]] if logprobs and logprobs[i] is not None else []
             reason = self._stop_reason(request, token_id)
             if reason is not None:
-                self._finish(request, reason, new_token_ids=[token_id], logprobs=logprobs)
+                self._finish(request, reason, new_token_ids=[token_id], logprobs=token_logprobs)
             else:
-                self._emit(request, [token_id], logprobs=logprobs)
+                self._emit(request, [token_id], logprobs=token_logprobs)
 
     def _stop_reason(self, request: Request, token_id: int) -> FinishReason | None:
         sampling = request.sampling

@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import time
 
+import msgspec
+
 from common.messages import SchedulerStats
 
 log = logging.getLogger("shuttle.scheduler")
@@ -32,9 +34,14 @@ class StepStats:
         self._generated_tokens += num_sampled
 
     def attach(self, stats: SchedulerStats) -> SchedulerStats:
-        stats.step_batch_sizes, self._batch_sizes = self._batch_sizes, []
-        stats.step_token_counts, self._token_counts = self._token_counts, []
-        return stats
+        """A copy of `stats` carrying the per-step lists gathered since the last call (`stats` itself when
+        no step ran since)."""
+        if not self._batch_sizes:
+            return stats
+        message = msgspec.structs.replace(stats, step_batch_sizes=self._batch_sizes,
+                                          step_token_counts=self._token_counts)
+        self._batch_sizes, self._token_counts = [], []
+        return message
 
     def maybe_log(self, stats: SchedulerStats) -> None:
         """Every log_interval seconds, if anything ran: prompt and generation throughput, queue and KV state."""

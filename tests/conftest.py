@@ -19,9 +19,14 @@ def hf_tokenizer():
 
 def hf_greedy(prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """transformers' own greedy generate on the same model directory: the reference for exactness."""
+    return list(_hf_greedy(tuple(prompt_ids), max_new_tokens))
+
+
+@functools.cache
+def _hf_greedy(prompt_ids: tuple[int, ...], max_new_tokens: int) -> tuple[int, ...]:
     with torch.inference_mode():
         out = hf_model().generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False)
-    return out[0, len(prompt_ids):].tolist()
+    return tuple(out[0, len(prompt_ids):].tolist())
 
 
 @pytest.fixture(scope="module")

@@ -38,6 +38,9 @@ def test_prefix_hit_shares_blocks_and_leaves_one_token():
     assert kv.find_cached_prefix(first) == []
     assert kv.allocate_slots(first, 12) is not None
     second = make_request("b", list(range(1, 13)))
+    assert kv.find_cached_prefix(second) == []  # allocated is not written: no hit before the step returns
+    kv.commit(first, 12)
+    second = make_request("b", list(range(1, 13)))
     hits = kv.find_cached_prefix(second)
     assert hits == kv.block_tables["a"][:2]  # 2 blocks: the last token is always computed
     kv.allocate_slots(second, 12 - 8, hits)
@@ -68,6 +71,7 @@ def test_random_operations_never_leak():
             request = make_request(rid, tokens)
             hits = kv.find_cached_prefix(request)
             if kv.allocate_slots(request, len(tokens) - len(hits) * 4, hits) is not None:
+                kv.commit(request, len(tokens))
                 kv.record_prefix_lookup(len(tokens), len(hits) * 4)
                 live[rid] = request
         kv.pool.check_invariants()
@@ -82,6 +86,7 @@ def test_preempted_request_keeps_its_hashes_and_finds_its_own_blocks():
     kv = KVCacheManager(num_blocks=6, block_size=4)
     request = make_request("a", list(range(1, 14)))  # 13 tokens: 3 full blocks
     kv.allocate_slots(request, 13)
+    kv.commit(request, 13)
     table = list(kv.block_tables["a"])
     kv.free(request, finished=False)  # preempted: blocks return, still indexed
     assert kv.find_cached_prefix(request) == table[:3]

@@ -1,8 +1,10 @@
 """Scheduler and model runner in one process (no sockets), checked token for token against transformers'
 generate under chunked prefill, preemption, and prefix caching on and off."""
 
+import functools
 import random
 import time
+from collections import deque
 
 import pytest
 
@@ -16,37 +18,85 @@ from tests.server import MODEL_DIR
 from worker.worker import ModelRunner
 
 
-def run_to_completion(prompts, max_tokens, num_blocks, max_batched, prefix_caching=True, block_size=16):
+def drive(scheduler, runner, on_outputs, max_in_flight=2, check=True):
+    """The scheduler loop without sockets: up to `max_in_flight` planned steps not yet settled. The runner
+    executes each plan when it is planned, in order, as the worker process does."""
+    in_flight = deque()
+    while scheduler.has_work or in_flight:
+        planned = False
+        if len(in_flight) < max_in_flight and scheduler.has_work:
+            step = scheduler.schedule()
+            if not step.is_empty:
+                in_flight.append((step, runner.execute(step.plan)))
+                planned = True
+        if in_flight and (not planned or len(in_flight) >= max_in_flight):
+            scheduler.update_from_output(*in_flight.popleft())
+        if check:
+            scheduler.kv.pool.check_invariants()
+        on_outputs(scheduler.take_outputs().get(b"c", []))
+
+
+def make_engine(num_blocks, max_batched, prefix_caching=True, block_size=16):
     model = ModelConfig.from_dir(MODEL_DIR)
     config = ShuttleConfig(model=model, ipc=IpcConfig.in_directory("/nonexistent"),
                            cache=CacheConfig(block_size, num_blocks, enable_prefix_caching=prefix_caching),
                            scheduler=SchedulerConfig(max_num_batched_tokens=max_batched))
-    runner = ModelRunner(config)
     scheduler = Scheduler(config.scheduler, KVCacheManager(num_blocks, block_size, prefix_caching),
                           model.max_model_len, model.eos_token_ids)
-    for i, (prompt, m) in enumerate(zip(prompts, max_tokens)):
-        scheduler.add_request(b"c", Submit(str(i), prompt, SamplingParams(max_tokens=m, temperature=0.0), time.time()))
+    return scheduler, runner_for(config)
+
+
+@functools.cache
+def _runner(config):
+    return ModelRunner(config)
+
+
+def runner_for(config):
+    """One ModelRunner per configuration, with its per-request state reset (loading and checking the model once)."""
+    runner = _runner(config)
+    for request_id in list(runner.batch.requests):
+        runner.batch.drop(request_id)
+    return runner
+
+
+def run_to_completion(prompts, max_tokens, num_blocks, max_batched, prefix_caching=True, block_size=16,
+                      max_in_flight=2):
+    """Greedy outputs of every prompt. The first prompt runs alone until its prefill settled, so the others can
+    find its blocks in the prefix cache."""
+    scheduler, runner = make_engine(num_blocks, max_batched, prefix_caching, block_size)
     outputs = {str(i): [] for i in range(len(prompts))}
     cached = {}
-    while scheduler.has_work:
-        step = scheduler.schedule()
-        scheduler.update_from_output(step, runner.execute(step.plan))
-        scheduler.kv.pool.check_invariants()
-        for out in scheduler.take_outputs().get(b"c", []):
+
+    def collect(batch):
+        for out in batch:
             outputs[out.request_id] += out.new_token_ids
             cached[out.request_id] = out.num_cached_tokens
+
+    for i, (prompt, m) in enumerate(zip(prompts, max_tokens)):
+        scheduler.add_request(b"c", Submit(str(i), prompt, SamplingParams(max_tokens=m, temperature=0.0), time.time()))
+        if i == 0:
+            while not outputs["0"] and scheduler.has_work:
+                drive_one(scheduler, runner, collect)
+    drive(scheduler, runner, collect, max_in_flight)
     assert scheduler.kv.pool.num_free == num_blocks
     return [outputs[str(i)] for i in range(len(prompts))], scheduler, cached
 
 
-@pytest.mark.parametrize("num_blocks, max_batched, prefix_caching", [
-    (400, 2048, True), (400, 7, True), (48, 2048, True), (40, 13, False)])
-def test_matches_transformers(num_blocks, max_batched, prefix_caching):
+def drive_one(scheduler, runner, on_outputs):
+    step = scheduler.schedule()
+    scheduler.update_from_output(step, runner.execute(step.plan))
+    on_outputs(scheduler.take_outputs().get(b"c", []))
+
+
+@pytest.mark.parametrize("num_blocks, max_batched, prefix_caching, max_in_flight", [
+    (400, 2048, True, 2), (400, 7, True, 2), (48, 2048, True, 2), (40, 13, False, 2), (48, 2048, True, 1)])
+def test_matches_transformers(num_blocks, max_batched, prefix_caching, max_in_flight):
     rng = random.Random(0)
     shared = [1] + [rng.randrange(3, 512) for _ in range(40)]
     prompts = [shared + [rng.randrange(3, 512) for _ in range(rng.randrange(0, 200))] for _ in range(12)]
     max_tokens = [rng.randrange(20, 120) for _ in prompts]
-    outputs, scheduler, _ = run_to_completion(prompts, max_tokens, num_blocks, max_batched, prefix_caching)
+    outputs, scheduler, _ = run_to_completion(prompts, max_tokens, num_blocks, max_batched, prefix_caching,
+                                              max_in_flight=max_in_flight)
     for prompt, m, got in zip(prompts, max_tokens, outputs):
         assert got == hf_greedy(prompt, m)
     if num_blocks < 50:
@@ -62,22 +112,19 @@ def test_prompt_logprobs_across_prefill_chunks_and_preemption():
 
     rng = random.Random(5)
     prompts = [[1] + [rng.randrange(3, 512) for _ in range(n)] for n in (60, 45, 90)]
-    model = ModelConfig.from_dir(MODEL_DIR)
-    config = ShuttleConfig(model=model, ipc=IpcConfig.in_directory("/nonexistent"),
-                           cache=CacheConfig(16, 14), scheduler=SchedulerConfig(max_num_batched_tokens=7))
-    runner = ModelRunner(config)
-    scheduler = Scheduler(config.scheduler, KVCacheManager(14, 16), model.max_model_len, model.eos_token_ids)
+    scheduler, runner = make_engine(14, 7)
     for i, prompt in enumerate(prompts):
         params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
         scheduler.add_request(b"c", Submit(str(i), prompt, params, time.time() + i))
     got = {}
-    while scheduler.has_work:
-        step = scheduler.schedule()
-        scheduler.update_from_output(step, runner.execute(step.plan))
-        for out in scheduler.take_outputs().get(b"c", []):
+
+    def collect(batch):
+        for out in batch:
             if out.prompt_logprobs:
                 assert out.request_id not in got  # sent once, even after a preemption recomputed the prompt
                 got[out.request_id] = [lp.logprob for lp in out.prompt_logprobs]
+
+    drive(scheduler, runner, collect)
     assert scheduler.num_preemptions > 0
     for i, prompt in enumerate(prompts):
         with torch.inference_mode():

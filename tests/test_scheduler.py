@@ -19,16 +19,16 @@ def make_scheduler(num_blocks=64, block_size=4, max_model_len=128, **config) -> 
 _arrival = itertools.count()
 
 
-def submit(s: Scheduler, rid: str, prompt_len: int, max_tokens: int = 8, client=b"c", **sampling) -> None:
+def submit(s: Scheduler, rid: str, prompt_len: int, max_tokens: int = 8, client=b"c", timeout: float = 0.0,
+           **sampling) -> None:
     s.add_request(client, Submit(rid, list(range(10, 10 + prompt_len)), SamplingParams(max_tokens=max_tokens, **sampling),
-                                 float(next(_arrival))))
+                                 float(next(_arrival)), timeout=timeout))
 
 
 def run_step(s: Scheduler, token_for=lambda rid: 5):
     step = s.schedule()
     s.kv.pool.check_invariants()
-    sampled = [rid for rid, n in step.num_scheduled.items()
-               if s.requests[rid].num_computed_tokens + n == s.requests[rid].num_tokens]
+    sampled = step.sampling_ids
     s.update_from_output(step, StepResult(step.plan.step_id, sampled, [token_for(rid) for rid in sampled]))
     s.kv.pool.check_invariants()
     return step, s.take_outputs()

@@ -1,6 +1,7 @@
 """`python -m worker --config JSON`: the worker process (started by the launcher)."""
 
 import logging
+import sys
 import time
 import traceback
 
@@ -9,6 +10,7 @@ import zmq
 from common.ipc import Channel
 from common.messages import PlanMessage, Shutdown, WorkerFailed, WorkerReady
 from common.process import child_main_args, report_ready
+from worker.model_loader import UnsupportedModelError
 from worker.worker import ModelRunner
 
 log = logging.getLogger("shuttle.worker")
@@ -19,7 +21,11 @@ def main() -> None:
     ctx = zmq.Context.instance()
     plans: Channel[PlanMessage] = Channel(ctx, zmq.PULL, config.ipc.plans, bind=False, recv_type=PlanMessage)
     results = Channel(ctx, zmq.PUSH, config.ipc.results, bind=False)
-    runner = ModelRunner(config)
+    try:
+        runner = ModelRunner(config)
+    except UnsupportedModelError as exc:  # a clear refusal, not a traceback; the launcher exits with status 2
+        log.error("cannot serve this model: %s", exc)
+        sys.exit(2)
     kv = runner.kv_cache
     results.send(WorkerReady(0, kv.num_blocks, kv.bytes_per_token, runner.weight_bytes))
     report_ready(config, "worker", num_kv_blocks=kv.num_blocks)

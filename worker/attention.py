@@ -1,15 +1,16 @@
 """Paged attention plugged into transformers' attention interface.
 
-transformers calls the registered function once per layer with the new tokens' query/key/value (after
-RoPE) and passes through any extra keyword given to the model's forward, so the step's `PagedAttentionMetadata`
-travels as the keyword `paged_attention`. The function first writes every new key/value into the paged
-cache (so a sequence can read blocks that another sequence of the same step fills), then attends each
-sequence over its own blocks, gathered whole blocks at a time. No dense mask across requests is built, no
-padding is attended, and the cache is never copied.
+transformers calls the registered function once per layer with the new tokens' query/key/value (after RoPE)
+and passes through any extra keyword given to the model's forward, so the step's `StepAttention` (metadata,
+caches and backend) travels as the keyword `paged_attention`. The function writes every new key/value into the
+paged cache first (so a sequence can read blocks that another sequence of the same step fills), then hands the
+layer to the step's attention backend (worker/attention_backends.py). No dense mask across requests is built,
+and the cache is never copied whole.
 
-Why one sequence at a time, decodes included: on CPU a padded decode batch with a mask measured 2x slower
-than this loop (B=50, context 320, 12 heads: 44 ms against 23 ms per layer), because SDPA falls back to its
-masked math path and the padded gather copies more.
+The model's own per-layer attention features arrive as keywords and are honoured by every backend: `scaling`,
+`sliding_window` (a query at position i sees keys j with i - window < j <= i, transformers' convention),
+`softcap` (Gemma 2's tanh soft-capping of attention logits) and `s_aux` (gpt-oss's learned attention sinks: one
+extra logit per head in the softmax's denominator).
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
@@ -25,72 +25,97 @@ ATTENTION_NAME = "shuttle_paged"
 
 
 @dataclass
-class SequenceAttention:
-    """One sequence's share of the packed batch.
+class AttentionMetadata:
+    """The step contract between input preparation and attention backends: a handful of tensors.
+
+    Rows (sequences) are ordered decodes first: the first `num_decodes` rows have exactly one query token.
 
     Attributes:
-        query_start, query_end: its rows in the packed batch (query_end - query_start tokens this step).
-        block_ids: int64 [num_blocks_used], the blocks holding its context.
-        context_len: tokens attended (computed before + new), in tokens.
-        mask: bool [num_query, context_len], True where attention is allowed; None when causal alignment
-            is trivial (a single query token, or a prefill that starts at position 0).
+        query_start_loc: int32 [B+1], row b's tokens are packed rows [query_start_loc[b], query_start_loc[b+1]).
+        seq_lens: int32 [B], tokens attended by row b after this step (computed before + new).
+        block_table: int32 [B, W], each row's block ids padded with the null block; W covers max(seq_lens).
+        slot_mapping: int64 [T], cache slot (block * block_size + offset) of each packed token.
+        num_decodes: leading rows with a single query token.
+        max_query_len, max_seq_len: maxima of the two, in tokens.
+        query_start_list, seq_lens_list: the same as Python ints, for backends that loop on the host.
     """
 
-    query_start: int
-    query_end: int
-    block_ids: torch.Tensor
-    context_len: int
-    mask: torch.Tensor | None
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    num_decodes: int
+    max_query_len: int
+    max_seq_len: int
+    query_start_list: list[int]
+    seq_lens_list: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_list)
 
 
 @dataclass
-class PagedAttentionMetadata:
-    """Everything attention needs for one step, built once and shared by all layers.
+class LayerFeatures:
+    """Per-layer attention options a model passes (None / 0 when the layer does not use them).
 
     Attributes:
-        kv_caches: per layer (key, value), each [num_blocks, block_size, num_kv_heads, head_dim].
-        slot_mapping: int64 [T], cache slot (block * block_size + offset) of each packed token.
+        scaling: multiplier of q.k (1/sqrt(head_dim) unless the model says otherwise).
+        sliding_window: keys further back than this many positions are not attended.
+        softcap: logits become softcap * tanh(logits / softcap) before masking.
+        sinks: float [num_heads], a learned extra logit per head in the softmax denominator.
     """
 
+    scaling: float
+    sliding_window: int | None = None
+    softcap: float | None = None
+    sinks: torch.Tensor | None = None
+
+
+@dataclass
+class StepAttention:
+    """What every layer's attention call needs for one step, built once per step.
+
+    Attributes:
+        metadata: the step's AttentionMetadata.
+        kv_caches: per layer (key, value), key [num_blocks + 1, block_size, num_kv_heads, head_dim] and value
+            [num_blocks + 1, block_size, num_kv_heads, v_head_dim]; the last block is the null block.
+        backend: an AttentionBackend (worker/attention_backends.py) prepared for this step.
+    """
+
+    metadata: AttentionMetadata
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
-    slot_mapping: torch.Tensor
-    sequences: list[SequenceAttention]
+    backend: object
 
 
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                             attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-                            paged_attention: PagedAttentionMetadata | None = None, **kwargs):
+                            paged_attention: StepAttention | None = None, sliding_window: int | None = None,
+                            softcap: float | None = None, s_aux: torch.Tensor | None = None, **kwargs):
     """Attention over the paged cache for one layer.
 
     Args:
-        query: [1, num_heads, T, head_dim]; key, value: [1, num_kv_heads, T, head_dim] (packed tokens).
-        paged_attention: the step's metadata (required).
+        query: [1, num_heads, T, head_dim]; key: [1, num_kv_heads, T, head_dim]; value: [1, num_kv_heads, T,
+            v_head_dim] (the packed tokens of the step).
+        paged_attention: the step's StepAttention (required).
     Returns:
-        ([1, T, num_heads, head_dim], None), the layout transformers' attention functions return.
+        ([1, T, num_heads, v_head_dim], None), the layout transformers' attention functions return.
     Raises:
-        ValueError: called without metadata (the model was run outside the worker).
+        ValueError: called without the metadata keyword (the model was run outside the worker, or its
+            attention layer does not pass keywords through).
     """
     if paged_attention is None:
         raise ValueError("shuttle_paged attention needs the `paged_attention` metadata keyword")
-    meta = paged_attention
-    key_cache, value_cache = meta.kv_caches[module.layer_idx]  # [blocks, block_size, kv_heads, head_dim]
-    kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
-    key_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, key[0].transpose(0, 1))
-    value_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1))
-
-    q = query[0]  # [heads, T, head_dim]
-    out = q.new_empty(q.shape[1], q.shape[0], q.shape[2])  # [T, heads, head_dim]
-    for seq in meta.sequences:
-        # [blocks_used, block_size, kv_heads, hd] -> [context, kv_heads, hd] -> [kv_heads, context, hd]
-        keys = key_cache.index_select(0, seq.block_ids).view(-1, kv_heads, head_dim)[:seq.context_len].transpose(0, 1)
-        values = value_cache.index_select(0, seq.block_ids).view(-1, kv_heads, head_dim)[:seq.context_len].transpose(0, 1)
-        num_query = seq.query_end - seq.query_start
-        attended = F.scaled_dot_product_attention(
-            q[:, seq.query_start:seq.query_end].unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
-            attn_mask=seq.mask, is_causal=seq.mask is None and num_query > 1, scale=scaling,
-            enable_gqa=True)  # [1, heads, num_query, head_dim]
-        out[seq.query_start:seq.query_end] = attended[0].transpose(0, 1)
-    return out.unsqueeze(0), None
+    step = paged_attention
+    key_cache, value_cache = step.kv_caches[module.layer_idx]
+    slots = step.metadata.slot_mapping
+    key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, slots, key[0].transpose(0, 1))
+    value_cache.view(-1, *value_cache.shape[2:]).index_copy_(0, slots, value[0].transpose(0, 1))
+    features = LayerFeatures(scaling if scaling is not None else query.shape[-1] ** -0.5,
+                             sliding_window if sliding_window and sliding_window > 0 else None,
+                             softcap if softcap else None, s_aux)
+    out = step.backend.forward(query[0].transpose(0, 1), key_cache, value_cache, step.metadata, features)
+    return out.unsqueeze(0), None  # [1, T, heads, v_head_dim]
 
 
 def _no_mask(*args, **kwargs):

@@ -1,13 +1,19 @@
-"""Per-request state kept across steps, and the packing of one StepPlan into model inputs."""
+"""Per-request state kept across steps, and the packing of one StepPlan into the step's tensors.
+
+Each request the worker holds owns a row of a persistent block-table array (numpy, int32), filled as block ids
+arrive, so a step's block table is one fancy-index of the scheduled rows; unused entries hold the null block.
+Rows are packed decodes first (one query token each), then prefill chunks, the order attention backends expect.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from common.messages import StepPlan
-from worker.attention import PagedAttentionMetadata, SequenceAttention
+from worker.attention import AttentionMetadata
 from worker.sampler import SamplingState
 
 
@@ -16,43 +22,46 @@ class CachedRequestState:
     """What the worker remembers of a request between steps.
 
     Attributes:
-        token_ids: prompt + every token sampled so far (the worker appends its own samples).
-        block_ids: the block table, as the scheduler sent it.
-        sampling: parameters plus the state (seeded generator, penalty counts) that must outlive one step.
+        token_ids: prompt + every token sampled so far (the worker appends its own samples, which is what lets
+            the next step be planned before this one's result reaches the scheduler).
+        row: the request's row in the persistent block table.
+        num_blocks: block ids written in that row.
+        sampling: parameters plus per-request sampling state.
     """
 
     request_id: str
     token_ids: list[int]
     sampling: SamplingState
-    block_ids: list[int]
+    row: int
+    num_blocks: int = 0
     num_computed_tokens: int = 0
     next_prompt_logprob: int = 0  # first prompt position whose logits (predicting the next token) are not sent yet
 
 
 @dataclass
-class PackedBatch:
+class StepInputs:
     """Model inputs for one step: all scheduled tokens of all sequences side by side, no padding.
 
     Attributes:
         input_ids, positions: int64 [T].
-        sample_rows: int64 [S], rows whose logits are sampled (the last scheduled token of each sequence
-            whose chunk reaches the end of its known tokens).
-        sampled_requests: the S requests, in row order.
-        prompt_rows: per request asking for prompt logprobs, (state, rows, next prompt token ids): logits are
-            also kept at those rows, after the S sampling rows, in this order.
+        attention: the step's AttentionMetadata.
+        sample_rows: int64 [S], packed rows whose logits are sampled (the last token of each sequence whose chunk
+            reaches the end of its known tokens); sampled_requests: those S requests, in the same order.
+        prompt_rows: per request asking for prompt logprobs, (state, first prompt position, rows, next prompt
+            token ids); logits are also kept at those rows, after the S sampling rows, in this order.
     """
 
     input_ids: torch.Tensor
     positions: torch.Tensor
-    attention: PagedAttentionMetadata
+    attention: AttentionMetadata
     sample_rows: torch.Tensor
     sampled_requests: list[CachedRequestState] = field(default_factory=list)
-    prompt_rows: list[tuple[CachedRequestState, list[int], list[int]]] = field(default_factory=list)
+    prompt_rows: list[tuple[CachedRequestState, int, list[int], list[int]]] = field(default_factory=list)
 
     @property
     def logits_rows(self) -> torch.Tensor:
         """int64: the rows whose logits the model computes (sampling rows, then prompt-logprob rows)."""
-        extra = [r for _, rows, _ in self.prompt_rows for r in rows]
+        extra = [r for _, _, rows, _ in self.prompt_rows for r in rows]
         return torch.cat([self.sample_rows, torch.tensor(extra, dtype=torch.long)]) if extra else self.sample_rows
 
 
@@ -61,57 +70,85 @@ class InputBatch:
 
     Args:
         block_size: tokens per KV block.
-        kv_caches: per layer (key, value), each [num_blocks, block_size, num_kv_heads, head_dim].
+        null_block: block id that pads block tables (never handed out by the scheduler).
+        max_blocks_per_seq: columns of the persistent block table (max_model_len / block_size, rounded up).
     """
 
-    def __init__(self, block_size: int, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
+    def __init__(self, block_size: int, null_block: int, max_blocks_per_seq: int, initial_rows: int = 64):
         self.block_size = block_size
-        self.kv_caches = kv_caches
+        self.null_block = null_block
         self.requests: dict[str, CachedRequestState] = {}
+        self._table = np.full((initial_rows, max_blocks_per_seq), null_block, dtype=np.int32)
+        self._free_rows = list(range(initial_rows - 1, -1, -1))
 
     def apply(self, plan: StepPlan) -> list[tuple[CachedRequestState, int]]:
-        """Update states from the plan; returns (state, num_scheduled_tokens) in plan order."""
+        """Update states from the plan; returns (state, num_scheduled_tokens) of the step's requests.
+
+        A cached request the worker does not hold (its state was dropped when a step failed) is skipped: the
+        scheduler fails it, and its sampled tokens would be dropped anyway.
+        """
         for request_id in plan.finished_ids:
-            self.requests.pop(request_id, None)
-        for request_id in plan.preempted_ids:
-            if request_id in self.requests:
-                self.requests[request_id].block_ids = []
+            self.drop(request_id)
         scheduled = []
         for new in plan.new_requests:
+            self.drop(new.request_id)
             state = CachedRequestState(new.request_id, list(new.token_ids),
-                                       SamplingState(new.sampling, len(new.token_ids)), list(new.block_ids),
-                                       new.num_computed_tokens)
+                                       SamplingState(new.sampling, new.prompt_len or len(new.token_ids)),
+                                       self._take_row(), num_computed_tokens=new.num_computed_tokens)
+            self._append_blocks(state, new.block_ids)
             self.requests[new.request_id] = state
             scheduled.append((state, new.num_scheduled_tokens))
         for cached in plan.cached_requests:
-            state = self.requests[cached.request_id]
-            if cached.resumed:
-                state.block_ids = list(cached.new_block_ids)
-            else:
-                state.block_ids.extend(cached.new_block_ids)
+            state = self.requests.get(cached.request_id)
+            if state is None:
+                continue
+            self._append_blocks(state, cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
             scheduled.append((state, cached.num_scheduled_tokens))
         return scheduled
 
-    def pack(self, scheduled: list[tuple[CachedRequestState, int]]) -> PackedBatch:
-        """Build the packed tensors and attention metadata for the scheduled requests."""
+    def drop(self, request_id: str) -> None:
+        state = self.requests.pop(request_id, None)
+        if state is not None:
+            self._table[state.row, :state.num_blocks] = self.null_block
+            self._free_rows.append(state.row)
+
+    def _take_row(self) -> int:
+        if not self._free_rows:
+            grown = np.full((len(self._table) * 2, self._table.shape[1]), self.null_block, dtype=np.int32)
+            grown[:len(self._table)] = self._table
+            self._free_rows = list(range(len(grown) - 1, len(self._table) - 1, -1))
+            self._table = grown
+        return self._free_rows.pop()
+
+    def _append_blocks(self, state: CachedRequestState, block_ids: list[int]) -> None:
+        if block_ids:
+            self._table[state.row, state.num_blocks:state.num_blocks + len(block_ids)] = block_ids
+            state.num_blocks += len(block_ids)
+
+    def pack(self, scheduled: list[tuple[CachedRequestState, int]]) -> StepInputs:
+        """Build the step's tensors for the scheduled requests (decodes first)."""
+        decodes = [item for item in scheduled if item[1] == 1]
+        prefills = [item for item in scheduled if item[1] != 1]
+        ordered = decodes + prefills
         input_ids: list[int] = []
-        positions: list[torch.Tensor] = []
-        slots: list[torch.Tensor] = []
-        sequences: list[SequenceAttention] = []
+        query_start = [0]
+        starts: list[int] = []
+        seq_lens: list[int] = []
         sample_rows: list[int] = []
         sampled: list[CachedRequestState] = []
-        prompt_rows: list[tuple[CachedRequestState, list[int], list[int]]] = []
-        bs = self.block_size
-        for state, num_new in scheduled:
-            start, end = state.num_computed_tokens, state.num_computed_tokens + num_new
-            row = len(input_ids)
-            input_ids.extend(state.token_ids[start:end])
-            block_ids = torch.tensor(state.block_ids[: -(-end // bs)], dtype=torch.long)
-            new_positions = torch.arange(start, end)
-            positions.append(new_positions)
-            slots.append(block_ids[new_positions // bs] * bs + new_positions % bs)
-            sequences.append(SequenceAttention(row, row + num_new, block_ids, end, _chunk_mask(start, end)))
+        prompt_rows = []
+        for state, num_new in ordered:
+            start = state.num_computed_tokens
+            end = start + num_new
+            row = query_start[-1]
+            if num_new == 1:
+                input_ids.append(state.token_ids[start])
+            else:
+                input_ids.extend(state.token_ids[start:end])
+            query_start.append(row + num_new)
+            starts.append(start)
+            seq_lens.append(end)
             if end == len(state.token_ids):
                 sample_rows.append(row + num_new - 1)
                 sampled.append(state)
@@ -119,17 +156,21 @@ class InputBatch:
                 # position p's logits predict token p + 1; the last prompt position is the ordinary sample
                 first, last = max(start, state.next_prompt_logprob), min(end, state.sampling.prompt_len - 1)
                 if first < last:
-                    prompt_rows.append((state, [row + p - start for p in range(first, last)],
+                    prompt_rows.append((state, first, [row + p - start for p in range(first, last)],
                                         state.token_ids[first + 1:last + 1]))
                     state.next_prompt_logprob = last
-        attention = PagedAttentionMetadata(self.kv_caches, torch.cat(slots), sequences)
-        return PackedBatch(torch.tensor(input_ids), torch.cat(positions), attention,
-                           torch.tensor(sample_rows, dtype=torch.long), sampled, prompt_rows)
-
-
-def _chunk_mask(start: int, end: int) -> torch.Tensor | None:
-    """Causal mask of queries [start, end) over keys [0, end); None for one query or a prefill from 0."""
-    if start == 0 or end - start == 1:
-        return None
-    query_pos = torch.arange(start, end).unsqueeze(1)
-    return torch.arange(end).unsqueeze(0) <= query_pos  # [n, end]
+        bs = self.block_size
+        lens = np.array(seq_lens, dtype=np.int64)
+        width = int(-(-lens.max() // bs))
+        table = self._table[[state.row for state, _ in ordered], :width]
+        counts = np.diff(np.array(query_start, dtype=np.int64))
+        seq_of_token = np.repeat(np.arange(len(ordered)), counts)
+        positions = np.arange(query_start[-1], dtype=np.int64) + np.repeat(np.array(starts) - query_start[:-1], counts)
+        slots = table[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+        attention = AttentionMetadata(
+            query_start_loc=torch.tensor(query_start, dtype=torch.int32), seq_lens=torch.from_numpy(lens.astype(np.int32)),
+            block_table=torch.from_numpy(table), slot_mapping=torch.from_numpy(slots), num_decodes=len(decodes),
+            max_query_len=int(counts.max()), max_seq_len=int(lens.max()), query_start_list=query_start,
+            seq_lens_list=seq_lens)
+        return StepInputs(torch.tensor(input_ids, dtype=torch.long), torch.from_numpy(positions), attention,
+                          torch.tensor(sample_rows, dtype=torch.long), sampled, prompt_rows)

@@ -1,4 +1,5 @@
-"""The paged KV cache tensors: per layer K and V of shape [num_blocks, block_size, num_kv_heads, head_dim]."""
+"""The paged KV cache tensors: per layer K [num_blocks + 1, block_size, num_kv_heads, head_dim] and V (its own
+head dim). Block `num_blocks` is the null block: it pads block tables and is never handed out by the scheduler."""
 
 from __future__ import annotations
 
@@ -6,13 +7,16 @@ from dataclasses import dataclass
 
 import torch
 
+from worker.model_loader import LayerGeometry
+
 
 @dataclass
 class KVCache:
     """Allocated cache and its size.
 
     Attributes:
-        layers: per layer (key, value), each [num_blocks, block_size, num_kv_heads, head_dim].
+        layers: per layer (key, value) tensors, shapes as in the module docstring.
+        num_blocks: blocks the scheduler may use (ids 0 .. num_blocks - 1).
         bytes_per_token: K + V bytes one token takes across all layers.
     """
 
@@ -20,20 +24,29 @@ class KVCache:
     num_blocks: int
     bytes_per_token: int
 
+    @property
+    def null_block(self) -> int:
+        return self.num_blocks
+
     @staticmethod
-    def allocate(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device, num_blocks: int | None, memory_bytes: int) -> "KVCache":
+    def bytes_per_token_of(geometry: list[LayerGeometry], dtype: torch.dtype) -> int:
+        element = torch.empty((), dtype=dtype).element_size()
+        return sum(g.num_kv_heads * (g.head_dim + g.v_head_dim) for g in geometry) * element
+
+    @staticmethod
+    def allocate(geometry: list[LayerGeometry], block_size: int, dtype: torch.dtype, device: torch.device,
+                 num_blocks: int | None, memory_bytes: int) -> "KVCache":
         """Allocate `num_blocks` blocks, or as many as fit in `memory_bytes` (bytes) when it is None.
 
         Raises:
             ValueError: the budget holds no block.
         """
-        bytes_per_token = 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        bytes_per_token = KVCache.bytes_per_token_of(geometry, dtype)
         if num_blocks is None:
-            num_blocks = memory_bytes // (bytes_per_token * block_size)
+            num_blocks = memory_bytes // (bytes_per_token * block_size) - 1  # one goes to the null block
         if num_blocks < 1:
             raise ValueError(f"KV cache budget of {memory_bytes} bytes holds no block of {block_size} tokens")
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        layers = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-                  for _ in range(num_layers)]
+        layers = [(torch.zeros((num_blocks + 1, block_size, g.num_kv_heads, g.head_dim), dtype=dtype, device=device),
+                   torch.zeros((num_blocks + 1, block_size, g.num_kv_heads, g.v_head_dim), dtype=dtype, device=device))
+                  for g in geometry]
         return KVCache(layers, num_blocks, bytes_per_token)

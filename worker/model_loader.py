@@ -1,33 +1,91 @@
-"""Loads a Hugging Face decoder-only model with shuttle's paged attention backend."""
+"""Loads a Hugging Face decoder-only model with shuttle's paged attention, and learns its KV geometry by probing.
+
+The geometry (which layers attend, with how many KV heads of which key and value widths) is read off one tiny
+forward pass rather than from config field names, which differ between architectures (Falcon's `num_kv_heads`,
+MLA's separate key and value head dims, ...): whatever the model hands its attention function is what the cache
+must hold.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AttentionInterface, AutoModelForCausalLM
 
 from worker import attention
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+class UnsupportedModelError(Exception):
+    """The model cannot be served exactly by shuttle; the message names the architecture and the reason."""
+
+
+@dataclass(frozen=True)
+class LayerGeometry:
+    """The K/V shape one attention layer caches per token."""
+
+    num_kv_heads: int
+    head_dim: int
+    v_head_dim: int
+
+
 def load_model(model_dir: str, dtype: str, device: torch.device) -> torch.nn.Module:
     """Load weights from `model_dir` (config.json + safetensors) in eval mode on `device`.
 
     Raises:
-        ValueError: unknown dtype. Errors of transformers propagate (unsupported architecture, bad files).
+        ValueError: unknown dtype.
+        UnsupportedModelError: transformers cannot load it as a causal LM with a pluggable attention function.
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=DTYPES[dtype], attn_implementation=attention.register())
+    try:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype],
+                                                     attn_implementation=attention.register())
+    except (ValueError, KeyError, NotImplementedError) as exc:  # unknown model type, no attention interface, ...
+        raise UnsupportedModelError(f"transformers cannot load {model_dir} as a causal LM with pluggable attention: "
+                                    f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
     return model.to(device).eval()
 
 
-def kv_geometry(model_dir: str) -> tuple[int, int, int]:
-    """(num_layers, num_kv_heads, head_dim) from the model's config."""
-    config = AutoConfig.from_pretrained(model_dir)
-    config = getattr(config, "text_config", config)
-    num_heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
-    num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
-    return config.num_hidden_layers, num_kv_heads, head_dim
+def architecture(model: torch.nn.Module) -> str:
+    names = getattr(model.config, "architectures", None)
+    return names[0] if names else type(model).__name__
+
+
+@torch.inference_mode()
+def probe_geometry(model: torch.nn.Module) -> list[LayerGeometry]:
+    """Run a 3-token forward with a recording attention function; returns one LayerGeometry per layer index.
+
+    Raises:
+        UnsupportedModelError: no layer called the attention interface, a layer has no `layer_idx`, or layer
+            indices are not 0..N-1.
+    """
+    seen: dict[int, LayerGeometry] = {}
+
+    def record(module, query, key, value, attention_mask, **kwargs):
+        layer = getattr(module, "layer_idx", None)
+        if not isinstance(layer, int):
+            raise UnsupportedModelError(f"{architecture(model)}: an attention layer has no layer_idx")
+        seen[layer] = LayerGeometry(key.shape[1], key.shape[-1], value.shape[-1])
+        return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1]), None
+
+    AttentionInterface.register(attention.ATTENTION_NAME, record)
+    try:
+        device = next(model.parameters()).device
+        model(input_ids=torch.tensor([[1, 2, 3]], device=device), position_ids=torch.arange(3, device=device)[None],
+              use_cache=False, logits_to_keep=1)
+    except UnsupportedModelError:
+        raise
+    except Exception as exc:
+        raise UnsupportedModelError(f"{architecture(model)}: the model fails with shuttle's attention interface "
+                                    f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
+    finally:
+        attention.register()
+    if not seen:
+        raise UnsupportedModelError(f"{architecture(model)}: its attention does not route through transformers' "
+                                    f"attention interface, so it cannot use the paged KV cache")
+    if sorted(seen) != list(range(len(seen))):
+        raise UnsupportedModelError(f"{architecture(model)}: attention layer indices {sorted(seen)} are not 0..N-1")
+    return [seen[i] for i in range(len(seen))]

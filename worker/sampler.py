@@ -1,8 +1,13 @@
-"""Turns the logits of sampling positions into token ids, each row under its own request's parameters.
+"""Turns the logits of sampling positions into token ids, every row under its own request's parameters, batched.
 
 Order of operations (as vLLM and transformers apply them): logit_bias, the min_tokens mask of stop ids,
 repetition / frequency / presence penalties, then temperature, top-k, top-p and min-p, then the draw.
 Log-probabilities are reported from the model's raw distribution, before any of that.
+
+The draw is inverse-CDF sampling with one uniform number per row. For a seeded request that number is a pure
+function of (seed, output position) (SplitMix64, Steele, Lea and Flood, "Fast splittable pseudorandom number
+generators", OOPSLA 2014), so a seeded request samples the same tokens in any batch, after a preemption that
+recomputes it, and on any rank, with no generator state to carry. Unseeded rows draw from the worker's generator.
 """
 
 from __future__ import annotations
@@ -14,25 +19,36 @@ import torch
 from common.messages import TokenLogprobs
 from common.sampling import SamplingParams
 
+_MASK64 = (1 << 64) - 1
+
+
+def seeded_uniform(seed: int, position: int) -> float:
+    """A number in (0, 1) determined by (seed, position) alone: SplitMix64's output function over a key that
+    mixes both (its constants are those of the paper's reference implementation)."""
+    x = (seed * 0x9E3779B97F4A7C15 + (position + 1) * 0xD1B54A32D192ED03) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    x ^= x >> 31
+    return ((x >> 11) + 0.5) / 2.0**53
+
 
 class SamplingState:
-    """Per-request state that must persist across steps for the request to sample the same tokens in any batch.
+    """Per-request sampling state the worker keeps across steps.
 
     Attributes:
-        generator: the request's own RNG when it has a seed (None: the worker's shared generator).
-        output_counts: float [vocab], occurrences of each token in the output (built on first use).
-        seen: bool [vocab], tokens in prompt or output, for the repetition penalty (built on first use).
+        prompt_len: tokens of the prompt (output positions count from it).
+        bias_ids, bias_values: logit_bias as int64 [K] ids and float32 [K] values (built once).
+        output_counts: float32 [vocab] occurrences of each token in the output; seen: bool [vocab], tokens in
+            prompt or output (both built on first use by a request with penalties).
     """
 
     def __init__(self, params: SamplingParams, prompt_len: int):
         self.params = params
         self.prompt_len = prompt_len
-        self.generator = torch.Generator().manual_seed(params.seed % 2**64) if params.seed is not None else None
-        self.output_counts: torch.Tensor | None = None
-        self.seen: torch.Tensor | None = None
-        # logit_bias as tensors once, not every step: int64 ids [B], float32 biases [B]
         self.bias_ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.long)
         self.bias_values = torch.tensor([b for _, b in params.logit_bias], dtype=torch.float32)
+        self.output_counts: torch.Tensor | None = None
+        self.seen: torch.Tensor | None = None
 
     def penalty_tensors(self, token_ids: list[int], vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.output_counts is None:
@@ -43,7 +59,7 @@ class SamplingState:
         return self.output_counts, self.seen
 
     def record(self, token_id: int) -> None:
-        """Count a newly sampled token (only once penalty tensors exist; they are rebuilt from ids otherwise)."""
+        """Count a newly sampled token (only once penalty tensors exist; they are built from ids otherwise)."""
         if self.output_counts is not None:
             self.output_counts[token_id] += 1
             self.seen[token_id] = True
@@ -56,14 +72,11 @@ class SamplerOutput:
 
 
 class Sampler:
-    """Greedy and random sampling with OpenAI/vLLM parameters.
-
-    Random draws use the exponential-race form of categorical sampling (argmax of p / E with E ~ Exp(1),
-    equivalent to drawing from p), row by row from the request's own generator when it has a seed.
+    """Greedy and random sampling with OpenAI/vLLM parameters, batched over rows.
 
     Args:
         eos_token_ids: masked out (unless ignore_eos) while a request has fewer than min_tokens outputs.
-        seed: seeds the shared generator used by requests without a seed.
+        seed: seeds the generator used by requests without a seed.
     """
 
     def __init__(self, eos_token_ids: tuple[int, ...] = (), seed: int = 0):
@@ -80,65 +93,70 @@ class Sampler:
             SamplerOutput with S token ids (and logprobs for rows that asked).
         """
         logits = logits.float()
-        raw_logprobs = self._raw_logprobs(logits, states)
-        logits = self._process(logits, states, token_ids)
+        params = [s.params for s in states]
+        wants_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
+        raw_logprobs = logits[wants_logprobs].log_softmax(dim=-1) if wants_logprobs else None
+        num_outputs = [len(ids) - s.prompt_len for ids, s in zip(token_ids, states)]
+        logits = self._process(logits, states, params, token_ids, num_outputs)
         tokens = logits.argmax(dim=-1)
-        random_rows = [i for i, s in enumerate(states) if not s.params.greedy]
+        random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
             rows = torch.tensor(random_rows)
-            probs = _filtered_probabilities(logits[rows], [states[i].params for i in random_rows])
-            for j, i in enumerate(random_rows):
-                noise = torch.empty_like(probs[j]).exponential_(generator=states[i].generator or self.generator)
-                tokens[i] = (probs[j] / noise).argmax()
+            chosen = [params[i] for i in random_rows]
+            probs = _filtered_probabilities(logits[rows], chosen)
+            uniforms = torch.rand(len(random_rows), generator=self.generator, dtype=torch.float64)
+            for j, (i, p) in enumerate(zip(random_rows, chosen)):
+                if p.seed is not None:
+                    uniforms[j] = seeded_uniform(p.seed, num_outputs[i])
+            tokens[rows] = _inverse_cdf(probs, uniforms)
         token_list = tokens.tolist()
         if raw_logprobs is None:
             return SamplerOutput(token_list, None)
-        logprobs: list[TokenLogprobs | None] = [None] * len(states)
-        for i, row in raw_logprobs.items():
-            k = states[i].params.logprobs
-            top = row.topk(k) if k else None
-            logprobs[i] = TokenLogprobs(row[token_list[i]].item(), top.indices.tolist() if top else [],
-                                        top.values.tolist() if top else [])
-        return SamplerOutput(token_list, logprobs)
+        return SamplerOutput(token_list, _logprobs(raw_logprobs, wants_logprobs, params, token_list, len(states)))
 
-    @staticmethod
-    def _raw_logprobs(logits: torch.Tensor, states: list[SamplingState]) -> dict[int, torch.Tensor] | None:
-        """Row index -> float [vocab] log-softmax of the raw logits, for rows that asked for logprobs."""
-        wanted = [i for i, s in enumerate(states) if s.params.logprobs is not None]
-        if not wanted:
-            return None
-        log_softmax = logits[torch.tensor(wanted)].log_softmax(dim=-1)
-        return {i: log_softmax[j] for j, i in enumerate(wanted)}
-
-    def _process(self, logits: torch.Tensor, states: list[SamplingState], token_ids: list[list[int]]) -> torch.Tensor:
-        vocab = logits.shape[1]
-        for i, state in enumerate(states):
-            params = state.params
-            if params.logit_bias:
-                logits[i, state.bias_ids] += state.bias_values
-            if len(token_ids[i]) - state.prompt_len < params.min_tokens:
-                stop_ids = list(params.stop_token_ids) + ([] if params.ignore_eos else list(self.eos_token_ids))
-                if stop_ids:
-                    logits[i, torch.tensor(stop_ids)] = float("-inf")
-            if params.has_penalties:
-                counts, seen = state.penalty_tensors(token_ids[i], vocab)
-                row = logits[i]
-                if params.repetition_penalty != 1.0:
-                    penalized = torch.where(row > 0, row / params.repetition_penalty, row * params.repetition_penalty)
-                    row = torch.where(seen, penalized, row)
-                row = row - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).float()
-                logits[i] = row
+    def _process(self, logits: torch.Tensor, states: list[SamplingState], params: list[SamplingParams],
+                 token_ids: list[list[int]], num_outputs: list[int]) -> torch.Tensor:
+        """logit_bias, the min_tokens mask and penalties, applied only to the rows that use them."""
+        bias_rows = [i for i, p in enumerate(params) if p.logit_bias]
+        if bias_rows:
+            row_index = torch.cat([torch.full((len(states[i].bias_ids),), i) for i in bias_rows])
+            token_index = torch.cat([states[i].bias_ids for i in bias_rows])
+            logits.index_put_((row_index, token_index), torch.cat([states[i].bias_values for i in bias_rows]),
+                              accumulate=True)
+        masked = [(i, list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_token_ids)))
+                  for i, p in enumerate(params) if num_outputs[i] < p.min_tokens]
+        masked = [(i, ids) for i, ids in masked if ids]
+        if masked:
+            row_index = torch.tensor([i for i, ids in masked for _ in ids])
+            token_index = torch.tensor([t for _, ids in masked for t in ids])
+            logits[row_index, token_index] = float("-inf")
+        penalized = [i for i, p in enumerate(params) if p.has_penalties]
+        if penalized:
+            vocab = logits.shape[1]
+            tensors = [states[i].penalty_tensors(token_ids[i], vocab) for i in penalized]
+            counts = torch.stack([c for c, _ in tensors])  # [R, vocab]
+            seen = torch.stack([s for _, s in tensors])
+            rows = torch.tensor(penalized)
+            repetition = torch.tensor([params[i].repetition_penalty for i in penalized]).unsqueeze(1)
+            frequency = torch.tensor([params[i].frequency_penalty for i in penalized]).unsqueeze(1)
+            presence = torch.tensor([params[i].presence_penalty for i in penalized]).unsqueeze(1)
+            block = logits[rows]
+            penalized_block = torch.where(block > 0, block / repetition, block * repetition)
+            block = torch.where(seen, penalized_block, block)
+            logits[rows] = block - frequency * counts - presence * (counts > 0).float()
         return logits
 
 
 def _filtered_probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Probabilities after temperature, top-k, top-p and min-p filtering. logits: float [R, vocab]."""
-    temperature = torch.tensor([p.temperature for p in params]).unsqueeze(1)
-    logits = logits / temperature
-    top_k = [p.top_k if p.top_k > 0 else logits.shape[1] for p in params]
-    if any(k < logits.shape[1] for k in top_k):
-        kth = torch.stack([logits[r].topk(min(k, logits.shape[1])).values[-1] for r, k in enumerate(top_k)])
-        logits = logits.masked_fill(logits < kth.unsqueeze(1), float("-inf"))
+    vocab = logits.shape[1]
+    logits = logits / torch.tensor([p.temperature for p in params]).unsqueeze(1)
+    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params])
+    if (top_k < vocab).any():
+        values = logits.topk(int(top_k.max()), dim=-1).values
+        kth = values.gather(1, (top_k - 1).clamp(max=values.shape[1] - 1).unsqueeze(1))
+        kth = torch.where((top_k < vocab).unsqueeze(1), kth, torch.full_like(kth, float("-inf")))
+        logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = logits.softmax(dim=-1)
     top_p = torch.tensor([p.top_p for p in params]).unsqueeze(1)
     if (top_p < 1.0).any():
@@ -146,9 +164,31 @@ def _filtered_probabilities(logits: torch.Tensor, params: list[SamplingParams]) 
         # Keep a token if the mass before it is below top_p (so the top token always stays).
         drop_sorted = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p
         drop_sorted[:, 0] = False  # even a top_p that rounds to 0 in float32 keeps the top token
-        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
-        probs = probs.masked_fill(drop, 0.0)
+        probs = probs.masked_fill(torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted), 0.0)
     min_p = torch.tensor([p.min_p for p in params]).unsqueeze(1)
     if (min_p > 0).any():
         probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
     return probs
+
+
+def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Token index per row: the first whose cumulative probability exceeds u * total (float64, so tokens with
+    zero probability are never drawn and the tail keeps its mass). probs [R, vocab], uniforms float64 [R]."""
+    cdf = probs.double().cumsum(dim=-1)
+    target = (uniforms * cdf[:, -1]).unsqueeze(1)
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp(max=probs.shape[1] - 1)
+
+
+def _logprobs(raw: torch.Tensor, rows: list[int], params: list[SamplingParams], tokens: list[int],
+              num_rows: int) -> list[TokenLogprobs | None]:
+    """The sampled token's raw logprob and the k most likely, for the rows that asked (raw: [len(rows), vocab])."""
+    out: list[TokenLogprobs | None] = [None] * num_rows
+    k_max = max(params[i].logprobs for i in rows)
+    top = raw.topk(k_max, dim=-1) if k_max else None
+    chosen = raw.gather(1, torch.tensor([tokens[i] for i in rows]).unsqueeze(1)).squeeze(1).tolist()
+    top_ids = top.indices.tolist() if top is not None else None
+    top_values = top.values.tolist() if top is not None else None
+    for j, i in enumerate(rows):
+        k = params[i].logprobs
+        out[i] = TokenLogprobs(chosen[j], top_ids[j][:k] if k else [], top_values[j][:k] if k else [])
+    return out

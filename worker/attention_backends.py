@@ -1,0 +1,167 @@
+"""Attention backends: how one layer attends the step's packed queries over the paged KV cache.
+
+A backend gets the step's AttentionMetadata (worker/attention.py) and the layer's features and returns the
+attention output; how it loops (or doesn't) is its own business.
+
+- `reference`: one sequence at a time; each sequence's context blocks are gathered and attended with torch's
+  SDPA (or explicit math when the layer soft-caps or has sinks). Simple, every feature, any device and dtype.
+- `cpu` (the CPU default): decode rows all at once through the numba kernel of worker/decode_kernel.py, which
+  reads the cache in place; prefill chunks one sequence at a time as in `reference`. Measured on this 2-core
+  CPU, the kernel beats the per-sequence loop for tiny models (the loop's Python overhead dominates) and for a
+  110M Llama (no gather copy of the context), and a padded batched SDPA with a mask loses to both (torch falls
+  back to its math path); see scripts/bench_overhead.py.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from worker.attention import AttentionMetadata, LayerFeatures
+
+
+def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, query_start: int, key_start: int,
+           features: LayerFeatures, mask_cache: dict | None = None) -> torch.Tensor:
+    """Causal attention of one sequence's consecutive queries over its consecutive keys.
+
+    Args:
+        query: [n, num_heads, head_dim] at positions query_start .. query_start + n - 1.
+        key: [L, num_kv_heads, head_dim], value: [L, num_kv_heads, v_head_dim] at positions key_start ..
+            key_start + L - 1 (L covers the last query's position).
+        mask_cache: optional dict to reuse masks across the layers of a step.
+    Returns:
+        [n, num_heads, v_head_dim].
+    """
+    n, length = query.shape[0], key.shape[0]
+    mask = _mask(query_start, n, key_start, length, features.sliding_window, mask_cache)
+    q, k, v = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)  # heads first
+    if features.softcap is None and features.sinks is None:
+        causal = mask is None and n > 1
+        out = F.scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask,
+                                             is_causal=causal, scale=features.scaling, enable_gqa=True)[0]
+        return out.transpose(0, 1)
+    num_heads, num_kv_heads = q.shape[0], k.shape[0]
+    group = num_heads // num_kv_heads
+    # [kv_heads, group, n, d] @ [kv_heads, 1, d, L] -> [kv_heads, group, n, L]
+    scores = q.reshape(num_kv_heads, group, n, -1) @ k.unsqueeze(1).transpose(-1, -2) * features.scaling
+    if features.softcap is not None:
+        scores = torch.tanh(scores / features.softcap) * features.softcap
+    if mask is None and n > 1:
+        mask = _mask(query_start, n, key_start, length, None, None, force=True)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    if features.sinks is not None:
+        sinks = features.sinks.to(scores.dtype).reshape(num_kv_heads, group, 1, 1).expand(-1, -1, n, 1)
+        probs = torch.cat([scores, sinks], dim=-1).softmax(dim=-1)[..., :-1]
+    else:
+        probs = scores.softmax(dim=-1)
+    out = probs.to(v.dtype) @ v.unsqueeze(1)  # [kv_heads, group, n, dv]
+    return out.reshape(num_heads, n, -1).transpose(0, 1)
+
+
+def _mask(query_start: int, n: int, key_start: int, length: int, window: int | None, cache: dict | None,
+          force: bool = False) -> torch.Tensor | None:
+    """bool [n, L], True where query i may attend key j: j <= i and (no window or j > i - window). None when the
+    plain causal alignment says it all (one query over all keys, or n == L from position key_start)."""
+    if not force and window is None and (n == 1 or (query_start == key_start and n == length)):
+        return None
+    if window is not None and n == 1 and query_start + 1 - key_start <= window and query_start + 1 - key_start == length:
+        return None  # one query whose whole gathered context lies inside its window
+    cache_key = (query_start, n, key_start, length, window)
+    if cache is not None and cache_key in cache:
+        return cache[cache_key]
+    query_pos = torch.arange(query_start, query_start + n).unsqueeze(1)
+    key_pos = torch.arange(key_start, key_start + length).unsqueeze(0)
+    mask = key_pos <= query_pos
+    if window is not None:
+        mask &= key_pos > query_pos - window
+    if cache is not None:
+        cache[cache_key] = mask
+    return mask
+
+
+class ReferenceBackend:
+    """One sequence at a time over its gathered context blocks (the reference every other backend must match)."""
+
+    name = "reference"
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self._masks: dict = {}
+
+    def begin_step(self) -> None:
+        """Forget the previous step's masks (each step has its own shapes)."""
+        self._masks = {}
+
+    def forward(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                meta: AttentionMetadata, features: LayerFeatures) -> torch.Tensor:
+        """query [T, num_heads, head_dim] -> [T, num_heads, v_head_dim]."""
+        out = query.new_empty(query.shape[0], query.shape[1], value_cache.shape[3])
+        self.attend_rows(range(meta.num_seqs), query, key_cache, value_cache, meta, features, out)
+        return out
+
+    def attend_rows(self, rows, query, key_cache, value_cache, meta: AttentionMetadata, features: LayerFeatures,
+                    out: torch.Tensor) -> None:
+        """Fill `out` for the given sequence rows, one sequence at a time."""
+        bs = self.block_size
+        starts, lens = meta.query_start_list, meta.seq_lens_list
+        for b in rows:
+            q0, q1, context = starts[b], starts[b + 1], lens[b]
+            first_query = context - (q1 - q0)
+            key_start = 0 if features.sliding_window is None else max(0, first_query - features.sliding_window + 1)
+            first_block = key_start // bs
+            blocks = meta.block_table[b, first_block:-(-context // bs)]
+            key_start = first_block * bs
+            keys = key_cache[blocks].flatten(0, 1)[:context - key_start]
+            values = value_cache[blocks].flatten(0, 1)[:context - key_start]
+            out[q0:q1] = attend(query[q0:q1], keys, values, first_query, key_start, features, self._masks)
+
+
+class CpuBackend(ReferenceBackend):
+    """Decode rows through the numba paged kernel (in place, all at once); prefill chunks as `reference`."""
+
+    name = "cpu"
+
+    def __init__(self, block_size: int):
+        super().__init__(block_size)
+        from worker import decode_kernel  # numba loads only where this backend is used
+        self._kernel = decode_kernel
+
+    def forward(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                meta: AttentionMetadata, features: LayerFeatures) -> torch.Tensor:
+        d = meta.num_decodes
+        if d == meta.num_seqs and query.dtype == torch.float32:
+            return self._decode(query, key_cache, value_cache, meta, features)
+        out = query.new_empty(query.shape[0], query.shape[1], value_cache.shape[3])
+        first = 0
+        if d and query.dtype == torch.float32:
+            out[:d] = self._decode(query[:d], key_cache, value_cache, meta, features, d)
+            first = d
+        self.attend_rows(range(first, meta.num_seqs), query, key_cache, value_cache, meta, features, out)
+        return out
+
+    def _decode(self, query, key_cache, value_cache, meta: AttentionMetadata, features: LayerFeatures,
+                rows: int | None = None) -> torch.Tensor:
+        block_table, seq_lens = meta.block_table, meta.seq_lens
+        if rows is not None:
+            block_table, seq_lens = block_table[:rows], seq_lens[:rows]
+        return self._kernel.paged_decode(query, key_cache, value_cache, block_table, seq_lens, features.scaling,
+                                         features.sliding_window, features.softcap, features.sinks)
+
+
+BACKENDS = {backend.name: backend for backend in (ReferenceBackend, CpuBackend)}
+
+
+def make_backend(name: str, block_size: int, device: torch.device):
+    """The attention backend `name` ("auto": `cpu` on a CPU, else `reference`).
+
+    Raises:
+        ValueError: an unknown name, or a CPU-only backend on another device.
+    """
+    if name == "auto":
+        name = "cpu" if device.type == "cpu" else "reference"
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose from auto, {', '.join(BACKENDS)}")
+    if name == "cpu" and device.type != "cpu":
+        raise ValueError("the cpu attention backend runs on the CPU only")
+    return BACKENDS[name](block_size)

@@ -1,0 +1,115 @@
+"""Start-up exactness check: the paged path must reproduce transformers' eager attention on this very model.
+
+Two sequences run packed through the worker's real step path (plans, InputBatch, attention backend, a small
+paged cache), with a chunked prefill, a chunk continuation and decodes, so cross-sequence isolation, positions,
+chunk masks and cache reads are all exercised; their log-probabilities at every position are compared with
+the model run one sequence at a time under transformers' own eager attention. An architecture whose layers do
+something the paged path does not reproduce (recurrent state, ALiBi computed outside the attention function,
+an attention class that ignores the interface, ...) is refused before the server reports ready.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from common.messages import CachedRequestData, NewRequestData, StepPlan
+from common.sampling import SamplingParams
+from worker import attention
+from worker.input_batch import InputBatch
+from worker.kv_cache import KVCache
+from worker.model_loader import UnsupportedModelError, architecture
+
+# Max |log-probability difference| (nats) tolerated: structural mistakes give differences of order 1.
+TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 0.25, torch.float16: 0.25}
+
+
+@torch.inference_mode()
+def check_exactness(runner, max_model_len: int) -> float:
+    """Compare the paged path with eager attention; returns the max abs log-probability difference.
+
+    Args:
+        runner: a ModelRunner (model, geometry, backend, block_size, dtype, device, forward()).
+    Raises:
+        UnsupportedModelError: the difference exceeds TOLERANCE for the model's dtype, or a path fails.
+    """
+    model, block_size = runner.model, runner.block_size
+    vocab = model.get_output_embeddings().weight.shape[0]
+    window = _smallest_window(model.config)
+    long_len = min(max_model_len, max(2 * block_size + 3, (window or 0) + block_size + 3, 21))
+    short_len = min(max_model_len, max(block_size // 2 + 3, 7))
+    generator = torch.Generator().manual_seed(0)
+    sequences = {name: torch.randint(3, vocab, (length,), generator=generator).tolist()
+                 for name, length in (("a", long_len), ("b", short_len))}
+    paged = _paged_logprobs(runner, sequences)
+    reference = _eager_logprobs(model, sequences, runner.device)
+    worst = 0.0
+    for name in sequences:
+        worst = max(worst, float((paged[name] - reference[name]).abs().max()))
+    tolerance = TOLERANCE.get(runner.dtype, 0.25)
+    if not worst <= tolerance:
+        raise UnsupportedModelError(f"{architecture(model)}: the paged attention path differs from transformers' "
+                                    f"eager attention by {worst:.3g} nats (tolerance {tolerance:g}); refusing to "
+                                    f"serve output that would not match the model")
+    return worst
+
+
+def _smallest_window(config) -> int | None:
+    config = getattr(config, "text_config", None) or config
+    window = getattr(config, "sliding_window", None)
+    return window if isinstance(window, int) and window > 0 else None
+
+
+def _paged_logprobs(runner, sequences: dict[str, list[int]]) -> dict[str, torch.Tensor]:
+    """Run the sequences packed in four steps (chunked prefill, continuation, decodes); log-softmax per position."""
+    bs = runner.block_size
+    needed = sum(-(-len(ids) // bs) for ids in sequences.values())
+    cache = KVCache.allocate(runner.geometry, bs, runner.dtype, runner.device, needed, 0)
+    batch = InputBatch(bs, cache.null_block, max(-(-len(ids) // bs) for ids in sequences.values()))
+    tables, next_block = {}, 0
+    for name, ids in sequences.items():
+        count = -(-len(ids) // bs)
+        tables[name], next_block = list(range(next_block, next_block + count)), next_block + count
+    a, b = sequences["a"], sequences["b"]
+    cut = len(a) // 2 + 1
+    steps = [  # per step: {name: (start, num_tokens)}
+        {"a": (0, cut), "b": (0, len(b) - 2)},
+        {"a": (cut, len(a) - 2 - cut), "b": (len(b) - 2, 1)},
+        {"a": (len(a) - 2, 1), "b": (len(b) - 1, 1)},
+        {"a": (len(a) - 1, 1)},
+    ]
+    rows: dict[str, list[torch.Tensor]] = {name: [] for name in sequences}
+    for step_id, step in enumerate(steps):
+        plan = StepPlan(step_id, [], [])
+        for name, (start, count) in step.items():
+            if step_id == 0:
+                plan.new_requests.append(NewRequestData(name, sequences[name], SamplingParams(), tables[name], start,
+                                                        count))
+            else:
+                plan.cached_requests.append(CachedRequestData(name, [], start, count))
+        scheduled = batch.apply(plan)
+        inputs = batch.pack(scheduled)
+        logits = runner.forward(inputs, cache.layers, torch.arange(inputs.input_ids.shape[0])).float()
+        starts = inputs.attention.query_start_list
+        for index, (state, _) in enumerate(_ordered(scheduled)):
+            rows[state.request_id].append(logits[starts[index]:starts[index + 1]].log_softmax(-1))
+    return {name: torch.cat(parts) for name, parts in rows.items()}
+
+
+def _ordered(scheduled):
+    """The row order InputBatch.pack uses: decodes first, then prefill chunks."""
+    return [item for item in scheduled if item[1] == 1] + [item for item in scheduled if item[1] != 1]
+
+
+def _eager_logprobs(model, sequences: dict[str, list[int]], device: torch.device) -> dict[str, torch.Tensor]:
+    try:
+        model.set_attn_implementation("eager")
+        if model.config._attn_implementation != "eager":
+            raise UnsupportedModelError(f"{architecture(model)}: its attention implementation cannot be switched, "
+                                        f"so shuttle cannot check its paged path")
+        out = {}
+        for name, ids in sequences.items():
+            logits = model(input_ids=torch.tensor([ids], device=device), use_cache=False).logits[0]
+            out[name] = logits.float().log_softmax(-1)
+        return out
+    finally:
+        model.set_attn_implementation(attention.ATTENTION_NAME)
