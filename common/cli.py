@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--request-timeout", type=float, default=sched.request_timeout,
                        help="seconds from arrival after which an unfinished request ends with an error "
                             "(0: never; a request's own `timeout` field can ask for less or more)")
+    serve.add_argument("--max-seqs-per-request", type=int, default=sched.max_seqs_per_request,
+                       help="running sequences one client request (its prompts x n) may hold; 0: a fair share "
+                            "(max_num_seqs / live requests; max_num_seqs less one eighth when alone)")
     serve.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=sched.async_scheduling,
                        help="plan the next step while the worker runs the current one (two steps in flight); "
                             "--no-async-scheduling plans, waits and settles one step at a time")

@@ -133,6 +133,8 @@ class SchedulerConfig:
         priority_aging_seconds: under "priority", seconds of waiting worth one priority level (0: no aging).
         request_timeout: seconds from arrival after which an unfinished request ends with an error (0: never).
         async_scheduling: plan step N+1 while the worker runs step N (at most two steps in flight).
+        max_seqs_per_request: running sequences one client request (its prompts x n) may hold; 0 = a fair share
+            (max_num_seqs / live requests, or max_num_seqs less one eighth when alone).
     """
 
     max_num_seqs: int = 128
@@ -142,6 +144,7 @@ class SchedulerConfig:
     priority_aging_seconds: float = 10.0
     request_timeout: float = 0.0
     async_scheduling: bool = True
+    max_seqs_per_request: int = 0
 
 
 @dataclass(frozen=True)
@@ -204,7 +207,7 @@ class ShuttleConfig:
             cache=CacheConfig(args.block_size, args.num_kv_blocks, args.kv_cache_memory, args.enable_prefix_caching),
             scheduler=SchedulerConfig(args.max_num_seqs, max_batched, args.max_waiting_requests,
                                       args.scheduling_policy, args.priority_aging_seconds, args.request_timeout,
-                                      args.async_scheduling),
+                                      args.async_scheduling, args.max_seqs_per_request),
             worker=WorkerConfig(args.attention_backend),
             host=args.host,
             port=args.port,

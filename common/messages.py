@@ -48,6 +48,7 @@ class Submit(msgspec.Struct, **_WIRE):
     arrival_time: float
     priority: int = 0
     timeout: float = 0.0
+    group_id: str = ""  # the client request this sequence belongs to (fair shares); "" = its own request_id
 
 
 class Abort(msgspec.Struct, **_WIRE):

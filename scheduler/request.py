@@ -38,6 +38,7 @@ class Request:
     sampling: SamplingParams
     arrival_time: float
     priority: int = 0
+    group: str = ""  # the client request it belongs to (scheduler/fairness.py)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_output_placeholders: int = 0

@@ -29,6 +29,7 @@ from common.messages import (
     CachedRequestData, FinishReason, NewRequestData, RequestOutput, SchedulerStats, StepPlan, StepResult, Submit,
     TokenLogprobs,
 )
+from scheduler.fairness import GroupShares
 from scheduler.kv_cache import KVCacheManager
 from scheduler.queue import WaitingQueue
 from scheduler.request import Request, RequestStatus
@@ -94,6 +95,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting = WaitingQueue(config.scheduling_policy, config.priority_aging_seconds)
         self.running: list[Request] = []  # kept in rank order: the preemption victim is always last
+        self.shares = GroupShares(config.max_num_seqs, config.max_seqs_per_request)
         self._known_to_worker: set[str] = set()
         self._finished_since_plan: list[str] = []
         self._step_id = 0
@@ -116,9 +118,9 @@ class Scheduler:
                                 f"prompt + max_tokens needs {max_len} tokens of KV cache; the whole cache holds "
                                 f"{self.kv.pool.num_blocks * self.kv.block_size}")
         request = Request(submit.request_id, client, list(submit.prompt_token_ids), submit.sampling,
-                          submit.arrival_time, submit.priority)
+                          submit.arrival_time, submit.priority, submit.group_id or submit.request_id)
         request.rank = self.waiting.rank(request)
-        if len(self.waiting) >= self.config.max_waiting_requests and not self._make_room_for(request):
+        if self.num_waiting >= self.config.max_waiting_requests and not self._make_room_for(request):
             return self._reject(client, submit.request_id, 503, "the server is at capacity: waiting queue is full")
         timeout = submit.timeout or self.config.request_timeout
         if submit.timeout and self.config.request_timeout:  # the server's limit is a cap, not a default only
@@ -127,7 +129,13 @@ class Scheduler:
             request.deadline = submit.arrival_time + timeout
             heapq.heappush(self._deadlines, (request.deadline, next(self._deadline_seq), request))
         self.requests[request.request_id] = request
+        self.shares.arrive(request)
         self.waiting.push(request)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting to run: queued, plus parked over their client request's share."""
+        return len(self.waiting) + self.shares.num_parked
 
     def _make_room_for(self, request: Request) -> bool:
         """With the waiting queue full, turn away its lowest-ranked request if `request` ranks above it.
@@ -188,14 +196,21 @@ class Scheduler:
     def _finish(self, request: Request, reason: FinishReason, status: int = 0, message: str = "",
                 new_token_ids: list[int] | None = None, logprobs: list[TokenLogprobs] | None = None) -> None:
         if request.status == RequestStatus.RUNNING:
-            self.running.remove(request)
+            self._leave_running(request)
         else:
             self.waiting.remove(request)
+        self.shares.leave(request)
         self.kv.free(request)
         request.status = RequestStatus.FINISHED
         del self.requests[request.request_id]
         self._forget_in_worker(request)
         self._emit(request, new_token_ids or [], reason, logprobs, status, message)
+
+    def _leave_running(self, request: Request) -> None:
+        self.running.remove(request)
+        unparked = self.shares.stop_running(request)
+        if unparked is not None:
+            self.waiting.push(unparked)
 
     def _forget_in_worker(self, request: Request) -> None:
         if request.request_id in self._known_to_worker:
@@ -235,6 +250,9 @@ class Scheduler:
                 request = self.waiting.peek()
                 if request is None:
                     break
+                if self.shares.over_share(request):
+                    self.shares.park(self.waiting.pop())  # its client request holds its share: others go first
+                    continue
                 cached = [] if request.sampling.prompt_logprobs is not None else self.kv.find_cached_prefix(request)
                 num_cached = len(cached) * self.kv.block_size
                 num_new = min(request.num_tokens - num_cached, budget)
@@ -250,6 +268,7 @@ class Scheduler:
                 request.num_computed_tokens = num_cached
                 request.status = RequestStatus.RUNNING
                 bisect.insort(self.running, request, key=_RANK)
+                self.shares.start_running(request)
                 new_blocks[request.request_id] = added
                 budget -= self._book(step, request, num_new)
 
@@ -289,7 +308,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         """Free the request's blocks and queue it again; the worker forgets it, and a step in flight that samples
         for it is stale (a new epoch). It resumes by recomputing its prompt and confirmed outputs."""
-        self.running.remove(request)
+        self._leave_running(request)
         self.kv.free(request, finished=False)
         request.num_computed_tokens = 0
         request.num_output_placeholders = 0
@@ -364,7 +383,7 @@ class Scheduler:
     def stats(self) -> SchedulerStats:
         pool = self.kv.pool
         return SchedulerStats(
-            num_waiting=len(self.waiting), num_running=len(self.running), num_free_blocks=pool.num_free,
+            num_waiting=self.num_waiting, num_running=len(self.running), num_free_blocks=pool.num_free,
             num_cached_blocks=pool.num_cached, num_total_blocks=pool.num_blocks, num_preemptions=self.num_preemptions,
             prefix_cache_queries=self.kv.prefix_queries, prefix_cache_hits=self.kv.prefix_hits, num_steps=self._step_id,
             num_rejected=self.num_rejected, num_timed_out=self.num_timed_out,

@@ -10,6 +10,11 @@ produces exactly its output length (ignore_eos / min_new_tokens), so all do the 
     .venv/bin/python scripts/make_random_model.py --shape 110m
     .venv/bin/python scripts/bench_compare.py --model /tmp/shuttle-models/llama-110m
     .venv/bin/python scripts/bench_compare.py --model ../shared/models/stories260K --profile
+    bash scripts/install_llama_cpp.sh        # once, optional: adds llama.cpp (llama-cpp-python) as a peer
+    .venv/bin/python scripts/bench_compare.py --model ../shared/models/stories260K --peers llama.cpp
+
+llama.cpp serves one request at a time here (llama-cpp-python's `Llama.generate`, greedy, the model converted to an
+f32 GGUF by the convert_hf_to_gguf.py its source distribution ships), the way its Python binding is used.
 """
 
 from __future__ import annotations
@@ -147,6 +152,44 @@ def summarize_profile(path: Path) -> dict[str, float]:
     return {k: v / total for k, v in counts.most_common()}
 
 
+# ---- llama.cpp ------------------------------------------------------------------------------------------------------
+
+LLAMA_CPP_SRC = REPO / ".venv" / "llama-cpp-src"
+
+
+def convert_to_gguf(model_dir: str) -> Path:
+    """The model as an f32 GGUF (cached next to the model under /tmp), by llama.cpp's own converter."""
+    converters = sorted(LLAMA_CPP_SRC.glob("llama_cpp_python-*/vendor/llama.cpp/convert_hf_to_gguf.py"))
+    if not converters:
+        raise RuntimeError("llama.cpp's converter is missing: run scripts/install_llama_cpp.sh")
+    out = Path("/tmp/shuttle-gguf") / f"{Path(model_dir).resolve().name}-f32.gguf"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        subprocess.run([sys.executable, str(converters[-1]), model_dir, "--outfile", str(out), "--outtype", "f32"],
+                       check=True, stdout=subprocess.DEVNULL)
+    return out
+
+
+def run_llama_cpp(model_dir: str, requests, threads: int) -> Outcome:
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=str(convert_to_gguf(model_dir)), n_ctx=max(len(p) + m for p, m in requests) + 8,
+                n_threads=threads, n_threads_batch=threads, n_batch=512, verbose=False)
+    start = time.perf_counter()
+    latencies, produced = [], 0
+    for prompt, max_tokens in requests:
+        llm.reset()
+        generated = 0
+        for _ in llm.generate(prompt, top_k=1, temp=0.0, reset=True):  # greedy; runs past end-of-sequence ids
+            generated += 1
+            if generated == max_tokens:
+                break
+        produced += generated
+        latencies.append(time.perf_counter() - start)
+    return Outcome("llama.cpp one at a time", time.perf_counter() - start, produced, latencies,
+                   f"llama-cpp-python, f32 GGUF, {threads} threads")
+
+
 # ---- transformers baselines ---------------------------------------------------------------------------------------
 
 def run_sequential(model, requests) -> Outcome:
@@ -204,6 +247,8 @@ def main() -> int:
     parser.add_argument("--batch-size", type=int, default=16, help="static batch size for the padded baseline")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip", nargs="*", default=[], choices=["sequential", "static", "continuous"])
+    parser.add_argument("--peers", nargs="*", default=[], choices=["llama.cpp"],
+                        help="other engines to run on the same workload (installed separately)")
     parser.add_argument("--serve-args", default="", help="extra `shuttle serve` flags, one string")
     parser.add_argument("--profile", action="store_true", help="py-spy the worker and scheduler during shuttle's run")
     parser.add_argument("--result-json", default="bench_results/bench_compare.json")
@@ -228,6 +273,9 @@ def main() -> int:
             outcomes.append(run_continuous_batching(model, requests))
         except Exception as exc:  # it is allowed not to run everywhere; say so in the table
             outcomes.append(Outcome("transformers continuous batching", float("nan"), 0, [], f"failed: {exc!r}"[:120]))
+
+    if "llama.cpp" in args.peers:
+        outcomes.append(run_llama_cpp(args.model, requests, torch.get_num_threads()))
 
     rows = [o.row() for o in outcomes]
     shuttle = rows[0]

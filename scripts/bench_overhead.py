@@ -112,11 +112,11 @@ def bare_forward(model, batch: int, context: int, steps: int) -> float:
     times = []
     with torch.inference_mode():
         cache = DynamicCache(config=model.config)
-        out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
         token = out.logits[:, -1].argmax(-1, keepdim=True)
         for i in range(min(steps, 10)):
             start = time.perf_counter()
-            out = model(input_ids=token, past_key_values=out.past_key_values, use_cache=True)
+            out = model(input_ids=token, cache=cache, use_cache=True)
             token = out.logits[:, -1].argmax(-1, keepdim=True)
             times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times)

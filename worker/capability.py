@@ -40,8 +40,18 @@ def check_exactness(runner, max_model_len: int) -> float:
     generator = torch.Generator().manual_seed(0)
     sequences = {name: torch.randint(3, vocab, (length,), generator=generator).tolist()
                  for name, length in (("a", long_len), ("b", short_len))}
-    paged = _paged_logprobs(runner, sequences)
-    reference = _eager_logprobs(model, sequences, runner.device)
+    try:
+        paged = _paged_logprobs(runner, sequences)
+    except Exception as exc:  # e.g. an attention class that does not pass shuttle's metadata keyword through
+        raise UnsupportedModelError(f"{architecture(model)}: the model fails on shuttle's paged attention path "
+                                    f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
+    try:
+        reference = _eager_logprobs(model, sequences, runner.device)
+    except UnsupportedModelError:
+        raise
+    except Exception as exc:
+        raise UnsupportedModelError(f"{architecture(model)}: transformers' eager attention fails on it, so the paged "
+                                    f"path cannot be checked ({type(exc).__name__})") from None
     worst = 0.0
     for name in sequences:
         worst = max(worst, float((paged[name] - reference[name]).abs().max()))

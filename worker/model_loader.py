@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers import AttentionInterface, AutoModelForCausalLM
+from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
 
 from worker import attention
 
@@ -43,10 +43,21 @@ def load_model(model_dir: str, dtype: str, device: torch.device) -> torch.nn.Mod
     try:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype],
                                                      attn_implementation=attention.register())
-    except (ValueError, KeyError, NotImplementedError) as exc:  # unknown model type, no attention interface, ...
-        raise UnsupportedModelError(f"transformers cannot load {model_dir} as a causal LM with pluggable attention: "
-                                    f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+    except (ValueError, KeyError, NotImplementedError, TypeError) as exc:  # unknown type, no attention interface
+        name = _declared_architecture(model_dir)
+        if isinstance(exc, KeyError) and attention.ATTENTION_NAME in str(exc):
+            raise UnsupportedModelError(f"{name}: its transformers implementation does not support pluggable "
+                                        f"attention functions (transformers' attention interface)") from None
+        raise UnsupportedModelError(f"{name}: transformers cannot load it as a causal LM with pluggable attention "
+                                    f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
     return model.to(device).eval()
+
+
+def _declared_architecture(model_dir: str) -> str:
+    try:
+        return AutoConfig.from_pretrained(model_dir).architectures[0]
+    except Exception:
+        return str(model_dir)
 
 
 def architecture(model: torch.nn.Module) -> str:
