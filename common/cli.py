@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-seqs-per-request", type=int, default=sched.max_seqs_per_request,
                        help="running sequences one client request (its prompts x n) may hold; 0: a fair share "
                             "(max_num_seqs / live requests; max_num_seqs less one eighth when alone)")
+    serve.add_argument("--long-prefill-token-threshold", type=int, default=sched.long_prefill_token_threshold,
+                       help="while others wait, one prefill chunk takes at most this many tokens of a step "
+                            "(None: a quarter of --max-num-batched-tokens; 0: no cap)")
     serve.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=sched.async_scheduling,
                        help="plan the next step while the worker runs the current one (two steps in flight); "
                             "--no-async-scheduling plans, waits and settles one step at a time")

@@ -135,6 +135,9 @@ class SchedulerConfig:
         async_scheduling: plan step N+1 while the worker runs step N (at most two steps in flight).
         max_seqs_per_request: running sequences one client request (its prompts x n) may hold; 0 = a fair share
             (max_num_seqs / live requests, or max_num_seqs less one eighth when alone).
+        long_prefill_token_threshold: while other requests wait, one request's prefill chunk takes at most this many
+            tokens of a step, so short prompts get their first token while a long one is chunked (vLLM's name);
+            None: a quarter of max_num_batched_tokens; 0: no cap.
     """
 
     max_num_seqs: int = 128
@@ -145,6 +148,7 @@ class SchedulerConfig:
     request_timeout: float = 0.0
     async_scheduling: bool = True
     max_seqs_per_request: int = 0
+    long_prefill_token_threshold: int | None = None
 
 
 @dataclass(frozen=True)
@@ -207,7 +211,8 @@ class ShuttleConfig:
             cache=CacheConfig(args.block_size, args.num_kv_blocks, args.kv_cache_memory, args.enable_prefix_caching),
             scheduler=SchedulerConfig(args.max_num_seqs, max_batched, args.max_waiting_requests,
                                       args.scheduling_policy, args.priority_aging_seconds, args.request_timeout,
-                                      args.async_scheduling, args.max_seqs_per_request),
+                                      args.async_scheduling, args.max_seqs_per_request,
+                                      args.long_prefill_token_threshold),
             worker=WorkerConfig(args.attention_backend),
             host=args.host,
             port=args.port,

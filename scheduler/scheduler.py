@@ -96,6 +96,8 @@ class Scheduler:
         self.waiting = WaitingQueue(config.scheduling_policy, config.priority_aging_seconds)
         self.running: list[Request] = []  # kept in rank order: the preemption victim is always last
         self.shares = GroupShares(config.max_num_seqs, config.max_seqs_per_request)
+        threshold = config.long_prefill_token_threshold
+        self.prefill_chunk_cap = max(1, config.max_num_batched_tokens // 4) if threshold is None else threshold
         self._known_to_worker: set[str] = set()
         self._finished_since_plan: list[str] = []
         self._step_id = 0
@@ -235,7 +237,7 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             index += 1
-            num_new = min(request.num_tokens_booked - request.num_computed_tokens, budget)
+            num_new = min(request.num_tokens_booked - request.num_computed_tokens, budget, self._chunk_limit())
             if num_new <= 0 or self._booked_to_the_end(request):
                 continue  # its last token is already booked: it waits for a step in flight to settle
             added = self._allocate_or_preempt(request, num_new)
@@ -255,7 +257,7 @@ class Scheduler:
                     continue
                 cached = [] if request.sampling.prompt_logprobs is not None else self.kv.find_cached_prefix(request)
                 num_cached = len(cached) * self.kv.block_size
-                num_new = min(request.num_tokens - num_cached, budget)
+                num_new = min(request.num_tokens - num_cached, budget, self._chunk_limit(len(self.waiting) > 1))
                 added = self.kv.allocate_slots(request, num_new, cached)
                 if added is None:
                     break
@@ -274,6 +276,13 @@ class Scheduler:
 
         self._fill_plan(step, new_blocks)
         return step
+
+    def _chunk_limit(self, others_wait: bool | None = None) -> int:
+        """Most tokens one request may compute this step: the long-prefill cap while other requests wait (fair
+        chunked prefill), else no limit beyond the budget."""
+        if others_wait is None:
+            others_wait = len(self.waiting) > 0
+        return self.prefill_chunk_cap if others_wait and self.prefill_chunk_cap > 0 else self.config.max_num_batched_tokens
 
     def _booked_to_the_end(self, request: Request) -> bool:
         """True when a placeholder already books the request's last token (max_tokens or max_model_len)."""

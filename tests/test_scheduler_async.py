@@ -188,3 +188,28 @@ def test_randomized_with_two_steps_in_flight_never_leaks_and_ends_each_request_o
     collect()
     assert s.kv.pool.num_free == 24 and not s.has_work and s.num_preemptions > 0
     assert set(terminal.values()) == {1} and len(terminal) == next(ids)
+
+
+def test_short_prompt_gets_its_first_token_while_a_long_one_is_chunked():
+    """Issue 12 acceptance 5: a 4,000-token prompt under a 512-token budget does not hold a 20-token one back."""
+    s = make_scheduler(num_blocks=1200, block_size=4, max_model_len=8192, max_num_batched_tokens=512)
+    submit(s, "long", 4000, max_tokens=4)
+    in_flight = deque([s.schedule()])  # the long prefill's first chunk runs
+    submit(s, "short", 20, max_tokens=4)
+    first_token_step = None
+    for step_number in range(1, 10):
+        in_flight.append(s.schedule())
+        settled = in_flight.popleft()
+        s.update_from_output(settled, result_for(settled))
+        if any(o.request_id == "short" and o.new_token_ids for o in outputs_of(s)):
+            first_token_step = step_number
+            break
+    assert first_token_step is not None and first_token_step <= 3
+    assert s.requests["long"].num_computed_tokens < 4000  # the long prompt is still being prefilled
+
+
+def test_without_others_waiting_a_long_prefill_uses_the_whole_budget():
+    s = make_scheduler(num_blocks=1200, block_size=4, max_model_len=8192, max_num_batched_tokens=512)
+    submit(s, "long", 4000, max_tokens=4)
+    assert s.schedule().num_scheduled == {"long": 512}
+    assert s.schedule().num_scheduled == {"long": 512}
