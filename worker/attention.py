@@ -114,7 +114,8 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     features = LayerFeatures(scaling if scaling is not None else query.shape[-1] ** -0.5,
                              sliding_window if sliding_window and sliding_window > 0 else None,
                              softcap if softcap else None, s_aux)
-    out = step.backend.forward(query[0].transpose(0, 1), key_cache, value_cache, step.metadata, features)
+    out = step.backend.forward(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), key_cache,
+                               value_cache, step.metadata, features)
     return out.unsqueeze(0), None  # [1, T, heads, v_head_dim]
 
 

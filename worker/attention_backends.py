@@ -93,21 +93,25 @@ class ReferenceBackend:
         """Forget the previous step's masks (each step has its own shapes)."""
         self._masks = {}
 
-    def forward(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                meta: AttentionMetadata, features: LayerFeatures) -> torch.Tensor:
-        """query [T, num_heads, head_dim] -> [T, num_heads, v_head_dim]."""
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                value_cache: torch.Tensor, meta: AttentionMetadata, features: LayerFeatures) -> torch.Tensor:
+        """query [T, num_heads, head_dim], the step's new key/value [T, num_kv_heads, *] (already in the cache)
+        -> [T, num_heads, v_head_dim]."""
         out = query.new_empty(query.shape[0], query.shape[1], value_cache.shape[3])
-        self.attend_rows(range(meta.num_seqs), query, key_cache, value_cache, meta, features, out)
+        self.attend_rows(range(meta.num_seqs), query, key, value, key_cache, value_cache, meta, features, out)
         return out
 
-    def attend_rows(self, rows, query, key_cache, value_cache, meta: AttentionMetadata, features: LayerFeatures,
-                    out: torch.Tensor) -> None:
+    def attend_rows(self, rows, query, key, value, key_cache, value_cache, meta: AttentionMetadata,
+                    features: LayerFeatures, out: torch.Tensor) -> None:
         """Fill `out` for the given sequence rows, one sequence at a time."""
         bs = self.block_size
         starts, lens = meta.query_start_list, meta.seq_lens_list
         for b in rows:
             q0, q1, context = starts[b], starts[b + 1], lens[b]
             first_query = context - (q1 - q0)
+            if first_query == 0:  # a prompt's first chunk: its keys are this step's own, no cache read needed
+                out[q0:q1] = attend(query[q0:q1], key[q0:q1], value[q0:q1], 0, 0, features, self._masks)
+                continue
             key_start = 0 if features.sliding_window is None else max(0, first_query - features.sliding_window + 1)
             first_block = key_start // bs
             blocks = meta.block_table[b, first_block:-(-context // bs)]
@@ -127,8 +131,8 @@ class CpuBackend(ReferenceBackend):
         from worker import decode_kernel  # numba loads only where this backend is used
         self._kernel = decode_kernel
 
-    def forward(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                meta: AttentionMetadata, features: LayerFeatures) -> torch.Tensor:
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                value_cache: torch.Tensor, meta: AttentionMetadata, features: LayerFeatures) -> torch.Tensor:
         d = meta.num_decodes
         if d == meta.num_seqs and query.dtype == torch.float32:
             return self._decode(query, key_cache, value_cache, meta, features)
@@ -137,7 +141,7 @@ class CpuBackend(ReferenceBackend):
         if d and query.dtype == torch.float32:
             out[:d] = self._decode(query[:d], key_cache, value_cache, meta, features, d)
             first = d
-        self.attend_rows(range(first, meta.num_seqs), query, key_cache, value_cache, meta, features, out)
+        self.attend_rows(range(first, meta.num_seqs), query, key, value, key_cache, value_cache, meta, features, out)
         return out
 
     def _decode(self, query, key_cache, value_cache, meta: AttentionMetadata, features: LayerFeatures,
