@@ -46,16 +46,22 @@ def check_exactness(runner, max_model_len: int) -> float:
         raise UnsupportedModelError(f"{architecture(model)}: the model fails on shuttle's paged attention path "
                                     f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
     try:
-        reference = _eager_logprobs(model, sequences, runner.device)
+        reference, cached = _eager_logprobs(model, sequences, runner.device)
     except UnsupportedModelError:
         raise
     except Exception as exc:
         raise UnsupportedModelError(f"{architecture(model)}: transformers' eager attention fails on it, so the paged "
                                     f"path cannot be checked ({type(exc).__name__})") from None
+    tolerance = TOLERANCE.get(runner.dtype, 0.25)
+    prefix = len(sequences["a"]) // 2  # the cached decode covers positions prefix - 1 .. len - 2
+    disagreement = float((cached - reference["a"][prefix - 1:-1]).abs().max())
+    if not disagreement <= tolerance:
+        raise UnsupportedModelError(f"{architecture(model)}: transformers' own cached decoding and its full forward "
+                                    f"disagree by {disagreement:.3g} nats on this model (e.g. a sliding-window cache "
+                                    f"its attention does not apply), so there is no single output to reproduce")
     worst = 0.0
     for name in sequences:
         worst = max(worst, float((paged[name] - reference[name]).abs().max()))
-    tolerance = TOLERANCE.get(runner.dtype, 0.25)
     if not worst <= tolerance:
         raise UnsupportedModelError(f"{architecture(model)}: the paged attention path differs from transformers' "
                                     f"eager attention by {worst:.3g} nats (tolerance {tolerance:g}); refusing to "
@@ -110,7 +116,10 @@ def _ordered(scheduled):
     return [item for item in scheduled if item[1] == 1] + [item for item in scheduled if item[1] != 1]
 
 
-def _eager_logprobs(model, sequences: dict[str, list[int]], device: torch.device) -> dict[str, torch.Tensor]:
+def _eager_logprobs(model, sequences: dict[str, list[int]],
+                    device: torch.device) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Eager attention, one sequence at a time: log-softmax at every position of each sequence (no cache), and,
+    for sequence "a", its last positions decoded one token at a time through transformers' own cache."""
     try:
         model.set_attn_implementation("eager")
         if model.config._attn_implementation != "eager":
@@ -120,6 +129,14 @@ def _eager_logprobs(model, sequences: dict[str, list[int]], device: torch.device
         for name, ids in sequences.items():
             logits = model(input_ids=torch.tensor([ids], device=device), use_cache=False).logits[0]
             out[name] = logits.float().log_softmax(-1)
-        return out
+        ids = sequences["a"]
+        prefix = len(ids) // 2
+        step = model(input_ids=torch.tensor([ids[:prefix]], device=device), use_cache=True)
+        cached = [step.logits[0, -1]]
+        for token in ids[prefix:-1]:
+            step = model(input_ids=torch.tensor([[token]], device=device), past_key_values=step.past_key_values,
+                         use_cache=True)
+            cached.append(step.logits[0, -1])
+        return out, torch.stack(cached).float().log_softmax(-1)
     finally:
         model.set_attn_implementation(attention.ATTENTION_NAME)

@@ -98,5 +98,9 @@ def probe_geometry(model: torch.nn.Module) -> list[LayerGeometry]:
         raise UnsupportedModelError(f"{architecture(model)}: its attention does not route through transformers' "
                                     f"attention interface, so it cannot use the paged KV cache")
     if sorted(seen) != list(range(len(seen))):
-        raise UnsupportedModelError(f"{architecture(model)}: attention layer indices {sorted(seen)} are not 0..N-1")
+        config = getattr(model.config, "text_config", None) or model.config
+        total = getattr(config, "num_hidden_layers", "?")
+        raise UnsupportedModelError(f"{architecture(model)}: only layers {sorted(seen)} of {total} use attention; the "
+                                    f"others (recurrent, linear attention or convolution) keep per-sequence state "
+                                    f"that shuttle's paged KV cache does not hold")
     return [seen[i] for i in range(len(seen))]
