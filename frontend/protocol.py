@@ -108,11 +108,18 @@ _MISSING_FIELD = re.compile(r"missing required field `([A-Za-z_]\w*)`")
 def decode_body(body: bytes, request_type: type) -> Any:
     """Decode a JSON body into `request_type`.
 
+    An explicit `null` for a top-level field means the same as leaving the field out: OpenAI's schema makes its
+    optional fields nullable, and clients send null for "default" (the official Python client with
+    `temperature=None`). So every default lives in one place, the Struct's field declaration.
+
     Raises:
         InvalidRequestError: not JSON, not an object, or a field of the wrong type (named in `param`).
     """
     try:
-        return msgspec.json.decode(body, type=request_type)
+        data = msgspec.json.decode(body)
+        if isinstance(data, dict):
+            data = {name: value for name, value in data.items() if value is not None}
+        return msgspec.convert(data, type=request_type)
     except msgspec.ValidationError as exc:
         match = _DECODE_PATH.search(str(exc)) or _MISSING_FIELD.search(str(exc))
         raise InvalidRequestError(f"invalid request body: {exc}", param=match.group(1) if match else None) from None
