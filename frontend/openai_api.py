@@ -16,7 +16,7 @@ from frontend.protocol import (
     error_body, sampling_params,
 )
 from frontend.responses import chat_logprobs, completion_logprobs, prompt_logprobs_object
-from frontend.state import STATE, FrontendState
+from frontend.state import RESPONSE_ID, STATE, FrontendState
 
 
 def check_model(state: FrontendState, model: str | None) -> None:
@@ -65,6 +65,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     logprobs = check_logprobs(body.logprobs, "logprobs")
     prompts = completion_prompts(body.prompt, state.tokenizer, state.config.model.max_model_len)
     request_id = state.engine.new_request_id("cmpl")
+    request[RESPONSE_ID] = request_id
     # echo with logprobs also scores the prompt (how lm-eval-harness computes loglikelihoods)
     generations = build_generations(state, body, prompts, request_id, body.max_tokens, logprobs,
                                     prompt_logprobs=logprobs if body.echo else None)
@@ -121,6 +122,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     if not ids:
         raise InvalidRequestError("the rendered chat prompt is empty", param="messages")
     request_id = state.engine.new_request_id("chatcmpl")
+    request[RESPONSE_ID] = request_id
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     generations = build_generations(state, body, [ids], request_id, max_tokens, logprobs, prompt_param="messages")
     envelope = {"id": request_id, "created": int(time.time()), "model": state.model_name}
@@ -200,9 +202,22 @@ def _dumps(obj) -> str:
     return json.dumps(obj, ensure_ascii=False)
 
 
+def _model_object(state: FrontendState) -> dict:
+    return {"id": state.model_name, "object": "model", "created": 0, "owned_by": "shuttle",
+            "root": state.config.model.model_dir, "max_model_len": state.config.model.max_model_len,
+            "vocab_size": state.tokenizer.vocab_size}
+
+
 async def list_models(request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": [_model_object(request.app[STATE])]})
+
+
+async def retrieve_model(request: web.Request) -> web.Response:
+    """GET /v1/models/{id}: the served model's object, or 404 for any other id.
+
+    Raises:
+        ModelNotFoundError: `id` is not the served model name.
+    """
     state = request.app[STATE]
-    model = {"id": state.model_name, "object": "model", "created": 0, "owned_by": "shuttle",
-             "root": state.config.model.model_dir, "max_model_len": state.config.model.max_model_len,
-             "vocab_size": state.tokenizer.vocab_size}
-    return web.json_response({"object": "list", "data": [model]})
+    check_model(state, request.match_info["model_id"])
+    return web.json_response(_model_object(state))

@@ -98,3 +98,100 @@ async def test_official_client_with_none_parameters():
                                                  logprobs=None, top_logprobs=None, max_tokens=None, n=None)
         assert chat.choices[0].message.content == STORY_TEXT
         assert [s.sampling.temperature for s in engine.submitted] == [1.0, 1.0]
+
+
+# ---- 4. GET /v1/models/{id} --------------------------------------------------------------------------------------
+
+async def test_models_retrieve():
+    async with served() as (client, _):
+        api = openai_client(client, max_retries=0)
+        model = await api.models.retrieve(SERVED)
+        assert (model.id, model.object, model.owned_by) == (SERVED, "model", "shuttle")
+        assert model.model_extra["max_model_len"] == 512
+        assert [m.id for m in (await api.models.list()).data] == [SERVED]
+        with pytest.raises(openai.NotFoundError) as raised:
+            await api.models.retrieve("gpt-4")
+        assert raised.value.body["code"] == 404 and "gpt-4" in raised.value.body["message"]
+
+
+# ---- 5. the Authorization scheme is case-insensitive, the key is not ----------------------------------------------
+
+@pytest.mark.parametrize("header, status", [
+    ("Bearer Secret-Key", 200), ("bearer Secret-Key", 200), ("BEARER Secret-Key", 200), ("bEaReR  Secret-Key", 200),
+    ("Bearer secret-key", 401), ("Bearer Secret-Key2", 401), ("Basic Secret-Key", 401), ("Secret-Key", 401),
+    ("Bearer", 401), ("", 401),
+])
+async def test_authorization_scheme_case(header, status):
+    async with served(api_key="Secret-Key") as (client, _):
+        async with client.get("/v1/models", headers={"Authorization": header} if header else {}) as response:
+            assert response.status == status, await response.text()
+
+
+async def test_official_client_authenticates():
+    async with served(api_key="Secret-Key") as (client, _):
+        assert (await openai_client(client, "Secret-Key").models.retrieve(SERVED)).id == SERVED
+        with pytest.raises(openai.AuthenticationError):
+            await openai_client(client, "secret-key", max_retries=0).models.retrieve(SERVED)
+
+
+# ---- 11. x-request-id, CORS, timeouts not retried ----------------------------------------------------------------
+
+async def test_x_request_id_header():
+    async with served() as (client, _):
+        async with client.post("/v1/completions", json={"prompt": PROMPT}) as response:
+            assert response.headers["x-request-id"] == (await response.json())["id"]
+        async with client.post("/v1/chat/completions", json={"messages": USER, "stream": True}) as response:
+            body = await response.text()
+            first = json.loads(body.split("\n")[0][len("data: "):])
+            assert response.headers["x-request-id"] == first["id"]
+        for method, path, body in (("POST", "/v1/completions", {"prompt": PROMPT}), ("GET", "/v1/models", None),
+                                   ("POST", "/v1/completions", {"prompt": 5}), ("GET", "/nowhere", None),
+                                   ("GET", "/health", None)):
+            async with client.request(method, path, json=body, headers={"X-Request-Id": "client-id-7"}) as response:
+                assert response.headers["x-request-id"] == "client-id-7", path
+        async with client.get("/v1/models") as response:
+            assert len(response.headers["x-request-id"]) >= 16  # one is made up when there is nothing to echo
+
+
+async def test_cors_off_by_default():
+    async with served() as (client, _):
+        async with client.options("/v1/completions", headers={"Origin": "http://app.example",
+                                                              "Access-Control-Request-Method": "POST"}) as response:
+            assert "Access-Control-Allow-Origin" not in response.headers
+        async with client.post("/v1/completions", json={"prompt": PROMPT},
+                               headers={"Origin": "http://app.example"}) as response:
+            assert response.status == 200 and "Access-Control-Allow-Origin" not in response.headers
+
+
+async def test_cors_for_allowed_origins():
+    origin = "http://app.example"
+    preflight = {"Origin": origin, "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization, content-type, x-stainless-os"}
+    async with served(api_key="Secret-Key", allowed_origins=(origin,)) as (client, _):
+        async with client.options("/v1/chat/completions", headers=preflight) as response:
+            assert response.status == 204  # no key needed: browsers never send one with a preflight
+            assert response.headers["Access-Control-Allow-Origin"] == origin
+            assert "POST" in response.headers["Access-Control-Allow-Methods"]
+            allowed = {h.strip().lower() for h in response.headers["Access-Control-Allow-Headers"].split(",")}
+            assert {"authorization", "content-type", "x-stainless-os"} <= allowed
+            assert "Origin" in response.headers["Vary"]
+        async with client.post("/v1/completions", json={"prompt": PROMPT},
+                               headers={"Origin": origin, "Authorization": "Bearer Secret-Key"}) as response:
+            assert response.status == 200 and response.headers["Access-Control-Allow-Origin"] == origin
+            assert "x-request-id" in response.headers["Access-Control-Expose-Headers"].lower()
+        async with client.post("/v1/completions", json={"prompt": PROMPT}, headers={"Origin": origin}) as response:
+            assert response.status == 401 and response.headers["Access-Control-Allow-Origin"] == origin
+        async with client.options("/v1/completions", headers={**preflight, "Origin": "http://evil.example"}) as response:
+            assert "Access-Control-Allow-Origin" not in response.headers
+    async with served(allowed_origins=("*",)) as (client, _):
+        async with client.options("/v1/completions", headers={**preflight, "Origin": "http://any.example"}) as response:
+            assert response.status == 204 and response.headers["Access-Control-Allow-Origin"] == "*"
+
+
+async def test_timeout_is_not_retried_by_the_official_client():
+    engine = FakeEngine(error=(408, "the request timed out"))
+    async with served(engine) as (client, _):
+        with pytest.raises(openai.APIStatusError) as raised:
+            await openai_client(client, max_retries=2).completions.create(model=SERVED, prompt=PROMPT)
+        assert raised.value.status_code == 408 and raised.value.response.headers["x-should-retry"] == "false"
+        assert len(engine.submitted) == 1
