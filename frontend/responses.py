@@ -6,9 +6,19 @@ from common.messages import TokenLogprobs
 from frontend.tokenizer import TextTokenizer
 
 
+def top_alternatives(token_id: int, logprobs: TokenLogprobs) -> list[tuple[int, float]]:
+    """(token id, logprob) of the k most likely tokens, most likely first, then the sampled token when it is not
+    among them: k + 1 entries at most, and never none (vLLM's rule; with k = 0 just the sampled token)."""
+    top = list(zip(logprobs.top_token_ids, logprobs.top_logprobs))
+    if token_id not in logprobs.top_token_ids:
+        top.append((token_id, logprobs.logprob))
+    return top
+
+
 def completion_logprobs(tokenizer: TextTokenizer, token_ids: list[int], logprobs: list[TokenLogprobs],
                         text_offset: int, text_length: int) -> dict:
     """The completions API's logprobs object: tokens, token_logprobs, top_logprobs, text_offset.
+    `top_logprobs` maps token text to logprob (see top_alternatives).
 
     `text_offset` is where these tokens' text starts in the choice's whole text (cumulative across stream
     chunks) and `text_length` how long that text is; a token's offset advances by its own text, never past the
@@ -17,8 +27,8 @@ def completion_logprobs(tokenizer: TextTokenizer, token_ids: list[int], logprobs
     return {
         "tokens": [tokenizer.token_text(t)[0] for t in token_ids],
         "token_logprobs": [lp.logprob for lp in logprobs],
-        "top_logprobs": [{tokenizer.token_text(i)[0]: v for i, v in zip(lp.top_token_ids, lp.top_logprobs)}
-                         for lp in logprobs],
+        "top_logprobs": [{tokenizer.token_text(i)[0]: v for i, v in top_alternatives(t, lp)}
+                         for t, lp in zip(token_ids, logprobs)],
         "text_offset": _offsets(tokenizer, token_ids, text_offset, text_length),
     }
 
@@ -56,6 +66,5 @@ def chat_logprobs(tokenizer: TextTokenizer, token_ids: list[int], logprobs: list
         text, raw = tokenizer.token_text(token_id)
         return {"token": text, "logprob": logprob, "bytes": raw}
 
-    return {"content": [{**entry(t, lp.logprob),
-                         "top_logprobs": [entry(i, v) for i, v in zip(lp.top_token_ids, lp.top_logprobs)]}
+    return {"content": [{**entry(t, lp.logprob), "top_logprobs": [entry(i, v) for i, v in top_alternatives(t, lp)]}
                         for t, lp in zip(token_ids, logprobs)]}

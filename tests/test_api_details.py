@@ -134,6 +134,39 @@ async def test_official_client_authenticates():
             await openai_client(client, "secret-key", max_retries=0).models.retrieve(SERVED)
 
 
+# ---- 6. top logprobs always list the sampled token ---------------------------------------------------------------
+
+def text_of(token_id: int) -> str:
+    return TOK.token_text(token_id)[0]
+
+
+async def test_logprobs_zero_lists_the_sampled_token():
+    async with served(FakeEngine(script=STORY[:4])) as (client, _):
+        status, result = await post(client, "/v1/completions", {"prompt": PROMPT, "logprobs": 0})
+        lp = result["choices"][0]["logprobs"]
+        logprob = [sampled_logprob(0), -2.5, -0.1, sampled_logprob(3)]  # " was" and " a" are among the fake's top
+        assert lp["token_logprobs"] == logprob
+        assert lp["top_logprobs"] == [{text_of(t): v} for t, v in zip(STORY[:4], logprob)]
+        status, chat = await post(client, "/v1/chat/completions", {"messages": USER, "logprobs": True,
+                                                                   "top_logprobs": 0})
+        content = chat["choices"][0]["logprobs"]["content"]
+        assert [[(e["token"], e["logprob"]) for e in c["top_logprobs"]] for c in content] == [
+            [(text_of(t), v)] for t, v in zip(STORY[:4], logprob)]
+
+
+async def test_top_logprobs_add_the_sampled_token_when_it_is_not_among_them():
+    async with served(FakeEngine(script=STORY[:4])) as (client, _):
+        status, result = await post(client, "/v1/completions", {"prompt": PROMPT, "logprobs": 2})
+        tops = result["choices"][0]["logprobs"]["top_logprobs"]
+        assert tops[0] == {" a": -0.1, " was": -2.5, " there": sampled_logprob(0)}  # k + 1 entries
+        assert tops[2] == {" a": -0.1, " was": -2.5}  # the sampled " a" is the most likely
+        status, chat = await post(client, "/v1/chat/completions", {"messages": USER, "logprobs": True,
+                                                                   "top_logprobs": 2})
+        content = chat["choices"][0]["logprobs"]["content"]
+        assert [e["token"] for e in content[0]["top_logprobs"]] == [" a", " was", " there"]
+        assert [e["token"] for e in content[2]["top_logprobs"]] == [" a", " was"]
+
+
 # ---- 11. x-request-id, CORS, timeouts not retried ----------------------------------------------------------------
 
 async def test_x_request_id_header():
