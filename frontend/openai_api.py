@@ -12,8 +12,8 @@ from common.errors import GenerationError, InvalidRequestError, ModelNotFoundErr
 from frontend.choices import collect, merge, usage
 from frontend.generation import TextGeneration
 from frontend.protocol import (
-    ChatCompletionRequest, CompletionRequest, SamplingFields, check_logprobs, completion_prompts, decode_body,
-    error_body, sampling_params,
+    ChatCompletionRequest, CompletionRequest, SamplingFields, TokenizeRequest, check_logprobs, completion_prompts,
+    decode_body, error_body, sampling_params,
 )
 from frontend.responses import chat_logprobs, completion_logprobs, prompt_logprobs_object
 from frontend.state import RESPONSE_ID, STATE, FrontendState
@@ -52,6 +52,24 @@ def build_generations(state: FrontendState, body: SamplingFields, prompts: list[
     return generations
 
 
+def chat_prompt_ids(state: FrontendState, body: ChatCompletionRequest | TokenizeRequest,
+                    add_special_tokens: bool) -> list[int]:
+    """Token ids of a chat request's prompt: the messages through the chat template with the request's options.
+    Special-token text in message content stays text unless parse_special_tokens_in_content.
+
+    Raises:
+        InvalidRequestError: the template refused the messages or options, or the prompt is empty or too long.
+    """
+    tokenizer = state.tokenizer
+    text = state.chat_template.render(
+        body.messages, body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs,
+        escape=None if body.parse_special_tokens_in_content else tokenizer.special_text.escape)
+    ids = tokenizer.encode_chat(text, add_special_tokens, state.config.model.max_model_len)
+    if not ids:
+        raise InvalidRequestError("the rendered chat prompt is empty", param="messages")
+    return ids
+
+
 # ---- /v1/completions --------------------------------------------------------------------------------------------
 
 async def create_completion(request: web.Request) -> web.StreamResponse:
@@ -63,7 +81,8 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     if body.suffix:
         raise InvalidRequestError("suffix is not supported", param="suffix")
     logprobs = check_logprobs(body.logprobs, "logprobs")
-    prompts = completion_prompts(body.prompt, state.tokenizer, state.config.model.max_model_len)
+    prompts = completion_prompts(body.prompt, state.tokenizer, state.config.model.max_model_len,
+                                 body.add_special_tokens)
     request_id = state.engine.new_request_id("cmpl")
     request[RESPONSE_ID] = request_id
     # echo with logprobs also scores the prompt (how lm-eval-harness computes loglikelihoods)
@@ -117,10 +136,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     if body.top_logprobs is not None and not body.logprobs:
         raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
     logprobs = check_logprobs(body.top_logprobs or 0, "top_logprobs") if body.logprobs else None
-    text = state.chat_template.render(body.messages)
-    ids = state.tokenizer.encode(text, False, state.config.model.max_model_len, param="messages")
-    if not ids:
-        raise InvalidRequestError("the rendered chat prompt is empty", param="messages")
+    ids = chat_prompt_ids(state, body, body.add_special_tokens)
     request_id = state.engine.new_request_id("chatcmpl")
     request[RESPONSE_ID] = request_id
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens

@@ -7,9 +7,10 @@ import json
 from functools import lru_cache
 from pathlib import Path
 
-from tokenizers import Tokenizer
+from tokenizers import Encoding, Tokenizer
 
 from common.errors import InvalidRequestError, ModelDirError
+from frontend.special_text import SpecialTextGuard
 
 
 @lru_cache(maxsize=1)
@@ -49,10 +50,12 @@ class TextTokenizer:
         # No token stands for more characters than its vocabulary entry has (byte-level and "▁" pieces map one
         # character to at most one character), which bounds how long a text of N tokens can be.
         self.max_chars_per_token = max(len(piece) for piece in self._tokenizer.get_vocab(with_added_tokens=True))
+        self.special_text = SpecialTextGuard(self._tokenizer)
 
     def encode(self, text: str, add_special_tokens: bool = True, max_tokens: int | None = None,
                param: str = "prompt") -> list[int]:
-        """Token ids of `text`, with the special tokens (BOS) the tokenizer's post-processor adds.
+        """Token ids of `text`, with the special tokens (BOS) the tokenizer's post-processor adds, but never a second
+        BOS: a text that already starts with the BOS token's text ("<s>Once upon") gets only that one.
 
         Tokenization holds the GIL, so a text that cannot possibly fit in `max_tokens` tokens is refused before
         it is tokenized (a 4 MB prompt would otherwise stall the event loop for seconds).
@@ -61,10 +64,27 @@ class TextTokenizer:
             InvalidRequestError: `text` has more than 2 * max_tokens * max_chars_per_token characters (the 2 allows
                 for normalizers that merge characters).
         """
+        self._check_length(text, max_tokens, param)
+        encoding = self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return _one_bos(encoding.ids, encoding)
+
+    def encode_chat(self, text: str, add_special_tokens: bool, max_tokens: int | None = None) -> list[int]:
+        """Token ids of a rendered chat prompt. Message content escaped with `special_text.escape` is read as
+        plain text; everything else (the template's own text) exactly as `encode` reads it.
+
+        Raises:
+            InvalidRequestError: as `encode`, naming `messages`.
+        """
+        self._check_length(text, max_tokens, "messages")
+        if not self.special_text.escaped(text):
+            encoding = self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
+            return _one_bos(encoding.ids, encoding)
+        return _one_bos(*self.special_text.encode(text, add_special_tokens))
+
+    def _check_length(self, text: str, max_tokens: int | None, param: str) -> None:
         if max_tokens is not None and len(text) > 2 * max_tokens * self.max_chars_per_token:
             raise InvalidRequestError(f"the {param} is far longer than the model's maximum context of {max_tokens} "
                                       f"tokens ({len(text)} characters)", param=param)
-        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
@@ -105,6 +125,15 @@ class TextTokenizer:
             piece = self._tokenizer.id_to_token(token_id)
             table.append(b"" if token_id in special or piece is None else to_bytes(piece))
         return table, strips
+
+
+def _one_bos(ids: list[int], encoding: Encoding) -> list[int]:
+    """Drop the post-processor's BOS when the text itself starts with the same token (special_tokens_mask marks
+    what the post-processor added; the text's own "<s>" is not marked)."""
+    mask = encoding.special_tokens_mask
+    if len(ids) > 1 and ids[0] == ids[1] and mask[0] == 1 and mask[1] == 0 and encoding.offsets[1][0] == 0:
+        return ids[1:]
+    return ids
 
 
 class IncrementalDetokenizer:
