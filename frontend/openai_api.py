@@ -105,8 +105,9 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
         lp_object = None
         if logprobs is not None:
             lp_object = completion_logprobs(state.tokenizer, token_ids, lps, start, len(text))
-            if prefix:
-                lp_object = prompt_logprobs_object(state.tokenizer, g.prompt_token_ids, g.prompt_logprobs, lp_object)
+            if first and g.index in echo_texts:
+                lp_object = prompt_logprobs_object(state.tokenizer, g.prompt_token_ids, g.prompt_logprobs, lp_object,
+                                                   len(prefix))
         out = {"index": g.index, "text": prefix + text, "logprobs": lp_object, "finish_reason": finish}
         if body.return_token_ids:
             out["token_ids"] = token_ids
@@ -143,29 +144,34 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     generations = build_generations(state, body, [ids], request_id, max_tokens, logprobs, prompt_param="messages")
     envelope = {"id": request_id, "created": int(time.time()), "model": state.model_name}
 
-    def chunk_choice(g: TextGeneration, delta, first: bool) -> dict:
-        message = {"content": delta.text} if delta.text else {}
-        return {"index": g.index, "delta": message,
-                "logprobs": chat_logprobs(state.tokenizer, delta.token_ids, delta.logprobs) if logprobs is not None
-                else None,
-                "finish_reason": delta.finish_reason}
+    def chat_choice(g: TextGeneration, key: str, message: dict, token_ids: list[int], lps, finish: str | None) -> dict:
+        out = {"index": g.index, key: message,
+               "logprobs": chat_logprobs(state.tokenizer, token_ids, lps) if logprobs is not None else None,
+               "finish_reason": finish}
+        if body.return_token_ids:
+            out["token_ids"] = token_ids
+        return out
 
+    # vLLM's return_token_ids for chat: the prompt's ids once per response (on the first chunk when streaming)
+    prompt_fields = {"prompt_token_ids": ids} if body.return_token_ids else {}
     if body.stream:
         return await _stream(request, generations, body, {**envelope, "object": "chat.completion.chunk"},
-                             chunk_choice, chat=True)
+                             lambda g, d, first: chat_choice(g, "delta", {"content": d.text} if d.text else {},
+                                                             d.token_ids, d.logprobs, d.finish_reason),
+                             chat=True, first_fields=prompt_fields)
     results = await collect(generations)
-    choices = [{"index": r.generation.index, "message": {"role": "assistant", "content": r.text},
-                "logprobs": chat_logprobs(state.tokenizer, r.token_ids, r.logprobs) if logprobs is not None else None,
-                "finish_reason": r.generation.finish_reason} for r in results]
+    choices = [chat_choice(r.generation, "message", {"role": "assistant", "content": r.text}, r.token_ids,
+                           r.logprobs, r.generation.finish_reason) for r in results]
     return web.json_response({**envelope, "object": "chat.completion", "choices": choices,
-                              "usage": usage(generations)}, dumps=_dumps)
+                              "usage": usage(generations), **prompt_fields}, dumps=_dumps)
 
 
 # ---- streaming --------------------------------------------------------------------------------------------------
 
 async def _stream(request: web.Request, generations: list[TextGeneration], body: SamplingFields, envelope: dict,
-                  make_choice, chat: bool) -> web.StreamResponse:
+                  make_choice, chat: bool, first_fields: dict | None = None) -> web.StreamResponse:
     """Server-Sent Events for all choices, then (with stream_options.include_usage) a usage chunk, then [DONE].
+    `first_fields` go into the first event only.
 
     The first event is awaited before the headers go out, so an admission error is a real HTTP status; an error
     after that arrives as a `data: {"error": ...}` event.
@@ -181,7 +187,12 @@ async def _stream(request: web.Request, generations: list[TextGeneration], body:
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(request)
 
+    pending_fields = dict(first_fields or {})
+
     async def send(payload: dict | str) -> None:
+        if pending_fields and isinstance(payload, dict) and "choices" in payload:
+            payload = {**payload, **pending_fields}
+            pending_fields.clear()
         data = payload if isinstance(payload, str) else _dumps(payload)
         await response.write(f"data: {data}\n\n".encode())
 

@@ -53,6 +53,8 @@ class TextTokenizer:
         # character to at most one character), which bounds how long a text of N tokens can be.
         self.max_chars_per_token = max(len(piece) for piece in self._tokenizer.get_vocab(with_added_tokens=True))
         self.special_text = SpecialTextGuard(self._tokenizer)
+        self.special_ids = frozenset(token_id for token_id, token in self._tokenizer.get_added_tokens_decoder().items()
+                                     if token.special)
 
     def encode(self, text: str, add_special_tokens: bool = True, max_tokens: int | None = None,
                param: str = "prompt") -> list[int]:
@@ -90,6 +92,10 @@ class TextTokenizer:
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def is_byte_token(self, token_id: int) -> bool:
+        """Whether the token is one byte of a character (a byte-fallback token such as <0xE2>)."""
+        return self.byte_token_ids is not None and token_id in self.byte_token_ids
 
     def token_text(self, token_id: int) -> tuple[str, list[int]]:
         """(display text, UTF-8 bytes) of one token, for logprobs. A byte-fallback token such as <0xE2> is

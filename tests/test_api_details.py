@@ -100,6 +100,28 @@ async def test_official_client_with_none_parameters():
         assert [s.sampling.temperature for s in engine.submitted] == [1.0, 1.0]
 
 
+# ---- 2. min_tokens holds back stop strings too ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("min_tokens, text", [
+    (0, " there was a little "),  # the first "girl"
+    (4, " there was a little "),  # it starts right at the boundary of 4 tokens, " there was a little"
+    (5, " there was a little girl named Lily. She had a "),  # " g" is inside the first 5 tokens: the second "girl"
+    (6, " there was a little girl named Lily. She had a "),  # starts inside, ends after the boundary: still ignored
+    (8, " there was a little girl named Lily. She had a "),
+    (15, STORY_TEXT),  # the second "girl" ends with token 16, but starts inside the first 15
+])
+async def test_min_tokens_suppresses_stop_strings_that_start_within_the_first_min_tokens(min_tokens, text):
+    body = {"prompt": PROMPT, "stop": ["girl"], "min_tokens": min_tokens, "max_tokens": 40}
+    async with served() as (client, engine):
+        status, result = await post(client, "/v1/completions", body)
+        assert status == 200, result
+        [choice] = result["choices"]
+        assert choice["text"] == text
+        assert choice["finish_reason"] == "stop"
+        events = await stream(client, "/v1/completions", body)
+        assert "".join(e["choices"][0]["text"] for e in events) == text
+
+
 # ---- 3. add_generation_prompt, continue_final_message, chat_template_kwargs -------------------------------------
 
 TURNS = "turns_chat.jinja"  # "role: content</s>\n" per message, then "assistant:" as the generation prompt
@@ -282,6 +304,59 @@ async def test_chat_message_without_content_is_refused(message):
         status, _ = await post(client, "/v1/chat/completions", {"messages": USER + [{"role": "assistant",
                                                                                      "content": ""}]})
         assert status == 200  # an empty string is content
+
+
+# ---- 10. chat return_token_ids, stop strings trim tokens too, echo logprobs ----------------------------------------
+
+async def test_chat_return_token_ids():
+    async with served(FakeEngine(script=STORY[:5])) as (client, engine):
+        status, chat = await post(client, "/v1/chat/completions", {"messages": USER, "return_token_ids": True})
+        prompt_ids = engine.submitted[-1].prompt_token_ids
+        assert chat["prompt_token_ids"] == prompt_ids and chat["choices"][0]["token_ids"] == STORY[:5]
+        events = await stream(client, "/v1/chat/completions", {"messages": USER, "return_token_ids": True})
+        assert events[0]["prompt_token_ids"] == prompt_ids
+        assert all("prompt_token_ids" not in e for e in events[1:])
+        assert [t for e in events for t in e["choices"][0].get("token_ids", [])] == STORY[:5]
+        status, chat = await post(client, "/v1/chat/completions", {"messages": USER})
+        assert "prompt_token_ids" not in chat and "token_ids" not in chat["choices"][0]
+
+
+@pytest.mark.parametrize("include_stop, kept, text", [
+    (False, 5, " there was a little "),  # " g" straddles the start of "girl": it stays, its " " is in the text
+    (True, 7, " there was a little girl"),  # through "l", the token that completes the stop string
+])
+async def test_stop_string_trims_token_ids_and_logprobs_with_the_text(include_stop, kept, text):
+    body = {"prompt": PROMPT, "stop": "girl", "include_stop_str_in_output": include_stop, "logprobs": 0,
+            "return_token_ids": True}
+    async with served() as (client, _):
+        status, result = await post(client, "/v1/completions", body)
+        [choice] = result["choices"]
+        assert choice["text"] == text and choice["token_ids"] == STORY[:kept]
+        assert choice["logprobs"]["tokens"] == [text_of(t) for t in STORY[:kept]]
+        assert len(choice["logprobs"]["token_logprobs"]) == len(choice["logprobs"]["text_offset"]) == kept
+        events = await stream(client, "/v1/completions", body)
+        assert "".join(e["choices"][0]["text"] for e in events) == text
+        assert [t for e in events for t in e["choices"][0]["token_ids"]] == STORY[:kept]
+        assert [t for e in events for t in e["choices"][0]["logprobs"]["tokens"]] == [text_of(t) for t in STORY[:kept]]
+        status, chat = await post(client, "/v1/chat/completions", {"messages": USER, "stop": "girl", "logprobs": True,
+                                                                   "return_token_ids": True,
+                                                                   "include_stop_str_in_output": include_stop})
+        assert chat["choices"][0]["message"]["content"] == text and chat["choices"][0]["token_ids"] == STORY[:kept]
+        assert len(chat["choices"][0]["logprobs"]["content"]) == kept
+
+
+async def test_echo_logprobs_describe_the_echoed_text():
+    async with served(FakeEngine(script=STORY[:2])) as (client, _):
+        for prompt in (PROMPT, PROMPT_IDS):
+            status, result = await post(client, "/v1/completions", {"prompt": prompt, "echo": True, "logprobs": 0})
+            choice = result["choices"][0]
+            lp = choice["logprobs"]
+            assert choice["text"] == "Once upon a time there was"
+            assert lp["tokens"] == ["", "Once", " upon", " a", " time", " there", " was"]
+            assert "".join(lp["tokens"]) == choice["text"]
+            assert lp["text_offset"] == [0, 0, 4, 9, 11, 16, 22]
+            assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+            assert lp["top_logprobs"][1] == {"Once": sampled_logprob(0)}
 
 
 # ---- 11. x-request-id, CORS, timeouts not retried ----------------------------------------------------------------
