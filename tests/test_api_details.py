@@ -100,6 +100,17 @@ async def test_official_client_with_none_parameters():
         assert [s.sampling.temperature for s in engine.submitted] == [1.0, 1.0]
 
 
+async def test_explicit_null_on_the_websocket():
+    async with served() as (client, engine):
+        async with client.ws_connect("/v1/ws") as ws:
+            await ws.send_json({"type": "generate", "id": "a", "prompt": PROMPT, "n": None, "stream": None,
+                                "logprobs": None, "echo": None, "temperature": None, "max_tokens": 3})
+            frames = [await ws.receive_json(timeout=10) for _ in range(4)]
+        assert [f["type"] for f in frames] == ["delta", "delta", "delta", "done"], frames
+        assert "".join(f["text"] for f in frames[:3]) == " there was a"
+        assert engine.submitted[-1].sampling.temperature == 1.0
+
+
 # ---- 2. min_tokens holds back stop strings too ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("min_tokens, text", [
