@@ -63,6 +63,7 @@ class CompletionRequest(SamplingFields, kw_only=True):
 
     `prompt`: a string, a list of strings, a list of token ids, or a list of lists of token ids.
     `logprobs`: an integer k, the sampled token's logprob plus the k most likely; `echo` prepends the prompt.
+    `add_special_tokens` (vLLM): whether the tokenizer adds its special tokens (BOS) to a text prompt.
     """
 
     prompt: Any = None
