@@ -90,15 +90,15 @@ class TextGeneration:
                 self.prompt_logprobs = output.prompt_logprobs
             pieces = []
             for i, token_id in enumerate(output.new_token_ids):
-                self.num_output_tokens += 1
                 held.append((text_length, token_id, output.logprobs[i] if output.logprobs else None))
                 piece = detokenizer.add([token_id])
                 text_length += len(piece)
-                if self.num_output_tokens == min_tokens:
+                if self.num_output_tokens + i + 1 == min_tokens:
                     matcher.protect(text_length)
                 pieces.append(matcher.feed(piece))
                 if matcher.stopped:
                     break
+            self.num_output_tokens += len(output.new_token_ids)  # usage counts every token generated
             if matcher.stopped:
                 self.finish_reason = "stop"
             elif output.finish_reason is not None:
