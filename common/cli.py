@@ -28,6 +28,15 @@ def _positive(text: str) -> int:
     return value
 
 
+def _origins(text: str) -> tuple[str, ...]:
+    """'https://a.example,https://b.example' -> a tuple of origins; '*' allows any."""
+    origins = tuple(o.strip().rstrip("/") for o in text.split(",") if o.strip())
+    for origin in origins:
+        if origin != "*" and not re.match(r"^https?://[^/\s]+$", origin):
+            raise argparse.ArgumentTypeError(f"not an origin: {origin!r} (scheme://host[:port], or *)")
+    return origins
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shuttle", description="LLM serving engine")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -83,6 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=None,
                        help="require 'Authorization: Bearer KEY' on every endpoint but /health and /metrics "
                             "(default: $SHUTTLE_API_KEY)")
+    serve.add_argument("--allowed-origins", type=_origins, default=None, metavar="ORIGINS",
+                       help="comma-separated origins (e.g. https://app.example) whose browser pages may call the API: "
+                            "CORS headers and preflight answers for them; '*' allows any origin; None: no CORS "
+                            "headers at all")
     serve.add_argument("--batch-endpoint", default=None,
                        help="ZeroMQ endpoint for batch clients (default: tcp://HOST:PORT+1; 'none' disables)")
     serve.add_argument("--zmq-transport", choices=["ipc", "tcp"], default="ipc",

@@ -199,6 +199,8 @@ class ShuttleConfig:
     debug_step_delay: float = 0.0
     chat_template: str | None = None  # Jinja file overriding the tokenizer's chat template
     batch_endpoint: str = ""  # ZeroMQ endpoint for batch clients ("" = none)
+    # Origins whose browser pages may call the API (CORS); "*" is any origin; empty: no CORS headers at all.
+    allowed_origins: tuple[str, ...] = ()
 
     @staticmethod
     def from_args(args: argparse.Namespace, ipc: IpcConfig) -> "ShuttleConfig":
@@ -219,6 +221,7 @@ class ShuttleConfig:
             debug_step_delay=args.debug_step_delay,
             chat_template=args.chat_template,
             batch_endpoint=_batch_endpoint(args),
+            allowed_origins=tuple(args.allowed_origins or ()),
         )
 
     def to_json(self) -> str:

@@ -13,8 +13,9 @@ from common.config import ShuttleConfig
 from frontend.chat import ChatTemplate
 from frontend.engine_client import EngineClient
 from frontend.metrics import Metrics
-from frontend.middleware import api_key_auth, json_content_type, openai_errors
-from frontend.openai_api import create_chat_completion, create_completion, list_models
+from frontend.cors import Cors
+from frontend.middleware import api_key_auth, json_content_type, openai_errors, request_id_header
+from frontend.openai_api import create_chat_completion, create_completion, list_models, retrieve_model
 from frontend.state import STATE, FrontendState
 from frontend.tokenize_api import detokenize, tokenize
 from frontend.tokenizer import TextTokenizer
@@ -46,12 +47,18 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 def build_app(state: FrontendState, api_key: str | None = None) -> web.Application:
-    middlewares = [openai_errors] + ([api_key_auth(api_key)] if api_key else []) + [json_content_type]
+    cors = Cors(state.config.allowed_origins) if state.config.allowed_origins else None
+    middlewares = ([cors.preflight] if cors else []) + [openai_errors] + (
+        [api_key_auth(api_key)] if api_key else []) + [json_content_type]
     app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
     app[STATE] = state
+    app.on_response_prepare.append(request_id_header)
+    if cors:
+        app.on_response_prepare.append(cors.on_response_prepare)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/v1/models/{model_id:.+}", retrieve_model)
     app.router.add_post("/v1/completions", create_completion)
     app.router.add_post("/v1/chat/completions", create_chat_completion)
     app.router.add_post("/tokenize", tokenize)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any, Callable
 
 from transformers.utils.chat_template_utils import render_jinja_template
 
@@ -11,6 +12,9 @@ from common.errors import InvalidRequestError
 from frontend.protocol import ChatMessage
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
+# Names the renderer itself passes to the template: chat_template_kwargs may not set them.
+RESERVED_KWARGS = frozenset({"messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
+                             "chat_template", "conversations", "return_assistant_tokens_mask"})
 
 
 class ChatTemplate:
@@ -30,25 +34,48 @@ class ChatTemplate:
             template = named.get("default") or next(iter(named.values()), None)
         self.template: str | None = template
 
-    def render(self, messages: list[ChatMessage]) -> str:
-        """The prompt text for `messages`, ending with the assistant's generation prompt.
+    def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
+               continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None,
+               escape: Callable[[str], str] | None = None) -> str:
+        """The prompt text for `messages`.
+
+        Args:
+            add_generation_prompt: end with the template's opening of an assistant turn.
+            continue_final_message: end inside the last message (no end-of-turn after it), so the model continues
+                it, e.g. an assistant prefix (transformers' rule; vLLM's parameter). Excludes add_generation_prompt.
+            template_kwargs: extra variables for the template (vLLM's chat_template_kwargs).
+            escape: applied to every message's content (SpecialTextGuard.escape), None to leave it as is.
 
         Raises:
-            InvalidRequestError: no template, empty or malformed messages, or the template refused them.
+            InvalidRequestError: no template, empty or malformed messages, a message without content, conflicting
+                options, or the template refused them.
         """
         if self.template is None:
             raise InvalidRequestError("this model has no chat template; start the server with --chat-template FILE "
                                       "or use /v1/completions", param="messages")
         if not messages:
             raise InvalidRequestError("messages must not be empty", param="messages")
+        if add_generation_prompt and continue_final_message:
+            raise InvalidRequestError("continue_final_message continues the last message, so it needs "
+                                      "add_generation_prompt: false", param="continue_final_message")
+        reserved = sorted(RESERVED_KWARGS & (template_kwargs or {}).keys())
+        if reserved:
+            raise InvalidRequestError(f"chat_template_kwargs may not set {', '.join(reserved)} (use the request "
+                                      f"fields)", param="chat_template_kwargs")
         conversation = []
-        for message in messages:
+        for i, message in enumerate(messages):
             if message.role not in ROLES:
                 raise InvalidRequestError(f"message role must be one of {', '.join(ROLES)}", param="messages")
-            conversation.append({"role": message.role, "content": _text_content(message.content)})
+            if message.content is None:
+                # OpenAI allows a null content only beside an assistant's tool_calls, and tools are not supported
+                why = "tool calls are not supported" if message.tool_calls else "content is required"
+                raise InvalidRequestError(f"messages[{i}] has no content: {why}", param="messages")
+            content = _text_content(message.content)
+            conversation.append({"role": message.role, "content": escape(content) if escape else content})
         try:
-            rendered, _ = render_jinja_template(conversations=[conversation], chat_template=self.template,
-                                                add_generation_prompt=True, **self.special)
+            rendered, _ = render_jinja_template(
+                conversations=[conversation], chat_template=self.template, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, **{**self.special, **(template_kwargs or {})})
         except Exception as exc:  # jinja2 errors and raise_exception() in the template
             raise InvalidRequestError(f"the chat template could not render these messages: {exc}",
                                       param="messages") from None
@@ -56,8 +83,8 @@ class ChatTemplate:
 
 
 def _text_content(content) -> str:
-    if content is None or isinstance(content, str):
-        return content or ""
+    if isinstance(content, str):
+        return content
     parts = []
     for part in content:
         if part.get("type") != "text" or not isinstance(part.get("text"), str):

@@ -65,10 +65,17 @@ class TextGeneration:
                 self.metrics.on_finish(self.finish_reason or "abort")
 
     async def _deltas(self) -> AsyncIterator[TextDelta]:
+        """Token ids and logprobs travel with their text: a token goes out with the delta that releases the first
+        character of its text (a token whose text is still held, as a possible stop string or an unfinished
+        character, waits). When a stop string ends the output, the tokens kept are those whose text starts before
+        the stop string (with include_stop: before its end): a token that straddles the start of the stop string
+        stays, since part of its text is in the output; the token that completes the stop string and any after it
+        go. So text, token ids and logprobs of a choice always describe the same tokens."""
         detokenizer = IncrementalDetokenizer(self.tokenizer, self.prompt_token_ids)
-        matcher = StopStringMatcher(self.stop, self.include_stop)
-        pending_ids: list[int] = []
-        pending_logprobs: list[TokenLogprobs] = []
+        min_tokens = self.sampling.min_tokens
+        matcher = StopStringMatcher(self.stop, self.include_stop, protected=min_tokens > 0)
+        text_length = 0  # characters the detokenizer has produced
+        held: list[tuple[int, int, TokenLogprobs | None]] = []  # (start of its text, token id, logprobs) not yet out
         async for output in self.engine.generate(self.request_id, self.prompt_token_ids, self.sampling,
                                                  self.priority, self.timeout):
             if self.metrics is not None:
@@ -78,21 +85,33 @@ class TextGeneration:
                     self.metrics.on_rejected(output.error_status)
                 self.finish_reason = "error"
                 raise GenerationError(output.error_status or 500, output.error_message)
-            self.num_output_tokens += len(output.new_token_ids)
             self.num_cached_tokens = output.num_cached_tokens
             if output.prompt_logprobs:
                 self.prompt_logprobs = output.prompt_logprobs
-            pending_ids.extend(output.new_token_ids)
-            pending_logprobs.extend(output.logprobs)
-            text = matcher.feed(detokenizer.add(output.new_token_ids))
+            pieces = []
+            for i, token_id in enumerate(output.new_token_ids):
+                held.append((text_length, token_id, output.logprobs[i] if output.logprobs else None))
+                piece = detokenizer.add([token_id])
+                text_length += len(piece)
+                if self.num_output_tokens + i + 1 == min_tokens:
+                    matcher.protect(text_length)
+                pieces.append(matcher.feed(piece))
+                if matcher.stopped:
+                    break
+            self.num_output_tokens += len(output.new_token_ids)  # usage counts every token generated
             if matcher.stopped:
                 self.finish_reason = "stop"
             elif output.finish_reason is not None:
-                text += matcher.feed(detokenizer.flush())
-                text += matcher.flush()
+                pieces.append(matcher.feed(detokenizer.flush()))
+                pieces.append(matcher.flush())
                 self.finish_reason = "stop" if matcher.stopped else output.finish_reason.openai_name
+            text = "".join(pieces)
             if text or self.finish_reason is not None:
-                yield TextDelta(text, pending_ids, pending_logprobs, self.finish_reason)
-                pending_ids, pending_logprobs = [], []
+                # at a finish without a stop string every token goes, those whose text is empty included
+                out = len(held) if self.finish_reason is not None and not matcher.stopped else \
+                    sum(1 for start, _, _ in held if start < matcher.released)
+                released, held = held[:out], held[out:]
+                yield TextDelta(text, [t for _, t, _ in released], [lp for _, _, lp in released if lp is not None],
+                                self.finish_reason)
             if self.finish_reason is not None:
                 return  # for a stop string, leaving the engine's generator aborts the request

@@ -1,19 +1,30 @@
-"""Cross-cutting HTTP concerns: OpenAI error bodies for every failure, API-key auth, JSON content type."""
+"""Cross-cutting HTTP concerns: OpenAI error bodies for every failure, API-key auth, JSON content type,
+the x-request-id header."""
 
 from __future__ import annotations
 
 import hmac
+import re
+import uuid
 
 from aiohttp import web
 
 from common.errors import GenerationError, InvalidRequestError, ModelNotFoundError
 from frontend.protocol import client_error, error_body
-from frontend.state import STATE
+from frontend.state import RESPONSE_ID, STATE
 
 OPEN_PATHS = ("/health", "/metrics")
+# A client's x-request-id is echoed when it is a plain printable ASCII string of reasonable length
+_ECHOABLE_ID = re.compile(r"^[\x21-\x7e]{1,256}$")
 
 
 def _error(status: int, message: str, param: str | None = None, headers: dict | None = None) -> web.Response:
+    headers = dict(headers or {})
+    if status == 503:
+        headers["Retry-After"] = "1"
+    elif status == 408:
+        # The server already gave the request its time: the official clients retry a 408 unless told not to
+        headers["x-should-retry"] = "false"
     return web.json_response(error_body(status, message, param), status=status, headers=headers)
 
 
@@ -26,7 +37,7 @@ async def openai_errors(request: web.Request, handler) -> web.StreamResponse:
         status, param = client_error(exc)
         if isinstance(exc, InvalidRequestError):
             request.app[STATE].metrics.rejected.labels("invalid").inc()
-        return _error(status, str(exc), param, headers={"Retry-After": "1"} if status == 503 else None)
+        return _error(status, str(exc), param)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -40,18 +51,28 @@ async def openai_errors(request: web.Request, handler) -> web.StreamResponse:
 
 
 def api_key_auth(api_key: str):
-    """Requests outside OPEN_PATHS need `Authorization: Bearer <api_key>` (else 401)."""
-    expected = f"Bearer {api_key}".encode()
+    """Requests outside OPEN_PATHS need `Authorization: Bearer <api_key>` (else 401). The scheme name is
+    case-insensitive (RFC 9110, section 11.1), the key is compared exactly, in constant time."""
+    expected = api_key.encode()
 
     @web.middleware
     async def check(request: web.Request, handler) -> web.StreamResponse:
         if request.path not in OPEN_PATHS:
-            given = request.headers.get("Authorization", "").encode()
-            if not hmac.compare_digest(given, expected):
+            scheme, _, key = request.headers.get("Authorization", "").partition(" ")
+            given = key.lstrip(" ").encode("utf-8", "surrogateescape")
+            if not (hmac.compare_digest(given, expected) and scheme.lower() == "bearer"):
                 return _error(401, "invalid or missing API key: send Authorization: Bearer <key>")
         return await handler(request)
 
     return check
+
+
+async def request_id_header(request: web.Request, response: web.StreamResponse) -> None:
+    """x-request-id on every response (an on_response_prepare hook, so streams get it before their headers go):
+    the client's own x-request-id if it sent one, else the response's id, else a fresh one."""
+    given = request.headers.get("x-request-id", "")
+    response.headers["x-request-id"] = given if _ECHOABLE_ID.match(given) else (
+        request.get(RESPONSE_ID) or uuid.uuid4().hex)
 
 
 @web.middleware

@@ -12,11 +12,11 @@ from common.errors import GenerationError, InvalidRequestError, ModelNotFoundErr
 from frontend.choices import collect, merge, usage
 from frontend.generation import TextGeneration
 from frontend.protocol import (
-    ChatCompletionRequest, CompletionRequest, SamplingFields, check_logprobs, completion_prompts, decode_body,
-    error_body, sampling_params,
+    ChatCompletionRequest, CompletionRequest, SamplingFields, TokenizeRequest, check_logprobs, completion_prompts,
+    decode_body, error_body, sampling_params,
 )
 from frontend.responses import chat_logprobs, completion_logprobs, prompt_logprobs_object
-from frontend.state import STATE, FrontendState
+from frontend.state import RESPONSE_ID, STATE, FrontendState
 
 
 def check_model(state: FrontendState, model: str | None) -> None:
@@ -52,6 +52,24 @@ def build_generations(state: FrontendState, body: SamplingFields, prompts: list[
     return generations
 
 
+def chat_prompt_ids(state: FrontendState, body: ChatCompletionRequest | TokenizeRequest,
+                    add_special_tokens: bool) -> list[int]:
+    """Token ids of a chat request's prompt: the messages through the chat template with the request's options.
+    Special-token text in message content stays text unless parse_special_tokens_in_content.
+
+    Raises:
+        InvalidRequestError: the template refused the messages or options, or the prompt is empty or too long.
+    """
+    tokenizer = state.tokenizer
+    text = state.chat_template.render(
+        body.messages, body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs,
+        escape=None if body.parse_special_tokens_in_content else tokenizer.special_text.escape)
+    ids = tokenizer.encode_chat(text, add_special_tokens, state.config.model.max_model_len)
+    if not ids:
+        raise InvalidRequestError("the rendered chat prompt is empty", param="messages")
+    return ids
+
+
 # ---- /v1/completions --------------------------------------------------------------------------------------------
 
 async def create_completion(request: web.Request) -> web.StreamResponse:
@@ -63,8 +81,10 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     if body.suffix:
         raise InvalidRequestError("suffix is not supported", param="suffix")
     logprobs = check_logprobs(body.logprobs, "logprobs")
-    prompts = completion_prompts(body.prompt, state.tokenizer, state.config.model.max_model_len)
+    prompts = completion_prompts(body.prompt, state.tokenizer, state.config.model.max_model_len,
+                                 body.add_special_tokens)
     request_id = state.engine.new_request_id("cmpl")
+    request[RESPONSE_ID] = request_id
     # echo with logprobs also scores the prompt (how lm-eval-harness computes loglikelihoods)
     generations = build_generations(state, body, prompts, request_id, body.max_tokens, logprobs,
                                     prompt_logprobs=logprobs if body.echo else None)
@@ -85,8 +105,9 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
         lp_object = None
         if logprobs is not None:
             lp_object = completion_logprobs(state.tokenizer, token_ids, lps, start, len(text))
-            if prefix:
-                lp_object = prompt_logprobs_object(state.tokenizer, g.prompt_token_ids, g.prompt_logprobs, lp_object)
+            if first and g.index in echo_texts:
+                lp_object = prompt_logprobs_object(state.tokenizer, g.prompt_token_ids, g.prompt_logprobs, lp_object,
+                                                   len(prefix))
         out = {"index": g.index, "text": prefix + text, "logprobs": lp_object, "finish_reason": finish}
         if body.return_token_ids:
             out["token_ids"] = token_ids
@@ -116,38 +137,41 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     if body.top_logprobs is not None and not body.logprobs:
         raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
     logprobs = check_logprobs(body.top_logprobs or 0, "top_logprobs") if body.logprobs else None
-    text = state.chat_template.render(body.messages)
-    ids = state.tokenizer.encode(text, False, state.config.model.max_model_len, param="messages")
-    if not ids:
-        raise InvalidRequestError("the rendered chat prompt is empty", param="messages")
+    ids = chat_prompt_ids(state, body, body.add_special_tokens)
     request_id = state.engine.new_request_id("chatcmpl")
+    request[RESPONSE_ID] = request_id
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     generations = build_generations(state, body, [ids], request_id, max_tokens, logprobs, prompt_param="messages")
     envelope = {"id": request_id, "created": int(time.time()), "model": state.model_name}
 
-    def chunk_choice(g: TextGeneration, delta, first: bool) -> dict:
-        message = {"content": delta.text} if delta.text else {}
-        return {"index": g.index, "delta": message,
-                "logprobs": chat_logprobs(state.tokenizer, delta.token_ids, delta.logprobs) if logprobs is not None
-                else None,
-                "finish_reason": delta.finish_reason}
+    def chat_choice(g: TextGeneration, key: str, message: dict, token_ids: list[int], lps, finish: str | None) -> dict:
+        out = {"index": g.index, key: message,
+               "logprobs": chat_logprobs(state.tokenizer, token_ids, lps) if logprobs is not None else None,
+               "finish_reason": finish}
+        if body.return_token_ids:
+            out["token_ids"] = token_ids
+        return out
 
+    # vLLM's return_token_ids for chat: the prompt's ids once per response (on the first chunk when streaming)
+    prompt_fields = {"prompt_token_ids": ids} if body.return_token_ids else {}
     if body.stream:
         return await _stream(request, generations, body, {**envelope, "object": "chat.completion.chunk"},
-                             chunk_choice, chat=True)
+                             lambda g, d, first: chat_choice(g, "delta", {"content": d.text} if d.text else {},
+                                                             d.token_ids, d.logprobs, d.finish_reason),
+                             chat=True, first_fields=prompt_fields)
     results = await collect(generations)
-    choices = [{"index": r.generation.index, "message": {"role": "assistant", "content": r.text},
-                "logprobs": chat_logprobs(state.tokenizer, r.token_ids, r.logprobs) if logprobs is not None else None,
-                "finish_reason": r.generation.finish_reason} for r in results]
+    choices = [chat_choice(r.generation, "message", {"role": "assistant", "content": r.text}, r.token_ids,
+                           r.logprobs, r.generation.finish_reason) for r in results]
     return web.json_response({**envelope, "object": "chat.completion", "choices": choices,
-                              "usage": usage(generations)}, dumps=_dumps)
+                              "usage": usage(generations), **prompt_fields}, dumps=_dumps)
 
 
 # ---- streaming --------------------------------------------------------------------------------------------------
 
 async def _stream(request: web.Request, generations: list[TextGeneration], body: SamplingFields, envelope: dict,
-                  make_choice, chat: bool) -> web.StreamResponse:
+                  make_choice, chat: bool, first_fields: dict | None = None) -> web.StreamResponse:
     """Server-Sent Events for all choices, then (with stream_options.include_usage) a usage chunk, then [DONE].
+    `first_fields` go into the first event only.
 
     The first event is awaited before the headers go out, so an admission error is a real HTTP status; an error
     after that arrives as a `data: {"error": ...}` event.
@@ -163,7 +187,12 @@ async def _stream(request: web.Request, generations: list[TextGeneration], body:
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(request)
 
+    pending_fields = dict(first_fields or {})
+
     async def send(payload: dict | str) -> None:
+        if pending_fields and isinstance(payload, dict) and "choices" in payload:
+            payload = {**payload, **pending_fields}
+            pending_fields.clear()
         data = payload if isinstance(payload, str) else _dumps(payload)
         await response.write(f"data: {data}\n\n".encode())
 
@@ -200,9 +229,22 @@ def _dumps(obj) -> str:
     return json.dumps(obj, ensure_ascii=False)
 
 
+def _model_object(state: FrontendState) -> dict:
+    return {"id": state.model_name, "object": "model", "created": 0, "owned_by": "shuttle",
+            "root": state.config.model.model_dir, "max_model_len": state.config.model.max_model_len,
+            "vocab_size": state.tokenizer.vocab_size}
+
+
 async def list_models(request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": [_model_object(request.app[STATE])]})
+
+
+async def retrieve_model(request: web.Request) -> web.Response:
+    """GET /v1/models/{id}: the served model's object, or 404 for any other id.
+
+    Raises:
+        ModelNotFoundError: `id` is not the served model name.
+    """
     state = request.app[STATE]
-    model = {"id": state.model_name, "object": "model", "created": 0, "owned_by": "shuttle",
-             "root": state.config.model.model_dir, "max_model_len": state.config.model.max_model_len,
-             "vocab_size": state.tokenizer.vocab_size}
-    return web.json_response({"object": "list", "data": [model]})
+    check_model(state, request.match_info["model_id"])
+    return web.json_response(_model_object(state))

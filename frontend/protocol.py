@@ -63,6 +63,7 @@ class CompletionRequest(SamplingFields, kw_only=True):
 
     `prompt`: a string, a list of strings, a list of token ids, or a list of lists of token ids.
     `logprobs`: an integer k, the sampled token's logprob plus the k most likely; `echo` prepends the prompt.
+    `add_special_tokens` (vLLM): whether the tokenizer adds its special tokens (BOS) to a text prompt.
     """
 
     prompt: Any = None
@@ -70,16 +71,26 @@ class CompletionRequest(SamplingFields, kw_only=True):
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+    add_special_tokens: bool = True
 
 
 class ChatMessage(msgspec.Struct, kw_only=True):
+    """One message; `content` is required (checked when rendering, so that the error names the message)."""
+
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[Any] | None = None
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
-    """Body of POST /v1/chat/completions. `max_completion_tokens` is OpenAI's newer name for max_tokens."""
+    """Body of POST /v1/chat/completions. `max_completion_tokens` is OpenAI's newer name for max_tokens.
+
+    vLLM extensions for the prompt (also taken by POST /tokenize with messages): add_generation_prompt,
+    continue_final_message, chat_template_kwargs (see ChatTemplate.render), add_special_tokens (false: the chat
+    template writes the special tokens it wants). Ours: parse_special_tokens_in_content (false: special-token text
+    in message content is ordinary text; see frontend/special_text.py).
+    """
 
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
@@ -87,13 +98,25 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     top_logprobs: int | None = None
     response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
+    add_special_tokens: bool = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    parse_special_tokens_in_content: bool = False
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):
+    """Body of POST /tokenize: `prompt` or `messages` (with the chat prompt fields of ChatCompletionRequest).
+    `add_special_tokens` defaults to true for a prompt and false for messages, as in vLLM."""
+
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    parse_special_tokens_in_content: bool = False
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):
@@ -108,11 +131,18 @@ _MISSING_FIELD = re.compile(r"missing required field `([A-Za-z_]\w*)`")
 def decode_body(body: bytes, request_type: type) -> Any:
     """Decode a JSON body into `request_type`.
 
+    An explicit `null` for a top-level field means the same as leaving the field out: OpenAI's schema makes its
+    optional fields nullable, and clients send null for "default" (the official Python client with
+    `temperature=None`). So every default lives in one place, the Struct's field declaration.
+
     Raises:
         InvalidRequestError: not JSON, not an object, or a field of the wrong type (named in `param`).
     """
     try:
-        return msgspec.json.decode(body, type=request_type)
+        data = msgspec.json.decode(body)
+        if isinstance(data, dict):
+            data = {name: value for name, value in data.items() if value is not None}
+        return msgspec.convert(data, type=request_type)
     except msgspec.ValidationError as exc:
         match = _DECODE_PATH.search(str(exc)) or _MISSING_FIELD.search(str(exc))
         raise InvalidRequestError(f"invalid request body: {exc}", param=match.group(1) if match else None) from None
@@ -126,8 +156,8 @@ def _is_token_list(value: Any) -> bool:
     return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
 
 
-def completion_prompts(prompt: Any, tokenizer, max_model_len: int) -> list[list[int]]:
-    """Token ids of each prompt of a completions request.
+def completion_prompts(prompt: Any, tokenizer, max_model_len: int, add_special_tokens: bool = True) -> list[list[int]]:
+    """Token ids of each prompt of a completions request (`add_special_tokens` applies to text prompts only).
 
     Raises:
         InvalidRequestError: missing, empty, of the wrong type, too many, or holding ids outside the vocabulary.
@@ -145,7 +175,7 @@ def completion_prompts(prompt: Any, tokenizer, max_model_len: int) -> list[list[
         raise InvalidRequestError(f"at most {MAX_PROMPTS} prompts per request", param="prompt")
     result = []
     for p in prompts:
-        ids = tokenizer.encode(p, max_tokens=max_model_len) if isinstance(p, str) else list(p)
+        ids = tokenizer.encode(p, add_special_tokens, max_model_len) if isinstance(p, str) else list(p)
         if not ids:
             raise InvalidRequestError("prompt is empty", param="prompt")
         if not all(0 <= t < tokenizer.vocab_size for t in ids):

@@ -6,9 +6,19 @@ from common.messages import TokenLogprobs
 from frontend.tokenizer import TextTokenizer
 
 
+def top_alternatives(token_id: int, logprobs: TokenLogprobs) -> list[tuple[int, float]]:
+    """(token id, logprob) of the k most likely tokens, most likely first, then the sampled token when it is not
+    among them: k + 1 entries at most, and never none (vLLM's rule; with k = 0 just the sampled token)."""
+    top = list(zip(logprobs.top_token_ids, logprobs.top_logprobs))
+    if token_id not in logprobs.top_token_ids:
+        top.append((token_id, logprobs.logprob))
+    return top
+
+
 def completion_logprobs(tokenizer: TextTokenizer, token_ids: list[int], logprobs: list[TokenLogprobs],
                         text_offset: int, text_length: int) -> dict:
     """The completions API's logprobs object: tokens, token_logprobs, top_logprobs, text_offset.
+    `top_logprobs` maps token text to logprob (see top_alternatives).
 
     `text_offset` is where these tokens' text starts in the choice's whole text (cumulative across stream
     chunks) and `text_length` how long that text is; a token's offset advances by its own text, never past the
@@ -17,8 +27,8 @@ def completion_logprobs(tokenizer: TextTokenizer, token_ids: list[int], logprobs
     return {
         "tokens": [tokenizer.token_text(t)[0] for t in token_ids],
         "token_logprobs": [lp.logprob for lp in logprobs],
-        "top_logprobs": [{tokenizer.token_text(i)[0]: v for i, v in zip(lp.top_token_ids, lp.top_logprobs)}
-                         for lp in logprobs],
+        "top_logprobs": [{tokenizer.token_text(i)[0]: v for i, v in top_alternatives(t, lp)}
+                         for t, lp in zip(token_ids, logprobs)],
         "text_offset": _offsets(tokenizer, token_ids, text_offset, text_length),
     }
 
@@ -33,20 +43,45 @@ def _offsets(tokenizer: TextTokenizer, token_ids: list[int], start: int, text_le
 
 
 def prompt_logprobs_object(tokenizer: TextTokenizer, prompt_token_ids: list[int], prompt_logprobs: list[TokenLogprobs],
-                           output: dict) -> dict:
+                           output: dict, echo_length: int) -> dict:
     """Prepend the echoed prompt's tokens to a completions logprobs object; the first prompt token has no logprob
-    (null), as in OpenAI's legacy API. Prompt offsets count from the start of the echoed text."""
-    echo_length = output["text_offset"][0] if output["text_offset"] else 0
-    prompt = completion_logprobs(tokenizer, prompt_token_ids[1:], prompt_logprobs, 0, echo_length)
-    offsets = _offsets(tokenizer, prompt_token_ids, 0, echo_length)
-    if tokenizer.strips_leading_space and echo_length:  # decoding drops the first visible token's leading space
-        offsets = [offsets[0]] + [max(o - 1, 0) for o in offsets[1:]]
+    (null), as in OpenAI's legacy API. Prompt offsets count from the start of the echoed text (`echo_length`
+    characters long). Each prompt token is listed as the text it shows in the echo (see echo_token_texts), in
+    `tokens` and as its own key in `top_logprobs`."""
+    texts = echo_token_texts(tokenizer, prompt_token_ids)
+    first_text = next((i for i, t in enumerate(prompt_token_ids) if t not in tokenizer.special_ids), -1)
+    tops, offsets, position = [None], [], 0
+    for i, (token_id, lp) in enumerate(zip(prompt_token_ids[1:], prompt_logprobs), start=1):
+        tops.append({texts[i] if t == token_id else _shown(tokenizer, t, i == first_text): v
+                     for t, v in top_alternatives(token_id, lp)})
+    for token_id, text in zip(prompt_token_ids, texts):
+        offsets.append(min(position, echo_length))
+        position += 0 if tokenizer.is_byte_token(token_id) else len(text)
     return {
-        "tokens": [tokenizer.token_text(prompt_token_ids[0])[0]] + prompt["tokens"] + output["tokens"],
-        "token_logprobs": [None] + prompt["token_logprobs"] + output["token_logprobs"],
-        "top_logprobs": [None] + prompt["top_logprobs"] + output["top_logprobs"],
+        "tokens": texts + output["tokens"],
+        "token_logprobs": [None] + [lp.logprob for lp in prompt_logprobs] + output["token_logprobs"],
+        "top_logprobs": tops + output["top_logprobs"],
         "text_offset": offsets + output["text_offset"],
     }
+
+
+def echo_token_texts(tokenizer: TextTokenizer, token_ids: list[int]) -> list[str]:
+    """What each token of an echoed prompt shows in the echoed text: a special token (BOS) nothing, since decoding
+    skips it; the first token with text without the leading space the decoder drops at the start of a text; a
+    byte-fallback token "bytes:\\xNN" (one byte of a character, as in logprobs everywhere)."""
+    texts, started = [], False
+    for token_id in token_ids:
+        if token_id in tokenizer.special_ids:
+            texts.append("")
+            continue
+        texts.append(_shown(tokenizer, token_id, not started))
+        started = True
+    return texts
+
+
+def _shown(tokenizer: TextTokenizer, token_id: int, at_start: bool) -> str:
+    text = tokenizer.token_text(token_id)[0]
+    return text[1:] if at_start and tokenizer.strips_leading_space and text.startswith(" ") else text
 
 
 def chat_logprobs(tokenizer: TextTokenizer, token_ids: list[int], logprobs: list[TokenLogprobs]) -> dict:
@@ -56,6 +91,5 @@ def chat_logprobs(tokenizer: TextTokenizer, token_ids: list[int], logprobs: list
         text, raw = tokenizer.token_text(token_id)
         return {"token": text, "logprob": logprob, "bytes": raw}
 
-    return {"content": [{**entry(t, lp.logprob),
-                         "top_logprobs": [entry(i, v) for i, v in zip(lp.top_token_ids, lp.top_logprobs)]}
+    return {"content": [{**entry(t, lp.logprob), "top_logprobs": [entry(i, v) for i, v in top_alternatives(t, lp)]}
                         for t, lp in zip(token_ids, logprobs)]}

@@ -27,3 +27,5 @@ class FrontendState:
 
 
 STATE = web.AppKey("shuttle_state", FrontendState)
+# The id of the response a handler creates (cmpl-..., chatcmpl-...): the x-request-id header when the client sent none
+RESPONSE_ID = web.RequestKey("shuttle_response_id", str)

@@ -2,43 +2,65 @@
 
 from __future__ import annotations
 
+import math
+
 
 class StopStringMatcher:
     """Feeds text deltas, returns what is safe to emit.
 
     Text that could be the beginning of a stop string is held until it is clearly not one, so a stream never
     shows any part of a stop string (unless `include_stop` asks for the stop string itself in the output).
+    Positions count characters of the whole text fed so far.
+
+    min_tokens: text before `protect(position)` can be no part of a stop string (vLLM's rule, no stop condition
+    of any kind within the first min_tokens tokens, made strict: a stop string that starts in that text and ends
+    after it does not count either, so the text of the first min_tokens tokens is always output whole). Until
+    `protect` is called with a position, all text is protected.
 
     Args:
         stops: the stop strings (non-empty).
         include_stop: emit the stop string that ended the output (vLLM's include_stop_str_in_output).
+        protected: whether text is protected until `protect` is called (a request with min_tokens > 0).
     """
 
-    def __init__(self, stops: list[str], include_stop: bool = False):
+    def __init__(self, stops: list[str], include_stop: bool = False, protected: bool = False):
         self.stops = stops
         self.include_stop = include_stop
         self._held = ""
+        self._search_from: float = math.inf if protected else 0
+        self.released = 0  # characters emitted so far
         self.stopped = False
+
+    def protect(self, position: int) -> None:
+        """Stop strings may start at `position` or later (the length of the first min_tokens tokens' text)."""
+        self._search_from = position
 
     def feed(self, text: str) -> str:
         """Add a delta; returns the text to emit now. Sets `stopped` once a stop string is found."""
-        if self.stopped or not self.stops:
-            return "" if self.stopped else text
+        if self.stopped:
+            return ""
         buffer = self._held + text
-        hits = [(buffer.find(stop), stop) for stop in self.stops]
-        hits = [(index, stop) for index, stop in hits if index >= 0]
-        if hits:
-            index, stop = min(hits)
-            self.stopped, self._held = True, ""
-            return buffer[:index] + (stop if self.include_stop else "")
-        keep = self._partial_match_length(buffer)
+        start = self.released  # where buffer[0] is in the whole text
+        first = int(min(max(self._search_from - start, 0), len(buffer)))  # earliest index a stop string may start
+        if self.stops:
+            hits = [(buffer.find(stop, first), stop) for stop in self.stops]
+            hits = [(index, stop) for index, stop in hits if index >= 0]
+            if hits:
+                index, stop = min(hits)
+                self.stopped, self._held = True, ""
+                return self._emit(buffer[:index] + (stop if self.include_stop else ""))
+        keep = self._partial_match_length(buffer[first:])
         self._held = buffer[len(buffer) - keep:] if keep else ""
-        return buffer[:len(buffer) - keep]
+        return self._emit(buffer[:len(buffer) - keep])
 
     def flush(self) -> str:
         """At the end of the output: release held text (it never became a stop string)."""
         held, self._held = self._held, ""
-        return "" if self.stopped else held
+        return "" if self.stopped else self._emit(held)
+
+    def _emit(self, text: str) -> str:
+        self.released += len(text)
+        return text
 
     def _partial_match_length(self, buffer: str) -> int:
         """Length of the longest suffix of `buffer` that is a proper prefix of some stop string."""

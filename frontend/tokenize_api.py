@@ -5,13 +5,14 @@ from __future__ import annotations
 from aiohttp import web
 
 from common.errors import InvalidRequestError
-from frontend.openai_api import check_model
+from frontend.openai_api import chat_prompt_ids, check_model
 from frontend.protocol import DetokenizeRequest, TokenizeRequest, decode_body
 from frontend.state import STATE
 
 
 async def tokenize(request: web.Request) -> web.Response:
-    """{"prompt": str} or {"messages": [...]} -> {"tokens": [...], "count": n, "max_model_len": m}."""
+    """{"prompt": str} or {"messages": [...], ...chat prompt fields} -> {"tokens": [...], "count": n, "max_model_len": m}.
+    The same tokens a completion or chat completion with these fields would be given."""
     state = request.app[STATE]
     body = decode_body(await request.read(), TokenizeRequest)
     check_model(state, body.model)
@@ -19,9 +20,9 @@ async def tokenize(request: web.Request) -> web.Response:
     if (body.prompt is None) == (body.messages is None):
         raise InvalidRequestError("give exactly one of prompt or messages", param="prompt")
     if body.messages is not None:
-        ids = state.tokenizer.encode(state.chat_template.render(body.messages), False, max_model_len, "messages")
+        ids = chat_prompt_ids(state, body, bool(body.add_special_tokens))
     else:
-        ids = state.tokenizer.encode(body.prompt, body.add_special_tokens, max_model_len)
+        ids = state.tokenizer.encode(body.prompt, body.add_special_tokens is not False, max_model_len)
     return web.json_response({"tokens": ids, "count": len(ids), "max_model_len": state.config.model.max_model_len})
 
 

@@ -101,7 +101,8 @@ class _Session:
     async def run(self, stream: _Stream, frame: dict) -> None:
         client_id = stream.client_id
         try:
-            fields = {k: v for k, v in frame.items() if k not in ("type", "id")}
+            # null means the default here too (see decode_body), so a null n or stream is no unsupported field
+            fields = {k: v for k, v in frame.items() if k not in ("type", "id") and v is not None}
             unsupported = sorted({"n", "stream", "stream_options", "logprobs", "echo"} & fields.keys())
             if unsupported:
                 raise InvalidRequestError(f"not supported on the websocket: {', '.join(unsupported)} (it streams one "
