@@ -46,6 +46,7 @@ class TextGeneration:
     stop: list[str] = field(default_factory=list)
     include_stop: bool = False
     metrics: RequestMetrics | None = None
+    group_id: str = ""  # the client request this choice belongs to (fair shares of the running set)
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
@@ -77,7 +78,7 @@ class TextGeneration:
         text_length = 0  # characters the detokenizer has produced
         held: list[tuple[int, int, TokenLogprobs | None]] = []  # (start of its text, token id, logprobs) not yet out
         async for output in self.engine.generate(self.request_id, self.prompt_token_ids, self.sampling,
-                                                 self.priority, self.timeout):
+                                                 self.priority, self.timeout, self.group_id):
             if self.metrics is not None:
                 self.metrics.on_output(output)
             if output.finish_reason == FinishReason.ERROR:

@@ -37,6 +37,7 @@ class Submitted:
     prompt_token_ids: list[int]
     sampling: SamplingParams
     timeout: float
+    group_id: str = ""
 
 
 @dataclass
@@ -75,8 +76,8 @@ class FakeEngine:
         return TokenLogprobs(logprob, [t for t, _ in top], [v for _, v in top])
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                       priority: int = 0, timeout: float = 0.0):
-        self.submitted.append(Submitted(request_id, list(prompt_token_ids), sampling, timeout))
+                       priority: int = 0, timeout: float = 0.0, group_id: str = ""):
+        self.submitted.append(Submitted(request_id, list(prompt_token_ids), sampling, timeout, group_id))
         finished = False
         try:
             if self.error is not None:

@@ -431,3 +431,12 @@ async def test_timeout_is_not_retried_by_the_official_client():
             await openai_client(client, max_retries=2).completions.create(model=SERVED, prompt=PROMPT)
         assert raised.value.status_code == 408 and raised.value.response.headers["x-should-retry"] == "false"
         assert len(engine.submitted) == 1
+
+
+async def test_choices_of_one_request_share_a_group():
+    """Every sequence of one client request (its prompts x n) carries that request's id as its group, so the
+    scheduler can share the running set fairly between client requests."""
+    async with served() as (client, engine):
+        status, body = await post(client, "/v1/completions", {"prompt": ["a", "b"], "n": 3, "max_tokens": 2})
+    assert status == 200 and len(engine.submitted) == 6
+    assert {s.group_id for s in engine.submitted} == {body["id"]}
