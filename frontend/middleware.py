@@ -7,6 +7,7 @@ import hmac
 from aiohttp import web
 
 from common.errors import GenerationError, InvalidRequestError, ModelNotFoundError
+from frontend.backpressure import header_value
 from frontend.protocol import client_error, error_body
 from frontend.state import STATE
 
@@ -26,7 +27,9 @@ async def openai_errors(request: web.Request, handler) -> web.StreamResponse:
         status, param = client_error(exc)
         if isinstance(exc, InvalidRequestError):
             request.app[STATE].metrics.rejected.labels("invalid").inc()
-        return _error(status, str(exc), param, headers={"Retry-After": "1"} if status == 503 else None)
+        retry_after = getattr(exc, "retry_after", None) or 1
+        return _error(status, str(exc), param, headers={"Retry-After": header_value(retry_after)} if status == 503
+                      else None)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise

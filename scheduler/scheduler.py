@@ -116,6 +116,14 @@ class Scheduler:
             if request is not None:
                 self._finish(request, FinishReason.ABORT)
 
+    def abort_client(self, client: bytes) -> list[str]:
+        """End every request of a frontend that is gone, freeing their blocks; their outputs are dropped.
+        Returns the ids. (Issue 9: the loop calls this for frontends that stopped heartbeating.)"""
+        request_ids = [r.request_id for r in self.requests.values() if r.client == client]
+        self.abort(request_ids)
+        self._pending_outputs.pop(client, None)
+        return request_ids
+
     def fail(self, request_ids: list[str], status: int, message: str) -> None:
         """End requests with an error output (e.g. the worker failed their step)."""
         for request_id in request_ids:

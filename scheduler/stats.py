@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 
-from common.messages import SchedulerStats
+from common.messages import SchedulerStats, StepPlan
 
 log = logging.getLogger("shuttle.scheduler")
 
@@ -24,6 +24,8 @@ class StepStats:
         self._window_start = time.monotonic()
         self._prompt_tokens = 0
         self._generated_tokens = 0
+        self._num_admitted = 0
+        self._num_scheduled_tokens = 0
 
     def on_step(self, num_seqs: int, num_tokens: int, num_prompt_tokens: int, num_sampled: int) -> None:
         self._batch_sizes.append(num_seqs)
@@ -31,9 +33,16 @@ class StepStats:
         self._prompt_tokens += num_prompt_tokens
         self._generated_tokens += num_sampled
 
+    def on_plan(self, plan: StepPlan) -> None:
+        """Count what left the waiting queue with this plan: new requests, and preempted ones resumed."""
+        self._num_admitted += len(plan.new_requests) + sum(1 for c in plan.cached_requests if c.resumed)
+        self._num_scheduled_tokens += sum(r.num_scheduled_tokens for r in plan.new_requests) + sum(
+            c.num_scheduled_tokens for c in plan.cached_requests)
+
     def attach(self, stats: SchedulerStats) -> SchedulerStats:
         stats.step_batch_sizes, self._batch_sizes = self._batch_sizes, []
         stats.step_token_counts, self._token_counts = self._token_counts, []
+        stats.num_admitted, stats.num_scheduled_tokens = self._num_admitted, self._num_scheduled_tokens
         return stats
 
     def maybe_log(self, stats: SchedulerStats) -> None:
