@@ -3,8 +3,8 @@
 - Idle keep-alive: an idle connection (one that never sent a request included) closes after
   `keep_alive_timeout` seconds (aiohttp's own timer).
 - Request head: once a client has started a request head it has `header_timeout` seconds to finish it.
-- Request body: `body_timeout` seconds to send it once the head has arrived (HTTP 408), and a Content-Length
-  over the limit is refused with 413 before a byte of the body is read.
+- Request body: `body_timeout` seconds to send it once the head has arrived (HTTP 408, then the connection
+  closes), and a Content-Length over the limit is answered with 413 before a byte of the body is read.
 - Half-close: a client that shuts down its sending side after its request still gets the answer. A TCP FIN
   looks the same whether the client half-closed or left altogether, so until the response starts the
   connection is probed with an interim `100 Continue` (every HTTP/1.1 client must accept unsolicited 1xx
@@ -66,7 +66,11 @@ class ShuttleRequestHandler(RequestHandler):
 
     def eof_received(self) -> bool | None:
         """Keep a half-closed connection open while its request is answered; close an idle one at once."""
-        if self._upgraded or (self._current_request is None and not self._messages):
+        # Idle: waiting for a request head (or never sent a byte). Otherwise a request is queued or being handled
+        # (start() may have taken it off the queue without its handler having run yet: _waiter is then None).
+        idle = not self._messages and self._current_request is None and (
+            self._waiter is not None or self._request_count == 0)
+        if self._upgraded or idle:
             return None  # nothing asked (or a WebSocket): the client is gone
         self.close()  # no further requests can come; the connection closes after this answer
         self._probe_peer()
@@ -74,10 +78,13 @@ class ShuttleRequestHandler(RequestHandler):
 
     def _probe_peer(self) -> None:
         self._probe = None
+        if self.transport is None:
+            return
         request = self._current_request
-        if self.transport is None or request is None or request.writer.output_size > 0:
-            return  # gone, answered, or answering: the response's own writes detect a client that left
-        self.transport.write(CONTINUE)  # to a client that closed altogether, this draws a reset
+        if request is not None and request.writer.output_size > 0:
+            return  # answering: the response's own writes detect a client that left
+        if request is not None:
+            self.transport.write(CONTINUE)  # to a client that closed altogether, this draws a reset
         self._probe = self._loop.call_later(PROBE_INTERVAL_S, self._probe_peer)
 
     def connection_lost(self, exc: BaseException | None) -> None:
@@ -116,20 +123,26 @@ def request_limits(max_body_bytes: int, body_timeout: float):
     async def limits(request: web.Request, handler) -> web.StreamResponse:
         if request.can_read_body:
             if request.content_length is not None and request.content_length > max_body_bytes:
-                return _closing(413, f"request body of {request.content_length} bytes is over the limit of "
-                                     f"{max_body_bytes}")
+                # answered before the body is read; aiohttp then reads and drops the body for a bounded time
+                # (its lingering close), so the client, still sending, gets to read this answer
+                return web.json_response(error_body(413, f"request body of {request.content_length} bytes is over "
+                                                         f"the limit of {max_body_bytes}"), status=413)
             try:
                 async with asyncio.timeout(body_timeout if body_timeout > 0 else None):
                     await request.read()  # kept by aiohttp: the handler's own read() returns it
             except TimeoutError:
-                return _closing(408, f"request body not received within {body_timeout:g} s")
+                return await _answer_and_close(request, 408, f"request body not received within {body_timeout:g} s")
         return await handler(request)
 
     return limits
 
 
-def _closing(status: int, message: str) -> web.Response:
-    """An OpenAI error answer after which the connection closes (the rest of the body is never read)."""
+async def _answer_and_close(request: web.Request, status: int, message: str) -> web.Response:
+    """Send an OpenAI error answer, then close the connection at once: a body that is late is not waited for
+    (aiohttp would otherwise keep reading it for its lingering time)."""
     response = web.json_response(error_body(status, message), status=status)
     response.force_close()
+    await response.prepare(request)
+    await response.write_eof()
+    request.protocol.force_close()
     return response
