@@ -10,6 +10,7 @@ import signal
 from aiohttp import web
 
 from common.config import ShuttleConfig
+from frontend.backpressure import header_value
 from frontend.chat import ChatTemplate
 from frontend.engine_client import EngineClient
 from frontend.http_server import listen, request_limits
@@ -44,7 +45,7 @@ async def health(request: web.Request) -> web.Response:
     body["status"] = "draining" if engine.draining else "engine_down"
     if engine.down_reason:
         body["reason"] = engine.down_reason
-    return web.json_response(body, status=503, headers={"Retry-After": str(max(1, round(refusal.retry_after)))})
+    return web.json_response(body, status=503, headers={"Retry-After": header_value(refusal.retry_after)})
 
 
 MAX_BODY_BYTES = 4 * 2**20

@@ -6,6 +6,7 @@ Protocol (JSON text frames; several generations may share one socket, told apart
   server -> {"type": "done", "id": ..., "finish_reason": "stop"|"length"|"abort", "usage": {...}}
   client -> {"type": "cancel", "id": ...}       the generation ends with a "done" whose finish_reason is "abort"
   server -> {"type": "error", "id": ..., "error": {OpenAI error object}}     instead of "done" when it failed
+           (a 503 also carries "retry_after": seconds, like HTTP's Retry-After)
 Every generate gets exactly one "done" or "error". A cancel for an id that is not generating (already done,
 or never started) is ignored. Closing the socket aborts all its generations. Any failure is an error frame,
 never an HTTP answer on the upgraded socket; frames are JSON text, escaped to ASCII when a client-chosen id
@@ -160,7 +161,10 @@ class _Session:
                 log.exception("websocket generation %s failed", client_id)
             status, param = known or (500, None)
             message = str(exc) if known else "internal server error"
-            await self.end(stream, {"type": "error", "id": client_id, "error": error_body(status, message, param)["error"]})
+            frame = {"type": "error", "id": client_id, "error": error_body(status, message, param)["error"]}
+            if getattr(exc, "retry_after", None):  # a 503: when a retry is expected to be admitted, as in HTTP
+                frame["retry_after"] = round(exc.retry_after, 1)
+            await self.end(stream, frame)
 
 
 def origin_allowed(request: web.Request, allowed: tuple[str, ...]) -> bool:
