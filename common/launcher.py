@@ -86,7 +86,7 @@ class Unit:
         self.serving_since: float | None = None
         self.failures_in_a_row = 0
         self.restart_at: float | None = None
-        self.last_start_duration = 5.0
+        self.start_durations: list[float] = []  # seconds from start to ready, most recent last
         self.ready_announced = True  # False from a failure until the restarted unit is ready
 
     def start(self, config: ShuttleConfig, env: dict[str, str]) -> None:
@@ -113,7 +113,7 @@ class Unit:
             self.heartbeats[msg.name] = time.monotonic()
             if self.is_ready:
                 self.serving_since = time.monotonic()
-                self.last_start_duration = self.serving_since - self.started_at
+                self.start_durations = (self.start_durations + [self.serving_since - self.started_at])[-3:]
         elif isinstance(msg, Heartbeat):
             self.heartbeats[msg.name] = time.monotonic()
 
@@ -149,6 +149,11 @@ class Unit:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+    def expected_start_s(self) -> float:
+        """A cautious guess of the next start-up: half again the slowest of the last three (start-up time varies
+        with the machine's load, and a guess that is too short sends clients back into a wall)."""
+        return 1.5 * max(self.start_durations, default=10.0)
 
     def next_backoff(self) -> float:
         return min(BACKOFF_FIRST_S * 2 ** self.failures_in_a_row, BACKOFF_MAX_S)
@@ -299,7 +304,7 @@ class Launcher:
                     unit.failures_in_a_row = 0
                 if unit.is_ready and unit.ready_announced is False:
                     unit.ready_announced = True
-                    _say(f"the {unit.name} is serving again ({unit.last_start_duration:.1f} s to start)")
+                    _say(f"the {unit.name} is serving again ({unit.start_durations[-1]:.1f} s to start)")
                     _say("restarted " + json.dumps({"unit": unit.name, "pids": self._pids()}))
                 reason = unit.failure(heartbeat_timeout if unit.is_ready else 0.0)
                 if reason is None and not unit.is_ready and time.monotonic() - unit.started_at > START_TIMEOUT_S:
@@ -313,7 +318,7 @@ class Launcher:
         give_up = unit.failures_in_a_row >= self.config.ops.max_restarts
         backoff = unit.next_backoff()
         if unit is self.engine:
-            eta = backoff + unit.last_start_duration
+            eta = backoff + unit.expected_start_s()
             self.to_frontend.try_send(EngineDown(reason, eta))
         if give_up:
             _say(f"{reason}; {unit.failures_in_a_row} restart(s) in a row already (--max-restarts "

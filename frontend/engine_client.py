@@ -58,6 +58,7 @@ class EngineClient:
         self.stats = SchedulerStats()
         self.on_stats = None  # called with every SchedulerStats message (the metrics' per-step histograms)
         self.down_reason: str | None = None
+        self._down_since = 0.0
         self._down_until = 0.0
         self.draining = False
         self.drain_deadline = 0.0
@@ -124,8 +125,10 @@ class EngineClient:
             return GenerationError(503, "the server is shutting down", retry_after=max(self.drain_deadline - now, 1))
         if self.down_reason is not None or not self._up.is_set():
             reason = f" ({self.down_reason})" if self.down_reason else ""
-            return GenerationError(503, f"the engine is restarting{reason}; retry shortly",
-                                   retry_after=max(self._down_until - now, 1))
+            # the launcher's estimate while it holds; a restart that overruns it is guessed to need half again
+            # as long as it has taken so far
+            retry_after = max(self._down_until - now, 0.5 * (now - self._down_since), 1.0)
+            return GenerationError(503, f"the engine is restarting{reason}; retry shortly", retry_after=retry_after)
         return None
 
     def refusal_retry_after(self) -> float:
@@ -182,7 +185,8 @@ class EngineClient:
         log.warning("the engine stopped (%s); failing %d in-flight request(s), restart expected in %.1f s",
                     reason, len(self._queues), retry_after)
         self.down_reason = reason
-        self._down_until = time.monotonic() + retry_after
+        self._down_since = time.monotonic()
+        self._down_until = self._down_since + retry_after
         self._up.clear()
         self.fail_all(503, f"the engine stopped ({reason}); it is restarting, retry shortly")
         if self._listener is not None:

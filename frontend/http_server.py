@@ -10,7 +10,8 @@
   connection is probed with an interim `100 Continue` (every HTTP/1.1 client must accept unsolicited 1xx
   responses) every PROBE_INTERVAL_S: a client that has really gone answers with a reset, which ends the
   connection and so aborts its request.
-- Malformed HTTP is one WARNING line naming the peer and the parser's complaint, never a traceback.
+- Malformed HTTP is one WARNING line naming the peer and the parser's complaint, never a traceback; a client
+  that leaves while its answer is being written is not a server error (DEBUG).
 
 aiohttp has no public hook for these, so `ShuttleRequestHandler` subclasses its RequestHandler and reads a few
 of its private attributes (`_waiter`, `_messages`, `_current_request`, `_upgraded`); tests/test_http_edges.py
@@ -95,6 +96,9 @@ class ShuttleRequestHandler(RequestHandler):
 
     def log_exception(self, *args, **kwargs) -> None:
         exc = kwargs.get("exc_info")
+        if isinstance(exc, ConnectionResetError):  # the client left while its answer was being written
+            self.logger.debug("client gone while answering: %s", exc)
+            return
         if isinstance(exc, HttpProcessingError):
             peer = self.transport.get_extra_info("peername") if self.transport is not None else None
             self.logger.warning("malformed HTTP request from %s: %s", peer, exc.message or exc)

@@ -51,7 +51,7 @@ PROMPTS = ["Once upon a time", "Tom had a dog", "Lily saw a big", "The sun was",
 @dataclass
 class Stats:
     outcomes: Counter = field(default_factory=Counter)  # ok, error:<kind>, lost:<kind>, left, refused_gave_up
-    refusals: list[tuple[float, float]] = field(default_factory=list)  # (Retry-After, needed wait) seconds
+    refusals: list[tuple[str, float, float]] = field(default_factory=list)  # (cause, Retry-After, needed wait)
     ttft: list[float] = field(default_factory=list)
     itl: list[float] = field(default_factory=list)
     sleeping_until: dict[int, float] = field(default_factory=dict)  # client -> end of its Retry-After sleep
@@ -59,8 +59,11 @@ class Stats:
 
 
 class Refused(Exception):
-    def __init__(self, retry_after: float):
+    def __init__(self, retry_after: float, message: str = ""):
         self.retry_after = retry_after
+        # why: the waiting queue is full, the engine restarts, or the server drains
+        self.cause = "engine_down" if "restart" in message or "engine stopped" in message else (
+            "draining" if "shutting down" in message else "queue_full")
 
 
 class Server:
@@ -153,7 +156,7 @@ class Soak:
             try:
                 outcome = await asyncio.wait_for(self.attempt(kind, session), self.args.request_timeout)
             except Refused as refusal:
-                chain.append((time.monotonic(), refusal.retry_after))
+                chain.append((time.monotonic(), refusal.retry_after, refusal.cause))
                 if time.monotonic() + refusal.retry_after > self.deadline + self.args.retry_grace:
                     self.stats.outcomes["refused_gave_up"] += 1
                     return
@@ -165,8 +168,8 @@ class Soak:
                 outcome = f"lost:{kind}_timeout"
             except (aiohttp.ClientError, ConnectionError) as exc:
                 outcome = f"lost:{kind}_{type(exc).__name__}"
-            for refused_at, retry_after in chain:
-                self.stats.refusals.append((retry_after, sent - refused_at))
+            for refused_at, retry_after, cause in chain:
+                self.stats.refusals.append((cause, retry_after, sent - refused_at))
             self.stats.outcomes[outcome] += 1
             return
 
@@ -193,8 +196,8 @@ class Soak:
             response = await request
         async with response:
             if response.status == 503:
-                await response.read()
-                raise Refused(float(response.headers.get("Retry-After", 1)))
+                body = await response.json()
+                raise Refused(float(response.headers.get("Retry-After", 1)), body["error"]["message"])
             body = await response.json()
             if response.status == 200:
                 return "ok"
@@ -204,8 +207,8 @@ class Soak:
         started = time.monotonic()
         async with session.post(f"{self.server.url}/v1/completions", json=self.body(stream=True)) as response:
             if response.status == 503:
-                await response.read()
-                raise Refused(float(response.headers.get("Retry-After", 1)))
+                body = await response.json()
+                raise Refused(float(response.headers.get("Retry-After", 1)), body["error"]["message"])
             if response.status != 200:
                 await response.read()
                 return f"error:stream_{response.status}"
@@ -259,7 +262,7 @@ class Soak:
                 else:
                     code = frame["error"]["code"]
                     if code == 503 and last is None and "shutting down" not in frame["error"]["message"]:
-                        raise Refused(float(frame.get("retry_after") or 1))
+                        raise Refused(float(frame.get("retry_after") or 1), frame["error"]["message"])
                     return f"error:ws_{code}"
 
     async def batch_job(self) -> str:
@@ -275,12 +278,13 @@ class Soak:
         finally:
             sock.close()
         if result.error_status == 503 and not result.completion_tokens:
-            raise Refused(result.retry_after or 1.0)
+            raise Refused(result.retry_after or 1.0, result.error_message)
         return "ok" if result.error_status == 0 else f"error:batch_{result.error_status}"
 
 
-async def faults(args, server: Server, stop: asyncio.Event, log: list) -> None:
-    """Kill -9 or SIGSTOP the worker at random times around the configured period."""
+async def faults(args, server: Server, stop: asyncio.Event, log: list, soak: "Soak") -> None:
+    """Kill -9 or SIGSTOP the worker at random times around the configured period, until the round's deadline
+    (the tail, where refused clients finish, runs without faults)."""
     rng = random.Random(args.seed + 1)
     period = args.kill_worker_every or args.stop_worker_every
     if not period or server.proc is None:
@@ -291,6 +295,8 @@ async def faults(args, server: Server, stop: asyncio.Event, log: list) -> None:
             return
         except asyncio.TimeoutError:
             pass
+        if time.monotonic() > soak.deadline:
+            continue
         pid = server.pids.get("worker")
         sig = signal.SIGKILL if args.kill_worker_every else signal.SIGSTOP
         try:
@@ -357,7 +363,7 @@ async def run(args) -> dict:
             aiohttp.ClientSession(headers=soak.headers) as probe:
         stop = asyncio.Event()
         samplers = [asyncio.create_task(sample(args, server, probe, stop, rss, idle, stats)),
-                    asyncio.create_task(faults(args, server, stop, fault_log))]
+                    asyncio.create_task(faults(args, server, stop, fault_log, soak))]
         for round_index in range(args.rounds):
             soak.deadline = time.monotonic() + args.duration
             begun = time.monotonic()
@@ -372,14 +378,20 @@ async def run(args) -> dict:
     exit_status = server.stop()
     lost = sum(n for k, n in stats.outcomes.items() if k.startswith("lost:"))
     errors = {k[6:]: n for k, n in stats.outcomes.items() if k.startswith("error:")}
-    ratios = [needed / retry_after for retry_after, needed in stats.refusals if retry_after > 0]
+    ratios = [needed / retry_after for _, retry_after, needed in stats.refusals if retry_after > 0]
     within = sum(1 for r in ratios if 0.5 <= r <= 2.0)
+    by_cause = {}
+    for cause in sorted({c for c, _, _ in stats.refusals}):
+        mine = [(r, n) for c, r, n in stats.refusals if c == cause]
+        by_cause[cause] = {"count": len(mine), "within_2x": sum(1 for r, n in mine if r > 0 and 0.5 <= n / r <= 2),
+                           "needed_over_retry_after": percentiles([n / r for r, n in mine if r > 0]),
+                           "retry_after_s": percentiles([r for r, _ in mine])}
     return {
         "config": vars(args), "seconds": round(time.monotonic() - started, 1), "logical_requests": stats.logical,
         "outcomes": dict(stats.outcomes), "lost": lost, "errors_by_kind": errors,
         "refusals": {"count": len(stats.refusals), "within_2x": within,
                      "needed_over_retry_after": percentiles(ratios),
-                     "retry_after_s": percentiles([r for r, _ in stats.refusals]),
+                     "retry_after_s": percentiles([r for _, r, _ in stats.refusals]), "by_cause": by_cause,
                      "queue_empty_while_clients_slept_s": round(len(idle) * args.rss_interval, 1)},
         "blocks_in_use_when_idle": final.get("scheduler", {}).get("num_blocks_in_use"),
         "final_health": final, "rounds": rounds, "restarts": server.restarts, "faults": len(fault_log),
@@ -397,10 +409,12 @@ def table(report: dict) -> str:
     out.append(f"{'worker faults injected':34}{report['faults']:>10}   engine restarts {report['restarts']}")
     r = report["refusals"]
     out.append(f"{'refusals (503 + Retry-After)':34}{r['count']:>10}   within 2x of needed wait: {r['within_2x']}")
-    for name in ("needed_over_retry_after", "retry_after_s"):
-        p = r[name]
-        if p:
-            out.append(f"  {name:32}p50 {p['p50']:.2f}  p90 {p['p90']:.2f}  p99 {p['p99']:.2f}  max {p['max']:.2f}")
+    for cause, c in r["by_cause"].items():
+        out.append(f"  {cause:32}{c['count']:>10}   within 2x: {c['within_2x']}")
+        for name in ("needed_over_retry_after", "retry_after_s"):
+            p = c[name]
+            if p:
+                out.append(f"    {name:30}p50 {p['p50']:.2f}  p90 {p['p90']:.2f}  p99 {p['p99']:.2f}  max {p['max']:.2f}")
     out.append(f"  {'queue empty while clients slept':32}{r['queue_empty_while_clients_slept_s']:>10} s")
     for name in ("ttft_s", "itl_s"):
         p = report[name]
