@@ -232,7 +232,10 @@ class Launcher:
             self.frontend.start(self.config, self.env)
             self._link_frontend()
             if not self._wait_until_ready():
-                return 0 if self.signals else 1
+                if self.signals:
+                    return 0
+                refused = any(p.returncode == 2 for u in (self.engine, self.frontend) for p in u.procs.values())
+                return 2 if refused else 1  # 2: a child refused the model (main's rule, kept)
             self._announce()
             return self._supervise()
         finally:

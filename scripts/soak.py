@@ -367,37 +367,42 @@ async def run(args) -> dict:
         for round_index in range(args.rounds):
             soak.deadline = time.monotonic() + args.duration
             begun = time.monotonic()
+            stats.refusals, idle[:] = [], []
             await asyncio.gather(*(soak.client(c, session) for c in range(args.clients)))
             health = await idle_health(server, probe, 60)
             rounds.append({"round": round_index, "seconds": round(time.monotonic() - begun, 1),
                            "frontend_rss_mib": rss_mib(server.pids.get("frontend", -1)),
-                           "blocks_in_use_when_idle": health.get("scheduler", {}).get("num_blocks_in_use")})
+                           "blocks_in_use_when_idle": health.get("scheduler", {}).get("num_blocks_in_use"),
+                           "refusals": refusal_summary(stats.refusals, len(idle) * args.rss_interval)})
         stop.set()
         await asyncio.gather(*samplers)
         final = await idle_health(server, probe, 60)
     exit_status = server.stop()
     lost = sum(n for k, n in stats.outcomes.items() if k.startswith("lost:"))
     errors = {k[6:]: n for k, n in stats.outcomes.items() if k.startswith("error:")}
-    ratios = [needed / retry_after for _, retry_after, needed in stats.refusals if retry_after > 0]
-    within = sum(1 for r in ratios if 0.5 <= r <= 2.0)
-    by_cause = {}
-    for cause in sorted({c for c, _, _ in stats.refusals}):
-        mine = [(r, n) for c, r, n in stats.refusals if c == cause]
-        by_cause[cause] = {"count": len(mine), "within_2x": sum(1 for r, n in mine if r > 0 and 0.5 <= n / r <= 2),
-                           "needed_over_retry_after": percentiles([n / r for r, n in mine if r > 0]),
-                           "retry_after_s": percentiles([r for r, _ in mine])}
     return {
         "config": vars(args), "seconds": round(time.monotonic() - started, 1), "logical_requests": stats.logical,
         "outcomes": dict(stats.outcomes), "lost": lost, "errors_by_kind": errors,
-        "refusals": {"count": len(stats.refusals), "within_2x": within,
-                     "needed_over_retry_after": percentiles(ratios),
-                     "retry_after_s": percentiles([r for _, r, _ in stats.refusals]), "by_cause": by_cause,
-                     "queue_empty_while_clients_slept_s": round(len(idle) * args.rss_interval, 1)},
+        "refusals": rounds[-1]["refusals"],  # the last round's: earlier ones are warm-up
         "blocks_in_use_when_idle": final.get("scheduler", {}).get("num_blocks_in_use"),
         "final_health": final, "rounds": rounds, "restarts": server.restarts, "faults": len(fault_log),
         "ttft_s": percentiles(stats.ttft), "itl_s": percentiles(stats.itl), "rss_mib": dict(rss),
         "server_exit_status": exit_status,
     }
+
+
+def refusal_summary(refusals: list[tuple[str, float, float]], idle_s: float) -> dict:
+    """Each refusal's needed wait over its Retry-After, overall and by cause."""
+    ratios = [needed / retry_after for _, retry_after, needed in refusals if retry_after > 0]
+    by_cause = {}
+    for cause in sorted({c for c, _, _ in refusals}):
+        mine = [(r, n) for c, r, n in refusals if c == cause]
+        by_cause[cause] = {"count": len(mine), "within_2x": sum(1 for r, n in mine if r > 0 and 0.5 <= n / r <= 2),
+                           "needed_over_retry_after": percentiles([n / r for r, n in mine if r > 0]),
+                           "retry_after_s": percentiles([r for r, _ in mine])}
+    return {"count": len(refusals), "within_2x": sum(1 for r in ratios if 0.5 <= r <= 2.0),
+            "needed_over_retry_after": percentiles(ratios), "retry_after_s": percentiles([r for _, r, _ in refusals]),
+            "by_cause": by_cause, "queue_empty_while_clients_slept_s": round(idle_s, 1)}
 
 
 def table(report: dict) -> str:
@@ -408,7 +413,7 @@ def table(report: dict) -> str:
     out.append(f"{'KV blocks in use when idle':34}{report['blocks_in_use_when_idle']!s:>10}")
     out.append(f"{'worker faults injected':34}{report['faults']:>10}   engine restarts {report['restarts']}")
     r = report["refusals"]
-    out.append(f"{'refusals (503 + Retry-After)':34}{r['count']:>10}   within 2x of needed wait: {r['within_2x']}")
+    out.append(f"{'refusals, last round':34}{r['count']:>10}   within 2x of needed wait: {r['within_2x']}")
     for cause, c in r["by_cause"].items():
         out.append(f"  {cause:32}{c['count']:>10}   within 2x: {c['within_2x']}")
         for name in ("needed_over_retry_after", "retry_after_s"):
@@ -423,7 +428,8 @@ def table(report: dict) -> str:
                        f"(n={p['n']})")
     for rnd in report["rounds"]:
         out.append(f"round {rnd['round']}: {rnd['seconds']} s, frontend RSS {rnd['frontend_rss_mib']} MiB, "
-                   f"blocks in use when idle {rnd['blocks_in_use_when_idle']}")
+                   f"blocks in use when idle {rnd['blocks_in_use_when_idle']}, refusals {rnd['refusals']['count']} "
+                   f"({rnd['refusals']['within_2x']} within 2x)")
     for name, series in report["rss_mib"].items():
         if series:
             values = [v for _, v in series]
