@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 from typing import Iterable, Iterator
 
 import msgspec
@@ -25,14 +26,16 @@ class BatchClient:
         endpoint: the frontend's batch endpoint (the launcher prints it).
         window: jobs in flight at once; the server's queue bound still applies (a full queue answers 503).
         timeout: seconds to wait for any result before giving up (TimeoutError).
+        api_key: the server's API key, put into every job (default: $SHUTTLE_API_KEY).
     """
 
-    def __init__(self, endpoint: str, window: int = 64, timeout: float = 600.0):
+    def __init__(self, endpoint: str, window: int = 64, timeout: float = 600.0, api_key: str | None = None):
         self._ctx = zmq.Context()
         self._channel: Channel[BatchResult] = Channel(self._ctx, zmq.DEALER, endpoint, bind=False,
                                                       recv_type=BatchResult)
         self.window = window
         self.timeout_ms = int(timeout * 1000)
+        self.api_key = api_key if api_key is not None else os.environ.get("SHUTTLE_API_KEY", "")
 
     def run(self, jobs: Iterable[dict | BatchJob]) -> Iterator[BatchResult]:
         """Submit jobs (dicts take BatchJob's fields; a missing job_id becomes the job's index) and yield results.
@@ -53,7 +56,9 @@ class BatchClient:
                     exhausted = True
                     break
                 if isinstance(job, dict):
-                    job = _checked(BatchJob(**{"job_id": str(next(counter)), **job}))
+                    job = _checked(BatchJob(**{"job_id": str(next(counter)), "api_key": self.api_key, **job}))
+                elif self.api_key and not job.api_key:
+                    job = msgspec.structs.replace(job, api_key=self.api_key)
                 self._channel.send(job)
                 pending += 1
             if pending == 0:

@@ -6,7 +6,7 @@ import argparse
 import re
 import sys
 
-from common.config import DEFAULT_MODEL_DIR, CacheConfig, SchedulerConfig, WorkerConfig
+from common.config import DEFAULT_MODEL_DIR, CacheConfig, OpsConfig, SchedulerConfig, WorkerConfig
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
@@ -35,6 +35,20 @@ def _origins(text: str) -> tuple[str, ...]:
         if origin != "*" and not re.match(r"^https?://[^/\s]+$", origin):
             raise argparse.ArgumentTypeError(f"not an origin: {origin!r} (scheme://host[:port], or *)")
     return origins
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text}")
+    return value
+
+
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -90,16 +104,39 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--chat-template", default=None, metavar="FILE",
                        help="Jinja chat template overriding the one in tokenizer_config.json")
     serve.add_argument("--api-key", default=None,
-                       help="require 'Authorization: Bearer KEY' on every endpoint but /health and /metrics "
-                            "(default: $SHUTTLE_API_KEY)")
+                       help="require 'Authorization: Bearer KEY' on every endpoint but /health and /metrics and on "
+                            "batch jobs (default: $SHUTTLE_API_KEY; prefer it or --api-key-file: a command line "
+                            "is visible to every user of the machine)")
+    serve.add_argument("--api-key-file", default=None, metavar="FILE",
+                       help="read the API key from the first line of FILE")
     serve.add_argument("--allowed-origins", type=_origins, default=None, metavar="ORIGINS",
-                       help="comma-separated origins (e.g. https://app.example) whose browser pages may call the API: "
-                            "CORS headers and preflight answers for them; '*' allows any origin; None: no CORS "
-                            "headers at all")
+                       help="comma-separated origins (e.g. https://app.example) whose browser pages may call the API "
+                            "and open the WebSocket: CORS headers and preflight answers for them; '*' allows any "
+                            "origin; None: no CORS headers, and WebSockets only from the server's own host")
     serve.add_argument("--batch-endpoint", default=None,
-                       help="ZeroMQ endpoint for batch clients (default: tcp://HOST:PORT+1; 'none' disables)")
+                       help="ZeroMQ endpoint for batch clients (default: tcp://127.0.0.1:PORT+1, loopback even with "
+                            "--host 0.0.0.0; 'none' disables)")
     serve.add_argument("--zmq-transport", choices=["ipc", "tcp"], default="ipc",
-                       help="ipc:// sockets in a private runtime directory, or tcp:// on loopback")
+                       help="ipc:// sockets in a private runtime directory, or tcp:// on loopback authenticated "
+                            "with ZeroMQ CURVE keys made for each launch")
+    ops = OpsConfig()
+    serve.add_argument("--step-timeout", type=_seconds, default=ops.step_timeout,
+                       help="seconds the scheduler waits for one step of the worker before it declares the worker "
+                            "hung; the engine then restarts (0: never)")
+    serve.add_argument("--heartbeat-timeout", type=_seconds, default=ops.heartbeat_timeout,
+                       help="seconds without a heartbeat after which the launcher declares a process hung and "
+                            "restarts it (0: never)")
+    serve.add_argument("--max-restarts", type=_count, default=ops.max_restarts,
+                       help="restarts in a row of the engine (scheduler + worker) or of the frontend before the "
+                            "launcher gives up and exits 1 (0: exit at the first failure)")
+    serve.add_argument("--shutdown-timeout", type=_seconds, default=ops.shutdown_timeout,
+                       help="on SIGTERM, seconds in-flight requests may take to finish before they end with an error")
+    serve.add_argument("--keep-alive-timeout", type=_seconds, default=ops.keep_alive_timeout,
+                       help="seconds an idle HTTP connection is kept open")
+    serve.add_argument("--header-timeout", type=_seconds, default=ops.header_timeout,
+                       help="seconds a client has to finish sending a request head it has started")
+    serve.add_argument("--body-timeout", type=_seconds, default=ops.body_timeout,
+                       help="seconds a client has to send the request body after its head (else HTTP 408)")
     serve.add_argument("--debug-step-delay", type=float, default=0.0, help=argparse.SUPPRESS)
     return parser
 

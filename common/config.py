@@ -86,10 +86,13 @@ def context_limit(hf_config: dict) -> int | None:
 
 
 def _batch_endpoint(args: argparse.Namespace) -> str:
-    """--batch-endpoint, else tcp://HOST:(PORT + 1) (any free port when --port is 0); "none" disables it."""
+    """--batch-endpoint, else tcp://127.0.0.1:(PORT + 1) (any free port when --port is 0); "none" disables it.
+
+    Loopback even with --host 0.0.0.0: batch jobs run unmetered work, so exposing them is a separate decision.
+    """
     if args.batch_endpoint:
         return "" if args.batch_endpoint == "none" else args.batch_endpoint
-    return f"tcp://{args.host}:{args.port + 1 if args.port else '*'}"
+    return f"tcp://127.0.0.1:{args.port + 1 if args.port else '*'}"
 
 
 def _read_json(path: Path) -> dict:
@@ -164,6 +167,31 @@ class WorkerConfig:
 
 
 @dataclass(frozen=True)
+class OpsConfig:
+    """Supervision, shutdown and connection limits (issue 9).
+
+    Attributes:
+        step_timeout: seconds the scheduler waits for one step's result before it declares the worker hung
+            and exits so that the launcher restarts the engine (0: wait forever).
+        heartbeat_timeout: seconds without a heartbeat after which the launcher declares a process hung.
+        max_restarts: restarts of the engine (scheduler + worker) or of the frontend in a row before the
+            launcher gives up and exits 1; a process group that then serves for RESTART_RESET_S starts afresh.
+        shutdown_timeout: seconds SIGTERM lets in-flight requests finish before they end with an error.
+        keep_alive_timeout: seconds an idle HTTP connection stays open.
+        header_timeout: seconds a client has to send a whole request head once it has started one.
+        body_timeout: seconds a client has to send the request body once the head has arrived.
+    """
+
+    step_timeout: float = 60.0
+    heartbeat_timeout: float = 30.0
+    max_restarts: int = 5
+    shutdown_timeout: float = 30.0
+    keep_alive_timeout: float = 15.0
+    header_timeout: float = 10.0
+    body_timeout: float = 30.0
+
+
+@dataclass(frozen=True)
 class IpcConfig:
     """ZeroMQ endpoints. ipc:// paths live in a private 0700 runtime directory made by the launcher.
 
@@ -171,17 +199,23 @@ class IpcConfig:
         requests: scheduler ROUTER that frontends' DEALERs connect to (Submit/Abort in, outputs back).
         plans: scheduler PUSH -> worker PULL, one StepPlan per step.
         results: worker PUSH -> scheduler PULL, one StepResult per step plus start-up reports.
-        control: launcher PULL that every child reports readiness to.
+        control: launcher PULL that every child reports readiness and heartbeats to.
+        supervisor: frontend PULL that the launcher tells engine failures to (ipc, in the runtime directory).
+        curve: with tcp transport, the sockets above that cross tcp use ZeroMQ CURVE; the per-launch keys
+            travel in the environment (SHUTTLE_CURVE_KEYS), never on a command line.
     """
 
     requests: str
     plans: str
     results: str
     control: str
+    supervisor: str = ""
+    curve: bool = False
 
     @staticmethod
     def in_directory(runtime_dir: str) -> "IpcConfig":
-        return IpcConfig(*(f"ipc://{runtime_dir}/{name}.sock" for name in ("requests", "plans", "results", "control")))
+        return IpcConfig(*(f"ipc://{runtime_dir}/{name}.sock"
+                           for name in ("requests", "plans", "results", "control", "supervisor")))
 
 
 @dataclass(frozen=True)
@@ -199,8 +233,10 @@ class ShuttleConfig:
     debug_step_delay: float = 0.0
     chat_template: str | None = None  # Jinja file overriding the tokenizer's chat template
     batch_endpoint: str = ""  # ZeroMQ endpoint for batch clients ("" = none)
-    # Origins whose browser pages may call the API (CORS); "*" is any origin; empty: no CORS headers at all.
+    # Origins whose browser pages may call the API (CORS) and open the WebSocket; "*" is any origin; empty: no CORS
+    # headers at all, and WebSockets only from the server's own host.
     allowed_origins: tuple[str, ...] = ()
+    ops: OpsConfig = field(default_factory=OpsConfig)
 
     @staticmethod
     def from_args(args: argparse.Namespace, ipc: IpcConfig) -> "ShuttleConfig":
@@ -222,6 +258,8 @@ class ShuttleConfig:
             chat_template=args.chat_template,
             batch_endpoint=_batch_endpoint(args),
             allowed_origins=tuple(args.allowed_origins or ()),
+            ops=OpsConfig(args.step_timeout, args.heartbeat_timeout, args.max_restarts, args.shutdown_timeout,
+                          args.keep_alive_timeout, args.header_timeout, args.body_timeout),
         )
 
     def to_json(self) -> str:

@@ -11,11 +11,16 @@ class ModelDirError(ShuttleError):
 
 class GenerationError(ShuttleError):
     """An accepted request ended with an error output from the scheduler (status: HTTP-like code, e.g. 503 queue
-    full, 408 timeout, 500 model failure)."""
+    full, 408 timeout, 500 model failure), or was refused at once (503 while draining or restarting).
 
-    def __init__(self, status: int, message: str):
+    Attributes:
+        retry_after: with status 503, the predicted seconds until a retry is admitted (None: unknown).
+    """
+
+    def __init__(self, status: int, message: str, retry_after: float | None = None):
         super().__init__(message)
         self.status = status
+        self.retry_after = retry_after
 
 
 class ModelNotFoundError(ShuttleError):

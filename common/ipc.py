@@ -6,7 +6,10 @@ identity frame, which is how the scheduler knows which frontend a request's outp
 
 from __future__ import annotations
 
+import json
 import os
+import threading
+from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 import msgspec
@@ -16,14 +19,80 @@ import zmq.asyncio
 T = TypeVar("T")
 
 _ENCODER = msgspec.msgpack.Encoder()
+CURVE_ENV = "SHUTTLE_CURVE_KEYS"
 
 
-def _open(ctx: zmq.Context, kind: int, endpoint: str, bind: bool) -> zmq.Socket:
+@dataclass(frozen=True)
+class CurveKeys:
+    """One launch's ZeroMQ CURVE keys (Z85 text): the binding side proves itself with the server pair, every
+    connecting side with the client pair, and a ZAP handler in each binding process admits only that client
+    key. A process without both keys can neither connect nor be connected to, even on loopback."""
+
+    server_public: str
+    server_secret: str
+    client_public: str
+    client_secret: str
+
+    @staticmethod
+    def generate() -> "CurveKeys":
+        server_public, server_secret = zmq.curve_keypair()
+        client_public, client_secret = zmq.curve_keypair()
+        return CurveKeys(server_public.decode(), server_secret.decode(), client_public.decode(),
+                         client_secret.decode())
+
+    def to_env(self) -> str:
+        return json.dumps(self.__dict__)
+
+    @staticmethod
+    def from_env() -> "CurveKeys":
+        """Raises RuntimeError when the launcher did not pass keys (SHUTTLE_CURVE_KEYS)."""
+        text = os.environ.get(CURVE_ENV)
+        if not text:
+            raise RuntimeError(f"tcp transport needs CURVE keys in ${CURVE_ENV} (set by the launcher)")
+        return CurveKeys(**json.loads(text))
+
+
+_authenticators: dict[int, Any] = {}
+_auth_lock = threading.Lock()
+
+
+class _OnlyClientKey:
+    def __init__(self, client_public: str):
+        self.client_public = client_public.encode()
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return key == self.client_public
+
+
+def _secure(ctx: zmq.Context, sock: zmq.Socket, bind: bool, keys: CurveKeys) -> None:
+    if bind:
+        with _auth_lock:  # one ZAP handler per context, started with the first CURVE server socket
+            if id(ctx) not in _authenticators:
+                from zmq.auth.thread import ThreadAuthenticator
+                if isinstance(ctx, zmq.asyncio.Context):
+                    raise RuntimeError("CURVE server sockets need a synchronous context (the ZAP handler's thread)")
+                auth = ThreadAuthenticator(ctx)
+                auth.start()
+                auth.configure_curve_callback("shuttle", _OnlyClientKey(keys.client_public))
+                _authenticators[id(ctx)] = auth
+        sock.curve_server = True
+        sock.curve_secretkey = keys.server_secret.encode()
+        sock.curve_publickey = keys.server_public.encode()
+        sock.zap_domain = b"shuttle"
+    else:
+        sock.curve_serverkey = keys.server_public.encode()
+        sock.curve_publickey = keys.client_public.encode()
+        sock.curve_secretkey = keys.client_secret.encode()
+
+
+def _open(ctx: zmq.Context, kind: int, endpoint: str, bind: bool, curve: bool = False) -> zmq.Socket:
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
     # Unbounded queues: the scheduler's flow control is its own (step budgets), never a dropped message.
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
+    if curve and endpoint.startswith("tcp://"):
+        _secure(ctx, sock, bind, CurveKeys.from_env())
     if bind:
         sock.bind(endpoint)
         if endpoint.startswith("ipc://"):
@@ -39,10 +108,12 @@ class Channel(Generic[T]):
     Args:
         kind: zmq.PUSH, zmq.PULL, zmq.ROUTER, zmq.DEALER.
         recv_type: the tagged union this end receives (None for a send-only socket).
+        curve: authenticate a tcp:// endpoint with the launch's CURVE keys (see CurveKeys); ipc:// ignores it.
     """
 
-    def __init__(self, ctx: zmq.Context, kind: int, endpoint: str, *, bind: bool, recv_type: Any = None):
-        self.socket = _open(ctx, kind, endpoint, bind)
+    def __init__(self, ctx: zmq.Context, kind: int, endpoint: str, *, bind: bool, recv_type: Any = None,
+                 curve: bool = False):
+        self.socket = _open(ctx, kind, endpoint, bind, curve)
         self._decoder = msgspec.msgpack.Decoder(recv_type) if recv_type is not None else None
 
     def send(self, msg: msgspec.Struct, identity: bytes | None = None) -> None:
@@ -52,6 +123,14 @@ class Channel(Generic[T]):
             self.socket.send(payload, copy=False)
         else:
             self.socket.send_multipart((identity, payload), copy=False)
+
+    def try_send(self, msg: msgspec.Struct) -> bool:
+        """Send without blocking; False when no peer can take it now (e.g. none connected to a PUSH)."""
+        try:
+            self.socket.send(_ENCODER.encode(msg), zmq.NOBLOCK, copy=False)
+            return True
+        except zmq.Again:
+            return False
 
     def recv(self) -> T:
         """Block until one message arrives (DEALER/PULL)."""
@@ -70,11 +149,20 @@ class Channel(Generic[T]):
         self.socket.close(linger=0)
 
 
+class MalformedMessage(Exception):
+    """A peer sent something that is not one well-formed message; `identity` is who sent it."""
+
+    def __init__(self, identity: bytes, reason: str):
+        super().__init__(reason)
+        self.identity = identity
+
+
 class AsyncChannel(Generic[T]):
     """The asyncio twin of Channel, for the frontend's event loop."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, kind: int, endpoint: str, *, bind: bool, recv_type: Any = None):
-        self.socket = _open(ctx, kind, endpoint, bind)
+    def __init__(self, ctx: zmq.asyncio.Context, kind: int, endpoint: str, *, bind: bool, recv_type: Any = None,
+                 curve: bool = False):
+        self.socket = _open(ctx, kind, endpoint, bind, curve)
         self._decoder = msgspec.msgpack.Decoder(recv_type) if recv_type is not None else None
 
     async def send(self, msg: msgspec.Struct, identity: bytes | None = None) -> None:
@@ -89,8 +177,20 @@ class AsyncChannel(Generic[T]):
         return self._decoder.decode(frame.buffer)
 
     async def recv_from(self) -> tuple[bytes, T]:
-        identity, payload = await self.socket.recv_multipart(copy=False)
-        return identity.bytes, self._decoder.decode(payload.buffer)
+        """(peer identity, message) from a ROUTER.
+
+        Raises:
+            MalformedMessage: not exactly one payload frame, or a payload that does not decode; carries the
+                peer's identity so the caller can answer it.
+        """
+        frames = await self.socket.recv_multipart(copy=False)
+        identity = frames[0].bytes
+        if len(frames) != 2:
+            raise MalformedMessage(identity, f"expected 1 payload frame, got {len(frames) - 1}")
+        try:
+            return identity, self._decoder.decode(frames[1].buffer)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise MalformedMessage(identity, str(exc)) from None
 
     def close(self) -> None:
         self.socket.close(linger=0)

@@ -1,13 +1,24 @@
 """Starts and supervises one serving group: worker, scheduler and frontend, each its own process.
 
-The launcher waits until each child reports ready on the control socket, prints the URL and the KV
-capacity, and then only watches: Ctrl-C or SIGTERM stops every child within 5 s; a child that dies takes the
-others down and the launcher exits non-zero, naming it.
+The group is two units. The engine (scheduler + worker) shares request and KV state, so its two processes
+live, die and restart together; the frontend holds the clients' connections and is restarted alone. The
+launcher waits until every child reports ready on the control socket, prints the URL and the KV capacity,
+and then watches:
+- a unit whose process dies, or stops sending heartbeats for --heartbeat-timeout seconds, is killed
+  (all of its processes) and started again after a backoff (0.5 s doubling up to 10 s), at most
+  --max-restarts times in a row; a unit that then serves for RESTART_RESET_S seconds starts counting afresh.
+  When the engine goes, the frontend is told at once (EngineDown): it ends every in-flight request with one
+  error and answers 503 until the new scheduler answers it.
+- SIGTERM or Ctrl-C drains: the frontend stops admitting, lets in-flight requests finish for up to
+  --shutdown-timeout seconds, ends the rest with an error and exits; then the engine stops; exit status 0.
+  A second signal ends the drain at once.
+Every child dies with the launcher (Linux parent-death signal), so a killed launcher leaves nothing behind.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -17,18 +28,24 @@ import subprocess
 import sys
 import tempfile
 import time
+from urllib.parse import urlsplit
 
 import zmq
 
 from common.config import IpcConfig, ShuttleConfig
 from common.errors import ModelDirError
-from common.ipc import Channel
-from common.messages import ControlMessage
+from common.ipc import CURVE_ENV, Channel, CurveKeys
+from common.messages import ControlMessage, EngineDown, Heartbeat, ProcessReady
+from common.process import die_with_parent, raise_fd_limit
 
-CHILDREN = ("worker", "scheduler", "frontend")
-STOP_TIMEOUT_S = 4.0
-FRONTEND_GRACE_S = 1.5  # of STOP_TIMEOUT_S: time the frontend gets to fail in-flight requests cleanly
+ENGINE = ("worker", "scheduler")
+FRONTEND = ("frontend",)
+STOP_TIMEOUT_S = 4.0  # SIGTERM to SIGKILL for the engine's processes at shutdown
+DRAIN_EXIT_GRACE_S = 5.0  # beyond --shutdown-timeout, for the frontend to write its last answers and exit
 START_TIMEOUT_S = 300.0
+RESTART_RESET_S = 60.0
+BACKOFF_FIRST_S, BACKOFF_MAX_S = 0.5, 10.0
+POLL_MS = 50
 
 
 def _free_tcp_endpoints(n: int) -> list[str]:
@@ -51,38 +68,78 @@ def _describe_exit(code: int) -> str:
     return f"exited with status {code}"
 
 
-class Supervisor:
-    """Owns the child processes; `stop()` is idempotent and bounded in time."""
+class Unit:
+    """Processes that start, fail and restart together (the engine's two, or the frontend).
 
-    def __init__(self, config: ShuttleConfig):
-        self.config = config
+    Attributes:
+        ready: role -> the info its ProcessReady carried, for this incarnation.
+        failures_in_a_row: restarts since the unit last served RESTART_RESET_S seconds.
+    """
+
+    def __init__(self, name: str, roles: tuple[str, ...]):
+        self.name = name
+        self.roles = roles
         self.procs: dict[str, subprocess.Popen] = {}
+        self.ready: dict[str, dict] = {}
+        self.heartbeats: dict[str, float] = {}
+        self.started_at = 0.0
+        self.serving_since: float | None = None
+        self.failures_in_a_row = 0
+        self.restart_at: float | None = None
+        self.start_durations: list[float] = []  # seconds from start to ready, most recent last
+        self.ready_announced = True  # False from a failure until the restarted unit is ready
 
-    def start(self, api_key: str | None) -> None:
-        payload = self.config.to_json()
-        for name in CHILDREN:
-            env = dict(os.environ)
-            env.pop("SHUTTLE_API_KEY", None)
-            if name == "frontend" and api_key:
-                env["SHUTTLE_API_KEY"] = api_key  # through the environment: argv is visible to every user
-            self.procs[name] = subprocess.Popen([sys.executable, "-m", name, "--config", payload], env=env)
+    def start(self, config: ShuttleConfig, env: dict[str, str]) -> None:
+        payload = config.to_json()
+        self.ready, self.heartbeats, self.restart_at = {}, {}, None
+        self.started_at, self.serving_since = time.monotonic(), None
+        for role in self.roles:
+            child_env = dict(env)
+            if role != "frontend":
+                child_env.pop("SHUTTLE_API_KEY", None)
+            self.procs[role] = subprocess.Popen([sys.executable, "-m", role, "--config", payload], env=child_env,
+                                                preexec_fn=die_with_parent)
 
-    def dead_child(self) -> tuple[str, subprocess.Popen] | None:
-        for name, proc in self.procs.items():
+    @property
+    def is_ready(self) -> bool:
+        return bool(self.procs) and all(role in self.ready for role in self.roles)
+
+    def on_control(self, msg: ControlMessage) -> None:
+        proc = self.procs.get(msg.name)
+        if proc is None or proc.pid != msg.pid:
+            return  # from an earlier incarnation
+        if isinstance(msg, ProcessReady):
+            self.ready[msg.name] = msg.info
+            self.heartbeats[msg.name] = time.monotonic()
+            if self.is_ready:
+                self.serving_since = time.monotonic()
+                self.start_durations = (self.start_durations + [self.serving_since - self.started_at])[-3:]
+        elif isinstance(msg, Heartbeat):
+            self.heartbeats[msg.name] = time.monotonic()
+
+    def failure(self, heartbeat_timeout: float) -> str | None:
+        """Why the unit must go (a process died, or a ready one fell silent), else None."""
+        for role, proc in self.procs.items():
             if proc.poll() is not None:
-                return name, proc
+                return f"{role} (pid {proc.pid}) {_describe_exit(proc.returncode)}"
+        if heartbeat_timeout > 0:
+            now = time.monotonic()
+            for role, last in self.heartbeats.items():
+                if now - last > heartbeat_timeout:
+                    return f"{role} (pid {self.procs[role].pid}) sent no heartbeat for {now - last:.0f} s"
         return None
 
-    def stop(self) -> None:
-        """Frontend first, so it can answer every in-flight request with an error before the others go."""
-        deadline = time.monotonic() + STOP_TIMEOUT_S
-        frontend = self.procs.get("frontend")
-        if frontend is not None and frontend.poll() is None:
-            frontend.terminate()
-            try:
-                frontend.wait(timeout=FRONTEND_GRACE_S)
-            except subprocess.TimeoutExpired:
-                pass
+    def kill(self) -> None:
+        """SIGKILL every process of the unit (a stopped or hung one too) and reap it."""
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+        for proc in self.procs.values():
+            proc.wait()
+        self.ready, self.heartbeats = {}, {}
+
+    def terminate(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
         for proc in self.procs.values():
             if proc.poll() is None:
                 proc.terminate()
@@ -93,20 +150,34 @@ class Supervisor:
                 proc.kill()
                 proc.wait()
 
+    def expected_start_s(self) -> float:
+        """A cautious guess of the next start-up: half again the slowest of the last three (start-up time varies
+        with the machine's load, and a guess that is too short sends clients back into a wall)."""
+        return 1.5 * max(self.start_durations, default=10.0)
 
-class _Stop(Exception):
-    pass
+    def next_backoff(self) -> float:
+        return min(BACKOFF_FIRST_S * 2 ** self.failures_in_a_row, BACKOFF_MAX_S)
+
+    def pids(self) -> dict[str, int]:
+        return {role: proc.pid for role, proc in self.procs.items()}
 
 
 def serve(args: argparse.Namespace) -> int:
-    """Run `shuttle serve`. Returns the exit status: 0 after Ctrl-C/SIGTERM, 1 if a child died, 2 on bad input."""
+    """Run `shuttle serve`. Returns the exit status: 0 after Ctrl-C/SIGTERM, 1 if the group could not be kept
+    up, 2 on bad input."""
     if args.model_dir is None:
         print("shuttle: no MODEL_DIR given and the default ../shared/models/stories260K is missing", file=sys.stderr)
         return 2
+    try:
+        api_key = _api_key(args)
+    except OSError as exc:
+        print(f"shuttle: error: cannot read --api-key-file: {exc}", file=sys.stderr)
+        return 2
     runtime_dir = tempfile.mkdtemp(prefix="shuttle-")  # mode 0700: only this user reaches the sockets
     try:
+        control = f"ipc://{runtime_dir}/control.sock"
         if args.zmq_transport == "tcp":
-            ipc = IpcConfig(*_free_tcp_endpoints(3), f"ipc://{runtime_dir}/control.sock")
+            ipc = IpcConfig(*_free_tcp_endpoints(3), control, f"ipc://{runtime_dir}/supervisor.sock", curve=True)
         else:
             ipc = IpcConfig.in_directory(runtime_dir)
         try:
@@ -118,76 +189,195 @@ def serve(args: argparse.Namespace) -> int:
         except ModelDirError as exc:
             print(f"shuttle: error: {exc}", file=sys.stderr)
             return 2
-        return _run(config, args.api_key or os.environ.get("SHUTTLE_API_KEY"))
+        return Launcher(config, api_key).run()
     finally:
         shutil.rmtree(runtime_dir, ignore_errors=True)
 
 
-def _run(config: ShuttleConfig, api_key: str | None) -> int:
-    control: Channel[ControlMessage] = Channel(zmq.Context.instance(), zmq.PULL, config.ipc.control, bind=True,
-                                               recv_type=ControlMessage)
-    supervisor = Supervisor(config)
+def _api_key(args: argparse.Namespace) -> str | None:
+    """--api-key-file, else --api-key, else $SHUTTLE_API_KEY. Raises OSError for an unreadable file."""
+    if getattr(args, "api_key_file", None):
+        with open(args.api_key_file) as f:
+            return f.readline().strip() or None
+    return args.api_key or os.environ.get("SHUTTLE_API_KEY") or None
 
-    def on_signal(signum, frame):
-        raise _Stop()
 
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        supervisor.start(api_key)
-        ready = _wait_until_ready(supervisor, control)
-        if ready is None:
-            dead = supervisor.dead_child()
-            return 2 if dead is not None and dead[1].returncode == 2 else 1  # 2: a child refused the model
-        _announce(config, supervisor, ready)
+class Launcher:
+    """The supervision loop. `run()` returns the exit status."""
+
+    def __init__(self, config: ShuttleConfig, api_key: str | None):
+        self.config = config
+        self.env = dict(os.environ)
+        self.env.pop("SHUTTLE_API_KEY", None)
+        if api_key:
+            self.env["SHUTTLE_API_KEY"] = api_key  # through the environment: argv is visible to every user
+        if config.ipc.curve:
+            self.env[CURVE_ENV] = CurveKeys.generate().to_env()
+        self.engine = Unit("engine", ENGINE)
+        self.frontend = Unit("frontend", FRONTEND)
+        self.ctx = zmq.Context.instance()
+        self.control: Channel[ControlMessage] = Channel(self.ctx, zmq.PULL, config.ipc.control, bind=True,
+                                                        recv_type=ControlMessage)
+        self.to_frontend: Channel | None = None
+        self.signals = 0
+        self.frontend_config = config  # the restarted frontend reuses the first one's port and batch endpoint
+
+    def run(self) -> int:
+        old, new = raise_fd_limit()
+        if new != old:
+            _say(f"raised the open-file limit from {old} to {new}")
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            self.engine.start(self.config, self.env)
+            self.frontend.start(self.config, self.env)
+            self._link_frontend()
+            if not self._wait_until_ready():
+                if self.signals:
+                    return 0
+                refused = any(p.returncode == 2 for u in (self.engine, self.frontend) for p in u.procs.values())
+                return 2 if refused else 1  # 2: a child refused the model (main's rule, kept)
+            self._announce()
+            return self._supervise()
+        finally:
+            for sig in previous:
+                signal.signal(sig, signal.SIG_IGN)
+            self.frontend.terminate(STOP_TIMEOUT_S)
+            self.engine.terminate(STOP_TIMEOUT_S)
+            self.control.close()
+            if self.to_frontend is not None:
+                self.to_frontend.close()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _on_signal(self, signum, frame) -> None:
+        self.signals += 1  # the loop acts on it; nothing is interrupted halfway
+
+    def _link_frontend(self) -> None:
+        """A fresh PUSH for each frontend incarnation, so nothing meant for a dead one reaches its successor."""
+        if self.to_frontend is not None:
+            self.to_frontend.close()
+        self.to_frontend = Channel(self.ctx, zmq.PUSH, self.config.ipc.supervisor, bind=False)
+
+    def _read_control(self, timeout_ms: int) -> None:
+        if not self.control.poll(timeout_ms):
+            return
+        while self.control.poll(0):
+            msg = self.control.recv()
+            self.engine.on_control(msg)
+            self.frontend.on_control(msg)
+
+    def _wait_until_ready(self) -> bool:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not (self.engine.is_ready and self.frontend.is_ready):
+            for unit in (self.engine, self.frontend):
+                for role, proc in unit.procs.items():
+                    if proc.poll() is not None:
+                        _say(f"{role} (pid {proc.pid}) {_describe_exit(proc.returncode)} during start-up; "
+                             f"stopping the others")
+                        return False
+            if self.signals:
+                _say("stopping")
+                return False
+            if time.monotonic() > deadline:
+                waiting = [r for u in (self.engine, self.frontend) for r in u.roles if r not in u.ready]
+                _say(f"start-up took over {START_TIMEOUT_S:.0f} s; waiting for {waiting}")
+                return False
+            self._read_control(100)
+        url = urlsplit(self.frontend.ready["frontend"]["url"])
+        batch = self.frontend.ready["frontend"].get("batch_endpoint", "") or self.config.batch_endpoint
+        self.frontend_config = dataclasses.replace(self.config, port=url.port, batch_endpoint=batch)
+        return True
+
+    def _supervise(self) -> int:
+        heartbeat_timeout = self.config.ops.heartbeat_timeout
         while True:
-            dead = supervisor.dead_child()
-            if dead is not None:
-                name, proc = dead
-                _say(f"{name} (pid {proc.pid}) {_describe_exit(proc.returncode)}; stopping the others")
-                return 1
-            time.sleep(0.1)
-    except _Stop:
-        _say("stopping")
+            self._read_control(POLL_MS)
+            if self.signals:
+                return self._drain()
+            for unit in (self.engine, self.frontend):
+                if unit.restart_at is not None:
+                    if time.monotonic() >= unit.restart_at:
+                        _say(f"restarting the {unit.name}")
+                        unit.start(self.config if unit is self.engine else self.frontend_config, self.env)
+                        if unit is self.frontend:
+                            self._link_frontend()
+                    continue
+                if unit.serving_since is not None and unit.failures_in_a_row \
+                        and time.monotonic() - unit.serving_since > RESTART_RESET_S:
+                    unit.failures_in_a_row = 0
+                if unit.is_ready and unit.ready_announced is False:
+                    unit.ready_announced = True
+                    _say(f"the {unit.name} is serving again ({unit.start_durations[-1]:.1f} s to start)")
+                    _say("restarted " + json.dumps({"unit": unit.name, "pids": self._pids()}))
+                reason = unit.failure(heartbeat_timeout if unit.is_ready else 0.0)
+                if reason is None and not unit.is_ready and time.monotonic() - unit.started_at > START_TIMEOUT_S:
+                    reason = f"it did not start within {START_TIMEOUT_S:.0f} s"
+                if reason is not None and not self._recover(unit, reason):
+                    return 1
+
+    def _recover(self, unit: Unit, reason: str) -> bool:
+        """Kill the unit, tell the frontend if the engine went, and schedule a restart. False: give up."""
+        unit.kill()
+        give_up = unit.failures_in_a_row >= self.config.ops.max_restarts
+        backoff = unit.next_backoff()
+        if unit is self.engine:
+            eta = backoff + unit.expected_start_s()
+            self.to_frontend.try_send(EngineDown(reason, eta))
+        if give_up:
+            _say(f"{reason}; {unit.failures_in_a_row} restart(s) in a row already (--max-restarts "
+                 f"{self.config.ops.max_restarts}): stopping the others")
+            return False
+        unit.failures_in_a_row += 1
+        unit.restart_at = time.monotonic() + backoff
+        unit.ready_announced = False
+        _say(f"{reason}; the {unit.name} restarts in {backoff:.1f} s "
+             f"(restart {unit.failures_in_a_row} of at most {self.config.ops.max_restarts} in a row)")
+        return True
+
+    def _drain(self) -> int:
+        """Graceful stop: the frontend drains (admission off, in-flight requests finish or time out), then the
+        engine goes. Exit status 0."""
+        timeout = self.config.ops.shutdown_timeout
+        _say(f"stopping: draining in-flight requests for up to {timeout:g} s (a second Ctrl-C ends them now)")
+        frontend = self.frontend.procs.get("frontend")
+        if frontend is None or frontend.poll() is not None or self.frontend.restart_at is not None:
+            return 0
+        frontend.terminate()
+        forwarded = 1
+        deadline = time.monotonic() + timeout + DRAIN_EXIT_GRACE_S
+        while frontend.poll() is None and time.monotonic() < deadline:
+            self._read_control(POLL_MS)
+            if self.signals > forwarded:  # again: the frontend ends the rest now
+                forwarded = self.signals
+                frontend.terminate()
+            if self.engine.restart_at is None and self.engine.failure(0.0) is not None:
+                reason = self.engine.failure(0.0)
+                self.engine.kill()
+                self.to_frontend.try_send(EngineDown(reason, 0.0))
+                self.engine.restart_at = float("inf")  # no restart while stopping
+        if frontend.poll() is None:
+            _say("the frontend did not finish draining in time; killing it")
+            frontend.kill()
+        frontend.wait()
         return 0
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, signal.SIG_IGN)
-        supervisor.stop()
-        control.close()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
+    def _pids(self) -> dict[str, int]:
+        return {**self.engine.pids(), **self.frontend.pids()}
 
-def _wait_until_ready(supervisor: Supervisor, control: Channel) -> dict | None:
-    ready: dict[str, dict] = {}
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while len(ready) < len(CHILDREN):
-        dead = supervisor.dead_child()
-        if dead is not None:
-            name, proc = dead
-            _say(f"{name} (pid {proc.pid}) {_describe_exit(proc.returncode)} during start-up; stopping the others")
-            return None
-        if time.monotonic() > deadline:
-            _say(f"start-up took over {START_TIMEOUT_S:.0f} s; waiting for {sorted(set(CHILDREN) - set(ready))}")
-            return None
-        if control.poll(100):
-            msg = control.recv()
-            ready[msg.name] = msg.info
-    return ready
-
-
-def _announce(config: ShuttleConfig, supervisor: Supervisor, ready: dict[str, dict]) -> None:
-    cap = ready["scheduler"]
-    url = ready["frontend"]["url"]
-    fit = cap["kv_tokens"] // config.model.max_model_len
-    _say(f"KV cache {cap['num_kv_blocks']} blocks x {cap['block_size']} tokens = {cap['kv_tokens']} tokens "
-         f"({cap['kv_bytes_per_token']} bytes/token); {fit} requests of max_model_len {config.model.max_model_len} fit")
-    if fit == 0:
-        _say(f"warning: the KV cache holds {cap['kv_tokens']} tokens, fewer than max_model_len "
-             f"{config.model.max_model_len}: requests needing more are rejected (raise --kv-cache-memory or "
-             f"--num-kv-blocks, or lower --max-model-len)")
-    pids = {name: proc.pid for name, proc in supervisor.procs.items()}
-    batch = ready["frontend"].get("batch_endpoint", "")
-    _say(f"serving {config.model.served_model_name} at {url}" + (f", batch jobs at {batch}" if batch else "")
-         + "  (Ctrl-C stops)")
-    _say("ready " + json.dumps({"url": url, "batch_endpoint": batch, "pids": pids, "launcher_pid": os.getpid()}))
+    def _announce(self) -> None:
+        cap = self.engine.ready["scheduler"]
+        info = self.frontend.ready["frontend"]
+        url = info["url"]
+        fit = cap["kv_tokens"] // self.config.model.max_model_len
+        _say(f"KV cache {cap['num_kv_blocks']} blocks x {cap['block_size']} tokens = {cap['kv_tokens']} tokens "
+             f"({cap['kv_bytes_per_token']} bytes/token); {fit} requests of max_model_len "
+             f"{self.config.model.max_model_len} fit")
+        if fit == 0:
+            _say(f"warning: the KV cache holds {cap['kv_tokens']} tokens, fewer than max_model_len "
+                 f"{self.config.model.max_model_len}: requests needing more are rejected (raise --kv-cache-memory or "
+                 f"--num-kv-blocks, or lower --max-model-len)")
+        batch = info.get("batch_endpoint", "")
+        _say(f"serving {self.config.model.served_model_name} at {url}" + (f", batch jobs at {batch}" if batch else "")
+             + "  (Ctrl-C stops)")
+        _say("ready " + json.dumps({"url": url, "batch_endpoint": batch, "pids": self._pids(),
+                                    "launcher_pid": os.getpid()}))

@@ -61,7 +61,15 @@ class Hello(msgspec.Struct, **_WIRE):
     """A frontend announces itself so the scheduler can send it stats before it submits anything."""
 
 
-FrontendMessage = Submit | Abort | Hello
+class Heartbeat(msgspec.Struct, **_WIRE):
+    """"I am alive": a frontend to its scheduler (one that falls silent is gone, and its requests are aborted),
+    and every child to the launcher (one that falls silent is hung, and is restarted)."""
+
+    name: str = ""
+    pid: int = 0
+
+
+FrontendMessage = Submit | Abort | Hello | Heartbeat
 
 
 # ---- scheduler -> frontend (ROUTER -> DEALER) -------------------------------------------------------------
@@ -105,6 +113,10 @@ class SchedulerStats(msgspec.Struct, **_WIRE):
     # Per step since the previous stats message: sequences and tokens scheduled (for the per-step histograms).
     step_batch_sizes: list[int] = []
     step_token_counts: list[int] = []
+    # Cumulative: requests that left the waiting queue (resumed preemptions included), and tokens scheduled;
+    # their rates let the frontend predict how long a refused client must wait (Retry-After).
+    num_admitted: int = 0
+    num_scheduled_tokens: int = 0
 
 
 class StepOutputs(msgspec.Struct, **_WIRE):
@@ -229,6 +241,7 @@ class BatchJob(msgspec.Struct, **_WIRE):
     stop: list[str] = []
     priority: int = 0
     ignore_eos: bool = False
+    api_key: str = ""  # required when the server has an API key (else the job gets error_status 401)
 
 
 class BatchResult(msgspec.Struct, **_WIRE):
@@ -242,6 +255,7 @@ class BatchResult(msgspec.Struct, **_WIRE):
     completion_tokens: int = 0
     error_status: int = 0
     error_message: str = ""
+    retry_after: float = 0.0  # with error_status 503: seconds after which a retry is expected to be admitted
 
 
 BatchClientMessage = BatchJob
@@ -257,4 +271,17 @@ class ProcessReady(msgspec.Struct, **_WIRE):
     info: dict[str, int | float | str] = {}
 
 
-ControlMessage = ProcessReady
+ControlMessage = ProcessReady | Heartbeat
+
+
+# ---- launcher -> frontend (PUSH -> PULL) ------------------------------------------------------------------
+
+class EngineDown(msgspec.Struct, **_WIRE):
+    """The engine (scheduler + worker) stopped: end every in-flight request with an error, answer 503 until a
+    new scheduler answers Hello. `retry_after`: the launcher's estimate of seconds until it serves again."""
+
+    reason: str
+    retry_after: float = 1.0
+
+
+SupervisorMessage = EngineDown

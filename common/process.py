@@ -1,10 +1,12 @@
-"""Start-up shared by every child process: config from the command line, logging, signals, readiness."""
+"""Start-up shared by every child process: config from the command line, logging, signals, readiness, liveness."""
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import logging
 import os
+import resource
 import signal
 import sys
 import threading
@@ -14,14 +16,48 @@ import zmq
 
 from common.config import ShuttleConfig
 from common.ipc import Channel
-from common.messages import ProcessReady
+from common.messages import Heartbeat, ProcessReady
+
+log = logging.getLogger("shuttle")
+
+HEARTBEAT_INTERVAL_S = 1.0
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+
+
+def die_with_parent(sig: int = signal.SIGKILL) -> None:
+    """Have Linux send `sig` to this process when the thread that started it exits (prctl PR_SET_PDEATHSIG).
+
+    Safe as a subprocess `preexec_fn` (it runs between fork and exec, and the setting survives exec). A no-op
+    off Linux. Exits at once if the parent is already gone (the race between fork and this call).
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if parent == 1 or os.getppid() != parent:
+        os._exit(1)
+
+
+def raise_fd_limit() -> tuple[int, int]:
+    """Raise this process's open-file soft limit to its hard limit (one socket per client needs one fd each).
+
+    Returns (old soft limit, new soft limit); children inherit the new one.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        return soft, hard
+    return soft, soft
 
 
 def child_main_args(name: str) -> ShuttleConfig:
     """Parse `--config JSON`, set up logging, and tie this process's life to its launcher's.
 
     A launched child ignores SIGINT (Ctrl-C reaches the whole process group; the launcher decides the
-    order of shutdown) and exits on SIGTERM or as soon as its parent is gone, so no child outlives it.
+    order of shutdown), exits on SIGTERM (the frontend replaces that with a drain), and is killed by the
+    kernel as soon as its launcher is gone, so no child outlives it.
     """
     parser = argparse.ArgumentParser(prog=f"python -m {name}")
     parser.add_argument("--config", required=True, help="ShuttleConfig as JSON (written by the launcher)")
@@ -30,19 +66,11 @@ def child_main_args(name: str) -> ShuttleConfig:
                         format=f"%(asctime)s {name} %(levelname)s %(message)s", stream=sys.stderr)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
-    _exit_with_parent()
+    die_with_parent()
+    old, new = raise_fd_limit()
+    if new != old:
+        log.info("raised the open-file limit from %d to %d", old, new)
     return ShuttleConfig.from_json(args.config)
-
-
-def _exit_with_parent() -> None:
-    parent = os.getppid()
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(0.25)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def report_ready(config: ShuttleConfig, name: str, **info: int | float | str) -> None:
@@ -52,3 +80,35 @@ def report_ready(config: ShuttleConfig, name: str, **info: int | float | str) ->
     channel.socket.setsockopt(zmq.LINGER, 2000)
     channel.send(ProcessReady(name, os.getpid(), dict(info)))
     channel.socket.close(linger=2000)
+
+
+class HeartbeatSender:
+    """Tells the launcher this process is alive, at most once per HEARTBEAT_INTERVAL_S.
+
+    Call `beat()` from the loop whose progress proves liveness (the scheduler's step loop), or
+    `start_thread()` where a long computation may block that loop (the worker's forward pass: its step
+    watchdog is the scheduler's business; the heartbeat only proves the process runs).
+    """
+
+    def __init__(self, config: ShuttleConfig, name: str):
+        self._endpoint = config.ipc.control
+        self._message = Heartbeat(name, os.getpid())
+        self._channel: Channel | None = None
+        self._last = 0.0
+
+    def beat(self) -> None:
+        now = time.monotonic()
+        if now - self._last < HEARTBEAT_INTERVAL_S:
+            return
+        self._last = now
+        if self._channel is None:  # made on first use, in the thread that uses it (sockets are not thread-safe)
+            self._channel = Channel(zmq.Context.instance(), zmq.PUSH, self._endpoint, bind=False)
+        self._channel.try_send(self._message)  # False: no launcher listening (a process driven alone by a test)
+
+    def start_thread(self) -> None:
+        def run() -> None:
+            while True:
+                self.beat()
+                time.sleep(HEARTBEAT_INTERVAL_S / 4)
+
+        threading.Thread(target=run, name="heartbeat", daemon=True).start()

@@ -1,4 +1,4 @@
-"""The aiohttp application: routes, health, and the server's start-up."""
+"""The aiohttp application: routes, health, and the server's life: start-up, supervision, drain."""
 
 from __future__ import annotations
 
@@ -10,12 +10,16 @@ import signal
 from aiohttp import web
 
 from common.config import ShuttleConfig
+from frontend.backpressure import header_value
 from frontend.chat import ChatTemplate
 from frontend.engine_client import EngineClient
+from frontend.http_server import listen, request_limits
+from frontend.lifecycle import Shutdown, SupervisorLink, drain
 from frontend.metrics import Metrics
 from frontend.cors import Cors
 from frontend.middleware import api_key_auth, json_content_type, openai_errors, request_id_header
 from frontend.openai_api import create_chat_completion, create_completion, list_models, retrieve_model
+from frontend.openapi import openapi_document
 from frontend.state import STATE, FrontendState
 from frontend.tokenize_api import detokenize, tokenize
 from frontend.tokenizer import TextTokenizer
@@ -26,18 +30,26 @@ log = logging.getLogger("shuttle.frontend")
 
 
 async def health(request: web.Request) -> web.Response:
-    """Liveness plus the scheduler's latest stats; answers from memory, never waits on the model."""
+    """Liveness plus the scheduler's latest stats; answers from memory, never waits on the model.
+
+    200 {"status": "ok"} while serving; 503 {"status": "draining"} during a SIGTERM drain and
+    503 {"status": "engine_down", "reason": ...} while the engine restarts.
+    """
     state = request.app[STATE]
-    stats = state.engine.stats
-    return web.json_response({
-        "status": "ok",
-        "in_flight": state.engine.num_in_flight,
-        "scheduler": {name: getattr(stats, name) for name in stats.__struct_fields__},
-    })
+    engine = state.engine
+    stats = engine.stats
+    body = {"status": "ok", "in_flight": engine.num_in_flight,
+            "scheduler": {name: getattr(stats, name) for name in stats.__struct_fields__}}
+    refusal = engine.admission_error()
+    if refusal is None:
+        return web.json_response(body)
+    body["status"] = "draining" if engine.draining else "engine_down"
+    if engine.down_reason:
+        body["reason"] = engine.down_reason
+    return web.json_response(body, status=503, headers={"Retry-After": header_value(refusal.retry_after)})
 
 
 MAX_BODY_BYTES = 4 * 2**20
-SHUTDOWN_GRACE_S = 0.5
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -46,10 +58,16 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
 
+async def openapi(request: web.Request) -> web.Response:
+    """The OpenAPI 3.1 document of the HTTP API, its request bodies generated from the request Structs."""
+    return web.json_response(openapi_document(request.app[STATE].model_name))
+
+
 def build_app(state: FrontendState, api_key: str | None = None) -> web.Application:
     cors = Cors(state.config.allowed_origins) if state.config.allowed_origins else None
     middlewares = ([cors.preflight] if cors else []) + [openai_errors] + (
         [api_key_auth(api_key)] if api_key else []) + [json_content_type]
+    middlewares.append(request_limits(MAX_BODY_BYTES, state.config.ops.body_timeout))
     app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
     app[STATE] = state
     app.on_response_prepare.append(request_id_header)
@@ -57,6 +75,7 @@ def build_app(state: FrontendState, api_key: str | None = None) -> web.Applicati
         app.on_response_prepare.append(cors.on_response_prepare)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/openapi.json", openapi)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model_id:.+}", retrieve_model)
     app.router.add_post("/v1/completions", create_completion)
@@ -69,38 +88,39 @@ def build_app(state: FrontendState, api_key: str | None = None) -> web.Applicati
 
 async def serve(config: ShuttleConfig, on_ready) -> None:
     """Connect to the scheduler, listen on config.host:config.port (and the batch endpoint), call
-    `on_ready(url, batch_endpoint)`, run forever."""
+    `on_ready(url, batch_endpoint)`, serve until SIGTERM, then drain."""
     tokenizer = TextTokenizer(config.model.model_dir)
-    engine = EngineClient(config.ipc.requests)
+    engine = EngineClient(config.ipc.requests, config.ipc.curve)
     registry = Metrics(lambda: engine.stats)
     engine.on_stats = registry.observe_steps
+    link = SupervisorLink(config, engine)
+    link.start()
     await engine.start()
     chat_template = ChatTemplate(config.model.model_dir, config.chat_template)
     state = FrontendState(config, engine, tokenizer, chat_template, registry)
-    app = build_app(state, os.environ.get("SHUTTLE_API_KEY"))
-    batch = BatchEndpoint(state, config.batch_endpoint) if config.batch_endpoint else None
+    api_key = os.environ.get("SHUTTLE_API_KEY")
+    app = build_app(state, api_key)
+    batch = BatchEndpoint(state, config.batch_endpoint, api_key) if config.batch_endpoint else None
     batch_task = asyncio.create_task(batch.serve()) if batch else None
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its request.
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
     await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port)
-    await site.start()
-    host, port = runner.addresses[0][:2]
+    shutdown = Shutdown()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, shutdown.on_signal)
+    server = await listen(runner, config.host, config.port, config.ops)
+    port = server.sockets[0].getsockname()[1]
     url = f"http://{config.host}:{port}"
     log.info("serving %s on %s", config.model.served_model_name, url)
     on_ready(url, batch.endpoint if batch else "")
-    stop = asyncio.Event()
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
     try:
-        await stop.wait()
-        # Shutting down (Ctrl-C, or another process died): every in-flight request gets its terminal error now,
-        # and its handler a moment to write it, before the server goes.
-        if engine.num_in_flight:
-            engine.fail_all(503, "the server is shutting down")
-            await asyncio.sleep(SHUTDOWN_GRACE_S)
+        await shutdown.requested.wait()
+        # The listening socket stays open while draining, so newcomers get a 503 at once instead of a refusal.
+        await drain(engine, config.ops.shutdown_timeout, shutdown.hurry, state.websockets)
     finally:
+        server.close()
         if batch_task is not None:
             batch_task.cancel()
             batch.close()
         await runner.cleanup()
+        link.close()
         engine.close()

@@ -85,7 +85,9 @@ class TextGeneration:
                 if self.metrics is not None and output.error_status in (400, 503) and not self.num_output_tokens:
                     self.metrics.on_rejected(output.error_status)
                 self.finish_reason = "error"
-                raise GenerationError(output.error_status or 500, output.error_message)
+                status = output.error_status or 500
+                retry_after = self.engine.refusal_retry_after() if status == 503 else None
+                raise GenerationError(status, output.error_message, retry_after)
             self.num_cached_tokens = output.num_cached_tokens
             if output.prompt_logprobs:
                 self.prompt_logprobs = output.prompt_logprobs

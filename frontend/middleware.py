@@ -10,6 +10,7 @@ import uuid
 from aiohttp import web
 
 from common.errors import GenerationError, InvalidRequestError, ModelNotFoundError
+from frontend.backpressure import header_value
 from frontend.protocol import client_error, error_body
 from frontend.state import RESPONSE_ID, STATE
 
@@ -18,10 +19,11 @@ OPEN_PATHS = ("/health", "/metrics")
 _ECHOABLE_ID = re.compile(r"^[\x21-\x7e]{1,256}$")
 
 
-def _error(status: int, message: str, param: str | None = None, headers: dict | None = None) -> web.Response:
+def _error(status: int, message: str, param: str | None = None, headers: dict | None = None,
+           retry_after: float | None = None) -> web.Response:
     headers = dict(headers or {})
-    if status == 503:
-        headers["Retry-After"] = "1"
+    if status == 503:  # the predicted wait (frontend/backpressure.py), else a second
+        headers["Retry-After"] = header_value(retry_after or 1)
     elif status == 408:
         # The server already gave the request its time: the official clients retry a 408 unless told not to
         headers["x-should-retry"] = "false"
@@ -37,7 +39,7 @@ async def openai_errors(request: web.Request, handler) -> web.StreamResponse:
         status, param = client_error(exc)
         if isinstance(exc, InvalidRequestError):
             request.app[STATE].metrics.rejected.labels("invalid").inc()
-        return _error(status, str(exc), param)
+        return _error(status, str(exc), param, retry_after=getattr(exc, "retry_after", None))
     except web.HTTPException as exc:
         if exc.status < 400:
             raise

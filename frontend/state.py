@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from aiohttp import web
 
@@ -20,6 +20,7 @@ class FrontendState:
     tokenizer: TextTokenizer
     chat_template: ChatTemplate
     metrics: Metrics
+    websockets: set[web.WebSocketResponse] = field(default_factory=set)  # open ones, closed at the end of a drain
 
     @property
     def model_name(self) -> str:

@@ -6,8 +6,12 @@ Protocol (JSON text frames; several generations may share one socket, told apart
   server -> {"type": "done", "id": ..., "finish_reason": "stop"|"length"|"abort", "usage": {...}}
   client -> {"type": "cancel", "id": ...}       the generation ends with a "done" whose finish_reason is "abort"
   server -> {"type": "error", "id": ..., "error": {OpenAI error object}}     instead of "done" when it failed
+           (a 503 also carries "retry_after": seconds, like HTTP's Retry-After)
 Every generate gets exactly one "done" or "error". A cancel for an id that is not generating (already done,
-or never started) is ignored. Closing the socket aborts all its generations.
+or never started) is ignored. Closing the socket aborts all its generations. Any failure is an error frame,
+never an HTTP answer on the upgraded socket; frames are JSON text, escaped to ASCII when a client-chosen id
+holds something UTF-8 cannot carry (a lone surrogate such as "\ud800"). A browser's Origin must be the
+server's own or one of --allowed-origins (else 403 before the upgrade).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 
 from aiohttp import WSMsgType, web
+from yarl import URL
 
 from common.errors import InvalidRequestError
 from frontend.choices import usage
@@ -41,16 +46,36 @@ class _Stream:
     ended: bool = False
 
 
+def _dumps(frame: dict) -> str:
+    text = json.dumps(frame, ensure_ascii=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate (from a client's id): escaped JSON is still the same JSON
+        text = json.dumps(frame, ensure_ascii=True)
+    return text
+
+
 class _Session:
-    def __init__(self, ws: web.WebSocketResponse, state: FrontendState):
+    def __init__(self, ws: web.WebSocketResponse, state: FrontendState, peer: str | None):
         self.ws = ws
         self.state = state
+        self.peer = peer
         self.streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
+        self.broken = False  # the connection failed under a send: logged once, further sends are dropped
 
     async def send(self, frame: dict) -> None:
-        if not self.ws.closed:
-            await self.ws.send_str(json.dumps(frame, ensure_ascii=False))
+        if self.ws.closed or self.broken:
+            return
+        try:
+            await self.ws.send_str(_dumps(frame))
+        except (ConnectionError, RuntimeError) as exc:  # reset, or closing under us
+            self.broken = True
+            log.info("websocket from %s closed abruptly (%s) with %d generation(s) in flight; aborting them",
+                     self.peer, type(exc).__name__, len(self.streams))
+            for stream in list(self.streams.values()):
+                if stream.task is not None and stream.task is not asyncio.current_task():
+                    stream.task.cancel()
 
     async def error(self, client_id: str | None, status: int, message: str, param: str | None = None) -> None:
         await self.send({"type": "error", "id": client_id, "error": error_body(status, message, param)["error"]})
@@ -64,6 +89,14 @@ class _Session:
         await self.send(frame)
 
     async def dispatch(self, data: str) -> None:
+        """Handle one text frame; whatever goes wrong becomes an error frame, never a broken socket."""
+        try:
+            await self._dispatch(data)
+        except Exception:
+            log.exception("websocket frame handling failed")
+            await self.error(None, 500, "internal server error")
+
+    async def _dispatch(self, data: str) -> None:
         try:
             frame = json.loads(data)
         except (ValueError, RecursionError) as exc:
@@ -125,17 +158,36 @@ class _Session:
             await self.end(stream, self._done(stream, "abort"))
         except Exception as exc:
             known = client_error(exc)
-            if known is None:
+            if known is None and not self.broken:
                 log.exception("websocket generation %s failed", client_id)
             status, param = known or (500, None)
             message = str(exc) if known else "internal server error"
-            await self.end(stream, {"type": "error", "id": client_id, "error": error_body(status, message, param)["error"]})
+            frame = {"type": "error", "id": client_id, "error": error_body(status, message, param)["error"]}
+            if getattr(exc, "retry_after", None):  # a 503: when a retry is expected to be admitted, as in HTTP
+                frame["retry_after"] = round(exc.retry_after, 1)
+            await self.end(stream, frame)
 
 
-async def websocket_handler(request: web.Request) -> web.WebSocketResponse:
+def origin_allowed(request: web.Request, allowed: tuple[str, ...]) -> bool:
+    """No Origin (not a browser), the server's own host, or one of --allowed-origins ("*": any)."""
+    origin = request.headers.get("Origin")
+    if origin is None or "*" in allowed or origin in allowed:
+        return True
+    try:
+        return URL(origin).host is not None and URL(origin).raw_authority.lower() == request.host.lower()
+    except ValueError:
+        return False
+
+
+async def websocket_handler(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    if not origin_allowed(request, state.config.allowed_origins):
+        return web.json_response(error_body(403, f"WebSocket connections from origin "
+                                                 f"{request.headers['Origin']!r} are not allowed"), status=403)
     ws = web.WebSocketResponse(heartbeat=30, max_msg_size=4 * 2**20)
     await ws.prepare(request)
-    session = _Session(ws, request.app[STATE])
+    session = _Session(ws, state, request.remote)
+    state.websockets.add(ws)
     try:
         async for message in ws:
             if message.type == WSMsgType.TEXT:
@@ -143,6 +195,7 @@ async def websocket_handler(request: web.Request) -> web.WebSocketResponse:
             elif message.type == WSMsgType.BINARY:
                 await session.error(None, 400, "send JSON as text frames; binary frames are not accepted")
     finally:
+        state.websockets.discard(ws)
         for stream in list(session.streams.values()):
             if stream.task is not None:
                 stream.task.cancel()

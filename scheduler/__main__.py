@@ -1,10 +1,12 @@
 """`python -m scheduler --config JSON`: the scheduler process (started by the launcher)."""
 
 import logging
+import sys
 
 import zmq
 
 from common.process import child_main_args, report_ready
+from scheduler.liveness import EXIT_WORKER_HUNG, WorkerHung
 from scheduler.loop import SchedulerLoop
 
 log = logging.getLogger("shuttle.scheduler")
@@ -22,7 +24,11 @@ def main() -> None:
     report_ready(config, "scheduler", num_kv_blocks=worker.num_kv_blocks, block_size=cache.block_size,
                  kv_tokens=tokens, kv_bytes_per_token=worker.kv_bytes_per_token, weight_bytes=worker.weight_bytes,
                  max_model_len=model.max_model_len)
-    loop.run()
+    try:
+        loop.run()
+    except WorkerHung as exc:  # the engine's state is lost with the worker: exit, the launcher restarts both
+        log.error("%s; exiting so that the launcher restarts the engine", exc)
+        sys.exit(EXIT_WORKER_HUNG)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,9 @@ from common.messages import (
     Abort, FrontendMessage, Hello, SchedulerInfo, SchedulerStats, StepOutputs, StepResult, Submit, WorkerFailed,
     WorkerMessage, WorkerReady,
 )
+from common.process import HeartbeatSender
 from scheduler.kv_cache import KVCacheManager
+from scheduler.liveness import FrontendWatch, StepWatchdog
 from scheduler.scheduler import ScheduledStep, Scheduler
 from scheduler.stats import StepStats
 
@@ -34,11 +36,12 @@ class SchedulerLoop:
 
     def __init__(self, config: ShuttleConfig, ctx: zmq.Context):
         self.config = config
+        curve = config.ipc.curve
         self.frontends: Channel[FrontendMessage] = Channel(ctx, zmq.ROUTER, config.ipc.requests, bind=True,
-                                                           recv_type=FrontendMessage)
-        self.plans = Channel(ctx, zmq.PUSH, config.ipc.plans, bind=True)
+                                                           recv_type=FrontendMessage, curve=curve)
+        self.plans = Channel(ctx, zmq.PUSH, config.ipc.plans, bind=True, curve=curve)
         self.results: Channel[WorkerMessage] = Channel(ctx, zmq.PULL, config.ipc.results, bind=True,
-                                                       recv_type=WorkerMessage)
+                                                       recv_type=WorkerMessage, curve=curve)
         self.clients: set[bytes] = set()
         self.scheduler: Scheduler | None = None
         self.worker: WorkerReady | None = None
@@ -50,6 +53,11 @@ class SchedulerLoop:
         self._poller = zmq.Poller()
         self._poller.register(self.results.socket, zmq.POLLIN)
         self._poller.register(self.frontends.socket, zmq.POLLIN)
+        # Liveness: heartbeats to the launcher from this loop, the worker's step watchdog, and frontends that stop
+        # heartbeating (their requests are aborted, freeing their blocks).
+        self.heartbeat = HeartbeatSender(config, "scheduler")
+        self.watchdog = StepWatchdog(config.ops.step_timeout)
+        self.frontend_watch = FrontendWatch()
 
     def wait_for_worker(self) -> WorkerReady:
         """Block until the worker reports its KV capacity, then build the scheduler around it."""
@@ -67,6 +75,8 @@ class SchedulerLoop:
         assert self.scheduler is not None, "wait_for_worker() first"
         scheduler = self.scheduler
         while True:
+            self.heartbeat.beat()  # proves this loop turns
+            self._reap_gone_frontends()
             idle = not self.in_flight and not scheduler.has_work
             self._drain_inbox(IDLE_POLL_MS if idle else 0)
             scheduler.expire(time.time())
@@ -84,6 +94,7 @@ class SchedulerLoop:
         if step.is_empty:
             return False
         self.plans.send(step.plan)
+        step.sent_at = time.monotonic()
         self.in_flight.append(step)
         return True
 
@@ -96,10 +107,19 @@ class SchedulerLoop:
         self.step_stats.on_step(len(step.scheduled), step.num_tokens, step.num_prompt_tokens, len(result.token_ids))
 
     def _wait_for_result(self) -> StepResult | WorkerFailed:
-        """Wait for the oldest step in flight to return, still taking in Submits and Aborts meanwhile."""
-        expected = self.in_flight[0].plan.step_id
+        """Wait for the oldest step in flight to return, still taking in Submits and Aborts meanwhile.
+
+        Raises:
+            WorkerHung: no result within --step-timeout of sending it (scheduler/__main__.py exits; the launcher
+                restarts the engine).
+        """
+        oldest = self.in_flight[0]
+        expected = oldest.plan.step_id
+        self.watchdog.sent(expected, oldest.sent_at)
         while True:
-            ready = dict(self._poller.poll())
+            ready = dict(self._poller.poll(self.watchdog.poll_ms()))  # bounded: the watchdog checks every pass
+            self.watchdog.check()
+            self.heartbeat.beat()
             if self.frontends.socket in ready:
                 self._drain_inbox(0)
             if self.results.socket in ready:
@@ -113,6 +133,7 @@ class SchedulerLoop:
             return
         while self.frontends.poll(0):
             client, msg = self.frontends.recv_from()
+            self.frontend_watch.seen(client)  # any message (Heartbeat included) proves it alive
             self.clients.add(client)
             if isinstance(msg, Submit):
                 self.scheduler.add_request(client, msg)
@@ -123,6 +144,13 @@ class SchedulerLoop:
                 self.frontends.send(SchedulerInfo(kv.pool.num_blocks, kv.block_size, self.scheduler.max_model_len),
                                     identity=client)
                 self._last_broadcast = None  # make sure the newcomer gets stats at once
+
+    def _reap_gone_frontends(self) -> None:
+        """Issue 9: a frontend silent past FRONTEND_TIMEOUT_S is gone; abort its requests, stop sending to it."""
+        for client in self.frontend_watch.gone():
+            self.clients.discard(client)
+            aborted = self.scheduler.abort_client(client)
+            log.warning("a frontend went silent; aborted its %d request(s) and freed their blocks", len(aborted))
 
     def _publish(self) -> None:
         """Send each frontend its outputs with the stats riding along; stats go out on their own only when they

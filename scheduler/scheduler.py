@@ -56,6 +56,7 @@ class ScheduledStep:
     plan: StepPlan
     scheduled: dict[str, ScheduledRequest] = field(default_factory=dict)
     num_prompt_tokens: int = 0  # of the scheduled tokens, how many are prompt (prefill) tokens
+    sent_at: float = 0.0  # time.monotonic() when the loop sent its plan (the step watchdog times it)
 
     @property
     def num_scheduled(self) -> dict[str, int]:
@@ -104,6 +105,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_rejected = 0
         self.num_timed_out = 0
+        self.num_admitted = 0  # requests that left the waiting queue (resumes included): the admission rate
+        self.num_scheduled_tokens = 0
         self._deadlines: list[tuple[float, int, Request]] = []
         self._deadline_seq = itertools.count()
         self._pending_outputs: dict[bytes, list[RequestOutput]] = defaultdict(list)
@@ -179,6 +182,14 @@ class Scheduler:
         """End every request with an error output (the worker is gone)."""
         for request in list(self.requests.values()):
             self._finish(request, FinishReason.ERROR, status, message)
+
+    def abort_client(self, client: bytes) -> list[str]:
+        """End every request of a frontend that is gone, freeing their blocks; their outputs are dropped.
+        Returns the ids (the loop calls this for frontends that stopped heartbeating)."""
+        request_ids = [r.request_id for r in self.requests.values() if r.client == client]
+        self.abort(request_ids)
+        self._pending_outputs.pop(client, None)
+        return request_ids
 
     def _emit(self, request: Request, token_ids: list[int], reason: FinishReason | None = None,
               logprobs: list[TokenLogprobs] | None = None, status: int = 0, message: str = "") -> None:
@@ -269,6 +280,7 @@ class Scheduler:
                     request.first_scheduled_time = time.time()
                 request.num_computed_tokens = num_cached
                 request.status = RequestStatus.RUNNING
+                self.num_admitted += 1
                 bisect.insort(self.running, request, key=_RANK)
                 self.shares.start_running(request)
                 new_blocks[request.request_id] = added
@@ -297,6 +309,7 @@ class Scheduler:
         if samples:
             request.num_output_placeholders += 1
         step.scheduled[request.request_id] = ScheduledRequest(request, request.epoch, start, num_new, samples)
+        self.num_scheduled_tokens += num_new
         num_prompt = len(request.prompt_token_ids)
         if start < num_prompt:
             step.num_prompt_tokens += min(end, num_prompt) - start
@@ -396,4 +409,5 @@ class Scheduler:
             num_cached_blocks=pool.num_cached, num_total_blocks=pool.num_blocks, num_preemptions=self.num_preemptions,
             prefix_cache_queries=self.kv.prefix_queries, prefix_cache_hits=self.kv.prefix_hits, num_steps=self._step_id,
             num_rejected=self.num_rejected, num_timed_out=self.num_timed_out,
-            num_blocks_in_use=pool.num_blocks - pool.num_free)
+            num_blocks_in_use=pool.num_blocks - pool.num_free, num_admitted=self.num_admitted,
+            num_scheduled_tokens=self.num_scheduled_tokens)

@@ -25,10 +25,11 @@ def main() -> int:
     parser.add_argument("results", type=Path)
     parser.add_argument("--endpoint", default="tcp://127.0.0.1:8001")
     parser.add_argument("--window", type=int, default=64, help="jobs in flight at once")
+    parser.add_argument("--api-key", default=None, help="the server's API key (default: $SHUTTLE_API_KEY)")
     args = parser.parse_args()
     jobs = [json.loads(line) for line in args.jobs.read_text().splitlines() if line.strip()]
     failed = 0
-    with BatchClient(args.endpoint, args.window) as client, args.results.open("w") as out:
+    with BatchClient(args.endpoint, args.window, api_key=args.api_key) as client, args.results.open("w") as out:
         for result in tqdm(client.run(jobs), total=len(jobs), desc="jobs"):
             failed += bool(result.error_status)
             out.write(json.dumps(msgspec.structs.asdict(result), ensure_ascii=False) + "\n")

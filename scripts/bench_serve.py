@@ -19,7 +19,7 @@ import random
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import aiohttp
 from tqdm import tqdm

@@ -7,6 +7,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from tests.server import MODEL_DIR, ShuttleServer
 
 
+torch.set_num_threads(1)  # the transformers reference: see tests/server.py on OpenMP threads on a shared machine
+
+
 @functools.cache
 def hf_model():
     return AutoModelForCausalLM.from_pretrained(MODEL_DIR).eval()

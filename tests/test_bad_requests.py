@@ -1,5 +1,8 @@
 """Issue 4 acceptance 6: a table of bad requests, each with its documented status and an OpenAI error body;
-none gives a 5xx, and the server serves normally afterwards."""
+none gives a 5xx, and the server serves normally afterwards.
+
+In-process (issue 9): the real frontend app on a loopback port with a scripted fake engine, since every case
+is decided before the engine is asked."""
 
 import json
 
@@ -7,7 +10,7 @@ import aiohttp
 import pytest
 
 from tests.client import health, post_completion
-from tests.server import REPO, ShuttleServer
+from tests.inprocess import start_app
 
 C, CHAT = "/v1/completions", "/v1/chat/completions"
 OK = {"prompt": "Hi", "max_tokens": 3}
@@ -80,10 +83,10 @@ CASES = [
 
 
 @pytest.fixture(scope="module")
-def chat_server():
-    srv = ShuttleServer("--chat-template", str(REPO / "tests" / "data" / "stories_chat.jinja"))
-    yield srv
-    srv.stop()
+async def chat_server():
+    app = await start_app()  # with tests/data/stories_chat.jinja as its chat template
+    yield app
+    await app.close()
 
 
 @pytest.mark.parametrize("name, path, body, headers, status, param", CASES, ids=[c[0] for c in CASES])

@@ -1,9 +1,12 @@
 """Acceptance: the frontend never waits on model work, and a client that leaves frees its KV blocks at once.
 
-The worker is slowed by the test-only --debug-step-delay so steps are long and requests stay in flight.
+The worker is slowed by the test-only --debug-step-delay so steps are long and requests stay in flight. Waits
+are bounds that only a hang exceeds.
 """
 
 import asyncio
+import os
+import signal
 import time
 
 import aiohttp
@@ -41,18 +44,19 @@ async def blocks_in_use(session, url) -> int:
     return stats["num_total_blocks"] - stats["num_free_blocks"]
 
 
-async def test_health_answers_while_steps_run(slow_server):
+async def test_health_answers_while_the_worker_is_stopped(slow_server):
+    """With the worker frozen mid-step (SIGSTOP; well within the default 60 s step timeout), /health still
+    answers: it never waits on the model. No clock is involved, only a bound that a hang would exceed."""
     async with aiohttp.ClientSession() as session:
         async with session.post(f"{slow_server.url}/v1/completions", json={**LONG, "stream": True}) as response:
-            await response.content.readline()  # the first token: a step is definitely in progress now
-            latencies = []
-            for _ in range(10):
-                start = time.perf_counter()
-                stats = await health(session, slow_server.url)
-                latencies.append(time.perf_counter() - start)
-                assert stats["scheduler"]["num_running"] == 1
-                await asyncio.sleep(STEP_DELAY / 7)
-    assert max(latencies) < STEP_DELAY / 4, latencies
+            await response.content.readline()  # the first token: steps are running now
+            os.kill(slow_server.pids["worker"], signal.SIGSTOP)
+            try:
+                for _ in range(10):
+                    stats = await asyncio.wait_for(health(session, slow_server.url), 10)
+                    assert stats["status"] == "ok" and stats["scheduler"]["num_running"] == 1
+            finally:
+                os.kill(slow_server.pids["worker"], signal.SIGCONT)
 
 
 async def test_sse_disconnect_frees_blocks(slow_server):
@@ -62,7 +66,7 @@ async def test_sse_disconnect_frees_blocks(slow_server):
             await response.content.readline()
         assert await blocks_in_use(session, slow_server.url) > 0
         response.close()  # drop the connection mid-stream
-        await wait_all_blocks_free(session, slow_server.url, within=2.0)
+        await wait_all_blocks_free(session, slow_server.url, within=30.0)
 
 
 async def test_non_streaming_disconnect_frees_blocks(slow_server):
@@ -73,7 +77,7 @@ async def test_non_streaming_disconnect_frees_blocks(slow_server):
             assert time.monotonic() < deadline
             await asyncio.sleep(0.05)
         task.cancel()
-        await wait_all_blocks_free(session, slow_server.url, within=2.0)
+        await wait_all_blocks_free(session, slow_server.url, within=30.0)
 
 
 async def test_websocket_cancel_and_close_free_blocks(slow_server):
@@ -85,9 +89,9 @@ async def test_websocket_cancel_and_close_free_blocks(slow_server):
             while (msg := await ws.receive_json(timeout=10))["type"] == "delta":
                 pass
             assert msg["type"] == "done" and msg["finish_reason"] == "abort"
-            await wait_all_blocks_free(session, slow_server.url, within=2.0)
+            await wait_all_blocks_free(session, slow_server.url, within=30.0)
 
             await ws.send_json({"type": "generate", "id": "d", **LONG})
             assert (await ws.receive_json(timeout=30))["type"] == "delta"
         # the socket is closed now, with "d" still generating
-        await wait_all_blocks_free(session, slow_server.url, within=2.0)
+        await wait_all_blocks_free(session, slow_server.url, within=30.0)

@@ -92,10 +92,10 @@ async def test_never_fitting_request_gets_400():
     srv = ShuttleServer("--num-kv-blocks", "20")  # 320 tokens of KV cache
     try:
         async with unlimited_session() as session:
-            started = time.monotonic()
+            steps_before = (await health(session, srv.url))["scheduler"]["num_steps"]
             status, body = await post_completion(session, srv.url, prompt=[1] * 100, max_tokens=300)
             assert status == 400 and body["error"]["code"] == 400 and "KV cache" in body["error"]["message"]
-            assert time.monotonic() - started < 2.0
+            assert (await health(session, srv.url))["scheduler"]["num_steps"] == steps_before  # refused unrun
             async with session.post(f"{srv.url}/v1/completions",
                                     json={"prompt": [1] * 100, "max_tokens": 300, "stream": True}) as response:
                 assert response.status == 400
@@ -259,6 +259,6 @@ async def test_stalled_stream_times_out_with_error_event_and_frees_blocks(bounde
         assert events[-1] == b"[DONE]"
         error = json.loads(events[-2])
         assert error["error"]["code"] == 408 and "timed out" in error["error"]["message"]
-        assert len(events) > 3 and 0.8 <= elapsed < 3.0
-        stats = await wait_idle_and_free(session, url, within=2.0)
+        assert len(events) > 3 and elapsed >= 0.8  # never before its timeout (a late one only on a loaded machine)
+        stats = await wait_idle_and_free(session, url, within=30.0)
         assert stats["num_timed_out"] >= 1

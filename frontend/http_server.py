@@ -1,0 +1,152 @@
+"""The HTTP listener: aiohttp's request handler with its edges hardened (issue 9).
+
+- Idle keep-alive: an idle connection (one that never sent a request included) closes after
+  `keep_alive_timeout` seconds (aiohttp's own timer).
+- Request head: once a client has started a request head it has `header_timeout` seconds to finish it.
+- Request body: `body_timeout` seconds to send it once the head has arrived (HTTP 408, then the connection
+  closes), and a Content-Length over the limit is answered with 413 before a byte of the body is read.
+- Half-close: a client that shuts down its sending side after its request still gets the answer. A TCP FIN
+  looks the same whether the client half-closed or left altogether, so until the response starts the
+  connection is probed with an interim `100 Continue` (every HTTP/1.1 client must accept unsolicited 1xx
+  responses) every PROBE_INTERVAL_S: a client that has really gone answers with a reset, which ends the
+  connection and so aborts its request.
+- Malformed HTTP is one WARNING line naming the peer and the parser's complaint, never a traceback; a client
+  that leaves while its answer is being written is not a server error (DEBUG).
+
+aiohttp has no public hook for these, so `ShuttleRequestHandler` subclasses its RequestHandler and reads a few
+of its private attributes (`_waiter`, `_messages`, `_current_request`, `_upgraded`); tests/test_http_edges.py
+exercises every one of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+
+from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestHandler
+
+from common.config import OpsConfig
+from frontend.protocol import error_body
+
+log = logging.getLogger("shuttle.frontend")
+
+PROBE_INTERVAL_S = 0.5
+CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+LISTEN_BACKLOG = 4096  # a burst of thousands of clients connecting at once should queue, not be refused
+
+
+class ShuttleRequestHandler(RequestHandler):
+    """aiohttp's protocol for one connection, plus a request-head timer and half-close handling."""
+
+    __slots__ = ("_header_timeout", "_header_timer", "_probe")
+
+    def __init__(self, manager: web.Server, *, header_timeout: float, **kwargs):
+        super().__init__(manager, **kwargs)
+        self._header_timeout = header_timeout
+        self._header_timer: asyncio.TimerHandle | None = None
+        self._probe: asyncio.TimerHandle | None = None
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        idle = self._waiter is not None and not self._waiter.done()  # between requests, no complete head yet
+        if idle and data and self._header_timer is None and self._header_timeout > 0:
+            self._header_timer = self._loop.call_later(self._header_timeout, self._head_overdue)
+        elif not idle and self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _head_overdue(self) -> None:
+        self._header_timer = None
+        if self._waiter is not None and not self._waiter.done() and self.transport is not None:
+            log.info("closing a connection from %s: request head incomplete after %g s",
+                     self.transport.get_extra_info("peername"), self._header_timeout)
+            self.force_close()
+
+    def eof_received(self) -> bool | None:
+        """Keep a half-closed connection open while its request is answered; close an idle one at once."""
+        # Idle: waiting for a request head (or never sent a byte). Otherwise a request is queued or being handled
+        # (start() may have taken it off the queue without its handler having run yet: _waiter is then None).
+        idle = not self._messages and self._current_request is None and (
+            self._waiter is not None or self._request_count == 0)
+        if self._upgraded or idle:
+            return None  # nothing asked (or a WebSocket): the client is gone
+        self.close()  # no further requests can come; the connection closes after this answer
+        self._probe_peer()
+        return True
+
+    def _probe_peer(self) -> None:
+        self._probe = None
+        if self.transport is None:
+            return
+        request = self._current_request
+        if request is not None and request.writer.output_size > 0:
+            return  # answering: the response's own writes detect a client that left
+        if request is not None:
+            self.transport.write(CONTINUE)  # to a client that closed altogether, this draws a reset
+        self._probe = self._loop.call_later(PROBE_INTERVAL_S, self._probe_peer)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        for timer in (self._header_timer, self._probe):
+            if timer is not None:
+                timer.cancel()
+        super().connection_lost(exc)
+
+    def log_exception(self, *args, **kwargs) -> None:
+        exc = kwargs.get("exc_info")
+        if isinstance(exc, ConnectionResetError):  # the client left while its answer was being written
+            self.logger.debug("client gone while answering: %s", exc)
+            return
+        if isinstance(exc, HttpProcessingError):
+            peer = self.transport.get_extra_info("peername") if self.transport is not None else None
+            self.logger.warning("malformed HTTP request from %s: %s", peer, exc.message or exc)
+            return
+        super().log_exception(*args, **kwargs)
+
+
+async def listen(runner: web.AppRunner, host: str, port: int, ops: OpsConfig) -> asyncio.Server:
+    """Accept connections on host:port with ShuttleRequestHandler (after `runner.setup()`). Close the returned
+    server to stop accepting; `runner.cleanup()` then ends the connections."""
+    loop = asyncio.get_running_loop()
+    manager = runner.server
+
+    def protocol() -> ShuttleRequestHandler:
+        return ShuttleRequestHandler(manager, loop=loop, keepalive_timeout=ops.keep_alive_timeout,
+                                     header_timeout=ops.header_timeout, access_log=None)
+
+    return await loop.create_server(protocol, host, port, reuse_address=True, backlog=LISTEN_BACKLOG,
+                                    family=socket.AF_UNSPEC)
+
+
+def request_limits(max_body_bytes: int, body_timeout: float):
+    """Middleware: 413 from Content-Length before reading, and the body read under `body_timeout` (408)."""
+
+    @web.middleware
+    async def limits(request: web.Request, handler) -> web.StreamResponse:
+        if request.can_read_body:
+            if request.content_length is not None and request.content_length > max_body_bytes:
+                # answered before the body is read; aiohttp then reads and drops the body for a bounded time
+                # (its lingering close), so the client, still sending, gets to read this answer
+                return web.json_response(error_body(413, f"request body of {request.content_length} bytes is over "
+                                                         f"the limit of {max_body_bytes}"), status=413)
+            try:
+                async with asyncio.timeout(body_timeout if body_timeout > 0 else None):
+                    await request.read()  # kept by aiohttp: the handler's own read() returns it
+            except TimeoutError:
+                return await _answer_and_close(request, 408, f"request body not received within {body_timeout:g} s")
+        return await handler(request)
+
+    return limits
+
+
+async def _answer_and_close(request: web.Request, status: int, message: str) -> web.Response:
+    """Send an OpenAI error answer, then close the connection at once: a body that is late is not waited for
+    (aiohttp would otherwise keep reading it for its lingering time)."""
+    response = web.json_response(error_body(status, message), status=status)
+    response.force_close()
+    await response.prepare(request)
+    await response.write_eof()
+    request.protocol.force_close()
+    return response

@@ -1,0 +1,94 @@
+"""The frontend's side of supervision (issue 9): the launcher's messages, liveness, and the drain on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import zmq
+import zmq.asyncio
+from aiohttp import WSCloseCode, web
+
+from common.config import ShuttleConfig
+from common.ipc import AsyncChannel
+from common.messages import EngineDown, SupervisorMessage
+from common.process import HEARTBEAT_INTERVAL_S, HeartbeatSender
+from frontend.engine_client import EngineClient
+
+log = logging.getLogger("shuttle.frontend")
+
+ANSWER_GRACE_S = 0.5  # after the drain fails what is left: time for handlers to write those errors
+
+
+class SupervisorLink:
+    """The PULL socket the launcher pushes EngineDown to, and this process's heartbeat to the launcher.
+
+    The heartbeat is sent from the event loop, so a wedged loop stops it and the launcher restarts the frontend.
+    """
+
+    def __init__(self, config: ShuttleConfig, engine: EngineClient):
+        self.engine = engine
+        self.heartbeat = HeartbeatSender(config, "frontend")
+        self.channel: AsyncChannel[SupervisorMessage] | None = None
+        if config.ipc.supervisor:
+            self.channel = AsyncChannel(zmq.asyncio.Context.instance(), zmq.PULL, config.ipc.supervisor, bind=True,
+                                        recv_type=SupervisorMessage)
+        self._tasks: list[asyncio.Task] = []
+
+    def start(self) -> None:
+        self._tasks.append(asyncio.create_task(self._beat(), name="launcher-heartbeat"))
+        if self.channel is not None:
+            self._tasks.append(asyncio.create_task(self._listen(), name="launcher-link"))
+
+    async def _listen(self) -> None:
+        while True:
+            msg = await self.channel.recv()
+            if isinstance(msg, EngineDown):
+                self.engine.engine_down(msg.reason, msg.retry_after)
+
+    async def _beat(self) -> None:
+        while True:
+            self.heartbeat.beat()
+            await asyncio.sleep(HEARTBEAT_INTERVAL_S / 4)
+
+    def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        if self.channel is not None:
+            self.channel.close()
+
+
+class Shutdown:
+    """SIGTERM once: drain. Again: end the drain now."""
+
+    def __init__(self):
+        self.requested = asyncio.Event()
+        self.hurry = asyncio.Event()
+
+    def on_signal(self) -> None:
+        if self.requested.is_set():
+            self.hurry.set()
+        self.requested.set()
+
+
+async def drain(engine: EngineClient, timeout: float, hurry: asyncio.Event,
+                websockets: set[web.WebSocketResponse]) -> None:
+    """Stop admitting at once (503 + Retry-After; /health says "draining"), let in-flight requests finish for up
+    to `timeout` seconds, then end the rest with an error and close the WebSockets (1001 going away)."""
+    engine.draining = True
+    deadline = time.monotonic() + timeout
+    engine.drain_deadline = deadline
+    log.info("draining: %d request(s) in flight, up to %g s", engine.num_in_flight, timeout)
+    while engine.num_in_flight and time.monotonic() < deadline and not hurry.is_set():
+        try:
+            await asyncio.wait_for(hurry.wait(), 0.05)
+        except TimeoutError:
+            pass
+    if engine.num_in_flight:
+        log.warning("drain over: ending %d unfinished request(s) with an error", engine.num_in_flight)
+        engine.fail_all(503, "the server shut down before this request finished")
+        await asyncio.sleep(ANSWER_GRACE_S)
+    if websockets:
+        closing = [ws.close(code=WSCloseCode.GOING_AWAY, message=b"server shutting down") for ws in list(websockets)]
+        await asyncio.wait([asyncio.ensure_future(c) for c in closing], timeout=1.0)

@@ -1,0 +1,226 @@
+"""Issue 9 acceptance 4: property-based fuzzing of every endpoint, the WebSocket and the batch socket of a real
+server, driven by its own /openapi.json. Request bodies are drawn from the document's JSON Schemas (with any
+field liable to hold any JSON value instead), plus raw bytes, wrong content types and unknown paths. Each
+hypothesis example sends FUZZ_BATCH cases at once; FUZZ_EXAMPLES examples make the CI-sized run
+(SHUTTLE_FUZZ_EXAMPLES raises it). Every case must get an answer that is not a 5xx within HANG seconds, every
+WebSocket generate exactly one terminal frame and every batch message a result; afterwards no process has died
+or restarted and a greedy request is token-exact.
+"""
+
+import asyncio
+import json
+import os
+
+import aiohttp
+import msgspec
+import pytest
+import zmq
+import zmq.asyncio
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+from common.messages import BatchResult
+from tests.client import post_completion
+from tests.conftest import hf_greedy
+from tests.server import ShuttleServer, pid_alive
+
+HANG = 60.0
+FUZZ_BATCH = 25
+FUZZ_EXAMPLES = int(os.environ.get("SHUTTLE_FUZZ_EXAMPLES", "200"))  # x FUZZ_BATCH = 5,000 cases
+
+any_text = st.text(st.characters(exclude_categories=()), max_size=12)  # lone surrogates included
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | any_text,
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=6), children, max_size=4),
+    max_leaves=5)
+WRONG = st.sampled_from([None, "", "x", -1, 0, 1.5, 2**70, -2**70, float("inf"), [], {}, [1], {"a": 1}, True])
+
+
+_STRATEGIES: dict[str, st.SearchStrategy] = {}
+
+
+def from_schema(schema: dict, components: dict) -> st.SearchStrategy:
+    """A strategy for values of a msgspec-made JSON Schema (object, anyOf, $ref, scalars, arrays; {} is any).
+    Built once per schema: hypothesis validates each new strategy object, which would dominate the run."""
+    key = json.dumps(schema, sort_keys=True)
+    if key not in _STRATEGIES:
+        _STRATEGIES[key] = _from_schema(schema, components)
+    return _STRATEGIES[key]
+
+
+def _from_schema(schema: dict, components: dict) -> st.SearchStrategy:
+    if "$ref" in schema:
+        return st.deferred(lambda: from_schema(components[schema["$ref"].rsplit("/", 1)[1]], components))
+    if "anyOf" in schema:
+        return st.one_of([from_schema(s, components) for s in schema["anyOf"]])
+    kind = schema.get("type")
+    if kind == "object" and "properties" in schema:
+        fields = {name: st.one_of(from_schema(sub, components), WRONG)  # sometimes the wrong type
+                  for name, sub in schema["properties"].items()}
+        required = {name: fields.pop(name) for name in schema.get("required", []) if name in fields}
+        return st.fixed_dictionaries(required, optional=fields)
+    if kind == "array":
+        return st.lists(from_schema(schema["items"], components) if "items" in schema else json_values, max_size=6)
+    return {
+        "string": st.one_of(st.text(max_size=24), any_text),
+        "integer": st.one_of(st.integers(-3, 20), st.integers()),
+        "number": st.one_of(st.floats(-3, 3), st.floats(allow_nan=False)),
+        "boolean": st.booleans(),
+        "null": st.none(),
+        "object": st.dictionaries(st.text(max_size=6), json_values, max_size=4),
+    }.get(kind, json_values)
+
+
+def bounded(body):
+    """Valid requests must stay cheap: unless the fuzzer chose otherwise, few tokens and a short timeout."""
+    if isinstance(body, dict):
+        body.setdefault("max_tokens", 4)
+        if body.get("max_tokens") is None:
+            body["max_tokens"] = 4
+        body.setdefault("timeout", 5)
+    return body
+
+
+@pytest.fixture(scope="module")
+def fuzz_server():
+    srv = ShuttleServer("--max-waiting-requests", "100000", "--chat-template", "tests/data/stories_chat.jinja")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def schema(fuzz_server):
+    import urllib.request
+    with urllib.request.urlopen(f"{fuzz_server.url}/openapi.json", timeout=HANG) as response:
+        return json.load(response)
+
+
+def http_cases(document: dict) -> st.SearchStrategy:
+    components = document["components"]["schemas"]
+    posts = [(path, op["post"]["requestBody"]["content"]["application/json"]["schema"])
+             for path, op in document["paths"].items() if "post" in op]
+    gets = [path for path, op in document["paths"].items() if "get" in op and path != "/v1/ws"]
+    typed = st.one_of([st.tuples(st.just("POST"), st.just(path), from_schema(ref, components).map(bounded),
+                                 st.just("application/json")) for path, ref in posts])
+    anything = st.tuples(st.sampled_from(["POST", "GET", "PUT", "DELETE"]),
+                         st.sampled_from([p for p, _ in posts] + gets + ["/", "/v1/nothing", "/v1/completions/x"]),
+                         st.one_of(json_values, st.binary(max_size=64)),
+                         st.sampled_from(["application/json", "text/plain", "application/x-www-form-urlencoded"]))
+    return st.one_of(typed, typed, anything)
+
+
+def ws_frames(document: dict) -> st.SearchStrategy:
+    components = document["components"]["schemas"]
+    head = st.fixed_dictionaries({"type": st.sampled_from(["generate", "cancel", "other"]),
+                                  "id": st.one_of(any_text, json_values)})
+    generate = st.tuples(from_schema(components["CompletionRequest"], components), head).map(
+        lambda parts: bounded({**parts[0], **parts[1]}))
+    return st.one_of(generate, generate, json_values, st.text(max_size=40))
+
+
+def _pack(value) -> bytes:
+    try:
+        return msgspec.msgpack.encode(value)
+    except OverflowError:  # an integer msgpack cannot carry: send its text instead
+        return msgspec.msgpack.encode(repr(value))
+
+
+def batch_messages() -> st.SearchStrategy:
+    job = st.fixed_dictionaries({"job_id": st.text(max_size=8), "prompt": st.one_of(st.text(max_size=20),
+                                 st.lists(st.integers(-5, 600), max_size=8))},
+                                optional={"max_tokens": st.integers(-2, 6),  # absent: max_tokens 4
+                                          "temperature": st.floats(-1, 3), "top_k": st.integers(-3, 3),
+                                          "stop": st.lists(st.text(max_size=4), max_size=3)})
+    encoded = job.map(lambda j: [msgspec.msgpack.encode(
+        [j["job_id"], j["prompt"], j.get("max_tokens", 4), j.get("temperature", 1.0), 1.0, j.get("top_k", 0), None,
+         j.get("stop", [])])])
+    # BatchJob is tagged and array_like: ["BatchJob", ...fields]; garbage frames and frame counts too
+    tagged = encoded.map(lambda frames: [msgspec.msgpack.encode(["BatchJob", *msgspec.msgpack.decode(frames[0])])])
+    return st.one_of(tagged, tagged, encoded, st.lists(st.binary(max_size=24), min_size=1, max_size=3),
+                     json_values.map(lambda v: [_pack(v)]))
+
+
+async def send_http(session, url, case) -> None:
+    method, path, body, content_type = case
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    async with session.request(method, f"{url}{path}", data=data, headers={"Content-Type": content_type}) as response:
+        await response.read()
+        assert response.status < 500, (case, response.status, await response.text())
+
+
+async def send_ws(session, url, frames) -> None:
+    async with session.ws_connect(f"{url}/v1/ws") as ws:
+        generating = 0
+        for frame in frames:
+            await ws.send_str(frame if isinstance(frame, str) else json.dumps(frame))
+            generating += isinstance(frame, dict) and frame.get("type") == "generate"
+        answers = []
+        while generating:  # every generate (even a rejected one) ends with one done or error frame
+            message = await ws.receive(timeout=HANG)
+            assert message.type == aiohttp.WSMsgType.TEXT, (frames, message)
+            answer = json.loads(message.data)
+            answers.append(answer)
+            if answer["type"] in ("done", "error") and answer["id"] is not None:
+                generating -= 1
+            assert answer["type"] != "error" or answer["error"]["code"] < 500, (frames, answer)
+
+
+async def send_batch(endpoint, messages) -> None:
+    sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    try:
+        for frames in messages:
+            await sock.send_multipart(frames)
+        for _ in messages:  # one result per message, however malformed
+            result = msgspec.msgpack.decode(await asyncio.wait_for(sock.recv(), HANG), type=BatchResult)
+            assert result.error_status < 500, (messages, result)
+    finally:
+        sock.close()
+
+
+def test_fuzz_every_endpoint_the_websocket_and_the_batch_socket(fuzz_server, schema):
+    loop = asyncio.new_event_loop()
+    session = loop.run_until_complete(_session())
+    cases = st.lists(st.one_of(
+        http_cases(schema).map(lambda c: ("http", c)), http_cases(schema).map(lambda c: ("http", c)),
+        st.lists(ws_frames(schema), min_size=1, max_size=4).map(lambda f: ("ws", f)),
+        st.lists(batch_messages(), min_size=1, max_size=3).map(lambda m: ("batch", m))),
+        min_size=FUZZ_BATCH, max_size=FUZZ_BATCH)
+    count = [0]
+
+    # No shrinking: each example is FUZZ_BATCH requests to a live server, and a failing case names itself in its
+    # assertion message anyway.
+    @settings(max_examples=FUZZ_EXAMPLES, deadline=None, derandomize=True, phases=[Phase.explicit, Phase.generate],
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(cases)
+    def run(batch):
+        async def one(kind, case):
+            if kind == "http":
+                await send_http(session, fuzz_server.url, case)
+            elif kind == "ws":
+                await send_ws(session, fuzz_server.url, case)
+            else:
+                await send_batch(fuzz_server.batch_endpoint, case)
+        async def all_of_them():
+            await asyncio.wait_for(asyncio.gather(*(one(*c) for c in batch)), HANG)
+
+        loop.run_until_complete(all_of_them())
+        count[0] += len(batch)
+
+    try:
+        run()
+        print(f"fuzzed {count[0]} cases")
+        assert count[0] >= FUZZ_EXAMPLES * FUZZ_BATCH
+        assert fuzz_server.restarts == 0 and all(pid_alive(p) for p in fuzz_server.all_pids)
+        ids = [1, 403, 407, 261, 378]
+        status, body = loop.run_until_complete(post_completion(
+            session, fuzz_server.url, prompt=ids, max_tokens=24, temperature=0, return_token_ids=True))
+        assert status == 200 and body["choices"][0]["token_ids"] == hf_greedy(ids, 24)
+    finally:
+        loop.run_until_complete(session.close())
+        loop.close()
+
+
+async def _session() -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=HANG))

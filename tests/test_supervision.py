@@ -1,0 +1,154 @@
+"""Issue 9 acceptance 1: the engine fails and comes back while the frontend keeps its socket.
+
+One real server for the module, slowed by --debug-step-delay so requests stay in flight. In turn: kill -9 of
+the worker, kill -9 of the scheduler, SIGSTOP of the worker (found by --step-timeout 5), SIGSTOP of the
+scheduler (found by the launcher's heartbeat timeout), kill -9 of the frontend. Each time every open
+request ends with exactly one terminal error, /health answers 503 and then 200 again, and a greedy request is
+token-exact afterwards. Waits are bounds that only a hang exceeds; the measured times are printed.
+"""
+
+import asyncio
+import json
+import os
+import signal
+import time
+
+import aiohttp
+import pytest
+
+from tests.client import post_completion
+from tests.conftest import hf_greedy
+from tests.server import ShuttleServer
+
+HANG = 120.0
+LONG = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def srv():
+    srv = ShuttleServer("--step-timeout", "5", "--heartbeat-timeout", "8", "--debug-step-delay", "0.05",
+                        "--max-restarts", "10")
+    yield srv
+    srv.stop()
+
+
+async def sse(session, url, started: asyncio.Event) -> list[str]:
+    """A long stream's `data:` payloads, to its end."""
+    events = []
+    async with session.post(f"{url}/v1/completions", json={**LONG, "stream": True}) as response:
+        assert response.status == 200
+        async for line in response.content:
+            if line.startswith(b"data: "):
+                events.append(line[6:].decode().strip())
+                started.set()
+    return events
+
+
+async def websocket(session, url, started: asyncio.Event) -> dict:
+    async with session.ws_connect(f"{url}/v1/ws") as ws:
+        await ws.send_json({"type": "generate", "id": "w", **LONG})
+        while (frame := await ws.receive_json(timeout=HANG))["type"] == "delta":
+            started.set()
+        return frame
+
+
+async def plain(session, url, started: asyncio.Event) -> tuple[int, dict, str | None]:
+    started.set()  # no event before the end; its request is in flight once the scheduler counts it
+    async with session.post(f"{url}/v1/completions", json=LONG) as response:
+        return response.status, await response.json(), response.headers.get("Retry-After")
+
+
+async def health_status(session, url) -> tuple[int, dict]:
+    async with session.get(f"{url}/health") as response:
+        return response.status, await response.json()
+
+
+async def wait_health(session, url, status: int) -> dict:
+    deadline = time.monotonic() + HANG
+    while True:
+        try:
+            code, body = await health_status(session, url)
+            if code == status:
+                return body
+        except aiohttp.ClientError:
+            pass  # the frontend itself is restarting
+        assert time.monotonic() < deadline, f"/health never answered {status}"
+        await asyncio.sleep(0.05)
+
+
+async def assert_greedy_exact(session, url) -> None:
+    ids = [1, 403, 407, 261, 378]  # "Once upon a time"
+    status, body = await post_completion(session, url, prompt=ids, max_tokens=24, temperature=0, return_token_ids=True)
+    assert status == 200, body
+    assert body["choices"][0]["token_ids"] == hf_greedy(ids, 24)
+
+
+async def fail_and_recover(srv: ShuttleServer, fault) -> None:
+    restarts = srv.restarts
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=HANG)) as session:
+        await wait_health(session, srv.url, 200)
+        started = [asyncio.Event() for _ in range(5)]
+        tasks = [asyncio.create_task(sse(session, srv.url, started[i])) for i in range(3)]
+        tasks.append(asyncio.create_task(websocket(session, srv.url, started[3])))
+        tasks.append(asyncio.create_task(plain(session, srv.url, started[4])))
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), HANG)
+        while (await health_status(session, srv.url))[1]["scheduler"]["num_running"] < 5:
+            await asyncio.sleep(0.02)
+        faulted = time.monotonic()
+        fault()
+        *streams, ws_end, (status, body, retry_after) = await asyncio.wait_for(asyncio.gather(*tasks), HANG)
+        print(f"every open request ended {time.monotonic() - faulted:.2f} s after the fault")
+        for events in streams:
+            assert events[-1] == "[DONE]"
+            assert json.loads(events[-2])["error"]["code"] == 503
+            assert all("error" not in json.loads(e) for e in events[:-2])  # exactly one terminal error
+        assert ws_end["type"] == "error" and ws_end["error"]["code"] == 503
+        assert status == 503 and body["error"]["code"] == 503 and int(retry_after) >= 1
+        down = await wait_health(session, srv.url, 503)
+        assert down["status"] == "engine_down" and down["reason"]
+        await wait_health(session, srv.url, 200)
+        print(f"/health 200 again {time.monotonic() - faulted:.2f} s after the fault")
+        srv.wait_restarts(restarts + 1)
+        await assert_greedy_exact(session, srv.url)
+
+
+async def test_kill_worker(srv):
+    await fail_and_recover(srv, lambda: os.kill(srv.pids["worker"], signal.SIGKILL))
+    assert any("worker" in line and "SIGKILL" in line and "restarts in" in line for line in srv.output)
+
+
+async def test_kill_scheduler(srv):
+    await fail_and_recover(srv, lambda: os.kill(srv.pids["scheduler"], signal.SIGKILL))
+
+
+async def test_stopped_worker_is_found_by_the_step_watchdog(srv):
+    await fail_and_recover(srv, lambda: os.kill(srv.pids["worker"], signal.SIGSTOP))
+    assert any("scheduler" in line and "exited with status 3" in line for line in srv.output), srv.output[-5:]
+
+
+async def test_stopped_scheduler_is_found_by_its_missing_heartbeat(srv):
+    await fail_and_recover(srv, lambda: os.kill(srv.pids["scheduler"], signal.SIGSTOP))
+    assert any("scheduler" in line and "sent no heartbeat" in line for line in srv.output), srv.output[-5:]
+
+
+async def test_killed_frontend_frees_all_its_blocks(srv):
+    restarts = srv.restarts
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=HANG)) as session:
+        await wait_health(session, srv.url, 200)
+        doomed = [asyncio.create_task(plain(session, srv.url, asyncio.Event())) for _ in range(4)]
+        while (stats := (await health_status(session, srv.url))[1]["scheduler"])["num_running"] < 4:
+            await asyncio.sleep(0.02)
+        assert stats["num_blocks_in_use"] > 0
+        os.kill(srv.pids["frontend"], signal.SIGKILL)
+        results = await asyncio.gather(*doomed, return_exceptions=True)
+        assert all(isinstance(r, aiohttp.ClientError) for r in results), results  # their connection died
+        srv.wait_restarts(restarts + 1)  # the same URL: the launcher restarts the frontend on the same port
+        deadline = time.monotonic() + HANG
+        while True:  # the scheduler notices the silent frontend and aborts its requests
+            code, body = await health_status(session, srv.url)
+            stats = body["scheduler"]
+            if code == 200 and stats["num_running"] == stats["num_waiting"] == stats["num_blocks_in_use"] == 0:
+                break
+            assert time.monotonic() < deadline, stats
+            await asyncio.sleep(0.1)
+        await assert_greedy_exact(session, srv.url)

@@ -1,0 +1,160 @@
+"""Issue 9: the WebSocket and the ZeroMQ batch socket under hostile input, in-process (the real app, a scripted
+fake engine): lone-surrogate ids, Origin checks, abrupt closes, malformed multipart messages, API keys."""
+
+import asyncio
+import base64
+import json
+import logging
+import os
+import socket
+import struct
+
+import aiohttp
+import msgspec
+import pytest
+import zmq
+import zmq.asyncio
+
+from common.cli import build_parser
+from common.config import ShuttleConfig
+from common.messages import BatchJob, BatchResult
+from tests.inprocess import SCRIPT, start_app
+from tests.server import MODEL_DIR
+
+HANG = 30.0
+KEY = "sk-batch-test"
+
+
+@pytest.fixture(scope="module")
+async def app():
+    app = await start_app(api_key=KEY, batch=True, allowed_origins=("https://ok.example",))
+    yield app
+    await app.close()
+
+
+def auth() -> dict:
+    return {"Authorization": f"Bearer {KEY}"}
+
+
+async def collect_frames(ws, until_ids: set[str]) -> list[dict]:
+    frames, open_ids = [], set(until_ids)
+    while open_ids:
+        frame = json.loads((await ws.receive(timeout=HANG)).data)
+        frames.append(frame)
+        if frame["type"] in ("done", "error"):
+            open_ids.discard(frame["id"])
+    return frames
+
+
+async def test_lone_surrogate_id_gets_frames_and_the_socket_goes_on(app):
+    async with aiohttp.ClientSession(headers=auth()) as session, session.ws_connect(f"{app.url}/v1/ws") as ws:
+        # json.loads turns the escape into a lone surrogate, which UTF-8 cannot encode
+        await ws.send_str('{"type": "generate", "id": "\\ud800", "prompt": "Hi", "max_tokens": 3}')
+        await ws.send_str('{"type": "generate", "id": "\\udfff", "max_tokens": 3}')  # an error for this one
+        await ws.send_str('{"type": "generate", "id": "next", "prompt": "Hi", "max_tokens": 2}')
+        frames = await collect_frames(ws, {"\ud800", "\udfff", "next"})
+    ends = {f["id"]: f for f in frames if f["type"] in ("done", "error")}
+    assert ends["\ud800"]["type"] == "done" and ends["\ud800"]["usage"]["completion_tokens"] == 3
+    assert ends["\udfff"]["type"] == "error" and ends["\udfff"]["error"]["param"] == "prompt"
+    assert ends["next"]["type"] == "done" and ends["next"]["usage"]["completion_tokens"] == 2
+    assert [t for f in frames if f["type"] == "delta" and f["id"] == "\ud800" for t in f["token_ids"]] == SCRIPT[:3]
+
+
+async def test_origin_must_be_own_or_allowed(app):
+    async with aiohttp.ClientSession(headers=auth()) as session:
+        for origin, allowed in [("https://evil.example", False), ("https://ok.example", True), (app.url, True),
+                                (None, True), ("null", False)]:
+            headers = {"Origin": origin} if origin else {}
+            try:
+                async with session.ws_connect(f"{app.url}/v1/ws", headers=headers) as ws:
+                    await ws.close()
+                upgraded = True
+            except aiohttp.WSServerHandshakeError as exc:
+                assert exc.status == 403
+                upgraded = False
+            assert upgraded == allowed, origin
+
+
+def ws_frame(text: str) -> bytes:
+    """A masked client text frame (RFC 6455)."""
+    payload, mask = text.encode(), os.urandom(4)
+    length = len(payload)
+    header = bytes([0x81]) + (bytes([0x80 | length]) if length < 126 else bytes([0x80 | 126]) + struct.pack(">H", length))
+    return header + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
+
+
+async def test_abrupt_close_with_many_generations_is_logged_once(app, caplog):
+    caplog.set_level(logging.INFO, logger="shuttle.frontend")
+    app.engine.step_delay = 0.02
+    try:
+        host, port = app.url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        key = base64.b64encode(os.urandom(16)).decode()
+        writer.write((f"GET /v1/ws HTTP/1.1\r\nHost: {host}:{port}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                      f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\nAuthorization: Bearer {KEY}\r\n\r\n"
+                      ).encode())
+        assert (await asyncio.wait_for(reader.readline(), HANG)).startswith(b"HTTP/1.1 101")
+        writer.write(b"".join(ws_frame(json.dumps({"type": "generate", "id": str(i), "prompt": "Hi",
+                                                   "max_tokens": 8})) for i in range(200)))
+        while app.engine.num_in_flight < 200:
+            await asyncio.sleep(0.01)
+        writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        writer.transport.abort()  # a reset with 200 generations in flight
+        deadline = asyncio.get_running_loop().time() + HANG
+        while app.engine.num_in_flight:
+            assert asyncio.get_running_loop().time() < deadline
+            await asyncio.sleep(0.02)
+    finally:
+        app.engine.step_delay = 0.0
+    noisy = [r for r in caplog.records if r.levelno >= logging.WARNING or r.exc_info]
+    assert noisy == [], [r.getMessage() for r in noisy]
+    abrupt = [r for r in caplog.records if "closed abruptly" in r.getMessage()]
+    assert len(abrupt) <= 1
+
+
+async def batch_socket(app) -> zmq.asyncio.Socket:
+    sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(app.batch.endpoint)
+    return sock
+
+
+async def batch_result(sock) -> BatchResult:
+    frame = await asyncio.wait_for(sock.recv(), HANG)
+    return msgspec.msgpack.decode(frame, type=BatchResult)
+
+
+async def test_batch_endpoint_survives_malformed_messages(app):
+    sock = await batch_socket(app)
+    try:
+        good = msgspec.msgpack.encode(BatchJob("ok", "Hi", max_tokens=2, api_key=KEY))
+        for frames in ([good, good], [b"\x00\xff\x13"], [msgspec.msgpack.encode({"job_id": 1})], [b"", b"", b""]):
+            await sock.send_multipart(frames)
+            result = await batch_result(sock)
+            assert result.job_id == "" and result.error_status == 400 and "malformed" in result.error_message
+        await sock.send(good)
+        result = await batch_result(sock)
+        assert result.error_status == 0 and result.token_ids == SCRIPT[:2]
+    finally:
+        sock.close()
+
+
+async def test_batch_jobs_need_the_api_key(app):
+    sock = await batch_socket(app)
+    submitted = len(app.engine.submitted)
+    try:
+        for key in ("", "wrong"):
+            await sock.send(msgspec.msgpack.encode(BatchJob(f"key-{key}", "Hi", max_tokens=2, api_key=key)))
+            result = await batch_result(sock)
+            assert (result.job_id, result.error_status, result.token_ids) == (f"key-{key}", 401, [])
+        assert len(app.engine.submitted) == submitted  # refused before any work
+    finally:
+        sock.close()
+
+
+def test_batch_endpoint_is_loopback_even_when_http_listens_everywhere():
+    args = build_parser().parse_args(["serve", str(MODEL_DIR), "--host", "0.0.0.0", "--port", "9000"])
+    assert ShuttleConfig.from_args(args, None).batch_endpoint == "tcp://127.0.0.1:9001"
+    args = build_parser().parse_args(["serve", str(MODEL_DIR), "--host", "0.0.0.0", "--batch-endpoint",
+                                      "tcp://0.0.0.0:7000"])
+    assert ShuttleConfig.from_args(args, None).batch_endpoint == "tcp://0.0.0.0:7000"
