@@ -11,6 +11,7 @@ an attention class that ignores the interface, ...) is refused before the server
 from __future__ import annotations
 
 import torch
+from transformers import DynamicCache
 
 from common.messages import CachedRequestData, NewRequestData, StepPlan
 from common.sampling import SamplingParams
@@ -131,11 +132,11 @@ def _eager_logprobs(model, sequences: dict[str, list[int]],
             out[name] = logits.float().log_softmax(-1)
         ids = sequences["a"]
         prefix = len(ids) // 2
-        step = model(input_ids=torch.tensor([ids[:prefix]], device=device), use_cache=True)
+        cache = DynamicCache(config=model.config)
+        step = model(input_ids=torch.tensor([ids[:prefix]], device=device), cache=cache, use_cache=True)
         cached = [step.logits[0, -1]]
         for token in ids[prefix:-1]:
-            step = model(input_ids=torch.tensor([[token]], device=device), past_key_values=step.past_key_values,
-                         use_cache=True)
+            step = model(input_ids=torch.tensor([[token]], device=device), cache=cache, use_cache=True)
             cached.append(step.logits[0, -1])
         return out, torch.stack(cached).float().log_softmax(-1)
     finally:
