@@ -64,6 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=sched.async_scheduling,
                        help="plan the next step while the worker runs the current one (two steps in flight); "
                             "--no-async-scheduling plans, waits and settles one step at a time")
+    serve.add_argument("--ttft-slo-ms", type=float, default=sched.ttft_slo_ms,
+                       help="TTFT objective (ms): a request predicted to miss it is refused at once with 503 and "
+                            "Retry-After (0: off; a request's `ttft_slo_ms` field sets its own)")
+    serve.add_argument("--step-cost-profile", default=sched.step_cost_profile, metavar="JSON",
+                       help="calibrated step-cost profile (scripts/calibrate.py) for --ttft-slo-ms; without one the "
+                            "cost model is fitted online to the server's own steps")
     serve.add_argument("--block-size", type=_positive, default=cache.block_size, help="tokens per KV block")
     serve.add_argument("--num-kv-blocks", type=_positive, default=None,
                        help="fixed number of KV blocks (overrides --kv-cache-memory)")

@@ -135,6 +135,10 @@ class SchedulerConfig:
         async_scheduling: plan step N+1 while the worker runs step N (at most two steps in flight).
         max_seqs_per_request: running sequences one client request (its prompts x n) may hold; 0 = a fair share
             (max_num_seqs / live requests, or max_num_seqs less one eighth when alone).
+        ttft_slo_ms: TTFT objective in ms; a request predicted to miss it is refused at arrival with 503
+            (scheduler/admission.py). 0: no objective (requests may still carry their own).
+        step_cost_profile: JSON step-cost profile (scripts/calibrate.py) for that prediction; "" fits the cost
+            model online to the server's own steps.
     """
 
     max_num_seqs: int = 128
@@ -145,6 +149,8 @@ class SchedulerConfig:
     request_timeout: float = 0.0
     async_scheduling: bool = True
     max_seqs_per_request: int = 0
+    ttft_slo_ms: float = 0.0
+    step_cost_profile: str = ""
 
 
 @dataclass(frozen=True)
@@ -207,7 +213,8 @@ class ShuttleConfig:
             cache=CacheConfig(args.block_size, args.num_kv_blocks, args.kv_cache_memory, args.enable_prefix_caching),
             scheduler=SchedulerConfig(args.max_num_seqs, max_batched, args.max_waiting_requests,
                                       args.scheduling_policy, args.priority_aging_seconds, args.request_timeout,
-                                      args.async_scheduling, args.max_seqs_per_request),
+                                      args.async_scheduling, args.max_seqs_per_request,
+                                      ttft_slo_ms=args.ttft_slo_ms, step_cost_profile=args.step_cost_profile),
             worker=WorkerConfig(args.attention_backend),
             host=args.host,
             port=args.port,
