@@ -79,7 +79,7 @@ class Sample:
 class SimResult:
     records: list[RequestRecord]
     samples: list[Sample]
-    num_steps: int
+    num_steps: int  # steps the worker ran
     num_preemptions: int
     duration: float  # first arrival to last finish, seconds
 
@@ -244,4 +244,4 @@ class Simulator:
             scheduler.expire(self.now)
         start = min((r.arrival for r in records), default=0.0)
         end = max((r.finish for r in records if not math.isnan(r.finish)), default=start)
-        return SimResult(records, samples, scheduler._step_id, scheduler.num_preemptions, end - start)
+        return SimResult(records, samples, len(samples), scheduler.num_preemptions, end - start)

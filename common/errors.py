@@ -11,11 +11,12 @@ class ModelDirError(ShuttleError):
 
 class GenerationError(ShuttleError):
     """An accepted request ended with an error output from the scheduler (status: HTTP-like code, e.g. 503 queue
-    full, 408 timeout, 500 model failure)."""
+    full, 408 timeout, 500 model failure; retry_after: seconds a 503's client should wait, 0 when unknown)."""
 
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, retry_after: float = 0.0):
         super().__init__(message)
         self.status = status
+        self.retry_after = retry_after
 
 
 class ModelNotFoundError(ShuttleError):

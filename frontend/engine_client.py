@@ -79,14 +79,16 @@ class EngineClient:
         return f"{prefix}-{uuid.uuid4().hex}"
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                       priority: int = 0, timeout: float = 0.0) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, timeout: float = 0.0, ttft_slo_ms: float = 0.0) -> AsyncIterator[RequestOutput]:
         """Submit a request and yield its outputs; the last one has a finish_reason.
-        `timeout`: seconds from now after which the scheduler ends it with an error (0: server default)."""
+        `timeout`: seconds from now after which the scheduler ends it with an error (0: server default).
+        `ttft_slo_ms`: its TTFT objective for SLO admission (0: the server's)."""
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._queues[request_id] = queue
         finished = False
         try:
-            await self._channel.send(Submit(request_id, prompt_token_ids, sampling, time.time(), priority, timeout))
+            await self._channel.send(Submit(request_id, prompt_token_ids, sampling, time.time(), priority, timeout,
+                                            ttft_slo_ms=ttft_slo_ms))
             while not finished:
                 output = await queue.get()
                 finished = output.finish_reason is not None

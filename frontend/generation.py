@@ -50,6 +50,7 @@ class TextGeneration:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     finish_reason: str | None = None
+    ttft_slo_ms: float = 0.0  # the request's own TTFT objective (0: the server's)
 
     async def deltas(self) -> AsyncIterator[TextDelta]:
         """Yield text deltas until the sequence finishes; leaving early aborts it in the scheduler.
@@ -70,14 +71,14 @@ class TextGeneration:
         pending_ids: list[int] = []
         pending_logprobs: list[TokenLogprobs] = []
         async for output in self.engine.generate(self.request_id, self.prompt_token_ids, self.sampling,
-                                                 self.priority, self.timeout):
+                                                 self.priority, self.timeout, ttft_slo_ms=self.ttft_slo_ms):
             if self.metrics is not None:
                 self.metrics.on_output(output)
             if output.finish_reason == FinishReason.ERROR:
                 if self.metrics is not None and output.error_status in (400, 503) and not self.num_output_tokens:
-                    self.metrics.on_rejected(output.error_status)
+                    self.metrics.on_rejected(output.error_status, output.rejection)
                 self.finish_reason = "error"
-                raise GenerationError(output.error_status or 500, output.error_message)
+                raise GenerationError(output.error_status or 500, output.error_message, output.retry_after_s)
             self.num_output_tokens += len(output.new_token_ids)
             self.num_cached_tokens = output.num_cached_tokens
             if output.prompt_logprobs:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hmac
+import math
 
 from aiohttp import web
 
@@ -26,7 +27,8 @@ async def openai_errors(request: web.Request, handler) -> web.StreamResponse:
         status, param = client_error(exc)
         if isinstance(exc, InvalidRequestError):
             request.app[STATE].metrics.rejected.labels("invalid").inc()
-        return _error(status, str(exc), param, headers={"Retry-After": "1"} if status == 503 else None)
+        retry_after = max(1, math.ceil(getattr(exc, "retry_after", 0.0) or 1))  # whole seconds (RFC 9110)
+        return _error(status, str(exc), param, headers={"Retry-After": str(retry_after)} if status == 503 else None)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise

@@ -48,7 +48,8 @@ def build_generations(state: FrontendState, body: SamplingFields, prompts: list[
             index = p * body.n + j
             generations.append(TextGeneration(
                 state.engine, state.tokenizer, f"{request_id}-{index}", ids, sampling, index, body.priority,
-                body.timeout or 0.0, stops, body.include_stop_str_in_output, state.metrics.request(len(ids))))
+                body.timeout or 0.0, stops, body.include_stop_str_in_output, state.metrics.request(len(ids)),
+                ttft_slo_ms=body.ttft_slo_ms or 0.0))
     return generations
 
 
