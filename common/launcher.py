@@ -20,6 +20,7 @@ import time
 
 import zmq
 
+from common.capacity import requests_that_fit
 from common.config import IpcConfig, ShuttleConfig
 from common.errors import ModelDirError
 from common.ipc import Channel
@@ -179,7 +180,7 @@ def _wait_until_ready(supervisor: Supervisor, control: Channel) -> dict | None:
 def _announce(config: ShuttleConfig, supervisor: Supervisor, ready: dict[str, dict]) -> None:
     cap = ready["scheduler"]
     url = ready["frontend"]["url"]
-    fit = cap["kv_tokens"] // config.model.max_model_len
+    fit = requests_that_fit(cap["num_kv_blocks"], cap["block_size"], config.model.max_model_len)
     _say(f"KV cache {cap['num_kv_blocks']} blocks x {cap['block_size']} tokens = {cap['kv_tokens']} tokens "
          f"({cap['kv_bytes_per_token']} bytes/token); {fit} requests of max_model_len {config.model.max_model_len} fit")
     if fit == 0:
