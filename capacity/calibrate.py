@@ -140,7 +140,10 @@ class Calibrator:
         return model, measurements
 
     def meta(self) -> dict:
+        """What the simulator needs besides the coefficients, and how the measurement was made."""
         return {"model": self.model_config.model_dir, "dtype": self.model_config.dtype,
+                "max_model_len": self.model_config.max_model_len, "vocab_size": self.vocab,
+                "kv_bytes_per_token": self.runner.kv_cache.bytes_per_token,
                 "block_size": self.block_size, "attention_backend": self.runner.backend.name,
                 "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count(),
                 "load_average_at_start": os.getloadavg()[0], "created": time.strftime("%Y-%m-%d %H:%M:%S")}
