@@ -130,7 +130,12 @@ class Calibrator:
         configs = grid(self.model_config.max_model_len, max_num_batched_tokens, max_num_seqs)
         for i, (kind, batch, prompt_len, chunk) in enumerate(configs):
             with torch.inference_mode():
-                found = self.measure(kind, batch, prompt_len, chunk, repeats)
+                if kind == "prefill":  # each run gives one sample per chunk: run it `repeats` times, keep medians
+                    runs = [self.measure(kind, batch, prompt_len, chunk, repeats, seed) for seed in range(repeats)]
+                    found = [_median(same[0].label, [(m.shape, m.seconds, m.scheduler_seconds) for m in same])
+                             for same in zip(*runs)]
+                else:
+                    found = self.measure(kind, batch, prompt_len, chunk, repeats)
             measurements.extend(found)
             for m in found:
                 progress(f"[{i + 1}/{len(configs)}] {m.label}: {m.seconds * 1e3:.2f} ms")

@@ -206,6 +206,12 @@ class ShuttleConfig:
     def from_args(args: argparse.Namespace, ipc: IpcConfig) -> "ShuttleConfig":
         """Build from `shuttle serve` arguments (see common/cli.py). Raises ModelDirError."""
         model = ModelConfig.from_dir(args.model_dir, args.max_model_len, args.served_model_name, args.dtype)
+        if args.step_cost_profile:  # a bad profile is a one-line error now, not a scheduler traceback later
+            from common.step_cost import StepCostModel
+            try:
+                StepCostModel.load(args.step_cost_profile)
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                raise ModelDirError(f"--step-cost-profile {args.step_cost_profile}: {exc}") from None
         max_batched = args.max_num_batched_tokens
         return ShuttleConfig(
             model=model,
