@@ -10,13 +10,15 @@ Sampled tokens are fabricated (never an end-of-sequence id: outputs have their w
 bench_serve.py's ignore_eos), so everything else (chunked prefill, KV blocks, prefix cache, preemption,
 admission, SLO refusals) is the real code's behaviour.
 
-Deterministic: the same workload, configuration and cost model give the same result, bit for bit.
+Deterministic: the same workload, configuration, cost model and seed give the same result, bit for bit (the
+seed drives the optional step-time jitter of the cost model).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import random
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -147,12 +149,13 @@ class Simulator:
 
     def __init__(self, config: SchedulerConfig, num_blocks: int, block_size: int, max_model_len: int,
                  cost: StepCostModel, enable_prefix_caching: bool = True, max_concurrency: int | None = None,
-                 admission_cost: StepCostModel | None = None, use_online_admission: bool = False):
+                 admission_cost: StepCostModel | None = None, use_online_admission: bool = False, seed: int = 0):
         self.config = config
         self.cost = cost
         self.max_in_flight = 2 if config.async_scheduling else 1
         self.max_concurrency = max_concurrency
         self.now = 0.0
+        self._noise = random.Random(seed)  # step-time jitter (cost.jitter), seeded: runs repeat exactly
         # the scheduler never sees the profile path: admission gets the model and the virtual clock directly
         plain = dataclasses.replace(config, step_cost_profile="")
         self.scheduler = Scheduler(plain, KVCacheManager(num_blocks, block_size, enable_prefix_caching),
@@ -160,6 +163,12 @@ class Simulator:
         self.scheduler.admission = SloAdmission(config.ttft_slo_ms,
                                                 None if use_online_admission else (admission_cost or cost),
                                                 clock=lambda: self.now)
+
+    def _jittered(self, seconds: float) -> float:
+        sigma = self.cost.jitter
+        if not sigma:
+            return seconds
+        return seconds * math.exp(sigma * self._noise.gauss(0.0, 1.0) - sigma * sigma / 2)
 
     def run(self, workload: list[SimRequest]) -> SimResult:
         """Simulate the whole workload to its end. Raises RuntimeError if the scheduler can make no progress."""
@@ -220,8 +229,8 @@ class Simulator:
                 if not step.is_empty:
                     self.now += cost.scheduler_s / 2  # planning
                     start = max(self.now, worker_free)
-                    worker_free = start + cost.predict(shape_of(
-                        (e.start, e.num_new, e.samples) for e in step.scheduled.values()))
+                    worker_free = start + self._jittered(cost.predict(shape_of(
+                        (e.start, e.num_new, e.samples) for e in step.scheduled.values())))
                     in_flight.append((step, worker_free))
                     sent = True
                     samples.append(Sample(self.now, scheduler.num_waiting, len(scheduler.running),

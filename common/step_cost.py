@@ -81,6 +81,8 @@ class StepCostModel:
             step before (hidden with two steps in flight unless it exceeds the step).
         client_s: seconds a token spends between the worker and the client (IPC, detokenize, HTTP), added to
             each token time; TTFT also pays the request's way in (tokenize, submit), which is in it too.
+        jitter: sigma of the log-normal factor (mean 1) by which the simulator scales each step: a shared
+            machine's steps have a heavy tail (the worker descheduled); 0 gives every step its predicted time.
         meta: where and how it was measured (model, machine, load average, threads, rmse).
     """
 
@@ -88,6 +90,7 @@ class StepCostModel:
     scheduler_s: float = 0.0
     client_s: float = 0.0
     meta: dict = field(default_factory=dict)
+    jitter: float = 0.0
 
     def __post_init__(self):
         unknown = set(self.coefficients) - set(FEATURES)
@@ -114,7 +117,7 @@ class StepCostModel:
 
     def to_json(self) -> dict:
         return {"coefficients": dict(self.coefficients), "scheduler_s": self.scheduler_s, "client_s": self.client_s,
-                "meta": self.meta}
+                "jitter": self.jitter, "meta": self.meta}
 
     def save(self, path: str | Path) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -125,7 +128,7 @@ class StepCostModel:
         """Read a profile written by `save()`. Raises OSError, ValueError (bad JSON or unknown features)."""
         data = json.loads(Path(path).read_text())
         return StepCostModel(dict(data["coefficients"]), float(data.get("scheduler_s", 0.0)),
-                             float(data.get("client_s", 0.0)), dict(data.get("meta", {})))
+                             float(data.get("client_s", 0.0)), dict(data.get("meta", {})), float(data.get("jitter", 0.0)))
 
     # ---- fitting ----------------------------------------------------------------------------------------
 

@@ -36,7 +36,9 @@ def serve_check(model_dir: str, model: StepCostModel, concurrencies: list[int], 
                 output_len: int) -> StepCostModel:
     """Fit the serving corrections from real server runs at a low and a high concurrency.
 
-    The median ITL of a decode-bound run is about one step: f x (in-process step) + e, where f is how much slower
+    The mean time per output token (TPOT, averaged over requests) of a decode-bound run is about one step as the
+    clients see it (the median ITL is not: a busy frontend delivers tokens in clumps): f x (in-process step) + e,
+    where f is how much slower
     (or faster) the worker's work runs beside the frontend and the clients than alone, and e what a served step
     costs on top (sockets, the scheduler's and frontend's turns on the cores). Two runs give f and e (f >= 0.3,
     e >= 0); the median TTFT of the low-concurrency run then gives client_s. Each run has 4 requests per stream,
@@ -63,30 +65,38 @@ def serve_check(model_dir: str, model: StepCostModel, concurrencies: list[int], 
             simulate.build_workload(sim_args, candidate)).summary()
 
     base = StepCostModel(dict(model.coefficients), model.scheduler_s, 0.0, dict(model.meta))
-    (b_low, m_low), (b_high, m_high) = [(simulated(base, argv)["itl_ms"]["median"] / 1000,
-                                         measured["itl_ms"]["median"] / 1000) for _, argv, measured in runs]
+    (b_low, m_low), (b_high, m_high) = [(simulated(base, argv)["tpot_ms"]["mean"] / 1000,
+                                         measured["tpot_ms"]["mean"] / 1000) for _, argv, measured in runs]
     f = (m_high - m_low) / (b_high - b_low) if b_high > b_low else m_high / b_high
     e = m_low - f * b_low
-    if f < 0.3 or e < 0:  # outside what the model can mean: a pure factor through both points instead
+    if f < 0.3 or model.coefficients["step"] * f + e < 0:  # meaningless: a pure factor through both instead
         f, e = max((b_low * m_low + b_high * m_high) / (b_low ** 2 + b_high ** 2), 0.3), 0.0
     coefficients = {k: v * f for k, v in model.coefficients.items()}
     coefficients["step"] += e
     corrected = StepCostModel(coefficients, model.scheduler_s, 0.0, dict(model.meta))
-    low = runs[0]
+    low, high = runs
     corrected.client_s = max(0.0, (low[2]["ttft_ms"]["median"] - simulated(corrected, low[1])["ttft_ms"]["median"])
                              / 1000)
+    # the tail: the jitter whose simulated p99 ITL at the high concurrency comes closest to the measured one
+    target = high[2]["itl_ms"]["p99"]
+    errors = []
+    for sigma in (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0):
+        corrected.jitter = sigma
+        errors.append((abs(simulated(corrected, high[1])["itl_ms"]["p99"] - target), sigma))
+    corrected.jitter = min(errors)[1]
     report = []
     for concurrency, argv, measured in runs:
         check = simulated(corrected, argv)
         report.append({"concurrency": concurrency, "workload": argv,
-                       "measured": {k: measured[f"{k}_ms"]["median"] for k in ("ttft", "itl")},
-                       "simulated": {k: check[f"{k}_ms"]["median"] for k in ("ttft", "itl")}})
-        print(f"serve check at concurrency {concurrency}: ITL p50 measured {measured['itl_ms']['median']:.1f} / "
-              f"simulated {check['itl_ms']['median']:.1f} ms, TTFT p50 {measured['ttft_ms']['median']:.1f} / "
+                       "measured": {k: measured[f"{k}_ms"]["median"] for k in ("ttft", "itl", "tpot")},
+                       "simulated": {k: check[f"{k}_ms"]["median"] for k in ("ttft", "itl", "tpot")}})
+        print(f"serve check at concurrency {concurrency}: TPOT mean measured {measured['tpot_ms']['mean']:.1f} / "
+              f"simulated {check['tpot_ms']['mean']:.1f} ms, ITL p50 {measured['itl_ms']['median']:.1f} / "
+              f"{check['itl_ms']['median']:.1f} ms, TTFT p50 {measured['ttft_ms']['median']:.1f} / "
               f"{check['ttft_ms']['median']:.1f} ms")
     corrected.meta.update(serving_factor=f, serving_step_s=e, serve_check=report)
     print(f"serving: steps run {f:.2f}x their in-process time + {e * 1e3:.2f} ms; "
-          f"client latency {corrected.client_s * 1e3:.2f} ms")
+          f"client latency {corrected.client_s * 1e3:.2f} ms; step jitter sigma {corrected.jitter:.1f}")
     return corrected
 
 
@@ -110,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-serve", action="store_true", help="skip the real-server stage (factor 1, client 0)")
     parser.add_argument("--serve-only", action="store_true",
                         help="keep the in-process fit already in --out and redo only the real-server stage")
-    parser.add_argument("--serve-concurrency", type=int, nargs=2, default=[8, 64],
+    parser.add_argument("--serve-concurrency", type=int, nargs=2, default=[8, 128],
                         help="the low and the high concurrency of the two real-server runs")
     parser.add_argument("--serve-prompts", type=int, default=96)
     parser.add_argument("--serve-input-len", type=int, default=64)

@@ -42,12 +42,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=Path("bench_results/check_simulator.json"))
     parser.add_argument("--recalibrate", type=int, nargs=2, default=None, metavar=("LOW", "HIGH"),
                         help="redo the real-server calibration stage at these two concurrencies first")
+    parser.add_argument("--rate-fraction", type=float, default=None,
+                        help="instead of --request-rate: this share of the capacity the simulator predicts")
     args = parser.parse_args(argv)
     cost = StepCostModel.load(args.profile)
     if args.recalibrate:
         import calibrate
         base = StepCostModel(cost.meta["in_process_coefficients"], cost.scheduler_s, 0.0, cost.meta)
         cost = calibrate.serve_check(args.model, base, args.recalibrate, 32, 64, 48)
+    if args.rate_fraction:  # near saturation, wherever saturation is on this machine now
+        saturated = simulate.build_simulator(args, cost).run(simulate.build_workload(args, cost, float("inf")))
+        args.request_rate = round(args.rate_fraction * saturated.summary()["request_throughput"], 2)
+        print(f"predicted capacity {saturated.summary()['request_throughput']:.2f} req/s; rate {args.request_rate}")
     predicted = simulate.build_simulator(args, cost).run(simulate.build_workload(args, cost)).summary()
     serve_flags = ["--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens",
                    str(args.max_num_batched_tokens), "--block-size", str(args.block_size),

@@ -6,8 +6,12 @@ For every (budget, seqs, rate) the simulator (scripts/simulate.py: the real Sche
 profile, bench_serve.py's workload) predicts throughput, p99 TTFT, p99 ITL and goodput: requests per second whose
 TTFT is within --ttft-slo-ms and whose mean inter-token time (TPOT) is within --itl-slo-ms, as bench_serve.py
 counts it. A setting "meets the objectives" at a rate when at least --attainment of its requests are good. The
-recommendation is the setting and rate with the most goodput among those; the best --verify candidates are then
-served for real (`shuttle serve` with those flags) and measured with bench_serve.py on the same workload.
+settings are ranked by their most goodput at any rate where they meet the objectives; each is recommended at an
+operating rate with headroom (the highest swept rate within --headroom of that rate where it still meets them),
+since a machine's speed drifts and latency near saturation is steep. The best --verify candidates are then served
+for real (`shuttle serve` with those flags) and measured with bench_serve.py on the same workload at that rate.
+--recalibrate first redoes calibrate.py's real-server stage, so that the sweep and the verification share one
+window of the machine's load.
 
 Plots (PNG, in --out): pareto.png (throughput vs p99 TTFT and vs p99 ITL for each token budget; lines join each
 budget's Pareto-optimal points), timeline.png (queue length and KV usage over time for the recommendation, and at
@@ -180,11 +184,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--itl-slo-ms", type=float, required=True, help="objective on each request's mean ITL (TPOT)")
     parser.add_argument("--attainment", type=float, default=0.9, help="share of good requests a setting must reach")
     parser.add_argument("--verify", type=int, default=2, help="candidates measured with real bench_serve.py runs")
+    parser.add_argument("--headroom", type=float, default=0.8,
+                        help="operate at most at this share of the highest rate that meets the objectives")
+    parser.add_argument("--recalibrate", type=int, nargs=2, default=None, metavar=("LOW", "HIGH"),
+                        help="redo calibrate.py's real-server stage at these concurrencies before the sweep")
     parser.add_argument("--out", default="bench_results/tune")
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cost = StepCostModel.load(args.profile)
+    if args.recalibrate:
+        import calibrate
+        base = StepCostModel(cost.meta["in_process_coefficients"], cost.scheduler_s, 0.0, cost.meta)
+        cost = calibrate.serve_check(args.model, base, args.recalibrate, 32, 64, 48)
     started = time.perf_counter()
     print(f"load average {os.getloadavg()[0]:.2f}", flush=True)
     if args.rates is None:  # capacity: everything at once on the default budgets
@@ -205,14 +217,18 @@ def main(argv: list[str] | None = None) -> int:
         r = p.row()
         print(f"{r['max_num_batched_tokens']:>7}{r['max_num_seqs']:>6}{r['request_rate']:>8.2f}{r['throughput']:>8.2f}"
               f"{r['goodput']:>9.2f}{r['attainment']:>8.2f}{r['ttft_p99_ms']:>10.1f}{r['itl_p99_ms']:>9.1f}")
+    candidates, seen = [], set()
+    for p in ranked:  # distinct settings in goodput order, each at its operating rate (with headroom)
+        key = (p.max_num_batched_tokens, p.max_num_seqs)
+        if key not in seen:
+            seen.add(key)
+            within = [q for q in meeting if (q.max_num_batched_tokens, q.max_num_seqs) == key
+                      and q.rate <= args.headroom * p.rate]
+            candidates.append(max(within, key=lambda q: q.rate) if within else p)
+    best = candidates[0]
     plot_pareto(points, best, args, out / "pareto.png")
     plot_timeline(args, cost, best, out / "timeline.png")
     print(f"wrote {out / 'pareto.png'} and {out / 'timeline.png'}")
-    candidates, seen = [], set()
-    for p in ranked:  # distinct settings, each at its best rate
-        if (p.max_num_batched_tokens, p.max_num_seqs) not in seen:
-            seen.add((p.max_num_batched_tokens, p.max_num_seqs))
-            candidates.append(p)
     verified = []
     for p in candidates[:args.verify]:
         print(f"verifying max_num_batched_tokens {p.max_num_batched_tokens}, max_num_seqs {p.max_num_seqs} at "

@@ -101,3 +101,18 @@ def test_percentiles_are_bench_serves():
     from scripts.bench_serve import percentiles as bench_percentiles
     values = [0.001 * v for v in (5, 1, 9, 3, 7, 2, 8)]
     assert percentiles(values) == pytest.approx(bench_percentiles(values))
+
+
+def test_step_jitter_is_seeded_and_keeps_the_mean():
+    """A shared machine's heavy tail: each step scaled by a mean-one log-normal factor drawn from the seed."""
+    noisy = StepCostModel({"step": 0.010}, jitter=0.5)
+    workload = [request(0.0, 4, 400)]
+
+    def run(seed):
+        return Simulator(SchedulerConfig(), 200, 4, 512, noisy, seed=seed).run(workload).records[0].token_times
+
+    a, b, c = run(1), run(1), run(2)
+    assert a == b and a != c
+    gaps = [y - x for x, y in zip(a, a[1:])]
+    assert sum(gaps) / len(gaps) == pytest.approx(0.010, rel=0.1)
+    assert max(gaps) > 2 * 0.010 and min(gaps) < 0.5 * 0.010

@@ -51,9 +51,14 @@ def test_tune_writes_plots_and_recommends(profile, tmp_path):
                       "80", "--verify", "0", "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "tune.json").read_text())
     assert len(result["points"]) == 12
-    best = result["recommendation"]
+    chosen = result["recommendation"]
     meeting = [p for p in result["points"] if p["attainment"] >= 0.9]
-    assert best["goodput"] == max(p["goodput"] for p in meeting)
+    top = max(meeting, key=lambda p: p["goodput"])
+    setting = (top["max_num_batched_tokens"], top["max_num_seqs"])
+    assert (chosen["max_num_batched_tokens"], chosen["max_num_seqs"]) == setting
+    # operated with headroom: the highest rate within 80% of the best one where the setting still meets them
+    assert chosen["request_rate"] == max(p["request_rate"] for p in meeting if p["request_rate"] <= 0.8 * top[
+        "request_rate"] and (p["max_num_batched_tokens"], p["max_num_seqs"]) == setting)
     for name in ("pareto.png", "timeline.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
