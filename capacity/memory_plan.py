@@ -135,26 +135,26 @@ class MemoryPlan:
             f"  max_model_len {self.max_model_len}, block_size {self.block_size}, max_num_seqs {self.max_num_seqs}, "
             f"max_num_batched_tokens {self.max_num_batched_tokens}",
             "",
-            f"  {'weights':<44}{mib(self.weight_bytes)}",
-            f"  {'KV bytes per token':<44}{self.kv_bytes_per_token:>10} B   (probed geometry, all layers, K + V)",
-            f"  {'KV budget':<44}{mib(self.kv_budget_bytes)}   ({self.kv_budget_source})",
-            f"  {'KV blocks':<44}{self.num_kv_blocks:>10}       x {self.block_size} tokens = {self.kv_tokens} tokens "
+            f"  {'weights':<48}{mib(self.weight_bytes)}",
+            f"  {'KV bytes per token':<48}{self.kv_bytes_per_token:>10} B   (probed geometry, all layers, K + V)",
+            f"  {'KV budget':<48}{mib(self.kv_budget_bytes)}   ({self.kv_budget_source})",
+            f"  {'KV blocks':<48}{self.num_kv_blocks:>10}       x {self.block_size} tokens = {self.kv_tokens} tokens "
             f"(+1 null block)",
-            f"  {'KV cache tensors':<44}{mib(self.kv_cache_bytes)}",
-            f"  {'peak activations (profiling step)':<44}{mib(self.peak_activation_bytes)}   "
+            f"  {'KV cache tensors':<48}{mib(self.kv_cache_bytes)}",
+            f"  {'peak activations (profiling step)':<48}{mib(self.peak_activation_bytes)}   "
             f"({self.peak_activation_step})",
-            f"  {'worker after load (runtime + weights + kernels)':<44}{mib(self.worker_loaded_rss_bytes)}",
-            f"  {'worker per-token state at full KV use':<44}{mib(self.worker_token_state_bytes * self.kv_tokens)}",
-            f"  {'worker peak RSS at full KV use':<44}{mib(self.worker_peak_rss_bytes)}",
+            f"  {'worker after load (runtime + weights + kernels)':<48}{mib(self.worker_loaded_rss_bytes)}",
+            f"  {'worker per-token state at full KV use':<48}{mib(self.worker_token_state_bytes * self.kv_tokens)}",
+            f"  {'worker peak RSS at full KV use':<48}{mib(self.worker_peak_rss_bytes)}",
         ]
         for name, value in self.process_overhead_bytes.items():
-            lines.append(f"  {name + ' process (measured at start)':<44}{mib(value)}")
+            lines.append(f"  {name + ' process (measured at start)':<48}{mib(value)}")
         lines += [
-            f"  {'queue memory per waiting request':<44}{self.queue_bytes_per_request:>10} B + "
+            f"  {'queue memory per waiting request':<48}{self.queue_bytes_per_request:>10} B + "
             f"{self.queue_bytes_per_prompt_token:.1f} B per prompt token",
-            f"  {f'full queue ({self.max_waiting_requests} x {self.max_model_len // 2}-token prompts)':<44}"
+            f"  {f'full queue ({self.max_waiting_requests} x {self.max_model_len // 2}-token prompts)':<48}"
             f"{mib(full_queue)}",
-            f"  {'total (all processes, full KV, full queue)':<44}{mib(self.total_bytes)}",
+            f"  {'total (all processes, full KV, full queue)':<48}{mib(self.total_bytes)}",
             "",
             f"  {'context':>8}{'blocks/req':>12}{'fit in KV':>11}{'concurrent':>12}  limited by",
         ]
