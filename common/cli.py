@@ -90,6 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=sched.async_scheduling,
                        help="plan the next step while the worker runs the current one (two steps in flight); "
                             "--no-async-scheduling plans, waits and settles one step at a time")
+    serve.add_argument("--ttft-slo-ms", type=float, default=sched.ttft_slo_ms,
+                       help="TTFT objective (ms): a request predicted to miss it is refused at once with 503 and "
+                            "Retry-After (0: off; a request's `ttft_slo_ms` field sets its own)")
+    serve.add_argument("--step-cost-profile", default=sched.step_cost_profile, metavar="JSON",
+                       help="calibrated step-cost profile (scripts/calibrate.py) for --ttft-slo-ms; without one the "
+                            "cost model is fitted online to the server's own steps")
     serve.add_argument("--block-size", type=_positive, default=cache.block_size, help="tokens per KV block")
     serve.add_argument("--num-kv-blocks", type=_positive, default=None,
                        help="fixed number of KV blocks (overrides --kv-cache-memory)")
@@ -138,7 +144,40 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--body-timeout", type=_seconds, default=ops.body_timeout,
                        help="seconds a client has to send the request body after its head (else HTTP 408)")
     serve.add_argument("--debug-step-delay", type=float, default=0.0, help=argparse.SUPPRESS)
+    _add_plan_parser(commands, default_model)
     return parser
+
+
+def _unit_fraction(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
+    return value
+
+
+def _add_plan_parser(commands, default_model: str | None) -> None:
+    """`shuttle plan`: the memory plan and the concurrency table, measured without starting a server."""
+    plan = commands.add_parser("plan", help="memory plan and how many requests fit (never starts the server)",
+                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    sched, cache = SchedulerConfig(), CacheConfig()
+    plan.add_argument("model_dir", nargs="?", default=default_model, metavar="MODEL_DIR")
+    plan.add_argument("--max-model-len", type=_positive, default=None, help="default: the model's position limit")
+    plan.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    budget = plan.add_mutually_exclusive_group()
+    budget.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
+                        help=f"bytes for the KV cache (default {cache.kv_cache_memory // 2**30}GiB, as shuttle serve)")
+    budget.add_argument("--gpu-memory-utilization", type=_unit_fraction, default=None,
+                        help="share of a CUDA device's memory for weights, activations and KV (CUDA devices only)")
+    budget.add_argument("--num-kv-blocks", type=_positive, default=None, help="a fixed number of KV blocks")
+    plan.add_argument("--block-size", type=_positive, default=cache.block_size)
+    plan.add_argument("--max-num-seqs", type=_positive, default=sched.max_num_seqs)
+    plan.add_argument("--max-num-batched-tokens", type=_positive, default=sched.max_num_batched_tokens)
+    plan.add_argument("--max-waiting-requests", type=_positive, default=sched.max_waiting_requests)
+    plan.add_argument("--attention-backend", choices=["auto", "cpu", "reference"],
+                      default=WorkerConfig().attention_backend)
+    plan.add_argument("--no-measure-processes", action="store_true",
+                      help="skip measuring the frontend and scheduler processes (two short subprocesses)")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         from common.launcher import serve
         return serve(args)
+    if args.command == "plan":
+        from capacity.memory_plan import main as plan
+        return plan(args)
     return 2
 
 

@@ -141,6 +141,10 @@ class SchedulerConfig:
         long_prefill_token_threshold: while other requests wait, one request's prefill chunk takes at most this many
             tokens of a step, so short prompts get their first token while a long one is chunked (vLLM's name);
             None: a quarter of max_num_batched_tokens; 0: no cap.
+        ttft_slo_ms: TTFT objective in ms; a request predicted to miss it is refused at arrival with 503
+            (scheduler/admission.py). 0: no objective (requests may still carry their own).
+        step_cost_profile: JSON step-cost profile (scripts/calibrate.py) for that prediction; "" fits the cost
+            model online to the server's own steps.
     """
 
     max_num_seqs: int = 128
@@ -152,6 +156,8 @@ class SchedulerConfig:
     async_scheduling: bool = True
     max_seqs_per_request: int = 0
     long_prefill_token_threshold: int | None = None
+    ttft_slo_ms: float = 0.0
+    step_cost_profile: str = ""
 
 
 @dataclass(frozen=True)
@@ -242,6 +248,12 @@ class ShuttleConfig:
     def from_args(args: argparse.Namespace, ipc: IpcConfig) -> "ShuttleConfig":
         """Build from `shuttle serve` arguments (see common/cli.py). Raises ModelDirError."""
         model = ModelConfig.from_dir(args.model_dir, args.max_model_len, args.served_model_name, args.dtype)
+        if args.step_cost_profile:  # a bad profile is a one-line error now, not a scheduler traceback later
+            from common.step_cost import StepCostModel
+            try:
+                StepCostModel.load(args.step_cost_profile)
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                raise ModelDirError(f"--step-cost-profile {args.step_cost_profile}: {exc}") from None
         max_batched = args.max_num_batched_tokens
         return ShuttleConfig(
             model=model,
@@ -250,7 +262,8 @@ class ShuttleConfig:
             scheduler=SchedulerConfig(args.max_num_seqs, max_batched, args.max_waiting_requests,
                                       args.scheduling_policy, args.priority_aging_seconds, args.request_timeout,
                                       args.async_scheduling, args.max_seqs_per_request,
-                                      args.long_prefill_token_threshold),
+                                      args.long_prefill_token_threshold, args.ttft_slo_ms,
+                                      args.step_cost_profile),
             worker=WorkerConfig(args.attention_backend),
             host=args.host,
             port=args.port,

@@ -32,6 +32,7 @@ from urllib.parse import urlsplit
 
 import zmq
 
+from common.capacity import requests_that_fit
 from common.config import IpcConfig, ShuttleConfig
 from common.errors import ModelDirError
 from common.ipc import CURVE_ENV, Channel, CurveKeys
@@ -56,6 +57,20 @@ def _free_tcp_endpoints(n: int) -> list[str]:
     for s in sockets:
         s.close()
     return [f"tcp://127.0.0.1:{p}" for p in ports]
+
+
+def capacity_lines(config: ShuttleConfig, cap: dict) -> list[str]:
+    """The start-up lines about the KV cache, from the scheduler's ready report `cap` (num_kv_blocks, block_size,
+    kv_tokens, kv_bytes_per_token); `shuttle plan` predicts the same figures."""
+    max_len = config.model.max_model_len
+    fit = requests_that_fit(cap["num_kv_blocks"], cap["block_size"], max_len)
+    lines = [f"KV cache {cap['num_kv_blocks']} blocks x {cap['block_size']} tokens = {cap['kv_tokens']} tokens "
+             f"({cap['kv_bytes_per_token']} bytes/token); {fit} requests of max_model_len {max_len} fit"]
+    if fit == 0:
+        lines.append(f"warning: the KV cache holds {cap['kv_tokens']} tokens, fewer than max_model_len {max_len}: "
+                     f"requests needing more are rejected (raise --kv-cache-memory or --num-kv-blocks, or lower "
+                     f"--max-model-len)")
+    return lines
 
 
 def _say(message: str) -> None:
@@ -365,17 +380,10 @@ class Launcher:
         return {**self.engine.pids(), **self.frontend.pids()}
 
     def _announce(self) -> None:
-        cap = self.engine.ready["scheduler"]
         info = self.frontend.ready["frontend"]
         url = info["url"]
-        fit = cap["kv_tokens"] // self.config.model.max_model_len
-        _say(f"KV cache {cap['num_kv_blocks']} blocks x {cap['block_size']} tokens = {cap['kv_tokens']} tokens "
-             f"({cap['kv_bytes_per_token']} bytes/token); {fit} requests of max_model_len "
-             f"{self.config.model.max_model_len} fit")
-        if fit == 0:
-            _say(f"warning: the KV cache holds {cap['kv_tokens']} tokens, fewer than max_model_len "
-                 f"{self.config.model.max_model_len}: requests needing more are rejected (raise --kv-cache-memory or "
-                 f"--num-kv-blocks, or lower --max-model-len)")
+        for line in capacity_lines(self.config, self.engine.ready["scheduler"]):
+            _say(line)
         batch = info.get("batch_endpoint", "")
         _say(f"serving {self.config.model.served_model_name} at {url}" + (f", batch jobs at {batch}" if batch else "")
              + "  (Ctrl-C stops)")

@@ -49,6 +49,7 @@ class Submit(msgspec.Struct, **_WIRE):
     priority: int = 0
     timeout: float = 0.0
     group_id: str = ""  # the client request this sequence belongs to (fair shares); "" = its own request_id
+    ttft_slo_ms: float = 0.0  # the request's own TTFT objective (0: the server's --ttft-slo-ms, if any)
 
 
 class Abort(msgspec.Struct, **_WIRE):
@@ -93,6 +94,8 @@ class RequestOutput(msgspec.Struct, **_WIRE):
     logprobs: list[TokenLogprobs] = []  # one per new token, when the request asked for logprobs
     first_scheduled_time: float = 0.0  # time.time() when the request left the queue (on its first output)
     prompt_logprobs: list[TokenLogprobs] = []  # prompt tokens 1.. (on the first output), if asked
+    retry_after_s: float = 0.0  # with a 503: seconds after which a retry should succeed (0: unknown)
+    rejection: str = ""  # why a request was refused at arrival when that is not told by the status ("slo")
 
 
 class SchedulerStats(msgspec.Struct, **_WIRE):

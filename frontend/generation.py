@@ -51,6 +51,7 @@ class TextGeneration:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     finish_reason: str | None = None
+    ttft_slo_ms: float = 0.0  # the request's own TTFT objective (0: the server's)
 
     async def deltas(self) -> AsyncIterator[TextDelta]:
         """Yield text deltas until the sequence finishes; leaving early aborts it in the scheduler.
@@ -78,15 +79,17 @@ class TextGeneration:
         text_length = 0  # characters the detokenizer has produced
         held: list[tuple[int, int, TokenLogprobs | None]] = []  # (start of its text, token id, logprobs) not yet out
         async for output in self.engine.generate(self.request_id, self.prompt_token_ids, self.sampling,
-                                                 self.priority, self.timeout, self.group_id):
+                                                 self.priority, self.timeout, self.group_id, self.ttft_slo_ms):
             if self.metrics is not None:
                 self.metrics.on_output(output)
             if output.finish_reason == FinishReason.ERROR:
                 if self.metrics is not None and output.error_status in (400, 503) and not self.num_output_tokens:
-                    self.metrics.on_rejected(output.error_status)
+                    self.metrics.on_rejected(output.error_status, output.rejection)
                 self.finish_reason = "error"
                 status = output.error_status or 500
-                retry_after = self.engine.refusal_retry_after() if status == 503 else None
+                retry_after = None
+                if status == 503:  # the scheduler's own estimate (an SLO refusal) beats the queue-drain estimate
+                    retry_after = output.retry_after_s or self.engine.refusal_retry_after()
                 raise GenerationError(status, output.error_message, retry_after)
             self.num_cached_tokens = output.num_cached_tokens
             if output.prompt_logprobs:

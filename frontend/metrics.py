@@ -66,8 +66,8 @@ class Metrics:
         self.generation_tokens = Counter("shuttle:generation_tokens", "Generated tokens.", registry=r)
         self.finished = Counter("shuttle:request_success", "Finished requests by finish_reason.",
                                 ["finished_reason"], registry=r)
-        self.rejected = Counter("shuttle:request_rejected", "Requests refused: queue full (503), never fits or "
-                                "invalid (400).", ["reason"], registry=r)
+        self.rejected = Counter("shuttle:request_rejected", "Requests refused: queue full (503), TTFT objective "
+                                "out of reach (slo, 503), never fits or invalid (400).", ["reason"], registry=r)
         self.step_batch = Histogram("shuttle:iteration_batch_size", "Sequences scheduled per step.", buckets=_COUNTS,
                                     registry=r)
         self.step_tokens = Histogram("shuttle:iteration_tokens_total", "Tokens scheduled per step.", buckets=_COUNTS,
@@ -128,6 +128,7 @@ class RequestMetrics:
             if self.num_tokens > 1:
                 self.metrics.tpot.observe((self.last_token - self.first_token) / (self.num_tokens - 1))
 
-    def on_rejected(self, status: int) -> None:
+    def on_rejected(self, status: int, reason: str = "") -> None:
+        """Count a refusal at arrival: `reason` when the scheduler gave one ("slo"), else by status."""
         self.done = True
-        self.metrics.rejected.labels("queue_full" if status == 503 else "never_fits").inc()
+        self.metrics.rejected.labels(reason or ("queue_full" if status == 503 else "never_fits")).inc()

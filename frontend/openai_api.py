@@ -49,7 +49,7 @@ def build_generations(state: FrontendState, body: SamplingFields, prompts: list[
             generations.append(TextGeneration(
                 state.engine, state.tokenizer, f"{request_id}-{index}", ids, sampling, index, body.priority,
                 body.timeout or 0.0, stops, body.include_stop_str_in_output, state.metrics.request(len(ids)),
-                group_id=request_id))
+                group_id=request_id, ttft_slo_ms=body.ttft_slo_ms or 0.0))
     return generations
 
 

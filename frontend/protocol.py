@@ -25,6 +25,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     vLLM extensions: top_k, min_p, repetition_penalty, stop_token_ids, ignore_eos, min_tokens, priority,
     include_stop_str_in_output, return_token_ids (adds prompt_token_ids and token_ids to each choice).
     `timeout` (seconds from arrival) ends the request with an error (HTTP 408) if it has not finished by then.
+    `ttft_slo_ms` is the request's own TTFT objective: refused at once (HTTP 503) when predicted to be missed.
     """
 
     model: str | None = None
@@ -48,6 +49,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     logit_bias: dict[str, float] | None = None
     priority: int = 0
     timeout: float | None = None
+    ttft_slo_ms: float | None = None
     return_token_ids: bool = False
     user: str | None = None
 
@@ -194,6 +196,8 @@ def sampling_params(request: SamplingFields, num_prompt_tokens: int, max_model_l
     """
     if request.timeout is not None and not 0 < request.timeout <= 86400:
         raise InvalidRequestError("timeout must be in (0, 86400] seconds", param="timeout")
+    if request.ttft_slo_ms is not None and not 0 < request.ttft_slo_ms <= 86_400_000:
+        raise InvalidRequestError("ttft_slo_ms must be in (0, 86400000] milliseconds", param="ttft_slo_ms")
     if not -(2**31) <= request.priority < 2**31:
         raise InvalidRequestError("priority must fit in 32 bits", param="priority")
     if request.stream_options is not None and not request.stream:

@@ -5,6 +5,7 @@ import sys
 
 import zmq
 
+from common.capacity import requests_that_fit
 from common.process import child_main_args, report_ready
 from scheduler.liveness import EXIT_WORKER_HUNG, WorkerHung
 from scheduler.loop import SchedulerLoop
@@ -20,7 +21,8 @@ def main() -> None:
     tokens = worker.num_kv_blocks * cache.block_size
     log.info("KV cache: %d blocks of %d tokens = %d tokens, %d bytes/token; %d requests of max_model_len %d fit; "
              "weights %.1f MiB", worker.num_kv_blocks, cache.block_size, tokens, worker.kv_bytes_per_token,
-             tokens // model.max_model_len, model.max_model_len, worker.weight_bytes / 2**20)
+             requests_that_fit(worker.num_kv_blocks, cache.block_size, model.max_model_len), model.max_model_len,
+             worker.weight_bytes / 2**20)
     report_ready(config, "scheduler", num_kv_blocks=worker.num_kv_blocks, block_size=cache.block_size,
                  kv_tokens=tokens, kv_bytes_per_token=worker.kv_bytes_per_token, weight_bytes=worker.weight_bytes,
                  max_model_len=model.max_model_len)

@@ -29,6 +29,7 @@ from common.messages import (
     CachedRequestData, FinishReason, NewRequestData, RequestOutput, SchedulerStats, StepPlan, StepResult, Submit,
     TokenLogprobs,
 )
+from scheduler.admission import make_admission
 from scheduler.fairness import GroupShares
 from scheduler.kv_cache import KVCacheManager
 from scheduler.queue import WaitingQueue
@@ -110,6 +111,7 @@ class Scheduler:
         self._deadlines: list[tuple[float, int, Request]] = []
         self._deadline_seq = itertools.count()
         self._pending_outputs: dict[bytes, list[RequestOutput]] = defaultdict(list)
+        self.admission = make_admission(config.ttft_slo_ms, config.step_cost_profile)  # scheduler/admission.py
 
     # ---- arrivals and departures ------------------------------------------------------------------------
 
@@ -127,6 +129,11 @@ class Scheduler:
         request.rank = self.waiting.rank(request)
         if self.num_waiting >= self.config.max_waiting_requests and not self._make_room_for(request):
             return self._reject(client, submit.request_id, 503, "the server is at capacity: waiting queue is full")
+        verdict = self.admission.check(self, request, submit.ttft_slo_ms)
+        if verdict is not None:  # its first token would come too late even if it waited: say so now
+            return self._reject(client, submit.request_id, 503,
+                                f"the server cannot meet the TTFT objective now: predicted time to first token "
+                                f"{verdict.predicted_ttft_s * 1000:.0f} ms", verdict.retry_after_s, "slo")
         timeout = submit.timeout or self.config.request_timeout
         if submit.timeout and self.config.request_timeout:  # the server's limit is a cap, not a default only
             timeout = min(submit.timeout, self.config.request_timeout)
@@ -201,10 +208,12 @@ class Scheduler:
             request.request_id, token_ids, reason, max(request.num_cached_tokens, 0), status, message, logprobs or [],
             request.first_scheduled_time if first else 0.0, request.prompt_logprobs if first else []))
 
-    def _reject(self, client: bytes, request_id: str, status: int, message: str) -> None:
+    def _reject(self, client: bytes, request_id: str, status: int, message: str, retry_after_s: float = 0.0,
+                rejection: str = "") -> None:
         self.num_rejected += 1
         self._pending_outputs[client].append(
-            RequestOutput(request_id, finish_reason=FinishReason.ERROR, error_status=status, error_message=message))
+            RequestOutput(request_id, finish_reason=FinishReason.ERROR, error_status=status, error_message=message,
+                          retry_after_s=retry_after_s, rejection=rejection))
 
     def _finish(self, request: Request, reason: FinishReason, status: int = 0, message: str = "",
                 new_token_ids: list[int] | None = None, logprobs: list[TokenLogprobs] | None = None) -> None:
@@ -215,6 +224,7 @@ class Scheduler:
         self.shares.leave(request)
         self.kv.free(request)
         request.status = RequestStatus.FINISHED
+        self.admission.on_finished(request)
         del self.requests[request.request_id]
         self._forget_in_worker(request)
         self._emit(request, new_token_ids or [], reason, logprobs, status, message)
@@ -287,6 +297,7 @@ class Scheduler:
                 budget -= self._book(step, request, num_new)
 
         self._fill_plan(step, new_blocks)
+        self.admission.on_planned(step)
         return step
 
     def _chunk_limit(self, others_wait: bool | None = None) -> int:
@@ -359,6 +370,7 @@ class Scheduler:
     def update_from_output(self, step: ScheduledStep, result: StepResult) -> None:
         """Settle a step: commit written blocks, turn placeholders into sampled tokens, finish what stopped.
         Outputs collect in `take_outputs()`."""
+        self.admission.on_settled(step)
         scheduled = step.scheduled
         for entry in scheduled.values():
             request = entry.request

@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q torch==2.13.0
-.venv/bin/python -m pip install -q -e '.[test]'
+.venv/bin/python -m pip install -q -e '.[test,tune]'
 # Compile the CPU paged-attention kernel once now (numba caches it beside worker/decode_kernel.py), so no worker
 # pays the compilation at start-up.
 .venv/bin/python -c "from worker import decode_kernel; decode_kernel.warm_up(1)"

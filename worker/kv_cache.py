@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from common.capacity import kv_blocks_for_memory
 from worker.model_loader import LayerGeometry
 
 
@@ -43,7 +44,7 @@ class KVCache:
         """
         bytes_per_token = KVCache.bytes_per_token_of(geometry, dtype)
         if num_blocks is None:
-            num_blocks = memory_bytes // (bytes_per_token * block_size) - 1  # one goes to the null block
+            num_blocks = kv_blocks_for_memory(memory_bytes, bytes_per_token, block_size)  # less the null block
         if num_blocks < 1:
             raise ValueError(f"KV cache budget of {memory_bytes} bytes holds no block of {block_size} tokens")
         layers = [(torch.zeros((num_blocks + 1, block_size, g.num_kv_heads, g.head_dim), dtype=dtype, device=device),

@@ -1,0 +1,160 @@
+"""Measure the real ModelRunner on a grid of step shapes and fit the step-cost model (common/step_cost.py).
+
+Each configuration is driven by a real Scheduler (no prefix caching) exactly as bench_overhead.py does: requests
+are prefilled in chunks, then decode steps run; every step goes through the worker's critical path as in the
+server (plan decoded from msgpack, applied, packed, forward, sample, result encoded) and is timed whole, so the
+engine's per-step overhead is part of what is fitted. The scheduler's own time per step (plan + settle) is
+measured alongside and saved as `scheduler_s`. Per configuration the median step is kept (a loaded machine
+throws outliers), then the coefficients are fitted by non-negative least squares on relative error.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from dataclasses import dataclass
+
+import msgspec
+import torch
+
+from common.config import CacheConfig, IpcConfig, ModelConfig, SchedulerConfig, ShuttleConfig, WorkerConfig
+from common.messages import PlanMessage, StepResult, Submit, WorkerMessage
+from common.sampling import SamplingParams
+from common.step_cost import StepCostModel, StepShape, shape_of
+from scheduler.kv_cache import KVCacheManager
+from scheduler.scheduler import ScheduledStep, Scheduler
+from worker.worker import ModelRunner
+
+
+MAX_PREFILL_TOKENS = 16384  # a decode configuration first prefills batch x context tokens: keep that affordable
+
+
+@dataclass
+class Measurement:
+    """One configuration's median step: its shape, seconds, and the scheduler's seconds for it."""
+
+    label: str
+    shape: StepShape
+    seconds: float
+    scheduler_seconds: float
+
+
+def grid(max_model_len: int, max_num_batched_tokens: int, max_num_seqs: int) -> list[tuple[str, int, int, int]]:
+    """(kind, batch, prompt_len, chunk) configurations spanning the shapes a server meets: decode batches over
+    contexts, prefill chunks of growing size, and single-token prefills."""
+    contexts = sorted({c for c in (16, 128, 512, 2048) if c < max_model_len - 8} | {max(8, max_model_len // 2)})
+    batches = sorted({b for b in (1, 4, 16, 32, 64, 128) if b <= max_num_seqs} | {min(max_num_seqs, 8)})
+    configs = [("decode", b, c, 0) for b in batches for c in contexts if b * c <= MAX_PREFILL_TOKENS]
+    chunks = sorted({q for q in (16, 64, 256, 1024, 2048) if q <= max_num_batched_tokens} | {max_num_batched_tokens})
+    configs += [("prefill", 1, min(max_model_len - 8, 4 * q), q) for q in chunks]
+    configs += [("prefill", 4, min(max_model_len - 8, q), q) for q in chunks if 4 * q <= max_num_batched_tokens]
+    return configs
+
+
+class Calibrator:
+    """Owns one ModelRunner with a KV cache large enough for the grid.
+
+    Args:
+        model_dir: Hugging Face model directory.
+        dtype: weights and KV dtype.
+        max_model_len: None for the model's limit.
+        block_size: tokens per KV block.
+        attention_backend: as `shuttle serve --attention-backend`.
+    """
+
+    def __init__(self, model_dir: str, dtype: str = "float32", max_model_len: int | None = None,
+                 block_size: int = 16, attention_backend: str = "auto", num_kv_blocks: int = 0):
+        self.model_config = ModelConfig.from_dir(model_dir, max_model_len, dtype=dtype)
+        self.block_size = block_size
+        blocks = num_kv_blocks or 128 * -(-min(self.model_config.max_model_len, 2048) // block_size) + 16
+        config = ShuttleConfig(model=self.model_config, ipc=IpcConfig.in_directory("/nonexistent"),
+                               cache=CacheConfig(block_size, blocks, enable_prefix_caching=False),
+                               worker=WorkerConfig(attention_backend))
+        self.runner = ModelRunner(config)
+        self.vocab = self.runner.model.get_output_embeddings().weight.shape[0]
+        self._encoder = msgspec.msgpack.Encoder()
+        self._plan_decoder = msgspec.msgpack.Decoder(PlanMessage)
+        self._result_decoder = msgspec.msgpack.Decoder(WorkerMessage)
+
+    def step(self, scheduler: Scheduler) -> tuple[ScheduledStep, float, float]:
+        """Plan, execute and settle one step; returns it with (worker seconds, scheduler seconds)."""
+        t0 = time.perf_counter()
+        step = scheduler.schedule()
+        t1 = time.perf_counter()
+        plan = self._plan_decoder.decode(self._encoder.encode(step.plan))
+        result = self.runner.execute(plan)
+        result = self._result_decoder.decode(self._encoder.encode(result))
+        t2 = time.perf_counter()
+        scheduler.update_from_output(step, result)
+        scheduler.take_outputs()
+        t3 = time.perf_counter()
+        return step, t2 - t1, (t1 - t0) + (t3 - t2)
+
+    def measure(self, kind: str, batch: int, prompt_len: int, chunk: int, repeats: int = 5,
+                seed: int = 0) -> list[Measurement]:
+        """Run one configuration; returns its prefill and decode medians (labelled)."""
+        budget = chunk * batch if kind == "prefill" else max(batch * prompt_len, batch)
+        config = SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=budget)
+        num_blocks = self.runner.kv_cache.num_blocks
+        scheduler = Scheduler(config, KVCacheManager(num_blocks, self.block_size, enable_caching=False),
+                              self.model_config.max_model_len, ())
+        generator = torch.Generator().manual_seed(seed)
+        steps = repeats + 2
+        params = SamplingParams(max_tokens=max(steps, 1), temperature=0.0, ignore_eos=True)
+        for i in range(batch):
+            prompt = torch.randint(3, self.vocab, (prompt_len,), generator=generator).tolist()
+            scheduler.add_request(b"cal", Submit(f"r{i}", prompt, params, float(i)))
+        prefill, decode = [], []
+        while scheduler.has_work and len(decode) < repeats:
+            step, seconds, sched = self.step(scheduler)
+            chunks = [(e.start, e.num_new, e.samples) for e in step.scheduled.values()]
+            is_decode = all(n == 1 for _, n, _ in chunks)
+            (decode if is_decode else prefill).append((shape_of(chunks), seconds, sched))
+            if kind == "prefill" and not is_decode and all(e.samples for e in step.scheduled.values()):
+                break  # the prompts are done: that is all a prefill configuration measures
+        scheduler.abort(list(scheduler.requests))
+        self.runner.batch.apply(scheduler.schedule().plan)  # the worker forgets them
+        label = f"{kind} batch {batch} prompt {prompt_len}" + (f" chunk {chunk}" if chunk else "")
+        if kind == "prefill":  # each chunk attends over a longer context: distinct shapes, kept one by one
+            return [Measurement(f"{label} at {s.num_tokens} tokens, attention {s.prefill_attention}", s, sec, sch)
+                    for s, sec, sch in prefill]
+        return [_median(label, decode)] if decode else []
+
+    def calibrate(self, max_num_batched_tokens: int, max_num_seqs: int, repeats: int = 5,
+                  progress=print) -> tuple[StepCostModel, list[Measurement]]:
+        """Measure the grid and fit. Returns the model and the measurements it was fitted to."""
+        with torch.inference_mode():
+            self.measure("decode", 1, 16, 0, repeats=2)  # warm-up: first calls pay lazy initialisation
+        measurements: list[Measurement] = []
+        configs = grid(self.model_config.max_model_len, max_num_batched_tokens, max_num_seqs)
+        for i, (kind, batch, prompt_len, chunk) in enumerate(configs):
+            with torch.inference_mode():
+                if kind == "prefill":  # each run gives one sample per chunk: run it `repeats` times, keep medians
+                    runs = [self.measure(kind, batch, prompt_len, chunk, repeats, seed) for seed in range(repeats)]
+                    found = [_median(same[0].label, [(m.shape, m.seconds, m.scheduler_seconds) for m in same])
+                             for same in zip(*runs)]
+                else:
+                    found = self.measure(kind, batch, prompt_len, chunk, repeats)
+            measurements.extend(found)
+            for m in found:
+                progress(f"[{i + 1}/{len(configs)}] {m.label}: {m.seconds * 1e3:.2f} ms")
+        model = StepCostModel.fit([m.shape for m in measurements], [m.seconds for m in measurements],
+                                  scheduler_s=statistics.median(m.scheduler_seconds for m in measurements),
+                                  meta=self.meta())
+        return model, measurements
+
+    def meta(self) -> dict:
+        """What the simulator needs besides the coefficients, and how the measurement was made."""
+        return {"model": self.model_config.model_dir, "dtype": self.model_config.dtype,
+                "max_model_len": self.model_config.max_model_len, "vocab_size": self.vocab,
+                "kv_bytes_per_token": self.runner.kv_cache.bytes_per_token,
+                "block_size": self.block_size, "attention_backend": self.runner.backend.name,
+                "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count(),
+                "load_average_at_start": os.getloadavg()[0], "created": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def _median(label: str, rows: list[tuple[StepShape, float, float]]) -> Measurement:
+    ordered = sorted(rows, key=lambda r: r[1])
+    shape, seconds, _ = ordered[len(ordered) // 2]
+    return Measurement(label, shape, seconds, statistics.median(r[2] for r in rows))

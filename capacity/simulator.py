@@ -1,0 +1,255 @@
+"""A discrete-event simulator of one serving group that drives the real Scheduler (scheduler/scheduler.py) with a
+virtual clock and a step-cost model instead of a worker.
+
+The event loop has the overlapped loop's semantics (scheduler/loop.py): with async scheduling up to two plans are
+in flight, step N+1 is planned as soon as step N was sent, the worker runs plans in order (a step starts when it
+was sent and the previous one ended), and the scheduler settles a step when its result is back, taking in the
+requests that arrived meanwhile first. Each step's duration is StepCostModel.predict of its shape; the scheduler's
+own time per step (plan + settle) is added to the scheduler's clock, and client_s to every token a client sees.
+Sampled tokens are fabricated (never an end-of-sequence id: outputs have their workload length, as with
+bench_serve.py's ignore_eos), so everything else (chunked prefill, KV blocks, prefix cache, preemption,
+admission, SLO refusals) is the real code's behaviour.
+
+Deterministic: the same workload, configuration, cost model and seed give the same result, bit for bit (the
+seed drives the optional step-time jitter of the cost model).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+from collections import deque
+from dataclasses import dataclass, field
+
+from common.config import SchedulerConfig
+from common.messages import FinishReason, StepResult, Submit
+from common.sampling import SamplingParams
+from common.step_cost import StepCostModel, shape_of
+from capacity.workload import SimRequest
+from scheduler.admission import SloAdmission
+from scheduler.kv_cache import KVCacheManager
+from scheduler.scheduler import ScheduledStep, Scheduler
+
+CLIENT = b"sim"
+FILLER_TOKEN = 5  # the fabricated sampled token; never an end-of-sequence id in the simulation
+IDLE_POLL_S = 0.1  # scheduler/loop.py's IDLE_POLL_MS: how long a stuck scheduler waits for news
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """What one request experienced (seconds from the start of the simulation).
+
+    Attributes:
+        arrival: when the client sent it.
+        token_times: when each output token reached the client.
+        status: 0 when it finished; else the HTTP status of its error (503 refused, ...).
+        retry_after_s: with a refusal, the Retry-After the client was given.
+        finish: when its last token (or its error) reached the client.
+    """
+
+    arrival: float
+    prompt_len: int
+    output_len: int
+    token_times: list[float] = field(default_factory=list)
+    status: int = 0
+    retry_after_s: float = 0.0
+    finish: float = math.nan
+
+    @property
+    def ttft(self) -> float:
+        return self.token_times[0] - self.arrival
+
+    @property
+    def itls(self) -> list[float]:
+        times = self.token_times
+        return [b - a for a, b in zip(times, times[1:])]
+
+
+@dataclass
+class Sample:
+    """The scheduler's state when a step was planned (for queue length / KV usage over time)."""
+
+    time: float
+    num_waiting: int
+    num_running: int
+    kv_usage: float  # blocks in use / total
+    num_tokens: int  # scheduled in the step
+
+
+@dataclass
+class SimResult:
+    records: list[RequestRecord]
+    samples: list[Sample]
+    num_steps: int  # steps the worker ran
+    num_preemptions: int
+    duration: float  # first arrival to last finish, seconds
+
+    @property
+    def completed(self) -> list[RequestRecord]:
+        return [r for r in self.records if r.status == 0 and r.token_times]
+
+    def summary(self, ttft_slo_ms: float | None = None, itl_slo_ms: float | None = None) -> dict:
+        """bench_serve.py's summary keys: counts, throughput, goodput and mean/median/p90/p99 in ms of TTFT,
+        TPOT, ITL and e2e (nearest-rank percentiles, as bench_serve computes them). Goodput counts, as
+        bench_serve's does, requests whose TTFT and mean inter-token time (TPOT) are within the objectives."""
+        done = self.completed
+        duration = max(self.duration, 1e-9)
+        tpots = [(r.token_times[-1] - r.token_times[0]) / (len(r.token_times) - 1) for r in done
+                 if len(r.token_times) > 1]
+        good = [r for r in done if (ttft_slo_ms is None or 1000 * r.ttft <= ttft_slo_ms)
+                and (itl_slo_ms is None or len(r.token_times) < 2
+                     or 1000 * (r.token_times[-1] - r.token_times[0]) / (len(r.token_times) - 1) <= itl_slo_ms)]
+        return {
+            "completed": len(done), "refused": sum(r.status == 503 for r in self.records),
+            "failed": sum(r.status not in (0, 503) for r in self.records),
+            "duration_s": duration, "request_throughput": len(done) / duration,
+            "output_token_throughput": sum(len(r.token_times) for r in done) / duration,
+            "input_token_throughput": sum(r.prompt_len for r in done) / duration,
+            "goodput": len(good) / duration if (ttft_slo_ms or itl_slo_ms) else None,
+            "ttft_ms": percentiles([r.ttft for r in done]), "tpot_ms": percentiles(tpots),
+            "itl_ms": percentiles([x for r in done for x in r.itls]),
+            "e2e_ms": percentiles([r.token_times[-1] - r.arrival for r in done]),
+            "num_steps": self.num_steps, "num_preemptions": self.num_preemptions,
+            "max_waiting": max((s.num_waiting for s in self.samples), default=0),
+            "max_kv_usage": max((s.kv_usage for s in self.samples), default=0.0),
+        }
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    """mean, median, p90, p99 in milliseconds of values in seconds (bench_serve.py's nearest-rank rule)."""
+    if not values:
+        return {"mean": 0.0, "median": 0.0, "p90": 0.0, "p99": 0.0}
+    ordered = sorted(values)
+    n = len(ordered)
+
+    def rank(p: float) -> float:
+        return ordered[min(n - 1, max(0, int(round(p / 100 * n + 0.5)) - 1))]
+
+    middle = ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
+    return {"mean": 1000 * sum(ordered) / n, "median": 1000 * middle, "p90": 1000 * rank(90),
+            "p99": 1000 * rank(99)}
+
+
+class Simulator:
+    """One serving group in virtual time.
+
+    Args:
+        config: the scheduler's budgets and policies (ttft_slo_ms switches SLO admission on, predicted with
+            `cost` itself unless `admission_cost` is given).
+        num_blocks: KV blocks (what the worker would report for the memory budget).
+        block_size: tokens per block.
+        max_model_len: longest prompt + output.
+        cost: the step-cost model (seconds per step from its shape).
+        enable_prefix_caching: share full blocks of identical prefixes.
+        max_concurrency: closed loop: at most this many unfinished requests; the next one is sent when one ends.
+        admission_cost: the cost model SLO admission predicts with (default: `cost`); None with
+            use_online_admission fits it online from the simulated steps, as a server without a profile does.
+    """
+
+    def __init__(self, config: SchedulerConfig, num_blocks: int, block_size: int, max_model_len: int,
+                 cost: StepCostModel, enable_prefix_caching: bool = True, max_concurrency: int | None = None,
+                 admission_cost: StepCostModel | None = None, use_online_admission: bool = False, seed: int = 0):
+        self.config = config
+        self.cost = cost
+        self.max_in_flight = 2 if config.async_scheduling else 1
+        self.max_concurrency = max_concurrency
+        self.now = 0.0
+        self._noise = random.Random(seed)  # step-time jitter (cost.jitter), seeded: runs repeat exactly
+        # the scheduler never sees the profile path: admission gets the model and the virtual clock directly
+        plain = dataclasses.replace(config, step_cost_profile="")
+        self.scheduler = Scheduler(plain, KVCacheManager(num_blocks, block_size, enable_prefix_caching),
+                                   max_model_len, eos_token_ids=())
+        self.scheduler.admission = SloAdmission(config.ttft_slo_ms,
+                                                None if use_online_admission else (admission_cost or cost),
+                                                clock=lambda: self.now)
+
+    def _jittered(self, seconds: float) -> float:
+        sigma = self.cost.jitter
+        if not sigma:
+            return seconds
+        return seconds * math.exp(sigma * self._noise.gauss(0.0, 1.0) - sigma * sigma / 2)
+
+    def run(self, workload: list[SimRequest]) -> SimResult:
+        """Simulate the whole workload to its end. Raises RuntimeError if the scheduler can make no progress."""
+        scheduler, cost = self.scheduler, self.cost
+        order = sorted(range(len(workload)), key=lambda i: workload[i].arrival)
+        records = [RequestRecord(w.arrival, len(w.prompt_token_ids), w.output_len) for w in workload]
+        pending = deque(order)  # not yet sent, in arrival order
+        # closed loop: when each of the max_concurrency client slots is free next (finishes come in time order)
+        slots = deque([0.0] * self.max_concurrency) if self.max_concurrency is not None else None
+        in_flight: deque[tuple[ScheduledStep, float]] = deque()
+        worker_free = 0.0
+        samples: list[Sample] = []
+        pool = scheduler.kv.pool
+
+        def next_arrival() -> float:
+            if not pending or slots == deque():
+                return math.inf
+            return max(workload[pending[0]].arrival, slots[0] if slots else 0.0)
+
+        def send_until(t: float) -> None:
+            while pending and (arrival := next_arrival()) <= t:
+                index = pending.popleft()
+                if slots:
+                    slots.popleft()
+                request = workload[index]
+                records[index].arrival = arrival
+                self.now = max(self.now, arrival)  # the loop takes a Submit in as it comes, even mid-wait
+                scheduler.add_request(CLIENT, Submit(
+                    str(index), request.prompt_token_ids, SamplingParams(max_tokens=request.output_len,
+                                                                         ignore_eos=True, temperature=0.0),
+                    arrival, ttft_slo_ms=request.ttft_slo_ms))
+                deliver(arrival)  # a refusal comes back at once
+
+        def deliver(t: float) -> None:
+            for output in scheduler.take_outputs().get(CLIENT, []):
+                record = records[int(output.request_id)]
+                if output.new_token_ids:
+                    record.token_times.extend([t + cost.client_s] * len(output.new_token_ids))
+                if output.finish_reason is not None:
+                    record.finish = t + cost.client_s
+                    if output.finish_reason == FinishReason.ERROR:
+                        record.status = output.error_status or 500
+                        record.retry_after_s = output.retry_after_s
+                    if slots is not None:  # closed loop: the client sends its next request now
+                        slots.append(record.finish)
+
+        while True:
+            send_until(self.now)
+            if not in_flight and not scheduler.has_work:
+                upcoming = next_arrival()
+                if upcoming == math.inf:
+                    break
+                self.now = max(self.now, upcoming)
+                continue
+            sent = False
+            if len(in_flight) < self.max_in_flight and scheduler.has_work:
+                step = scheduler.schedule()
+                if not step.is_empty:
+                    self.now += cost.scheduler_s / 2  # planning
+                    start = max(self.now, worker_free)
+                    worker_free = start + self._jittered(cost.predict(shape_of(
+                        (e.start, e.num_new, e.samples) for e in step.scheduled.values())))
+                    in_flight.append((step, worker_free))
+                    sent = True
+                    samples.append(Sample(self.now, scheduler.num_waiting, len(scheduler.running),
+                                          (pool.num_blocks - pool.num_free) / pool.num_blocks, step.num_tokens))
+            if in_flight and (not sent or len(in_flight) >= self.max_in_flight):
+                step, finish = in_flight.popleft()
+                send_until(finish)  # the loop takes in Submits while it waits for the result
+                self.now = max(self.now, finish)
+                sampled = step.sampling_ids
+                scheduler.update_from_output(step, StepResult(step.plan.step_id, sampled,
+                                                              [FILLER_TOKEN] * len(sampled)))
+                deliver(self.now)
+                self.now += cost.scheduler_s / 2  # settling
+            elif not sent and scheduler.has_work:
+                upcoming = next_arrival()
+                if upcoming == math.inf and not in_flight:
+                    raise RuntimeError("the scheduler can make no progress: nothing fits and nothing runs")
+                self.now = max(self.now, min(upcoming, self.now + IDLE_POLL_S))
+            scheduler.expire(self.now)
+        start = min((r.arrival for r in records), default=0.0)
+        end = max((r.finish for r in records if not math.isnan(r.finish)), default=start)
+        return SimResult(records, samples, len(samples), scheduler.num_preemptions, end - start)

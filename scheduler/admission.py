@@ -1,0 +1,264 @@
+"""SLO-aware admission: refuse at arrival a request whose first token would come too late anyway.
+
+With `--ttft-slo-ms` (or a request's own `ttft_slo_ms`), each arriving request gets a predicted time to first
+token: the steps needed before it has a running slot and its prompt is prefilled, each step's duration from the
+step-cost model (common/step_cost.py). When that prediction already exceeds the objective, waiting cannot help:
+the request is answered at once with 503 and a Retry-After of the predicted time until a newcomer would meet the
+objective again (the queue ahead has drained that much), instead of waiting in vain and making everyone behind it
+late too. Without an objective nothing is refused here.
+
+The prediction replays the scheduler's rules on a light copy of its state (numbers, not Request objects):
+running requests first (a decode costs one token, a prompt is chunked into what is left of the token budget),
+then waiting ones in rank order while a slot (max_num_seqs) and KV blocks for prompt + expected output remain.
+Stretches of steps where only decodes run are summed in closed form (StepCostModel.decode_run), so a prediction
+costs a few iterations per request ahead, not one per step. Output lengths are expected to be max_tokens times
+the ratio finished requests actually reached (1 until one finishes): EOS ends most text early.
+
+The cost model is a calibrated profile (`--step-cost-profile`, written by scripts/calibrate.py) or, without one,
+the same model fitted online to this server's own measured steps; until enough steps were measured (and with no
+profile) every request is admitted.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Iterable
+
+from common.step_cost import StepCostModel, StepShape, shape_of
+
+if TYPE_CHECKING:  # the scheduler calls in; no import cycle at run time
+    from scheduler.request import Request
+    from scheduler.scheduler import ScheduledStep, Scheduler
+
+MIN_ONLINE_STEPS = 32  # steps measured before the online model predicts anything
+ONLINE_WINDOW = 512  # most recent measured steps the online model is fitted to
+REFIT_EVERY = 64  # steps between online refits
+HEADROOM = 0.95  # admit when the prediction is within this share of the objective: room for its own error
+MAX_ITERATIONS = 4000  # bound on one prediction's work; past it the rest is extrapolated
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """A refusal: the predicted TTFT (seconds from now) and when to retry (seconds, >= 1)."""
+
+    predicted_ttft_s: float
+    retry_after_s: float
+
+
+@dataclass(slots=True)
+class _Seq:
+    """A request in the prediction: prompt (or recompute) tokens still to prefill, outputs still to come."""
+
+    prefill: int
+    outputs: float
+    context: int
+    target: bool = False  # the arriving request
+
+
+class SloAdmission:
+    """Predicts queueing delay and refuses requests that would miss their TTFT objective.
+
+    Args:
+        default_slo_ms: the server's objective (0: only requests carrying their own are checked).
+        cost: a calibrated step-cost model, or None to fit one online from measured steps.
+        clock: monotonic seconds (the simulator passes its virtual clock).
+    """
+
+    def __init__(self, default_slo_ms: float = 0.0, cost: StepCostModel | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.default_slo_ms = default_slo_ms
+        self.cost = cost
+        self.online = cost is None
+        self.clock = clock
+        self.output_ratio = 1.0  # finished outputs / max_tokens, a moving average
+        self._observed: deque[tuple[StepShape, float]] = deque(maxlen=ONLINE_WINDOW)
+        self._since_fit = 0
+        self._planned: dict[int, tuple[float, float]] = {}  # step id -> (planned at, predicted seconds)
+        self._last_settled = 0.0
+        self.num_refused = 0
+        # Steps are watched only once an objective exists (the server's, or the first request carrying one), so
+        # a server without objectives does exactly what it did before.
+        self.armed = default_slo_ms > 0
+
+
+    # ---- hooks the scheduler calls ------------------------------------------------------------------
+
+    def on_planned(self, step: "ScheduledStep") -> None:
+        if not self.armed:
+            return
+        if len(self._planned) >= 4:  # a step that failed is never settled: forget it
+            del self._planned[next(iter(self._planned))]
+        self._planned[step.plan.step_id] = (self.clock(), self.cost.predict(_shape(step)) if self.cost else 0.0)
+
+    def on_settled(self, step: "ScheduledStep") -> None:
+        """Measure the step (from when it could start: planned, or the previous step's end) for the online fit."""
+        if not self.armed:
+            return
+        now = self.clock()
+        planned_at, _ = self._planned.pop(step.plan.step_id, (now, 0.0))
+        began, self._last_settled = max(planned_at, self._last_settled), now
+        if self.online and now > began and step.scheduled:
+            self._observed.append((_shape(step), now - began))
+            self._since_fit += 1
+            if len(self._observed) >= MIN_ONLINE_STEPS and (self.cost is None or self._since_fit >= REFIT_EVERY):
+                self._refit()
+
+    def on_finished(self, request: "Request") -> None:
+        if self.armed and request.sampling.max_tokens > 0 and request.output_token_ids:
+            ratio = min(1.0, len(request.output_token_ids) / request.sampling.max_tokens)
+            self.output_ratio += 0.05 * (ratio - self.output_ratio)
+
+    def check(self, scheduler: "Scheduler", request: "Request", slo_ms: float) -> Verdict | None:
+        """A Verdict when `request` (not yet queued) would miss its objective, else None (admit).
+        `slo_ms` is the request's own objective (0: the server's default)."""
+        slo_ms = slo_ms or self.default_slo_ms
+        if slo_ms <= 0:
+            return None
+        self.armed = True
+        if self.cost is None:
+            return None
+        slo_s = slo_ms / 1000
+        predicted = self.predict_ttft(scheduler, request, horizon_s=max(2 * slo_s, slo_s + 1.0))
+        if predicted <= slo_s * HEADROOM:
+            return None
+        self.num_refused += 1
+        return Verdict(predicted, max(1.0, math.ceil(predicted - slo_s)))
+
+    # ---- the prediction -------------------------------------------------------------------------------
+
+    def predict_ttft(self, scheduler: "Scheduler", request: "Request", horizon_s: float = math.inf) -> float:
+        """Predicted seconds from now until `request`'s first token reaches its client, if it were queued now
+        behind the requests that rank before it. Past `horizon_s` the remaining queue is extrapolated at the
+        admission rate seen so far."""
+        cost = self.cost
+        config = scheduler.config
+        block_size, total_blocks = scheduler.kv.block_size, scheduler.kv.pool.num_blocks
+        running = [self._seq(r) for r in scheduler.running]
+        ahead = sorted((r for r in scheduler.waiting if r.rank < request.rank), key=_rank)
+        queue = deque(self._seq(r) for r in ahead)
+        target = self._seq(request)
+        target.target = True
+        queue.append(target)
+        queue_len = len(queue)
+
+        def reserve(seq: _Seq) -> int:  # blocks a request holds by its end (expected)
+            return -(-(seq.context + seq.prefill + math.ceil(seq.outputs)) // block_size)
+
+        blocks_used = sum(reserve(s) for s in running)
+        # With two steps in flight, a request that sampled its last token still holds its slot and blocks in the
+        # step planned before its result came back: a slot is free again one step after its request finished.
+        # Those whose last token is booked already (in a step in flight) run no more but hold their slot a step.
+        lingering = [seq for seq in running if seq.outputs <= 0 and seq.prefill == 0]
+        running = [seq for seq in running if seq.outputs > 0 or seq.prefill > 0]
+        now = self._in_flight_remaining(scheduler)
+        for _ in range(MAX_ITERATIONS):
+            budget = config.max_num_batched_tokens
+            chunks: list[tuple[int, int, bool]] = []
+            prefilling: list[tuple[_Seq, int]] = []
+            for seq in running:
+                if budget <= 0:
+                    break
+                num_new = 1 if seq.prefill == 0 else min(seq.prefill, budget)
+                chunks.append((seq.context, num_new, seq.prefill <= num_new))
+                prefilling.append((seq, num_new))
+                budget -= num_new
+            while queue and budget > 0 and len(running) + len(lingering) < config.max_num_seqs:
+                head = queue[0]
+                if blocks_used + reserve(head) > total_blocks and running:
+                    break
+                queue.popleft()
+                running.append(head)
+                blocks_used += reserve(head)
+                num_new = min(head.prefill, budget)
+                chunks.append((head.context, num_new, head.prefill <= num_new))
+                prefilling.append((head, num_new))
+                budget -= num_new
+            if not chunks:
+                break  # nothing can run: the prediction cannot go on (a request larger than the cache)
+            if not lingering and all(seq.prefill == 0 for seq in running) and not _can_admit(
+                    queue, running, blocks_used, reserve, config.max_num_seqs, total_blocks):
+                # only decodes until the next request finishes: sum that stretch in closed form
+                steps = max(1, math.ceil(min(seq.outputs for seq in running)))
+                now += cost.decode_run(len(running), sum(s.context for s in running), steps)
+                for seq in running:
+                    seq.outputs -= steps
+                    seq.context += steps
+            else:
+                now += cost.predict(shape_of(chunks))
+                for seq, num_new in prefilling:
+                    if seq.prefill:
+                        seq.prefill -= num_new
+                        seq.context += num_new
+                        if seq.prefill == 0:
+                            if seq.target:
+                                return now + cost.client_s
+                            seq.outputs -= 1
+                    else:
+                        seq.outputs -= 1
+                        seq.context += 1
+            for seq in lingering:
+                blocks_used -= reserve(seq)
+            lingering = [seq for seq in running if seq.outputs <= 0 and seq.prefill == 0]
+            if lingering:
+                running = [seq for seq in running if seq.outputs > 0 or seq.prefill > 0]
+            if now > horizon_s:
+                break
+        admitted = queue_len - len(queue)
+        if admitted <= 0 or now <= 0:
+            return math.inf if now <= 0 else now * (queue_len + 1)
+        return now * queue_len / admitted + cost.client_s  # the rest of the queue at the rate seen so far
+
+    def _seq(self, request: "Request") -> _Seq:
+        """A request as the prediction sees it: tokens booked but not computed are prefill (prompt chunks or a
+        recompute after preemption); expected outputs still to sample."""
+        to_compute = request.num_tokens_booked - request.num_computed_tokens
+        outputs_so_far = len(request.output_token_ids) + request.num_output_placeholders
+        expected = max(1.0, request.sampling.max_tokens * self.output_ratio)
+        remaining = max(expected - outputs_so_far, 0.0)
+        if to_compute > 1:  # prompt chunks (or a recompute) left; the step that ends them samples
+            return _Seq(to_compute, remaining, request.num_computed_tokens)
+        return _Seq(0, remaining, request.num_computed_tokens)  # decoding: one token per step
+
+    def _in_flight_remaining(self, scheduler: "Scheduler") -> float:
+        """Predicted seconds until the steps already sent are done (their tokens are booked already)."""
+        if not self._planned:
+            return 0.0
+        now = self.clock()
+        start = max(min(at for at, _ in self._planned.values()), self._last_settled)
+        return max(start + sum(seconds for _, seconds in self._planned.values()) - now, 0.0)
+
+    def _refit(self) -> None:
+        shapes, seconds = zip(*self._observed)
+        try:
+            fitted = StepCostModel.fit(list(shapes), list(seconds))
+        except ValueError:
+            return
+        self.cost = fitted
+        self._since_fit = 0
+
+
+def _can_admit(queue, running, blocks_used, reserve, max_num_seqs: int, total_blocks: int) -> bool:
+    return bool(queue) and len(running) < max_num_seqs and blocks_used + reserve(queue[0]) <= total_blocks
+
+
+def _rank(request: "Request"):
+    return request.rank
+
+
+def _shape(step: "ScheduledStep") -> StepShape:
+    return shape_of((e.start, e.num_new, e.samples) for e in step.scheduled.values())
+
+
+def make_admission(slo_ms: float, profile: str, clock: Callable[[], float] = time.monotonic) -> SloAdmission:
+    """The admission controller for a server: with a calibrated profile when given.
+
+    Raises:
+        OSError, ValueError: the profile cannot be read.
+    """
+    return SloAdmission(slo_ms, StepCostModel.load(profile) if profile else None, clock)
+
+
+__all__: Iterable[str] = ("SloAdmission", "Verdict", "make_admission")

@@ -1,0 +1,155 @@
+#!/usr/bin/env python3
+"""Predict what a workload will feel like on a configuration, without a model: the real Scheduler in virtual time
+with a calibrated step-cost profile (scripts/calibrate.py). Prints bench_serve.py's table (TTFT, TPOT, ITL, e2e
+percentiles, throughput, goodput) plus preemptions and the queue, and writes JSON with queue length and KV usage
+over time.
+
+By default the workload is bench_serve.py's own (same generator, same seed, same Poisson arrivals), so a
+prediction can be set next to a real run flag for flag:
+
+    .venv/bin/python scripts/simulate.py --profile profiles/stories260K.json --num-prompts 10000 --request-rate 40
+    .venv/bin/python scripts/bench_serve.py --num-prompts 10000 --request-rate 40      # the real thing
+    .venv/bin/python scripts/simulate.py --profile profiles/llama-110m.json --max-concurrency 16 --input-len 256 \\
+        --range-ratio 1.0 --num-prompts 64
+
+--burstiness < 1 draws bursty (gamma) arrivals instead; --trace reads a JSONL trace (capacity/workload.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_serve  # noqa: E402
+from capacity.simulator import SimResult, Simulator  # noqa: E402
+from capacity.workload import SimRequest, arrivals, from_trace  # noqa: E402
+from common.capacity import kv_blocks_for_memory  # noqa: E402
+from common.cli import parse_bytes  # noqa: E402
+from common.config import CacheConfig, SchedulerConfig  # noqa: E402
+from common.step_cost import StepCostModel  # noqa: E402
+
+
+def bench_serve_workload(num_prompts: int, request_rate: float, input_len: int, output_len: int, range_ratio: float,
+                         shared_prefix_len: int, vocab_size: int, seed: int, burstiness: float = 1.0) -> list[SimRequest]:
+    """bench_serve.py's random workload and its arrivals: request k is sent after k exponential gaps drawn from
+    random.Random(seed + 1) (gamma gaps with another burstiness)."""
+    specs = bench_serve.random_workload(num_prompts, input_len, output_len, range_ratio, shared_prefix_len,
+                                        vocab_size, seed)
+    if burstiness != 1.0:
+        times = arrivals(num_prompts, request_rate, burstiness, seed + 1)
+    else:
+        rng, now, times = random.Random(seed + 1), 0.0, []
+        for _ in specs:
+            times.append(now)
+            if request_rate != float("inf"):
+                now += rng.expovariate(request_rate)
+    return [SimRequest(t, spec.prompt, spec.max_tokens) for t, spec in zip(times, specs)]
+
+
+def add_config_args(parser: argparse.ArgumentParser) -> None:
+    """The serving flags the simulation honours, named as in `shuttle serve`."""
+    sched, cache = SchedulerConfig(), CacheConfig()
+    parser.add_argument("--profile", required=True, help="step-cost profile JSON from scripts/calibrate.py")
+    parser.add_argument("--max-model-len", type=int, default=None, help="default: the profile's")
+    parser.add_argument("--max-num-seqs", type=int, default=sched.max_num_seqs)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=sched.max_num_batched_tokens)
+    parser.add_argument("--max-waiting-requests", type=int, default=sched.max_waiting_requests)
+    parser.add_argument("--block-size", type=int, default=cache.block_size)
+    parser.add_argument("--num-kv-blocks", type=int, default=None)
+    parser.add_argument("--kv-cache-memory", type=parse_bytes, default=cache.kv_cache_memory)
+    parser.add_argument("--no-enable-prefix-caching", action="store_true")
+    parser.add_argument("--no-async-scheduling", action="store_true")
+    parser.add_argument("--scheduling-policy", default=sched.scheduling_policy)
+
+
+def add_workload_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--num-prompts", type=int, default=200)
+    parser.add_argument("--request-rate", type=float, default=float("inf"))
+    parser.add_argument("--burstiness", type=float, default=1.0, help="1: Poisson; < 1 burstier (gamma gaps)")
+    parser.add_argument("--max-concurrency", type=int, default=None)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--range-ratio", type=float, default=0.5)
+    parser.add_argument("--shared-prefix-len", type=int, default=0)
+    parser.add_argument("--trace", default=None, help="JSONL trace instead of random prompts (capacity/workload.py)")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def build_simulator(args: argparse.Namespace, cost: StepCostModel, ttft_slo_ms: float = 0.0,
+                    max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None) -> Simulator:
+    """A Simulator for the flags (budgets overridable for sweeps); KV blocks as the worker would size them."""
+    meta = cost.meta
+    max_model_len = args.max_model_len or meta["max_model_len"]
+    blocks = args.num_kv_blocks or kv_blocks_for_memory(args.kv_cache_memory, meta["kv_bytes_per_token"],
+                                                        args.block_size)
+    config = SchedulerConfig(max_num_seqs=max_num_seqs or args.max_num_seqs,
+                             max_num_batched_tokens=max_num_batched_tokens or args.max_num_batched_tokens,
+                             max_waiting_requests=args.max_waiting_requests,
+                             scheduling_policy=args.scheduling_policy, async_scheduling=not args.no_async_scheduling,
+                             ttft_slo_ms=ttft_slo_ms)
+    return Simulator(config, blocks, args.block_size, max_model_len, cost,
+                     enable_prefix_caching=not args.no_enable_prefix_caching, max_concurrency=args.max_concurrency)
+
+
+def build_workload(args: argparse.Namespace, cost: StepCostModel, request_rate: float | None = None) -> list[SimRequest]:
+    rate = args.request_rate if request_rate is None else request_rate
+    if args.trace:
+        return from_trace(args.trace, rate if rate != float("inf") else None, args.burstiness, args.seed,
+                          cost.meta.get("vocab_size", 32000))
+    return bench_serve_workload(args.num_prompts, rate, args.input_len, args.output_len, args.range_ratio,
+                                args.shared_prefix_len, cost.meta.get("vocab_size", 32000), args.seed, args.burstiness)
+
+
+def print_summary(summary: dict) -> None:
+    bench_serve.print_table({**summary, "failed": summary["failed"] + summary["refused"], "errors": []})
+    print(f"{'steps':<28}{summary['num_steps']:>12}   preemptions {summary['num_preemptions']}, "
+          f"refused {summary['refused']}, most waiting {summary['max_waiting']}, "
+          f"most KV in use {100 * summary['max_kv_usage']:.1f}%")
+
+
+def timeline(result: SimResult, points: int = 400) -> list[dict]:
+    """Queue length, running and KV usage over time, thinned to about `points` samples."""
+    stride = max(1, len(result.samples) // points)
+    return [{"t": s.time, "waiting": s.num_waiting, "running": s.num_running, "kv_usage": s.kv_usage}
+            for s in result.samples[::stride]]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_config_args(parser)
+    add_workload_args(parser)
+    parser.add_argument("--ttft-slo-ms", type=float, default=None,
+                        help="goodput objective; with --slo-admission also the server's --ttft-slo-ms")
+    parser.add_argument("--tpot-slo-ms", "--itl-slo-ms", dest="tpot_slo_ms", type=float, default=None)
+    parser.add_argument("--slo-admission", action="store_true", help="simulate `shuttle serve --ttft-slo-ms`")
+    parser.add_argument("--result-json", default="bench_results/simulate.json")
+    args = parser.parse_args(argv)
+    cost = StepCostModel.load(args.profile)
+    workload = build_workload(args, cost)
+    simulator = build_simulator(args, cost, args.ttft_slo_ms if args.slo_admission and args.ttft_slo_ms else 0.0)
+    start = time.perf_counter()
+    result = simulator.run(workload)
+    elapsed = time.perf_counter() - start
+    summary = result.summary(args.ttft_slo_ms, args.tpot_slo_ms)
+    print_summary(summary)
+    print(f"simulated {len(workload)} requests in {elapsed:.2f} s (load average {os.getloadavg()[0]:.2f})")
+    if args.result_json:
+        os.makedirs(os.path.dirname(args.result_json) or ".", exist_ok=True)
+        config = {k: v for k, v in vars(args).items()}
+        config["request_rate"] = str(args.request_rate)
+        with open(args.result_json, "w") as f:
+            json.dump({**summary, "config": config, "timeline": timeline(result)}, f, indent=2)
+        print(f"wrote {args.result_json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
