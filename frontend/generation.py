@@ -79,7 +79,8 @@ class TextGeneration:
         text_length = 0  # characters the detokenizer has produced
         held: list[tuple[int, int, TokenLogprobs | None]] = []  # (start of its text, token id, logprobs) not yet out
         async for output in self.engine.generate(self.request_id, self.prompt_token_ids, self.sampling,
-                                                 self.priority, self.timeout, self.group_id, self.ttft_slo_ms):
+                                                 priority=self.priority, timeout=self.timeout,
+                                                 group_id=self.group_id, ttft_slo_ms=self.ttft_slo_ms):
             if self.metrics is not None:
                 self.metrics.on_output(output)
             if output.finish_reason == FinishReason.ERROR:

@@ -42,7 +42,8 @@ class FakeEngine(EngineClient):
         self.submitted: list[str] = []
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                       priority: int = 0, timeout: float = 0.0, group_id: str = "") -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, timeout: float = 0.0, group_id: str = "",
+                       ttft_slo_ms: float = 0.0) -> AsyncIterator[RequestOutput]:
         error = self.admission_error()
         if error is not None:
             raise error

@@ -26,7 +26,8 @@ class RefusingEngine:
     def new_request_id(prefix: str = "cmpl") -> str:
         return f"{prefix}-1"
 
-    async def generate(self, request_id, prompt_token_ids, sampling, priority=0, timeout=0.0, ttft_slo_ms=0.0):
+    async def generate(self, request_id, prompt_token_ids, sampling, priority=0, timeout=0.0, group_id="",
+                       ttft_slo_ms=0.0):
         self.objectives.append(ttft_slo_ms)
         yield RequestOutput(request_id, finish_reason=FinishReason.ERROR, error_status=503,
                             error_message="the server cannot meet the TTFT objective now", retry_after_s=7.0,
