@@ -107,6 +107,17 @@ def run_batch(runner: ModelRunner, model_config: ModelConfig, batch: int, contex
     return {phase: timed.median(phase) for phase in PHASES}
 
 
+class _NamedKernel:
+    """The decode kernel module, each call recorded as `shuttle::paged_decode` in torch's profiler."""
+
+    def __init__(self, kernel):
+        self._kernel = kernel
+
+    def paged_decode(self, *args):
+        with torch.profiler.record_function("shuttle::paged_decode"):
+            return self._kernel.paged_decode(*args)
+
+
 def bare_forward(model, batch: int, context: int, steps: int) -> float:
     """Median ms of one decode step of B sequences with a dense transformers cache of `context` tokens."""
     vocab = model.get_output_embeddings().weight.shape[0]
@@ -163,6 +174,9 @@ def main() -> None:
     print(f"wrote {args.json}")
     if args.torch_profile:
         profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        kernel = getattr(runner.backend, "_kernel", None)
+        if kernel is not None:  # numba is invisible to torch's profiler: name its calls
+            runner.backend._kernel = _NamedKernel(kernel)
         run_batch(runner, model_config, max(args.batch), args.context, args.steps, profiler)
         print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=40))
 
