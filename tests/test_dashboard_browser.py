@@ -36,6 +36,7 @@ pytestmark = [
                        "chromium chromium-driver, as scripts/install.sh does; or set SHUTTLE_CHROMIUM)"),
 ]
 
+CONNECTION = """document.getElementById("connection").dataset.state === "{}" """
 READ_DOM = """() => ({
     frames: Number(document.body.dataset.frames),
     connection: document.getElementById("connection").dataset.state,
@@ -56,6 +57,15 @@ def server():
                         env={"SHUTTLE_API_KEY": KEY})
     yield srv
     srv.stop()
+
+
+async def wait_until(page, condition: str, timeout: float = 15.0) -> None:
+    """Poll a JavaScript expression until it is true. Not page.wait_for_function: that evaluates its predicate with
+    eval() inside the page, which the page's Content-Security-Policy forbids (as it should)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not await page.evaluate(condition):
+        assert asyncio.get_running_loop().time() < deadline, f"still false after {timeout} s: {condition}"
+        await asyncio.sleep(0.1)
 
 
 async def stream(session: aiohttp.ClientSession, url: str, prompt: list[int], max_tokens: int) -> int:
@@ -79,10 +89,14 @@ async def test_dashboard_follows_load_and_returns_to_idle(server):
         browser = await playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
         try:
             page = await browser.new_page(viewport={"width": 1400, "height": 860})
-            await page.goto(f"{server.url}/dashboard?window=2#key={KEY}")
-            await page.wait_for_function("Number(document.body.dataset.frames) >= 2", timeout=15_000)
+            await page.goto(f"{server.url}/dashboard?window=2")  # no key yet: the feed refuses, the page asks
+            await wait_until(page, CONNECTION.format("unauthorized"))
+            assert (await page.evaluate(READ_DOM))["frames"] == 0
+            await page.fill("#key", KEY)
+            await page.click("#key-form button")
+            await wait_until(page, "Number(document.body.dataset.frames) >= 2")
             idle = await page.evaluate(READ_DOM)
-            assert idle["connection"] == "live" and KEY not in idle["address"]  # the key left the address bar
+            assert idle["connection"] == "live"
             assert (idle["running"], idle["bars"], idle["kvInUse"]) == (0, 0, 0) and idle["kvTotal"] == 96
 
             seen = []
@@ -114,12 +128,19 @@ async def test_dashboard_follows_load_and_returns_to_idle(server):
             assert seen[-1]["frames"] > seen[0]["frames"]
 
             # idle again: nobody running, no step in the 2 s window, no KV block referenced
-            await page.wait_for_function(
-                """() => document.getElementById("running").dataset.value === "0"
-                    && document.getElementById("step-chart").dataset.bars === "0"
-                    && document.getElementById("kv-gauge").dataset.inUse === "0" """, timeout=15_000)
+            await wait_until(page, """document.getElementById("running").dataset.value === "0"
+                && document.getElementById("step-chart").dataset.bars === "0"
+                && document.getElementById("kv-gauge").dataset.inUse === "0" """)
             after = await page.evaluate(READ_DOM)
             assert after["connection"] == "live" and after["kvWidth"] == "0%"
+
+            # the key in the address fragment (never sent to the server): a fresh tab connects, and the key leaves
+            # the address bar at once
+            second = await browser.new_page()
+            await second.goto(f"{server.url}/dashboard#key={KEY}")
+            await wait_until(second, "Number(document.body.dataset.frames) >= 1")
+            fresh = await second.evaluate(READ_DOM)
+            assert fresh["connection"] == "live" and KEY not in fresh["address"]
         finally:
             await browser.close()
     assert not any(KEY in line for line in server.output)

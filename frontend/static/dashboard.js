@@ -11,7 +11,18 @@ const MAX_BARS = 120;   // the step chart's last N steps (those within the windo
 const STALE_S = 3;      // no frame for this long: the connection pill says so
 
 const $ = (id) => document.getElementById(id);
-const css = (name) => getComputedStyle(document.documentElement).getPropertyValue(name).trim();
+const COLORS = {};  // the stylesheet's colours, read once
+const css = (name) => COLORS[name] ??= getComputedStyle(document.documentElement).getPropertyValue(name).trim();
+
+// Writes only what changed: an unchanged text or width set again still makes the browser redo layout.
+function setText(id, text) {
+  const el = $(id);
+  if (el.textContent !== text) el.textContent = text;
+}
+function setWidth(id, width) {
+  const el = $(id);
+  if (el.style.width !== width) el.style.width = width;
+}
 
 let key = sessionStorage.getItem("shuttle-api-key") || "";
 if (location.hash.startsWith("#key=")) {
@@ -86,9 +97,8 @@ function onFrame(f) {
   lastFrameAt = performance.now();
   if ($("connection").dataset.state !== "live") setConnection("live");
   if (f.config) showConfig(f.config);
-  const status = $("status");
-  status.textContent = f.status;
-  status.dataset.status = f.status;
+  setText("status", f.status);
+  if ($("status").dataset.status !== f.status) $("status").dataset.status = f.status;
 
   history_.push({t: f.time, running: f.running, waiting: f.waiting});
   while (history_.length && history_[0].t < f.time - HISTORY_S) history_.shift();
@@ -97,16 +107,16 @@ function onFrame(f) {
 
   setValue("running", f.running);
   setValue("waiting", f.waiting);
-  $("in-flight").textContent = fmt(f.in_flight);
+  setText("in-flight", fmt(f.in_flight));
   const tp = f.throughput;
-  $("gen-rate").textContent = fmt(tp.generation_tokens_s, 1);
-  $("prompt-rate").textContent = fmt(tp.prompt_tokens_s, 1);
-  $("req-rate").textContent = fmt(tp.requests_s, 2) + " · " + fmt(tp.steps_s, 1);
-  $("hit-rate").textContent = pct(f.prefix_cache.hit_rate);
-  $("hit-rate-total").textContent = "since start " + pct(f.prefix_cache.hit_rate_total) +
-    ` · ${fmt(f.prefix_cache.hits)} of ${fmt(f.prefix_cache.queries)} tokens in the window`;
-  $("preemptions").textContent = fmt(f.preemptions.total);
-  $("preemptions-window").textContent = fmt(f.preemptions.window) + " in the window";
+  setText("gen-rate", fmt(tp.generation_tokens_s, 1));
+  setText("prompt-rate", fmt(tp.prompt_tokens_s, 1));
+  setText("req-rate", fmt(tp.requests_s, 2) + " · " + fmt(tp.steps_s, 1));
+  setText("hit-rate", pct(f.prefix_cache.hit_rate));
+  setText("hit-rate-total", "since start " + pct(f.prefix_cache.hit_rate_total) +
+    ` · ${fmt(f.prefix_cache.hits)} of ${fmt(f.prefix_cache.queries)} tokens in the window`);
+  setText("preemptions", fmt(f.preemptions.total));
+  setText("preemptions-window", fmt(f.preemptions.window) + " in the window");
   showKv(f.kv);
   showLatency(f);
   drawQueue(f.time);
@@ -114,9 +124,8 @@ function onFrame(f) {
 }
 
 function setValue(id, value) {
-  const el = $(id);
-  el.textContent = fmt(value);
-  el.dataset.value = value;
+  setText(id, fmt(value));
+  $(id).dataset.value = value;
 }
 
 function showConfig(c) {
@@ -148,23 +157,21 @@ function showKv(kv) {
   gauge.dataset.free = kv.free;
   gauge.dataset.total = kv.total;
   const total = Math.max(kv.total, 1);
-  $("kv-in-use").style.width = (100 * kv.in_use / total) + "%";
-  $("kv-free").style.width = (100 * kv.free / total) + "%";
-  $("kv-cached").style.width = (100 * kv.cached / total) + "%";
-  $("kv-in-use-n").textContent = `${fmt(kv.in_use)} (${pct(kv.in_use / total)})`;
-  $("kv-cached-n").textContent = `${fmt(kv.cached)} (${pct(kv.cached / total)})`;
-  $("kv-free-n").textContent = `${fmt(kv.free)} (${pct(kv.free / total)})`;
-  $("kv-total-n").textContent = fmt(kv.total);
+  setWidth("kv-in-use", (100 * kv.in_use / total) + "%");
+  setWidth("kv-free", (100 * kv.free / total) + "%");
+  setWidth("kv-cached", (100 * kv.cached / total) + "%");
+  setText("kv-in-use-n", `${fmt(kv.in_use)} (${pct(kv.in_use / total)})`);
+  setText("kv-cached-n", `${fmt(kv.cached)} (${pct(kv.cached / total)})`);
+  setText("kv-free-n", `${fmt(kv.free)} (${pct(kv.free / total)})`);
+  setText("kv-total-n", fmt(kv.total));
 }
 
 function showLatency(f) {
-  $("latency-window").textContent = `last ${fmt(f.window_s, 0)} s`;
+  setText("latency-window", `last ${fmt(f.window_s, 0)} s`);
   for (const [row, figures] of [["ttft-row", f.ttft_ms], ["itl-row", f.itl_ms]]) {
     const cells = $(row).cells;
-    cells[1].textContent = fmt(figures.p50, 1);
-    cells[2].textContent = fmt(figures.p90, 1);
-    cells[3].textContent = fmt(figures.p99, 1);
-    cells[4].textContent = fmt(figures.count);
+    const texts = [fmt(figures.p50, 1), fmt(figures.p90, 1), fmt(figures.p99, 1), fmt(figures.count)];
+    texts.forEach((text, i) => { if (cells[i + 1].textContent !== text) cells[i + 1].textContent = text; });
   }
 }
 
@@ -221,7 +228,12 @@ function drawQueue(now) {
   }
 }
 
-function drawSteps() {
+let drawnSteps = "";  // what the step chart shows now: redrawn only when that changes
+
+function drawSteps(force = false) {
+  const shown = `${steps.length}:${steps.length ? steps[0].t + "/" + steps[steps.length - 1].t : ""}:${!!config}`;
+  if (shown === drawnSteps && !force) return;
+  drawnSteps = shown;
   const {canvas, ctx, width, height} = canvas2d("step-chart");
   const budget = config ? config.max_num_batched_tokens : 0;
   const most = Math.max(0, ...steps.map((s) => s.prefill + s.decode));
@@ -252,9 +264,9 @@ function drawSteps() {
     ctx.setLineDash([]);
   }
   const last = steps[steps.length - 1];
-  $("step-caption").textContent = last ?
+  setText("step-caption", last ?
     `latest step: ${fmt(last.decode)} decode + ${fmt(last.prefill)} prefill tokens of ${fmt(budget)}` :
-    "no steps in the window (idle)";
+    "no steps in the window (idle)");
 }
 
 setInterval(() => {
@@ -270,5 +282,5 @@ $("key-form").addEventListener("submit", (event) => {
   if (key) sessionStorage.setItem("shuttle-api-key", key); else sessionStorage.removeItem("shuttle-api-key");
   connect();
 });
-window.addEventListener("resize", () => { drawSteps(); });
+window.addEventListener("resize", () => { drawSteps(true); });
 connect();
