@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import itertools
+import logging
 import math
 import time
 from collections import deque
@@ -27,6 +28,8 @@ import msgspec
 from common.config import ShuttleConfig
 from common.messages import SchedulerStats
 from frontend.metrics import Metrics
+
+log = logging.getLogger("shuttle.frontend")
 
 TICK_S = 0.25  # frames per second: 4 (the page must update at least twice a second)
 MAX_STEPS = 240  # per-step (prefill, decode) pairs kept between frames; the page shows at most this many bars
@@ -210,7 +213,10 @@ class StatsFeed:
 
     async def _tick(self) -> None:
         while self.subscribers:
-            self.publish()
+            try:
+                self.publish()
+            except Exception:  # a bug here must not silence the page for good: log it, try again next tick
+                log.exception("stats feed: making a frame failed")
             await asyncio.sleep(self.tick_s)
 
     def publish(self) -> None:
