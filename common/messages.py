@@ -120,6 +120,9 @@ class SchedulerStats(msgspec.Struct, **_WIRE):
     # their rates let the frontend predict how long a refused client must wait (Retry-After).
     num_admitted: int = 0
     num_scheduled_tokens: int = 0
+    # Per step, aligned with step_token_counts: how many of its tokens were decodes (one token a request, its
+    # input the token sampled before); the rest were prefill (prompt chunks, recomputation after preemption).
+    step_decode_token_counts: list[int] = []
 
 
 class StepOutputs(msgspec.Struct, **_WIRE):

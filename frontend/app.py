@@ -17,6 +17,7 @@ from frontend.http_server import listen, request_limits
 from frontend.lifecycle import Shutdown, SupervisorLink, drain
 from frontend.metrics import Metrics
 from frontend.cors import Cors
+from frontend.dashboard import add_dashboard
 from frontend.middleware import api_key_auth, json_content_type, openai_errors, request_id_header
 from frontend.openai_api import create_chat_completion, create_completion, list_models, retrieve_model
 from frontend.openapi import openapi_document
@@ -83,6 +84,7 @@ def build_app(state: FrontendState, api_key: str | None = None) -> web.Applicati
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/v1/ws", websocket_handler)
+    add_dashboard(app, state)
     return app
 
 

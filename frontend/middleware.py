@@ -14,7 +14,7 @@ from frontend.backpressure import header_value
 from frontend.protocol import client_error, error_body
 from frontend.state import RESPONSE_ID, STATE
 
-OPEN_PATHS = ("/health", "/metrics")
+OPEN_PATHS = ("/health", "/metrics", "/dashboard")  # the dashboard page holds no data; its feed needs the key
 # A client's x-request-id is echoed when it is a plain printable ASCII string of reasonable length
 _ECHOABLE_ID = re.compile(r"^[\x21-\x7e]{1,256}$")
 

@@ -104,7 +104,8 @@ class SchedulerLoop:
             self.scheduler.fail_step(step, 500, f"model execution failed: {result.message}")
             return
         self.scheduler.update_from_output(step, result)
-        self.step_stats.on_step(len(step.scheduled), step.num_tokens, step.num_prompt_tokens, len(result.token_ids))
+        self.step_stats.on_step(len(step.scheduled), step.num_tokens, step.num_prompt_tokens, len(result.token_ids),
+                                step.num_decode_tokens)
 
     def _wait_for_result(self) -> StepResult | WorkerFailed:
         """Wait for the oldest step in flight to return, still taking in Submits and Aborts meanwhile.

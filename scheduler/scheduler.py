@@ -57,6 +57,7 @@ class ScheduledStep:
     plan: StepPlan
     scheduled: dict[str, ScheduledRequest] = field(default_factory=dict)
     num_prompt_tokens: int = 0  # of the scheduled tokens, how many are prompt (prefill) tokens
+    num_decode_tokens: int = 0  # of the scheduled tokens, how many are decodes (one sampled token's successor)
     sent_at: float = 0.0  # time.monotonic() when the loop sent its plan (the step watchdog times it)
 
     @property
@@ -324,6 +325,8 @@ class Scheduler:
         num_prompt = len(request.prompt_token_ids)
         if start < num_prompt:
             step.num_prompt_tokens += min(end, num_prompt) - start
+        elif num_new == 1 and samples:
+            step.num_decode_tokens += 1
         return num_new
 
     def _allocate_or_preempt(self, request: Request, num_new: int) -> list[int] | None:

@@ -23,13 +23,18 @@ class StepStats:
         self.log_interval = log_interval
         self._batch_sizes: list[int] = []
         self._token_counts: list[int] = []
+        self._decode_counts: list[int] = []
         self._window_start = time.monotonic()
         self._prompt_tokens = 0
         self._generated_tokens = 0
 
-    def on_step(self, num_seqs: int, num_tokens: int, num_prompt_tokens: int, num_sampled: int) -> None:
+    def on_step(self, num_seqs: int, num_tokens: int, num_prompt_tokens: int, num_sampled: int,
+                num_decode_tokens: int = 0) -> None:
+        """Record one settled step: `num_tokens` computed, of which `num_prompt_tokens` prompt tokens and
+        `num_decode_tokens` decodes; `num_sampled` tokens sampled."""
         self._batch_sizes.append(num_seqs)
         self._token_counts.append(num_tokens)
+        self._decode_counts.append(num_decode_tokens)
         self._prompt_tokens += num_prompt_tokens
         self._generated_tokens += num_sampled
 
@@ -39,8 +44,9 @@ class StepStats:
         if not self._batch_sizes:
             return stats
         message = msgspec.structs.replace(stats, step_batch_sizes=self._batch_sizes,
-                                          step_token_counts=self._token_counts)
-        self._batch_sizes, self._token_counts = [], []
+                                          step_token_counts=self._token_counts,
+                                          step_decode_token_counts=self._decode_counts)
+        self._batch_sizes, self._token_counts, self._decode_counts = [], [], []
         return message
 
     def maybe_log(self, stats: SchedulerStats) -> None:

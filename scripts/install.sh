@@ -7,6 +7,12 @@ cd "$(dirname "$0")/.."
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q torch==2.13.0
 .venv/bin/python -m pip install -q -e '.[test,tune]'
+# The dashboard's browser test drives Debian's chromium through playwright (no browser download); without it the test
+# is skipped. Installed system-wide once, where this runs as root with apt (CI, the project's machines).
+if ! command -v chromium >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+  { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver; } >/dev/null \
+    || echo "install.sh: could not install chromium; tests/test_dashboard_browser.py will be skipped" >&2
+fi
 # Compile the CPU paged-attention kernel once now (numba caches it beside worker/decode_kernel.py), so no worker
 # pays the compilation at start-up.
 .venv/bin/python -c "from worker import decode_kernel; decode_kernel.warm_up(1)"
