@@ -1,4 +1,5 @@
-"""The `shuttle` command. `shuttle serve [MODEL_DIR]` starts a serving group (see common/launcher.py)."""
+"""The `shuttle` command. `shuttle serve [MODEL_DIR]` starts a frontend and its serving groups (see
+common/launcher.py); `shuttle engine --listen ENDPOINT` one serving group for a frontend on another host."""
 
 from __future__ import annotations
 
@@ -144,8 +145,30 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--body-timeout", type=_seconds, default=ops.body_timeout,
                        help="seconds a client has to send the request body after its head (else HTTP 408)")
     serve.add_argument("--debug-step-delay", type=float, default=0.0, help=argparse.SUPPRESS)
+    _add_engine_parser(commands, serve)
+    serve.add_argument("--data-parallel-size", type=_count, default=1, metavar="M",
+                       help="serving groups (each a scheduler + its worker, with its own KV cache) behind the one "
+                            "frontend, which routes each request by prefix affinity and least load; 0 with only "
+                            "--engine-endpoint groups")
+    serve.add_argument("--engine-endpoint", action="append", default=None, metavar="ENDPOINT",
+                       help="a serving group started elsewhere with `shuttle engine --listen ENDPOINT` (repeatable); "
+                            "it joins when it answers, and a dropped connection takes it out of routing until it "
+                            "is back; tcp:// needs the engine host's CURVE keys in $SHUTTLE_CURVE_KEYS")
     _add_plan_parser(commands, default_model)
+    commands.add_parser("curve-keys", help="print a new set of ZeroMQ CURVE keys for $SHUTTLE_CURVE_KEYS "
+                                           "(the same on a frontend's host and its engines' hosts)")
     return parser
+
+
+def _add_engine_parser(commands, serve: argparse.ArgumentParser) -> None:
+    """`shuttle engine`: every `serve` option that shapes a serving group, plus where it listens."""
+    engine = commands.add_parser("engine", parents=[serve], conflict_handler="resolve",
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                 help="run one serving group (scheduler + worker) for a frontend on another host")
+    engine.add_argument("--listen", required=True, metavar="ENDPOINT",
+                        help="where the scheduler listens for frontends, e.g. tcp://10.0.0.3:7100 (tcp:// needs "
+                             "$SHUTTLE_CURVE_KEYS, the same as on the frontend's host); frontends name it with "
+                             "`shuttle serve --engine-endpoint ENDPOINT`")
 
 
 def _unit_fraction(text: str) -> float:
@@ -185,6 +208,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         from common.launcher import serve
         return serve(args)
+    if args.command == "engine":
+        from common.launcher import engine
+        return engine(args)
+    if args.command == "curve-keys":
+        from common.ipc import CurveKeys
+        print(CurveKeys.generate().to_env())
+        return 0
     if args.command == "plan":
         from capacity.memory_plan import main as plan
         return plan(args)
