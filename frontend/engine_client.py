@@ -128,6 +128,10 @@ class EngineClient:
             await asyncio.wait_for(self._up.wait(), timeout)
         return self.info
 
+    async def wait_up(self) -> None:
+        """Return once the scheduler has answered Hello."""
+        await self._up.wait()
+
     @property
     def is_up(self) -> bool:
         """The group takes new work: its scheduler answered, and no failure was reported since."""

@@ -74,12 +74,24 @@ class Router:
         self.drain_deadline = 0.0
 
     async def start(self, timeout: float = 120.0) -> SchedulerInfo | None:
-        """Say Hello to every group; wait until the first `wait_for` groups answer.
+        """Say Hello to every group; wait until one of the first `wait_for` groups (the local ones) answers. The
+        others join as they answer: a frontend restarted while one group restarts too serves with the rest.
 
         Raises:
-            TimeoutError: one of them did not answer within `timeout` seconds.
+            TimeoutError: none of them answered within `timeout` seconds.
         """
-        await asyncio.gather(*(group.start(timeout, wait=i < self._wait_for) for i, group in enumerate(self.groups)))
+        for group in self.groups:
+            await group.start(timeout, wait=False)
+        local = self.groups[:self._wait_for]
+        if local:
+            waiters = [asyncio.create_task(group.wait_up()) for group in local]
+            try:
+                done, _ = await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for waiter in waiters:
+                    waiter.cancel()
+            if not done:
+                raise TimeoutError(f"no serving group answered within {timeout:g} s")
         return self.info
 
     # ---- what the handlers read -------------------------------------------------------------------------------

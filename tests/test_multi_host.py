@@ -8,9 +8,12 @@ connection; the remote launcher restarts its group, which joins again.
 """
 
 import asyncio
+import json
 import os
 import signal
 import socket
+import subprocess
+import sys
 import time
 
 import aiohttp
@@ -19,7 +22,7 @@ import pytest
 from common.ipc import CURVE_ENV, CurveKeys
 from tests.client import stream_completion
 from tests.conftest import hf_greedy
-from tests.server import ShuttleServer
+from tests.server import MODEL_DIR, REPO, ShuttleServer
 
 HANG = 120.0
 IDS = [1, 403, 407, 261, 378]  # "Once upon a time"
@@ -37,7 +40,6 @@ def hosts():
     endpoint = f"tcp://127.0.0.3:{free_port('127.0.0.3')}"
     frontend = ShuttleServer("--host", "127.0.0.2", "--data-parallel-size", "0", "--engine-endpoint", endpoint,
                              env=env)
-    engine = None
     try:
         yield frontend, endpoint, lambda: ShuttleServer("--listen", endpoint, command="engine", env=env)
     finally:
@@ -80,3 +82,26 @@ async def test_remote_group_joins_serves_a_stream_and_comes_back(hosts):
             assert [t for e in events for c in e["choices"] for t in c.get("token_ids") or []] == hf_greedy(IDS, 16)
         finally:
             engine.stop()
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != CURVE_ENV} | (env or {})
+    return subprocess.run([sys.executable, "-m", "common.cli", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=60, env=env)
+
+
+def test_tcp_between_hosts_needs_curve_keys():
+    for args in (["serve", str(MODEL_DIR), "--engine-endpoint", "tcp://127.0.0.3:7100"],
+                 ["engine", str(MODEL_DIR), "--listen", "tcp://127.0.0.3:7100"]):
+        result = run_cli(*args)
+        assert result.returncode == 2 and "SHUTTLE_CURVE_KEYS" in result.stderr, result.stderr
+        assert result.stderr.strip().count("\n") == 0
+    result = run_cli("serve", str(MODEL_DIR), "--data-parallel-size", "0")
+    assert result.returncode == 2 and "--engine-endpoint" in result.stderr
+
+
+def test_curve_keys_are_made_for_the_environment():
+    result = run_cli("curve-keys")
+    assert result.returncode == 0
+    keys = CurveKeys(**json.loads(result.stdout))
+    assert len(keys.server_public) == len(keys.client_secret) == 40

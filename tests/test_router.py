@@ -144,3 +144,19 @@ async def test_health_and_metrics_report_each_group():
     finally:
         await app.close()
         router.close()
+
+
+async def test_start_waits_for_one_local_group_only():
+    router = make_router()
+    router.groups[1]._up.clear()  # still starting (or restarting while the frontend restarts)
+    await router.start(timeout=5)
+    assert [g.is_up for g in router.groups] == [True, False]
+    await run(router, "r", [1, 2])
+    assert "r" in router.groups[0].submitted
+    router.close()
+    router = Router([FakeEngine(), FakeEngine()], wait_for=1)
+    for group in router.groups:
+        group._up.clear()
+    with pytest.raises(TimeoutError):
+        await router.start(timeout=0.2)
+    router.close()
