@@ -1,55 +1,39 @@
 """The `shuttle` command. `shuttle serve [MODEL_DIR]` starts a frontend and its serving groups (see
-common/launcher.py); `shuttle engine --listen ENDPOINT` one serving group for a frontend on another host."""
+common/launcher.py); `shuttle engine --listen ENDPOINT` one serving group for a frontend on another host;
+`shuttle plan` prints the memory plan without starting one (capacity/memory_plan.py).
+
+The engine's flags are derived from the config sections' field declarations (common/config.py `option`), so a
+flag's default and help live in one place.
+"""
 
 from __future__ import annotations
 
 import argparse
-import re
+import dataclasses
 import sys
 
-from common.config import DEFAULT_MODEL_DIR, CacheConfig, OpsConfig, SchedulerConfig, WorkerConfig
+from common.arg_types import count, origins, parse_bytes, positive, unit_fraction
+from common.config import DEFAULT_MODEL_DIR, SERVE_SECTIONS, CacheConfig, SchedulerConfig, WorkerConfig
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
-          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
-
-
-def parse_bytes(text: str) -> int:
-    """'512MiB', '2GB', '1048576' -> bytes. Raises argparse.ArgumentTypeError."""
-    match = _SIZE.match(text)
-    if not match:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 512MiB or 2GiB)")
-    return int(float(match.group(1)) * _UNITS[(match.group(2) or "").lower()])
+__all__ = ["add_config_options", "build_parser", "main", "parse_bytes"]
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+def add_config_options(parser, section, names: list[str] | None = None, **overrides) -> None:
+    """Add `--field-name` flags for the fields of config dataclass `section` (all, or those in `names`).
 
-
-def _origins(text: str) -> tuple[str, ...]:
-    """'https://a.example,https://b.example' -> a tuple of origins; '*' allows any."""
-    origins = tuple(o.strip().rstrip("/") for o in text.split(",") if o.strip())
-    for origin in origins:
-        if origin != "*" and not re.match(r"^https?://[^/\s]+$", origin):
-            raise argparse.ArgumentTypeError(f"not an origin: {origin!r} (scheme://host[:port], or *)")
-    return origins
-
-
-def _seconds(text: str) -> float:
-    value = float(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text}")
-    return value
-
-
-def _count(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
-    return value
+    A field's default, help and parsing come from its declaration; a bool becomes --x / --no-x. `overrides`
+    maps a field name to argparse keywords that differ here (e.g. {"default": None} where a script computes it).
+    """
+    for f in dataclasses.fields(section):
+        if names is not None and f.name not in names:
+            continue
+        meta = dict(f.metadata)
+        kwargs = {"default": f.default, "help": meta.pop("help")}
+        if isinstance(f.default, bool):
+            kwargs["action"] = argparse.BooleanOptionalAction
+        kwargs.update(meta)
+        kwargs.update(overrides.get(f.name, {}))
+        parser.add_argument("--" + f.name.replace("_", "-"), **kwargs)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,48 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the `model` name clients use; None means the model directory's name")
     serve.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                        help="weights and KV cache dtype")
-    serve.add_argument("--max-model-len", type=_positive, default=None, help="default: the model's position limit")
-    sched, cache = SchedulerConfig(), CacheConfig()
-    serve.add_argument("--max-num-seqs", type=_positive, default=sched.max_num_seqs,
-                       help="most sequences in one step")
-    serve.add_argument("--max-num-batched-tokens", type=_positive, default=sched.max_num_batched_tokens,
-                       help="most tokens in one step; longer prompts are prefilled in chunks")
-    serve.add_argument("--max-waiting-requests", type=_positive, default=sched.max_waiting_requests,
-                       help="past this many queued requests, new ones get HTTP 503")
-    serve.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default=sched.scheduling_policy,
-                       help="fcfs: arrival order; priority: the request field `priority`, lower first, with aging")
-    serve.add_argument("--priority-aging-seconds", type=float, default=sched.priority_aging_seconds,
-                       help="under --scheduling-policy priority: seconds of waiting worth one priority level "
-                            "(0 turns aging off)")
-    serve.add_argument("--request-timeout", type=float, default=sched.request_timeout,
-                       help="seconds from arrival after which an unfinished request ends with an error "
-                            "(0: never; a request's own `timeout` field can ask for less or more)")
-    serve.add_argument("--max-seqs-per-request", type=int, default=sched.max_seqs_per_request,
-                       help="running sequences one client request (its prompts x n) may hold; 0: a fair share "
-                            "(max_num_seqs / live requests; max_num_seqs less one eighth when alone)")
-    serve.add_argument("--long-prefill-token-threshold", type=int, default=sched.long_prefill_token_threshold,
-                       help="while others wait, one prefill chunk takes at most this many tokens of a step "
-                            "(None: a quarter of --max-num-batched-tokens; 0: no cap)")
-    serve.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=sched.async_scheduling,
-                       help="plan the next step while the worker runs the current one (two steps in flight); "
-                            "--no-async-scheduling plans, waits and settles one step at a time")
-    serve.add_argument("--ttft-slo-ms", type=float, default=sched.ttft_slo_ms,
-                       help="TTFT objective (ms): a request predicted to miss it is refused at once with 503 and "
-                            "Retry-After (0: off; a request's `ttft_slo_ms` field sets its own)")
-    serve.add_argument("--step-cost-profile", default=sched.step_cost_profile, metavar="JSON",
-                       help="calibrated step-cost profile (scripts/calibrate.py) for --ttft-slo-ms; without one the "
-                            "cost model is fitted online to the server's own steps")
-    serve.add_argument("--block-size", type=_positive, default=cache.block_size, help="tokens per KV block")
-    serve.add_argument("--num-kv-blocks", type=_positive, default=None,
-                       help="fixed number of KV blocks (overrides --kv-cache-memory)")
-    serve.add_argument("--kv-cache-memory", type=parse_bytes, default=cache.kv_cache_memory,
-                       help="bytes for the KV cache, e.g. 512MiB")
-    serve.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                       default=cache.enable_prefix_caching, help="share KV blocks of identical prompt prefixes")
-    serve.add_argument("--attention-backend", choices=["auto", "cpu", "reference"],
-                       default=WorkerConfig().attention_backend,
-                       help="auto: cpu on a CPU; cpu: numba paged decode kernel + per-sequence prefill; reference: "
-                            "one sequence at a time with torch SDPA")
+    serve.add_argument("--max-model-len", type=positive, default=None, help="default: the model's position limit")
+    for section in SERVE_SECTIONS:
+        add_config_options(serve, section)
     serve.add_argument("--chat-template", default=None, metavar="FILE",
                        help="Jinja chat template overriding the one in tokenizer_config.json")
     serve.add_argument("--api-key", default=None,
@@ -116,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "is visible to every user of the machine)")
     serve.add_argument("--api-key-file", default=None, metavar="FILE",
                        help="read the API key from the first line of FILE")
-    serve.add_argument("--allowed-origins", type=_origins, default=None, metavar="ORIGINS",
+    serve.add_argument("--allowed-origins", type=origins, default=None, metavar="ORIGINS",
                        help="comma-separated origins (e.g. https://app.example) whose browser pages may call the API "
                             "and open the WebSocket: CORS headers and preflight answers for them; '*' allows any "
                             "origin; None: no CORS headers, and WebSockets only from the server's own host")
@@ -126,27 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--zmq-transport", choices=["ipc", "tcp"], default="ipc",
                        help="ipc:// sockets in a private runtime directory, or tcp:// on loopback authenticated "
                             "with ZeroMQ CURVE keys made for each launch")
-    ops = OpsConfig()
-    serve.add_argument("--step-timeout", type=_seconds, default=ops.step_timeout,
-                       help="seconds the scheduler waits for one step of the worker before it declares the worker "
-                            "hung; the engine then restarts (0: never)")
-    serve.add_argument("--heartbeat-timeout", type=_seconds, default=ops.heartbeat_timeout,
-                       help="seconds without a heartbeat after which the launcher declares a process hung and "
-                            "restarts it (0: never)")
-    serve.add_argument("--max-restarts", type=_count, default=ops.max_restarts,
-                       help="restarts in a row of the engine (scheduler + worker) or of the frontend before the "
-                            "launcher gives up and exits 1 (0: exit at the first failure)")
-    serve.add_argument("--shutdown-timeout", type=_seconds, default=ops.shutdown_timeout,
-                       help="on SIGTERM, seconds in-flight requests may take to finish before they end with an error")
-    serve.add_argument("--keep-alive-timeout", type=_seconds, default=ops.keep_alive_timeout,
-                       help="seconds an idle HTTP connection is kept open")
-    serve.add_argument("--header-timeout", type=_seconds, default=ops.header_timeout,
-                       help="seconds a client has to finish sending a request head it has started")
-    serve.add_argument("--body-timeout", type=_seconds, default=ops.body_timeout,
-                       help="seconds a client has to send the request body after its head (else HTTP 408)")
     serve.add_argument("--debug-step-delay", type=float, default=0.0, help=argparse.SUPPRESS)
     _add_engine_parser(commands, serve)
-    serve.add_argument("--data-parallel-size", type=_count, default=1, metavar="M",
+    serve.add_argument("--data-parallel-size", type=count, default=1, metavar="M",
                        help="serving groups (each a scheduler + its worker, with its own KV cache) behind the one "
                             "frontend, which routes each request by prefix affinity and least load; 0 with only "
                             "--engine-endpoint groups")
@@ -171,33 +98,22 @@ def _add_engine_parser(commands, serve: argparse.ArgumentParser) -> None:
                              "`shuttle serve --engine-endpoint ENDPOINT`")
 
 
-def _unit_fraction(text: str) -> float:
-    value = float(text)
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
-    return value
-
-
 def _add_plan_parser(commands, default_model: str | None) -> None:
     """`shuttle plan`: the memory plan and the concurrency table, measured without starting a server."""
     plan = commands.add_parser("plan", help="memory plan and how many requests fit (never starts the server)",
                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    sched, cache = SchedulerConfig(), CacheConfig()
     plan.add_argument("model_dir", nargs="?", default=default_model, metavar="MODEL_DIR")
-    plan.add_argument("--max-model-len", type=_positive, default=None, help="default: the model's position limit")
+    plan.add_argument("--max-model-len", type=positive, default=None, help="default: the model's position limit")
     plan.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     budget = plan.add_mutually_exclusive_group()
-    budget.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
-                        help=f"bytes for the KV cache (default {cache.kv_cache_memory // 2**30}GiB, as shuttle serve)")
-    budget.add_argument("--gpu-memory-utilization", type=_unit_fraction, default=None,
+    add_config_options(budget, CacheConfig, ["kv_cache_memory", "num_kv_blocks"], kv_cache_memory={
+        "default": None, "help": f"bytes for the KV cache (default {CacheConfig().kv_cache_memory // 2**30}GiB, as "
+                                 f"shuttle serve)"})
+    budget.add_argument("--gpu-memory-utilization", type=unit_fraction, default=None,
                         help="share of a CUDA device's memory for weights, activations and KV (CUDA devices only)")
-    budget.add_argument("--num-kv-blocks", type=_positive, default=None, help="a fixed number of KV blocks")
-    plan.add_argument("--block-size", type=_positive, default=cache.block_size)
-    plan.add_argument("--max-num-seqs", type=_positive, default=sched.max_num_seqs)
-    plan.add_argument("--max-num-batched-tokens", type=_positive, default=sched.max_num_batched_tokens)
-    plan.add_argument("--max-waiting-requests", type=_positive, default=sched.max_waiting_requests)
-    plan.add_argument("--attention-backend", choices=["auto", "cpu", "reference"],
-                      default=WorkerConfig().attention_backend)
+    add_config_options(plan, CacheConfig, ["block_size"])
+    add_config_options(plan, SchedulerConfig, ["max_num_seqs", "max_num_batched_tokens", "max_waiting_requests"])
+    add_config_options(plan, WorkerConfig, ["attention_backend"])
     plan.add_argument("--no-measure-processes", action="store_true",
                       help="skip measuring the frontend and scheduler processes (two short subprocesses)")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")

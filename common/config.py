@@ -9,11 +9,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import msgspec
 
+from common.arg_types import count, parse_bytes, positive, seconds
 from common.errors import ModelDirError
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent.parent / "shared" / "models" / "stories260K"
@@ -107,94 +108,96 @@ def _read_json(path: Path) -> dict:
     return data
 
 
+def option(default, help: str, **argparse_kwargs):
+    """A config field declared once: its default, its help text and how `shuttle serve` parses it.
+
+    common/cli.py derives the flag `--field-name` from it (booleans get `--no-field-name` too), and
+    ShuttleConfig.from_args reads it back by name, so a new field needs no other edit to be settable.
+    `argparse_kwargs`: type, choices, metavar, as argparse takes them.
+    """
+    return field(default=default, metadata={"help": help, **argparse_kwargs})
+
+
 @dataclass(frozen=True)
 class CacheConfig:
-    """Paged KV cache shape.
+    """Paged KV cache shape. Each field's help says what it means."""
 
-    Attributes:
-        block_size: tokens per KV block.
-        num_kv_blocks: fixed number of blocks; ``None`` lets the worker size the cache from kv_cache_memory.
-        kv_cache_memory: bytes the worker may spend on K and V for all layers.
-        enable_prefix_caching: share full blocks of identical prefixes between requests.
-    """
-
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    kv_cache_memory: int = 1 << 30
-    enable_prefix_caching: bool = True
+    block_size: int = option(16, "tokens per KV block", type=positive)
+    num_kv_blocks: int | None = option(None, "fixed number of KV blocks (overrides --kv-cache-memory)", type=positive)
+    kv_cache_memory: int = option(1 << 30, "bytes the worker may spend on K and V of all layers, e.g. 512MiB",
+                                  type=parse_bytes)
+    enable_prefix_caching: bool = option(True, "share full KV blocks of identical prompt prefixes between requests")
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Per-step budgets of the scheduler.
+    """Per-step budgets and policies of the scheduler. Each field's help says what it means."""
 
-    Attributes:
-        max_num_seqs: most sequences in one step.
-        max_num_batched_tokens: most tokens (prefill chunks + decodes) in one step.
-        max_waiting_requests: bound of the waiting queue; a submit past it is rejected (HTTP 503).
-        scheduling_policy: "fcfs" (arrival order) or "priority" (request field `priority`, lower first).
-        priority_aging_seconds: under "priority", seconds of waiting worth one priority level (0: no aging).
-        request_timeout: seconds from arrival after which an unfinished request ends with an error (0: never).
-        async_scheduling: plan step N+1 while the worker runs step N (at most two steps in flight).
-        max_seqs_per_request: running sequences one client request (its prompts x n) may hold; 0 = a fair share
-            (max_num_seqs / live requests, or max_num_seqs less one eighth when alone).
-        long_prefill_token_threshold: while other requests wait, one request's prefill chunk takes at most this many
-            tokens of a step, so short prompts get their first token while a long one is chunked (vLLM's name);
-            None: a quarter of max_num_batched_tokens; 0: no cap.
-        ttft_slo_ms: TTFT objective in ms; a request predicted to miss it is refused at arrival with 503
-            (scheduler/admission.py). 0: no objective (requests may still carry their own).
-        step_cost_profile: JSON step-cost profile (scripts/calibrate.py) for that prediction; "" fits the cost
-            model online to the server's own steps.
-    """
-
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = 2048
-    max_waiting_requests: int = 4096
-    scheduling_policy: str = "fcfs"
-    priority_aging_seconds: float = 10.0
-    request_timeout: float = 0.0
-    async_scheduling: bool = True
-    max_seqs_per_request: int = 0
-    long_prefill_token_threshold: int | None = None
-    ttft_slo_ms: float = 0.0
-    step_cost_profile: str = ""
+    max_num_seqs: int = option(128, "most sequences in one step", type=positive)
+    max_num_batched_tokens: int = option(2048, "most tokens (prefill chunks + decodes) in one step; longer prompts "
+                                               "are prefilled in chunks", type=positive)
+    max_waiting_requests: int = option(4096, "bound of the waiting queue: past it new requests get HTTP 503",
+                                       type=positive)
+    scheduling_policy: str = option("fcfs", "fcfs: arrival order; priority: the request field `priority`, lower "
+                                            "first, with aging", choices=["fcfs", "priority"])
+    priority_aging_seconds: float = option(10.0, "under --scheduling-policy priority: seconds of waiting worth one "
+                                                 "priority level (0 turns aging off)", type=seconds)
+    request_timeout: float = option(0.0, "seconds from arrival after which an unfinished request ends with an error "
+                                         "(0: never; a request's own `timeout` field can ask for less)", type=seconds)
+    async_scheduling: bool = option(True, "plan the next step while the worker runs the current one (two steps in "
+                                          "flight); --no-async-scheduling plans, waits and settles one at a time")
+    max_seqs_per_request: int = option(0, "running sequences one client request (its prompts x n) may hold; 0: a fair "
+                                          "share (max_num_seqs / live requests; all but an eighth when alone)",
+                                       type=count)
+    long_prefill_token_threshold: int | None = option(
+        None, "while others wait, one request's prefill chunk takes at most this many tokens of a step, so short "
+              "prompts get their first token while a long one is chunked (vLLM's name; None: a quarter of "
+              "--max-num-batched-tokens; 0: no cap)", type=count)
+    ttft_slo_ms: float = option(0.0, "TTFT objective (ms): a request predicted to miss it is refused at once with 503 "
+                                     "and Retry-After (scheduler/admission.py; 0: off; a request's `ttft_slo_ms` field "
+                                     "sets its own)", type=float)
+    step_cost_profile: str = option("", "calibrated step-cost profile (scripts/calibrate.py) for --ttft-slo-ms; "
+                                        "without one the cost model is fitted online to the server's own steps",
+                                    metavar="JSON")
 
 
 @dataclass(frozen=True)
 class WorkerConfig:
-    """How the worker executes steps.
+    """How the worker executes steps. Each field's help says what it means."""
 
-    Attributes:
-        attention_backend: "auto" (cpu on a CPU), "cpu" (numba paged decode kernel + per-sequence prefill) or
-            "reference" (one sequence at a time with torch SDPA).
-    """
-
-    attention_backend: str = "auto"
+    attention_backend: str = option("auto", "auto: cpu on a CPU; cpu: numba paged decode kernel + per-sequence "
+                                            "prefill; reference: one sequence at a time with torch SDPA",
+                                    choices=["auto", "cpu", "reference"])
+    worker_threads: int = option(0, "CPU threads of the worker's model and attention (0: torch's default, one per "
+                                    "core)", type=count)
 
 
 @dataclass(frozen=True)
 class OpsConfig:
-    """Supervision, shutdown and connection limits (issue 9).
+    """Supervision, shutdown and connection limits. Each field's help says what it means."""
 
-    Attributes:
-        step_timeout: seconds the scheduler waits for one step's result before it declares the worker hung
-            and exits so that the launcher restarts the engine (0: wait forever).
-        heartbeat_timeout: seconds without a heartbeat after which the launcher declares a process hung.
-        max_restarts: restarts of the engine (scheduler + worker) or of the frontend in a row before the
-            launcher gives up and exits 1; a process group that then serves for RESTART_RESET_S starts afresh.
-        shutdown_timeout: seconds SIGTERM lets in-flight requests finish before they end with an error.
-        keep_alive_timeout: seconds an idle HTTP connection stays open.
-        header_timeout: seconds a client has to send a whole request head once it has started one.
-        body_timeout: seconds a client has to send the request body once the head has arrived.
-    """
+    step_timeout: float = option(60.0, "seconds the scheduler waits for one step of the worker before it declares "
+                                       "the worker hung; the engine then restarts (0: never)", type=seconds)
+    heartbeat_timeout: float = option(30.0, "seconds without a heartbeat after which the launcher declares a "
+                                            "process hung and restarts it (0: never)", type=seconds)
+    max_restarts: int = option(5, "restarts in a row of the engine (scheduler + worker) or of the frontend before "
+                                  "the launcher gives up and exits 1 (0: exit at the first failure; a unit that "
+                                  "then serves 60 s starts counting afresh)", type=count)
+    shutdown_timeout: float = option(30.0, "on SIGTERM, seconds in-flight requests may take to finish before they "
+                                           "end with an error", type=seconds)
+    keep_alive_timeout: float = option(15.0, "seconds an idle HTTP connection is kept open", type=seconds)
+    header_timeout: float = option(10.0, "seconds a client has to finish sending a request head it has started",
+                                   type=seconds)
+    body_timeout: float = option(30.0, "seconds a client has to send the request body after its head (else HTTP "
+                                       "408)", type=seconds)
 
-    step_timeout: float = 60.0
-    heartbeat_timeout: float = 30.0
-    max_restarts: int = 5
-    shutdown_timeout: float = 30.0
-    keep_alive_timeout: float = 15.0
-    header_timeout: float = 10.0
-    body_timeout: float = 30.0
+
+SERVE_SECTIONS = (SchedulerConfig, CacheConfig, WorkerConfig, OpsConfig)  # whose fields are `shuttle serve` flags
+
+
+def section_from_args(cls, args: argparse.Namespace):
+    """Build a config section from parsed flags named after its fields."""
+    return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
 
 
 @dataclass(frozen=True)
@@ -267,25 +270,19 @@ class ShuttleConfig:
                 StepCostModel.load(args.step_cost_profile)
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 raise ModelDirError(f"--step-cost-profile {args.step_cost_profile}: {exc}") from None
-        max_batched = args.max_num_batched_tokens
         return ShuttleConfig(
             model=model,
             ipc=ipc,
-            cache=CacheConfig(args.block_size, args.num_kv_blocks, args.kv_cache_memory, args.enable_prefix_caching),
-            scheduler=SchedulerConfig(args.max_num_seqs, max_batched, args.max_waiting_requests,
-                                      args.scheduling_policy, args.priority_aging_seconds, args.request_timeout,
-                                      args.async_scheduling, args.max_seqs_per_request,
-                                      args.long_prefill_token_threshold, args.ttft_slo_ms,
-                                      args.step_cost_profile),
-            worker=WorkerConfig(args.attention_backend),
+            cache=section_from_args(CacheConfig, args),
+            scheduler=section_from_args(SchedulerConfig, args),
+            worker=section_from_args(WorkerConfig, args),
             host=args.host,
             port=args.port,
             debug_step_delay=args.debug_step_delay,
             chat_template=args.chat_template,
             batch_endpoint=_batch_endpoint(args),
             allowed_origins=tuple(args.allowed_origins or ()),
-            ops=OpsConfig(args.step_timeout, args.heartbeat_timeout, args.max_restarts, args.shutdown_timeout,
-                          args.keep_alive_timeout, args.header_timeout, args.body_timeout),
+            ops=section_from_args(OpsConfig, args),
         )
 
     def to_json(self) -> str:

@@ -19,6 +19,7 @@ Prints a table (milliseconds per step, medians) and writes JSON.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -52,7 +53,8 @@ class Timed:
         return statistics.median(self.times[phase])
 
 
-def run_batch(runner: ModelRunner, model_config: ModelConfig, batch: int, context: int, steps: int) -> dict:
+def run_batch(runner: ModelRunner, model_config: ModelConfig, batch: int, context: int, steps: int,
+              profiler=None) -> dict:
     block_size = runner.block_size
     num_blocks = batch * -(-(context + steps + 4) // block_size) + 8
     config = SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=max(2048, batch * context))
@@ -73,7 +75,7 @@ def run_batch(runner: ModelRunner, model_config: ModelConfig, batch: int, contex
         scheduler.update_from_output(step, runner.execute(step.plan))
         scheduler.take_outputs()
     timed = Timed()
-    with torch.inference_mode():
+    with torch.inference_mode(), profiler or contextlib.nullcontext():
         for _ in range(steps):
             t0 = time.perf_counter()
             step = scheduler.schedule()
@@ -105,6 +107,17 @@ def run_batch(runner: ModelRunner, model_config: ModelConfig, batch: int, contex
     return {phase: timed.median(phase) for phase in PHASES}
 
 
+class _NamedKernel:
+    """The decode kernel module, each call recorded as `shuttle::paged_decode` in torch's profiler."""
+
+    def __init__(self, kernel):
+        self._kernel = kernel
+
+    def paged_decode(self, *args):
+        with torch.profiler.record_function("shuttle::paged_decode"):
+            return self._kernel.paged_decode(*args)
+
+
 def bare_forward(model, batch: int, context: int, steps: int) -> float:
     """Median ms of one decode step of B sequences with a dense transformers cache of `context` tokens."""
     vocab = model.get_output_embeddings().weight.shape[0]
@@ -130,6 +143,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--json", type=Path, default=Path("bench_results/bench_overhead.json"))
+    parser.add_argument("--torch-profile", action="store_true",
+                        help="also print torch.profiler's top operators (self CPU time) of the timed decode steps "
+                             "at the largest batch: where the forward's time goes")
     args = parser.parse_args()
     model_config = ModelConfig.from_dir(args.model)
     block_size = 16
@@ -156,6 +172,13 @@ def main() -> None:
     args.json.write_text(json.dumps({"model": args.model, "context": args.context, "backend": runner.backend.name,
                                      "rows": rows}, indent=2))
     print(f"wrote {args.json}")
+    if args.torch_profile:
+        profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        kernel = getattr(runner.backend, "_kernel", None)
+        if kernel is not None:  # numba is invisible to torch's profiler: name its calls
+            runner.backend._kernel = _NamedKernel(kernel)
+        run_batch(runner, model_config, max(args.batch), args.context, args.steps, profiler)
+        print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=40))
 
 
 if __name__ == "__main__":

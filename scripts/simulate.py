@@ -32,7 +32,7 @@ import bench_serve  # noqa: E402
 from capacity.simulator import SimResult, Simulator  # noqa: E402
 from capacity.workload import SimRequest, arrivals, from_trace  # noqa: E402
 from common.capacity import kv_blocks_for_memory  # noqa: E402
-from common.cli import parse_bytes  # noqa: E402
+from common.cli import add_config_options  # noqa: E402
 from common.config import CacheConfig, SchedulerConfig  # noqa: E402
 from common.step_cost import StepCostModel  # noqa: E402
 
@@ -55,19 +55,13 @@ def bench_serve_workload(num_prompts: int, request_rate: float, input_len: int, 
 
 
 def add_config_args(parser: argparse.ArgumentParser) -> None:
-    """The serving flags the simulation honours, named as in `shuttle serve`."""
-    sched, cache = SchedulerConfig(), CacheConfig()
+    """The serving flags the simulation honours, declared and named as in `shuttle serve`."""
     parser.add_argument("--profile", required=True, help="step-cost profile JSON from scripts/calibrate.py")
     parser.add_argument("--max-model-len", type=int, default=None, help="default: the profile's")
-    parser.add_argument("--max-num-seqs", type=int, default=sched.max_num_seqs)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=sched.max_num_batched_tokens)
-    parser.add_argument("--max-waiting-requests", type=int, default=sched.max_waiting_requests)
-    parser.add_argument("--block-size", type=int, default=cache.block_size)
-    parser.add_argument("--num-kv-blocks", type=int, default=None)
-    parser.add_argument("--kv-cache-memory", type=parse_bytes, default=cache.kv_cache_memory)
-    parser.add_argument("--no-enable-prefix-caching", action="store_true")
-    parser.add_argument("--no-async-scheduling", action="store_true")
-    parser.add_argument("--scheduling-policy", default=sched.scheduling_policy)
+    add_config_options(parser, SchedulerConfig, ["max_num_seqs", "max_num_batched_tokens", "max_waiting_requests",
+                                                 "scheduling_policy", "async_scheduling"])
+    add_config_options(parser, CacheConfig, ["block_size", "num_kv_blocks", "kv_cache_memory",
+                                             "enable_prefix_caching"])
 
 
 def add_workload_args(parser: argparse.ArgumentParser) -> None:
@@ -93,10 +87,10 @@ def build_simulator(args: argparse.Namespace, cost: StepCostModel, ttft_slo_ms: 
     config = SchedulerConfig(max_num_seqs=max_num_seqs or args.max_num_seqs,
                              max_num_batched_tokens=max_num_batched_tokens or args.max_num_batched_tokens,
                              max_waiting_requests=args.max_waiting_requests,
-                             scheduling_policy=args.scheduling_policy, async_scheduling=not args.no_async_scheduling,
+                             scheduling_policy=args.scheduling_policy, async_scheduling=args.async_scheduling,
                              ttft_slo_ms=ttft_slo_ms)
     return Simulator(config, blocks, args.block_size, max_model_len, cost,
-                     enable_prefix_caching=not args.no_enable_prefix_caching, max_concurrency=args.max_concurrency)
+                     enable_prefix_caching=args.enable_prefix_caching, max_concurrency=args.max_concurrency)
 
 
 def build_workload(args: argparse.Namespace, cost: StepCostModel, request_rate: float | None = None) -> list[SimRequest]:

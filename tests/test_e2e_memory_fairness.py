@@ -262,3 +262,31 @@ async def test_stalled_stream_times_out_with_error_event_and_frees_blocks(bounde
         assert len(events) > 3 and elapsed >= 0.8  # never before its timeout (a late one only on a loaded machine)
         stats = await wait_idle_and_free(session, url, within=30.0)
         assert stats["num_timed_out"] >= 1
+
+
+# ---- 5. one huge request next to a small one (issue 9) -------------------------------------------------------------
+
+async def test_a_huge_request_does_not_hold_back_a_small_one_behind_it():
+    """64 prompts x n=16 x 480 tokens (1,024 sequences in a 1.7 KB body), then an 8-token request: the small one
+    runs to its end while most of the huge one's sequences still wait (under plain FCFS it would wait for all
+    1,024 to be admitted). Its TTFT is printed, not asserted (timing belongs in benchmarks)."""
+    srv = ShuttleServer()
+    try:
+        async with unlimited_session() as session:
+            big = asyncio.create_task(post_completion(
+                session, srv.url, prompt=["Once upon a time"] * 64, n=16, max_tokens=480, ignore_eos=True,
+                temperature=1.0, seed=1))
+            while (await health(session, srv.url))["scheduler"]["num_running"] < 64:
+                await asyncio.sleep(0.02)
+            sent = time.monotonic()
+            first, done = await stream_first_token_time(session, srv.url, prompt="Once upon a time", max_tokens=8,
+                                                        temperature=0)
+            stats = (await health(session, srv.url))["scheduler"]
+            print(f"8-token request next to 1,024 running/waiting sequences: TTFT {first - sent:.3f} s, "
+                  f"done after {done - sent:.3f} s; {stats['num_waiting']} sequences still waiting")
+            assert not big.done()
+            assert stats["num_waiting"] >= 1024 - 128
+            big.cancel()  # the client goes away: all 1,024 sequences are aborted
+            await wait_idle_and_free(session, srv.url, within=30)
+    finally:
+        srv.stop()

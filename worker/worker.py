@@ -40,6 +40,8 @@ class ModelRunner:
         self.model = load_model(model_cfg.model_dir, model_cfg.dtype, device)
         self.architecture = architecture(self.model)
         self.geometry = probe_geometry(self.model)
+        if config.worker.worker_threads > 0:
+            torch.set_num_threads(config.worker.worker_threads)
         self.backend = make_backend(config.worker.attention_backend, self.block_size, device)
         if self.backend.name == "cpu":
             from worker import decode_kernel

@@ -1,0 +1,63 @@
+"""Command-line value parsers shared by the config declarations and every script's flags.
+
+Each raises argparse.ArgumentTypeError with a message naming what was expected, which argparse turns into a
+one-line usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """'512MiB', '2GB', '1048576' -> bytes."""
+    match = _SIZE.match(text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 512MiB or 2GiB)")
+    return int(float(match.group(1)) * _UNITS[(match.group(2) or "").lower()])
+
+
+def positive(text: str) -> int:
+    """An integer >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def count(text: str) -> int:
+    """An integer >= 0."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
+    return value
+
+
+def seconds(text: str) -> float:
+    """A number of seconds >= 0."""
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text}")
+    return value
+
+
+def unit_fraction(text: str) -> float:
+    """A number in (0, 1]."""
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
+    return value
+
+
+def origins(text: str) -> tuple[str, ...]:
+    """'https://a.example,https://b.example' -> a tuple of origins; '*' allows any."""
+    found = tuple(o.strip().rstrip("/") for o in text.split(",") if o.strip())
+    for origin in found:
+        if origin != "*" and not re.match(r"^https?://[^/\s]+$", origin):
+            raise argparse.ArgumentTypeError(f"not an origin: {origin!r} (scheme://host[:port], or *)")
+    return found

@@ -1,0 +1,53 @@
+"""Every config field declared with `option` is a `shuttle serve` flag and reaches the config by name."""
+
+import dataclasses
+
+import pytest
+
+from common.cli import build_parser
+from common.config import SERVE_SECTIONS, CacheConfig, IpcConfig, SchedulerConfig, ShuttleConfig, WorkerConfig
+from tests.server import MODEL_DIR
+
+# a value other than the default for each field, as it is typed on the command line
+NON_DEFAULTS = {
+    "block_size": ("8", 8), "num_kv_blocks": ("100", 100), "kv_cache_memory": ("2MiB", 2 * 2**20),
+    "max_num_seqs": ("7", 7), "max_num_batched_tokens": ("300", 300), "max_waiting_requests": ("9", 9),
+    "scheduling_policy": ("priority", "priority"), "priority_aging_seconds": ("2.5", 2.5),
+    "request_timeout": ("4", 4.0), "max_seqs_per_request": ("3", 3), "long_prefill_token_threshold": ("64", 64),
+    "ttft_slo_ms": ("250", 250.0), "step_cost_profile": ("", ""), "attention_backend": ("reference", "reference"),
+    "worker_threads": ("1", 1), "step_timeout": ("5", 5.0), "heartbeat_timeout": ("6", 6.0),
+    "max_restarts": ("2", 2), "shutdown_timeout": ("3", 3.0), "keep_alive_timeout": ("1", 1.0),
+    "header_timeout": ("2", 2.0), "body_timeout": ("3", 3.0),
+}
+BOOLEANS = {"enable_prefix_caching", "async_scheduling"}
+
+
+def test_every_field_is_a_flag_that_reaches_its_section():
+    argv = ["serve", str(MODEL_DIR)]
+    for section in SERVE_SECTIONS:
+        for f in dataclasses.fields(section):
+            flag = "--" + f.name.replace("_", "-")
+            if f.name in BOOLEANS:
+                argv.append("--no-" + flag[2:])
+            else:
+                argv += [flag, NON_DEFAULTS[f.name][0]]
+    config = ShuttleConfig.from_args(build_parser().parse_args(argv), IpcConfig.in_directory("/x"))
+    for section, built in ((CacheConfig, config.cache), (SchedulerConfig, config.scheduler),
+                           (WorkerConfig, config.worker), (type(config.ops), config.ops)):
+        for f in dataclasses.fields(section):
+            want = False if f.name in BOOLEANS else NON_DEFAULTS[f.name][1]
+            assert getattr(built, f.name) == want, f.name
+
+
+def test_defaults_come_from_the_declarations():
+    args = build_parser().parse_args(["serve", str(MODEL_DIR)])
+    config = ShuttleConfig.from_args(args, IpcConfig.in_directory("/x"))
+    assert (config.cache, config.scheduler, config.worker) == (CacheConfig(), SchedulerConfig(), WorkerConfig())
+
+
+@pytest.mark.parametrize("flag,value", [("--max-num-seqs", "0"), ("--kv-cache-memory", "lots"),
+                                        ("--step-timeout", "-1"), ("--scheduling-policy", "random")])
+def test_bad_values_are_usage_errors(flag, value, capsys):
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["serve", flag, value])
+    assert exc.value.code == 2 and flag in capsys.readouterr().err
