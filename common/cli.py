@@ -1,4 +1,5 @@
-"""The `shuttle` command. `shuttle serve [MODEL_DIR]` starts a serving group (see common/launcher.py);
+"""The `shuttle` command. `shuttle serve [MODEL_DIR]` starts a frontend and its serving groups (see
+common/launcher.py); `shuttle engine --listen ENDPOINT` one serving group for a frontend on another host;
 `shuttle plan` prints the memory plan without starting one (capacity/memory_plan.py).
 
 The engine's flags are derived from the config sections' field declarations (common/config.py `option`), so a
@@ -11,7 +12,7 @@ import argparse
 import dataclasses
 import sys
 
-from common.arg_types import origins, parse_bytes, positive, unit_fraction
+from common.arg_types import count, origins, parse_bytes, positive, unit_fraction
 from common.config import DEFAULT_MODEL_DIR, SERVE_SECTIONS, CacheConfig, SchedulerConfig, WorkerConfig
 
 __all__ = ["add_config_options", "build_parser", "main", "parse_bytes"]
@@ -71,8 +72,30 @@ def build_parser() -> argparse.ArgumentParser:
                        help="ipc:// sockets in a private runtime directory, or tcp:// on loopback authenticated "
                             "with ZeroMQ CURVE keys made for each launch")
     serve.add_argument("--debug-step-delay", type=float, default=0.0, help=argparse.SUPPRESS)
+    _add_engine_parser(commands, serve)
+    serve.add_argument("--data-parallel-size", type=count, default=1, metavar="M",
+                       help="serving groups (each a scheduler + its worker, with its own KV cache) behind the one "
+                            "frontend, which routes each request by prefix affinity and least load; 0 with only "
+                            "--engine-endpoint groups")
+    serve.add_argument("--engine-endpoint", action="append", default=None, metavar="ENDPOINT",
+                       help="a serving group started elsewhere with `shuttle engine --listen ENDPOINT` (repeatable); "
+                            "it joins when it answers, and a dropped connection takes it out of routing until it "
+                            "is back; tcp:// needs the engine host's CURVE keys in $SHUTTLE_CURVE_KEYS")
     _add_plan_parser(commands, default_model)
+    commands.add_parser("curve-keys", help="print a new set of ZeroMQ CURVE keys for $SHUTTLE_CURVE_KEYS "
+                                           "(the same on a frontend's host and its engines' hosts)")
     return parser
+
+
+def _add_engine_parser(commands, serve: argparse.ArgumentParser) -> None:
+    """`shuttle engine`: every `serve` option that shapes a serving group, plus where it listens."""
+    engine = commands.add_parser("engine", parents=[serve], conflict_handler="resolve",
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                 help="run one serving group (scheduler + worker) for a frontend on another host")
+    engine.add_argument("--listen", required=True, metavar="ENDPOINT",
+                        help="where the scheduler listens for frontends, e.g. tcp://10.0.0.3:7100 (tcp:// needs "
+                             "$SHUTTLE_CURVE_KEYS, the same as on the frontend's host); frontends name it with "
+                             "`shuttle serve --engine-endpoint ENDPOINT`")
 
 
 def _add_plan_parser(commands, default_model: str | None) -> None:
@@ -101,6 +124,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         from common.launcher import serve
         return serve(args)
+    if args.command == "engine":
+        from common.launcher import engine
+        return engine(args)
+    if args.command == "curve-keys":
+        from common.ipc import CurveKeys
+        print(CurveKeys.generate().to_env())
+        return 0
     if args.command == "plan":
         from capacity.memory_plan import main as plan
         return plan(args)

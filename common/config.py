@@ -212,6 +212,10 @@ class IpcConfig:
         supervisor: frontend PULL that the launcher tells engine failures to (ipc, in the runtime directory).
         curve: with tcp transport, the sockets above that cross tcp use ZeroMQ CURVE; the per-launch keys
             travel in the environment (SHUTTLE_CURVE_KEYS), never on a command line.
+        group_requests: the frontend's view of data parallelism: the `requests` endpoint of every serving group
+            the launcher runs (group i at index i); empty: the one group at `requests`.
+        remote_groups: `requests` endpoints of serving groups started elsewhere (`shuttle engine --listen`), which
+            the frontend connects to and watches itself; they follow the local groups in the router's numbering.
     """
 
     requests: str
@@ -220,11 +224,20 @@ class IpcConfig:
     control: str
     supervisor: str = ""
     curve: bool = False
+    group_requests: tuple[str, ...] = ()
+    remote_groups: tuple[str, ...] = ()
 
     @staticmethod
-    def in_directory(runtime_dir: str) -> "IpcConfig":
-        return IpcConfig(*(f"ipc://{runtime_dir}/{name}.sock"
-                           for name in ("requests", "plans", "results", "control", "supervisor")))
+    def in_directory(runtime_dir: str, group: int = 0) -> "IpcConfig":
+        """Endpoints in `runtime_dir`; serving group `group` > 0 gets its own requests/plans/results sockets."""
+        suffix = f"-{group}" if group else ""
+        return IpcConfig(*(f"ipc://{runtime_dir}/{name}{suffix}.sock" for name in ("requests", "plans", "results")),
+                         *(f"ipc://{runtime_dir}/{name}.sock" for name in ("control", "supervisor")))
+
+    @property
+    def all_groups(self) -> tuple[str, ...]:
+        """The requests endpoint of every serving group the frontend routes to: local ones, then remote ones."""
+        return (self.group_requests or ((self.requests,) if self.requests else ())) + self.remote_groups
 
 
 @dataclass(frozen=True)

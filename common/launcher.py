@@ -1,14 +1,17 @@
-"""Starts and supervises one serving group: worker, scheduler and frontend, each its own process.
+"""Starts and supervises the serving groups and the frontend, each process its own.
 
-The group is two units. The engine (scheduler + worker) shares request and KV state, so its two processes
-live, die and restart together; the frontend holds the clients' connections and is restarted alone. The
+A serving group is one unit: its engine (scheduler + worker) shares request and KV state, so its processes live,
+die and restart together. With --data-parallel-size M there are M such units, each with its own sockets (the
+frontend's router spreads requests over them); the frontend holds the clients' connections and is restarted
+alone. `shuttle engine --listen ENDPOINT` runs one group without a frontend, for a frontend on another host. The
 launcher waits until every child reports ready on the control socket, prints the URL and the KV capacity,
 and then watches:
 - a unit whose process dies, or stops sending heartbeats for --heartbeat-timeout seconds, is killed
   (all of its processes) and started again after a backoff (0.5 s doubling up to 10 s), at most
   --max-restarts times in a row; a unit that then serves for RESTART_RESET_S seconds starts counting afresh.
-  When the engine goes, the frontend is told at once (EngineDown): it ends every in-flight request with one
-  error and answers 503 until the new scheduler answers it.
+  When a group's engine goes, the frontend is told at once (EngineDown naming the group): it ends that group's
+  in-flight requests with one error each and routes new ones to the other groups (503 only when none serves)
+  until the new scheduler answers it.
 - SIGTERM or Ctrl-C drains: the frontend stops admitting, lets in-flight requests finish for up to
   --shutdown-timeout seconds, ends the rest with an error and exits; then the engine stops; exit status 0.
   A second signal ends the drain at once.
@@ -91,9 +94,10 @@ class Unit:
         failures_in_a_row: restarts since the unit last served RESTART_RESET_S seconds.
     """
 
-    def __init__(self, name: str, roles: tuple[str, ...]):
+    def __init__(self, name: str, roles: tuple[str, ...], group: int | None = None):
         self.name = name
         self.roles = roles
+        self.group = group  # the serving group's index (None: the frontend)
         self.procs: dict[str, subprocess.Popen] = {}
         self.ready: dict[str, dict] = {}
         self.heartbeats: dict[str, float] = {}
@@ -173,8 +177,8 @@ class Unit:
     def next_backoff(self) -> float:
         return min(BACKOFF_FIRST_S * 2 ** self.failures_in_a_row, BACKOFF_MAX_S)
 
-    def pids(self) -> dict[str, int]:
-        return {role: proc.pid for role, proc in self.procs.items()}
+    def pids(self, suffix: str = "") -> dict[str, int]:
+        return {role + suffix: proc.pid for role, proc in self.procs.items()}
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -188,13 +192,27 @@ def serve(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"shuttle: error: cannot read --api-key-file: {exc}", file=sys.stderr)
         return 2
+    remote = tuple(args.engine_endpoint or ())
+    if args.data_parallel_size == 0 and not remote:
+        print("shuttle: error: --data-parallel-size 0 needs at least one --engine-endpoint", file=sys.stderr)
+        return 2
+    if any(e.startswith("tcp://") for e in remote) and not os.environ.get(CURVE_ENV):
+        print(f"shuttle: error: a tcp:// --engine-endpoint needs the engine host's CURVE keys in ${CURVE_ENV} "
+              f"(make them once with `shuttle curve-keys` and export them on both hosts)", file=sys.stderr)
+        return 2
     runtime_dir = tempfile.mkdtemp(prefix="shuttle-")  # mode 0700: only this user reaches the sockets
     try:
         control = f"ipc://{runtime_dir}/control.sock"
+        supervisor = f"ipc://{runtime_dir}/supervisor.sock"
         if args.zmq_transport == "tcp":
-            ipc = IpcConfig(*_free_tcp_endpoints(3), control, f"ipc://{runtime_dir}/supervisor.sock", curve=True)
+            groups = [IpcConfig(*_free_tcp_endpoints(3), control, supervisor, curve=True)
+                      for _ in range(args.data_parallel_size)]
         else:
-            ipc = IpcConfig.in_directory(runtime_dir)
+            groups = [IpcConfig.in_directory(runtime_dir, g) for g in range(args.data_parallel_size)]
+        base = groups[0] if groups else IpcConfig("", "", "", control, supervisor)
+        curve = args.zmq_transport == "tcp" or any(e.startswith("tcp://") for e in remote)
+        ipc = dataclasses.replace(base, curve=curve, group_requests=tuple(g.requests for g in groups),
+                                  remote_groups=remote)
         try:
             config = ShuttleConfig.from_args(args, ipc)
             if not os.path.isfile(os.path.join(config.model.model_dir, "tokenizer.json")):
@@ -204,7 +222,37 @@ def serve(args: argparse.Namespace) -> int:
         except ModelDirError as exc:
             print(f"shuttle: error: {exc}", file=sys.stderr)
             return 2
-        return Launcher(config, api_key).run()
+        return Launcher(config, api_key, groups).run()
+    finally:
+        shutil.rmtree(runtime_dir, ignore_errors=True)
+
+
+def engine(args: argparse.Namespace) -> int:
+    """Run `shuttle engine --listen ENDPOINT`: one serving group (scheduler + worker, supervised and restarted
+    here) whose scheduler listens on ENDPOINT for a frontend started elsewhere with `--engine-endpoint ENDPOINT`.
+    Returns the exit status as serve() does."""
+    if args.model_dir is None:
+        print("shuttle: no MODEL_DIR given and the default ../shared/models/stories260K is missing", file=sys.stderr)
+        return 2
+    tcp = args.listen.startswith("tcp://")
+    if tcp and not os.environ.get(CURVE_ENV):
+        print(f"shuttle: error: --listen on tcp:// needs CURVE keys in ${CURVE_ENV}, the same as the frontend's host "
+              f"(make them once with `shuttle curve-keys`)", file=sys.stderr)
+        return 2
+    runtime_dir = tempfile.mkdtemp(prefix="shuttle-")
+    try:
+        if args.zmq_transport == "tcp":
+            control = f"ipc://{runtime_dir}/control.sock"
+            internal = IpcConfig(*_free_tcp_endpoints(3), control, "", curve=True)
+        else:
+            internal = dataclasses.replace(IpcConfig.in_directory(runtime_dir), supervisor="")
+        ipc = dataclasses.replace(internal, requests=args.listen, curve=tcp or internal.curve)
+        try:
+            config = ShuttleConfig.from_args(args, ipc)
+        except ModelDirError as exc:
+            print(f"shuttle: error: {exc}", file=sys.stderr)
+            return 2
+        return Launcher(config, None, [ipc], with_frontend=False).run()
     finally:
         shutil.rmtree(runtime_dir, ignore_errors=True)
 
@@ -218,18 +266,32 @@ def _api_key(args: argparse.Namespace) -> str | None:
 
 
 class Launcher:
-    """The supervision loop. `run()` returns the exit status."""
+    """The supervision loop. `run()` returns the exit status.
 
-    def __init__(self, config: ShuttleConfig, api_key: str | None):
+    Args:
+        config: the frontend's configuration (its ipc names every group's requests endpoint).
+        groups: each local serving group's endpoints (None: one group on config.ipc).
+        with_frontend: False for `shuttle engine` (a group serving a frontend on another host).
+    """
+
+    def __init__(self, config: ShuttleConfig, api_key: str | None, groups: list[IpcConfig] | None = None,
+                 with_frontend: bool = True):
         self.config = config
         self.env = dict(os.environ)
         self.env.pop("SHUTTLE_API_KEY", None)
         if api_key:
             self.env["SHUTTLE_API_KEY"] = api_key  # through the environment: argv is visible to every user
         if config.ipc.curve:
-            self.env[CURVE_ENV] = CurveKeys.generate().to_env()
-        self.engine = Unit("engine", ENGINE)
-        self.frontend = Unit("frontend", FRONTEND)
+            # keys given to the launcher (multi-host: the same on every host) win over a fresh pair per launch
+            keys = os.environ.get(CURVE_ENV)
+            self.env[CURVE_ENV] = CurveKeys.from_env().to_env() if keys else CurveKeys.generate().to_env()
+        self.group_configs = [dataclasses.replace(config, ipc=ipc) for ipc in groups] if groups is not None \
+            else [config]
+        single = len(self.group_configs) == 1
+        self.engines = [Unit("engine" if single else f"engine of group {g}", ENGINE, group=g)
+                        for g in range(len(self.group_configs))]
+        self.frontend = Unit("frontend", FRONTEND) if with_frontend else None
+        self.units = self.engines + ([self.frontend] if self.frontend else [])
         self.ctx = zmq.Context.instance()
         self.control: Channel[ControlMessage] = Channel(self.ctx, zmq.PULL, config.ipc.control, bind=True,
                                                         recv_type=ControlMessage)
@@ -243,21 +305,23 @@ class Launcher:
             _say(f"raised the open-file limit from {old} to {new}")
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
-            self.engine.start(self.config, self.env)
-            self.frontend.start(self.config, self.env)
-            self._link_frontend()
+            for unit in self.engines:
+                unit.start(self.group_configs[unit.group], self.env)
+            if self.frontend is not None:
+                self.frontend.start(self.config, self.env)
+                self._link_frontend()
             if not self._wait_until_ready():
                 if self.signals:
                     return 0
-                refused = any(p.returncode == 2 for u in (self.engine, self.frontend) for p in u.procs.values())
+                refused = any(p.returncode == 2 for u in self.units for p in u.procs.values())
                 return 2 if refused else 1  # 2: a child refused the model (main's rule, kept)
             self._announce()
             return self._supervise()
         finally:
             for sig in previous:
                 signal.signal(sig, signal.SIG_IGN)
-            self.frontend.terminate(STOP_TIMEOUT_S)
-            self.engine.terminate(STOP_TIMEOUT_S)
+            for unit in reversed(self.units):  # the frontend first
+                unit.terminate(STOP_TIMEOUT_S)
             self.control.close()
             if self.to_frontend is not None:
                 self.to_frontend.close()
@@ -278,13 +342,13 @@ class Launcher:
             return
         while self.control.poll(0):
             msg = self.control.recv()
-            self.engine.on_control(msg)
-            self.frontend.on_control(msg)
+            for unit in self.units:
+                unit.on_control(msg)
 
     def _wait_until_ready(self) -> bool:
         deadline = time.monotonic() + START_TIMEOUT_S
-        while not (self.engine.is_ready and self.frontend.is_ready):
-            for unit in (self.engine, self.frontend):
+        while not all(unit.is_ready for unit in self.units):
+            for unit in self.units:
                 for role, proc in unit.procs.items():
                     if proc.poll() is not None:
                         _say(f"{role} (pid {proc.pid}) {_describe_exit(proc.returncode)} during start-up; "
@@ -294,10 +358,12 @@ class Launcher:
                 _say("stopping")
                 return False
             if time.monotonic() > deadline:
-                waiting = [r for u in (self.engine, self.frontend) for r in u.roles if r not in u.ready]
+                waiting = [r for u in self.units for r in u.roles if r not in u.ready]
                 _say(f"start-up took over {START_TIMEOUT_S:.0f} s; waiting for {waiting}")
                 return False
             self._read_control(100)
+        if self.frontend is None:
+            return True
         url = urlsplit(self.frontend.ready["frontend"]["url"])
         batch = self.frontend.ready["frontend"].get("batch_endpoint", "") or self.config.batch_endpoint
         self.frontend_config = dataclasses.replace(self.config, port=url.port, batch_endpoint=batch)
@@ -309,11 +375,12 @@ class Launcher:
             self._read_control(POLL_MS)
             if self.signals:
                 return self._drain()
-            for unit in (self.engine, self.frontend):
+            for unit in self.units:
                 if unit.restart_at is not None:
                     if time.monotonic() >= unit.restart_at:
                         _say(f"restarting the {unit.name}")
-                        unit.start(self.config if unit is self.engine else self.frontend_config, self.env)
+                        unit.start(self.frontend_config if unit is self.frontend else self.group_configs[unit.group],
+                                   self.env)
                         if unit is self.frontend:
                             self._link_frontend()
                     continue
@@ -335,9 +402,9 @@ class Launcher:
         unit.kill()
         give_up = unit.failures_in_a_row >= self.config.ops.max_restarts
         backoff = unit.next_backoff()
-        if unit is self.engine:
+        if unit is not self.frontend and self.to_frontend is not None:
             eta = backoff + unit.expected_start_s()
-            self.to_frontend.try_send(EngineDown(reason, eta))
+            self.to_frontend.try_send(EngineDown(reason, eta, unit.group))
         if give_up:
             _say(f"{reason}; {unit.failures_in_a_row} restart(s) in a row already (--max-restarts "
                  f"{self.config.ops.max_restarts}): stopping the others")
@@ -354,6 +421,8 @@ class Launcher:
         engine goes. Exit status 0."""
         timeout = self.config.ops.shutdown_timeout
         _say(f"stopping: draining in-flight requests for up to {timeout:g} s (a second Ctrl-C ends them now)")
+        if self.frontend is None:
+            return 0  # `shuttle engine`: its frontend is elsewhere; the engine stops in run()'s cleanup
         frontend = self.frontend.procs.get("frontend")
         if frontend is None or frontend.poll() is not None or self.frontend.restart_at is not None:
             return 0
@@ -365,11 +434,12 @@ class Launcher:
             if self.signals > forwarded:  # again: the frontend ends the rest now
                 forwarded = self.signals
                 frontend.terminate()
-            if self.engine.restart_at is None and self.engine.failure(0.0) is not None:
-                reason = self.engine.failure(0.0)
-                self.engine.kill()
-                self.to_frontend.try_send(EngineDown(reason, 0.0))
-                self.engine.restart_at = float("inf")  # no restart while stopping
+            for unit in self.engines:
+                if unit.restart_at is None and unit.failure(0.0) is not None:
+                    reason = unit.failure(0.0)
+                    unit.kill()
+                    self.to_frontend.try_send(EngineDown(reason, 0.0, unit.group))
+                    unit.restart_at = float("inf")  # no restart while stopping
         if frontend.poll() is None:
             _say("the frontend did not finish draining in time; killing it")
             frontend.kill()
@@ -377,13 +447,30 @@ class Launcher:
         return 0
 
     def _pids(self) -> dict[str, int]:
-        return {**self.engine.pids(), **self.frontend.pids()}
+        """role -> pid; with several groups, role.GROUP ("worker.1")."""
+        pids: dict[str, int] = {}
+        for unit in self.units:
+            pids.update(unit.pids("" if len(self.engines) == 1 or unit is self.frontend else f".{unit.group}"))
+        return pids
 
     def _announce(self) -> None:
+        if self.engines:
+            lines = capacity_lines(self.config, self.engines[0].ready["scheduler"])
+            if len(self.engines) > 1:
+                lines[0] = f"{len(self.engines)} data-parallel groups, each: {lines[0]}"
+            for line in lines:
+                _say(line)
+        if self.frontend is None:
+            endpoint = self.group_configs[0].ipc.requests
+            _say(f"engine serving {self.config.model.served_model_name} for frontends at {endpoint}  (Ctrl-C stops)")
+            _say("ready " + json.dumps({"url": "", "endpoint": endpoint, "batch_endpoint": "", "pids": self._pids(),
+                                        "launcher_pid": os.getpid()}))
+            return
         info = self.frontend.ready["frontend"]
         url = info["url"]
-        for line in capacity_lines(self.config, self.engine.ready["scheduler"]):
-            _say(line)
+        remote = self.config.ipc.remote_groups
+        if remote:
+            _say(f"remote serving groups (joining when they answer): {', '.join(remote)}")
         batch = info.get("batch_endpoint", "")
         _say(f"serving {self.config.model.served_model_name} at {url}" + (f", batch jobs at {batch}" if batch else "")
              + "  (Ctrl-C stops)")

@@ -283,11 +283,12 @@ ControlMessage = ProcessReady | Heartbeat
 # ---- launcher -> frontend (PUSH -> PULL) ------------------------------------------------------------------
 
 class EngineDown(msgspec.Struct, **_WIRE):
-    """The engine (scheduler + worker) stopped: end every in-flight request with an error, answer 503 until a
-    new scheduler answers Hello. `retry_after`: the launcher's estimate of seconds until it serves again."""
+    """A serving group's engine (scheduler + worker) stopped: end that group's in-flight requests with an error
+    and route nothing to it until its new scheduler answers Hello (503 only when no group serves). `retry_after`: the launcher's estimate of seconds until it serves again."""
 
     reason: str
     retry_after: float = 1.0
+    group: int = 0  # which serving group (data parallelism); the others keep serving
 
 
 SupervisorMessage = EngineDown

@@ -21,6 +21,7 @@ from frontend.dashboard import add_dashboard
 from frontend.middleware import api_key_auth, json_content_type, openai_errors, request_id_header
 from frontend.openai_api import create_chat_completion, create_completion, list_models, retrieve_model
 from frontend.openapi import openapi_document
+from frontend.router import Router
 from frontend.state import STATE, FrontendState
 from frontend.tokenize_api import detokenize, tokenize
 from frontend.tokenizer import TextTokenizer
@@ -31,16 +32,22 @@ log = logging.getLogger("shuttle.frontend")
 
 
 async def health(request: web.Request) -> web.Response:
-    """Liveness plus the scheduler's latest stats; answers from memory, never waits on the model.
+    """Liveness plus the schedulers' latest stats; answers from memory, never waits on the model.
 
-    200 {"status": "ok"} while serving; 503 {"status": "draining"} during a SIGTERM drain and
-    503 {"status": "engine_down", "reason": ...} while the engine restarts.
+    200 {"status": "ok"} while serving ("degraded" while some serving group is down and another serves);
+    503 {"status": "draining"} during a SIGTERM drain and 503 {"status": "engine_down", "reason": ...} while no
+    group serves. "scheduler" sums the groups' stats; "groups" lists each group's state and stats.
     """
     state = request.app[STATE]
     engine = state.engine
     stats = engine.stats
-    body = {"status": "ok", "in_flight": engine.num_in_flight,
-            "scheduler": {name: getattr(stats, name) for name in stats.__struct_fields__}}
+    groups = engine.group_states()
+    body = {"status": "ok" if all(g.up for g in groups) else "degraded", "in_flight": engine.num_in_flight,
+            "scheduler": _stats_dict(stats),
+            "groups": [{"group": g.group, "endpoint": g.endpoint, "status": "ok" if g.up else "engine_down",
+                        **({"reason": g.reason} if g.reason else {}), "in_flight": g.in_flight,
+                        "times_down": g.times_down, "routed": g.routed, "scheduler": _stats_dict(g.stats)}
+                       for g in groups]}
     refusal = engine.admission_error()
     if refusal is None:
         return web.json_response(body)
@@ -48,6 +55,10 @@ async def health(request: web.Request) -> web.Response:
     if engine.down_reason:
         body["reason"] = engine.down_reason
     return web.json_response(body, status=503, headers={"Retry-After": header_value(refusal.retry_after)})
+
+
+def _stats_dict(stats) -> dict:
+    return {name: getattr(stats, name) for name in stats.__struct_fields__}
 
 
 MAX_BODY_BYTES = 4 * 2**20
@@ -92,8 +103,10 @@ async def serve(config: ShuttleConfig, on_ready) -> None:
     """Connect to the scheduler, listen on config.host:config.port (and the batch endpoint), call
     `on_ready(url, batch_endpoint)`, serve until SIGTERM, then drain."""
     tokenizer = TextTokenizer(config.model.model_dir)
-    engine = EngineClient(config.ipc.requests, config.ipc.curve)
-    registry = Metrics(lambda: engine.stats)
+    local = len(config.ipc.all_groups) - len(config.ipc.remote_groups)  # the launcher's; remote ones join later
+    engine = Router([EngineClient(endpoint, config.ipc.curve, remote=endpoint in config.ipc.remote_groups)
+                     for endpoint in config.ipc.all_groups], config.scheduler.max_num_seqs, wait_for=local)
+    registry = Metrics(lambda: engine.stats, engine.group_states)
     engine.on_stats = registry.observe_steps
     link = SupervisorLink(config, engine)
     link.start()

@@ -13,6 +13,7 @@ import logging
 import os
 import time
 import uuid
+from dataclasses import dataclass
 from typing import AsyncIterator
 
 import zmq
@@ -30,6 +31,27 @@ from frontend.backpressure import RetryAfterEstimator
 log = logging.getLogger("shuttle.frontend")
 
 HEARTBEAT_INTERVAL_S = 1.0  # the scheduler takes a frontend silent for 10 s as gone (scheduler/liveness.py)
+REMOTE_RESTART_GUESS_S = 10.0  # Retry-After while a remote group is away: about one engine start-up on a CPU
+
+
+@dataclass
+class GroupState:
+    """One serving group as the frontend sees it, for /health and /metrics.
+
+    Attributes:
+        group: its index in the router. endpoint: its scheduler's requests endpoint. up: it takes new work.
+        reason: why it is down (None while up). in_flight: this frontend's sequences there. times_down: failures
+        seen since the frontend started. routed: sequences sent to it. stats: its scheduler's latest stats.
+    """
+
+    group: int
+    endpoint: str
+    up: bool
+    reason: str | None
+    in_flight: int
+    times_down: int
+    routed: int
+    stats: SchedulerStats
 
 
 class EngineClient:
@@ -45,9 +67,15 @@ class EngineClient:
         draining: set by the shutdown drain; new requests are refused.
     """
 
-    def __init__(self, endpoint: str, curve: bool = False):
+    def __init__(self, endpoint: str, curve: bool = False, remote: bool = False):
         self._endpoint = endpoint
         self._curve = curve
+        # A remote group (another host's `shuttle engine`) has no launcher here to say it died: a dropped
+        # connection on the socket monitor says it instead.
+        self._remote = remote
+        self._monitor: asyncio.Task | None = None
+        self.times_down = 0
+        self.routed = 0
         self._channel: AsyncChannel[SchedulerMessage] = self._connect()
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
         self._listener: asyncio.Task | None = None
@@ -64,12 +92,31 @@ class EngineClient:
         self.drain_deadline = 0.0
         self.retry_after = RetryAfterEstimator()
 
-    def _connect(self) -> AsyncChannel[SchedulerMessage]:
-        return AsyncChannel(zmq.asyncio.Context.instance(), zmq.DEALER, self._endpoint, bind=False,
-                            recv_type=SchedulerMessage, curve=self._curve)
+    @property
+    def endpoint(self) -> str:
+        return self._endpoint
 
-    async def start(self, timeout: float = 120.0) -> SchedulerInfo:
+    def _connect(self) -> AsyncChannel[SchedulerMessage]:
+        channel = AsyncChannel(zmq.asyncio.Context.instance(), zmq.DEALER, self._endpoint, bind=False,
+                               recv_type=SchedulerMessage, curve=self._curve)
+        if self._remote:
+            monitor = channel.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            self._monitor = asyncio.get_running_loop().create_task(self._watch(channel, monitor),
+                                                                   name="engine-client-monitor")
+        return channel
+
+    async def _watch(self, channel: AsyncChannel, monitor) -> None:
+        """A remote group's connection dropped (its scheduler died, or the network): the group is down."""
+        try:
+            await monitor.recv_multipart()
+        finally:
+            monitor.close(linger=0)
+        if channel is self._channel:
+            self.engine_down(f"lost the connection to {self._endpoint}", REMOTE_RESTART_GUESS_S)
+
+    async def start(self, timeout: float = 120.0, wait: bool = True) -> SchedulerInfo | None:
         """Say Hello and wait for the scheduler's cache geometry; outputs and stats flow from then on.
+        `wait=False`: return at once; the group joins whenever its scheduler answers (a remote group).
 
         Raises:
             TimeoutError: the scheduler did not answer within `timeout` seconds.
@@ -77,8 +124,27 @@ class EngineClient:
         self._listener = asyncio.create_task(self._listen(self._channel), name="engine-client-listener")
         self._heartbeat = asyncio.create_task(self._beat(), name="engine-client-heartbeat")
         await self._channel.send(Hello())
-        await asyncio.wait_for(self._up.wait(), timeout)
+        if wait:
+            await asyncio.wait_for(self._up.wait(), timeout)
         return self.info
+
+    async def wait_up(self) -> None:
+        """Return once the scheduler has answered Hello."""
+        await self._up.wait()
+
+    @property
+    def is_up(self) -> bool:
+        """The group takes new work: its scheduler answered, and no failure was reported since."""
+        return self.down_reason is None and self._up.is_set()
+
+    def group_state(self, group: int = 0, in_flight: int | None = None) -> GroupState:
+        return GroupState(group, self._endpoint, self.is_up, self.down_reason if not self.is_up else None,
+                          self.num_in_flight if in_flight is None else in_flight, self.times_down, self.routed,
+                          self.stats)
+
+    def group_states(self) -> list[GroupState]:
+        """The one serving group behind this client (a Router lists several)."""
+        return [self.group_state()]
 
     async def _listen(self, channel: AsyncChannel[SchedulerMessage]) -> None:
         while True:
@@ -194,13 +260,15 @@ class EngineClient:
         log.warning("the engine stopped (%s); failing %d in-flight request(s), restart expected in %.1f s",
                     reason, len(self._queues), retry_after)
         self.down_reason = reason
+        self.times_down += 1
         self._down_since = time.monotonic()
         self._down_until = self._down_since + retry_after
         self._up.clear()
+        self.stats = SchedulerStats()  # the dead scheduler's queues are gone; the new one reports its own
         self.fail_all(503, f"the engine stopped ({reason}); it is restarting, retry shortly")
         if self._listener is not None:
             self._listener.cancel()
-        self._channel.close()
+        self._close_channel()
         self._channel = self._connect()
         self._listener = asyncio.create_task(self._listen(self._channel), name="engine-client-listener")
         self._spawn(self._channel.send(Hello()))
@@ -214,11 +282,21 @@ class EngineClient:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
+    def _close_channel(self) -> None:
+        if self._monitor is not None:
+            self._monitor.cancel()
+            self._monitor = None
+            try:
+                self._channel.socket.disable_monitor()
+            except zmq.ZMQError:
+                pass
+        self._channel.close()
+
     def close(self) -> None:
         for task in (self._listener, self._heartbeat):
             if task is not None:
                 task.cancel()
-        self._channel.close()
+        self._close_channel()
 
 
 async def _quietly(coroutine) -> None:

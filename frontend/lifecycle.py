@@ -14,7 +14,7 @@ from common.config import ShuttleConfig
 from common.ipc import AsyncChannel
 from common.messages import EngineDown, SupervisorMessage
 from common.process import HEARTBEAT_INTERVAL_S, HeartbeatSender
-from frontend.engine_client import EngineClient
+from frontend.router import Router
 
 log = logging.getLogger("shuttle.frontend")
 
@@ -22,12 +22,13 @@ ANSWER_GRACE_S = 0.5  # after the drain fails what is left: time for handlers to
 
 
 class SupervisorLink:
-    """The PULL socket the launcher pushes EngineDown to, and this process's heartbeat to the launcher.
+    """The PULL socket the launcher pushes EngineDown (naming the serving group) to, and this process's heartbeat
+    to the launcher.
 
     The heartbeat is sent from the event loop, so a wedged loop stops it and the launcher restarts the frontend.
     """
 
-    def __init__(self, config: ShuttleConfig, engine: EngineClient):
+    def __init__(self, config: ShuttleConfig, engine: Router):
         self.engine = engine
         self.heartbeat = HeartbeatSender(config, "frontend")
         self.channel: AsyncChannel[SupervisorMessage] | None = None
@@ -45,7 +46,7 @@ class SupervisorLink:
         while True:
             msg = await self.channel.recv()
             if isinstance(msg, EngineDown):
-                self.engine.engine_down(msg.reason, msg.retry_after)
+                self.engine.engine_down(msg.reason, msg.retry_after, msg.group)
 
     async def _beat(self) -> None:
         while True:
@@ -72,7 +73,7 @@ class Shutdown:
         self.requested.set()
 
 
-async def drain(engine: EngineClient, timeout: float, hurry: asyncio.Event,
+async def drain(engine: Router, timeout: float, hurry: asyncio.Event,
                 websockets: set[web.WebSocketResponse]) -> None:
     """Stop admitting at once (503 + Retry-After; /health says "draining"), let in-flight requests finish for up
     to `timeout` seconds, then end the rest with an error and close the WebSockets (1001 going away)."""

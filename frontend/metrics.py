@@ -42,10 +42,44 @@ class _SchedulerCollector:
             yield CounterMetricFamily(f"shuttle:{name}", doc, value=value)
 
 
-class Metrics:
-    """The frontend's registry. `request()` starts the per-request recorder used by TextGeneration."""
+class _GroupCollector:
+    """Per serving group (data parallelism), labelled group="i": up, queues, KV usage, failures, routed."""
 
-    def __init__(self, stats_source):
+    def __init__(self, groups_source):
+        self._groups = groups_source
+
+    def collect(self):
+        groups = self._groups()
+        families = {
+            "group_up": (GaugeMetricFamily, "1 while the serving group takes new requests, else 0.",
+                         lambda g: float(g.up)),
+            "group_num_requests_running": (GaugeMetricFamily, "Requests in the group's running set.",
+                                           lambda g: g.stats.num_running),
+            "group_num_requests_waiting": (GaugeMetricFamily, "Requests in the group's waiting queue.",
+                                           lambda g: g.stats.num_waiting),
+            "group_kv_cache_usage_perc": (GaugeMetricFamily, "Fraction of the group's KV blocks in use.",
+                                          lambda g: g.stats.num_blocks_in_use / max(g.stats.num_total_blocks, 1)),
+            "group_failures": (CounterMetricFamily, "Times the group went down (died, hung, or lost).",
+                               lambda g: g.times_down),
+            "group_routed_requests": (CounterMetricFamily, "Sequences the router sent to the group.",
+                                      lambda g: g.routed),
+        }
+        for name, (kind, doc, value) in families.items():
+            family = kind(f"shuttle:{name}", doc, labels=["group"])
+            for group in groups:
+                family.add_metric([str(group.group)], value(group))
+            yield family
+
+
+class Metrics:
+    """The frontend's registry. `request()` starts the per-request recorder used by TextGeneration.
+
+    Args:
+        stats_source: () -> the schedulers' SchedulerStats (summed over serving groups).
+        groups_source: () -> list of frontend.engine_client.GroupState, for the per-group metrics (None: none).
+    """
+
+    def __init__(self, stats_source, groups_source=None):
         self.registry = CollectorRegistry()
         r = self.registry
         self.ttft = Histogram("shuttle:time_to_first_token_seconds", "Time to first token.", buckets=_LATENCY, registry=r)
@@ -73,6 +107,8 @@ class Metrics:
         self.step_tokens = Histogram("shuttle:iteration_tokens_total", "Tokens scheduled per step.", buckets=_COUNTS,
                                      registry=r)
         r.register(_SchedulerCollector(stats_source))
+        if groups_source is not None:
+            r.register(_GroupCollector(groups_source))
 
     def request(self, num_prompt_tokens: int) -> "RequestMetrics":
         return RequestMetrics(self, num_prompt_tokens)

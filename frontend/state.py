@@ -8,7 +8,7 @@ from aiohttp import web
 
 from common.config import ShuttleConfig
 from frontend.chat import ChatTemplate
-from frontend.engine_client import EngineClient
+from frontend.router import Router
 from frontend.metrics import Metrics
 from frontend.tokenizer import TextTokenizer
 
@@ -16,7 +16,7 @@ from frontend.tokenizer import TextTokenizer
 @dataclass
 class FrontendState:
     config: ShuttleConfig
-    engine: EngineClient
+    engine: Router  # or a single EngineClient (in-process tests): the same interface
     tokenizer: TextTokenizer
     chat_template: ChatTemplate
     metrics: Metrics

@@ -37,17 +37,20 @@ class ShuttleServer:
     """`shuttle serve MODEL --port 0 *args` in its own process group (so a test can send it a terminal's Ctrl-C).
 
     Args:
+        command: "serve", or "engine" (`shuttle engine MODEL *args`: one serving group without a frontend; ready
+            when it listens, with no url).
         env: extra environment variables for the launcher (e.g. SHUTTLE_API_KEY).
         preexec: also run in the launcher's process before exec (e.g. to lower its open-file limit).
 
     Attributes:
-        url: base URL once ready. pids: {"worker", "scheduler", "frontend"} -> pid, updated when the launcher
-        restarts a unit. output: launcher stdout lines.
+        url: base URL once ready. pids: {"worker", "scheduler", "frontend"} -> pid (with several serving groups
+        "worker.0", "scheduler.1", ...), updated when the launcher restarts a unit. output: launcher stdout lines.
     """
 
     def __init__(self, *args: str, model_dir: Path = MODEL_DIR, start_timeout: float = 120.0,
-                 env: dict[str, str] | None = None, preexec=None):
-        cmd = [sys.executable, "-m", "common.cli", "serve", str(model_dir), "--port", "0", *args]
+                 env: dict[str, str] | None = None, preexec=None, command: str = "serve"):
+        port = ["--port", "0"] if command == "serve" else []
+        cmd = [sys.executable, "-m", "common.cli", command, str(model_dir), *port, *args]
 
         def before_exec() -> None:
             die_with_parent()
@@ -66,9 +69,10 @@ class ShuttleServer:
         self.pids: dict[str, int] = {}
         self.past_pids: set[int] = set()
         self.restarts = 0
+        self.ready_info: dict | None = None
         ready = threading.Event()
         threading.Thread(target=self._read, args=(ready,), daemon=True).start()
-        if not ready.wait(start_timeout) or not self.url:
+        if not ready.wait(start_timeout) or self.ready_info is None:
             self.stop()
             raise RuntimeError("shuttle serve did not become ready:\n" + "\n".join(self.output))
 
@@ -76,7 +80,7 @@ class ShuttleServer:
         for line in self.proc.stdout:
             self.output.append(line.rstrip("\n"))
             if line.startswith("shuttle: ready "):
-                info = json.loads(line[len("shuttle: ready "):])
+                info = self.ready_info = json.loads(line[len("shuttle: ready "):])
                 self.url, self.pids, self.batch_endpoint = info["url"], info["pids"], info["batch_endpoint"]
                 ready.set()
             elif line.startswith("shuttle: restarted "):

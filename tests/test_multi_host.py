@@ -1,0 +1,107 @@
+"""Issue 13, acceptance 4: a frontend "host" on 127.0.0.2 and a serving group "host" on 127.0.0.3, over tcp://
+with CURVE keys shared by both (as two machines would share them), each its own launcher.
+
+The frontend starts first with `--data-parallel-size 0 --engine-endpoint tcp://127.0.0.3:PORT` and answers 503
+until the group joins; `shuttle engine --listen tcp://127.0.0.3:PORT` then joins it, and a streamed request is
+served end to end, token-exact. A kill -9 of the remote scheduler is noticed by the frontend through the dropped
+connection; the remote launcher restarts its group, which joins again.
+"""
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import aiohttp
+import pytest
+
+from common.ipc import CURVE_ENV, CurveKeys
+from tests.client import stream_completion
+from tests.conftest import hf_greedy
+from tests.server import MODEL_DIR, REPO, ShuttleServer
+
+HANG = 120.0
+IDS = [1, 403, 407, 261, 378]  # "Once upon a time"
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    env = {CURVE_ENV: CurveKeys.generate().to_env()}
+    endpoint = f"tcp://127.0.0.3:{free_port('127.0.0.3')}"
+    frontend = ShuttleServer("--host", "127.0.0.2", "--data-parallel-size", "0", "--engine-endpoint", endpoint,
+                             env=env)
+    try:
+        yield frontend, endpoint, lambda: ShuttleServer("--listen", endpoint, command="engine", env=env)
+    finally:
+        frontend.stop()
+
+
+async def wait_health(session, url, status: int) -> dict:
+    deadline = time.monotonic() + HANG
+    while True:
+        async with session.get(f"{url}/health") as response:
+            if response.status == status:
+                return await response.json()
+        assert time.monotonic() < deadline, f"/health never answered {status}"
+        await asyncio.sleep(0.05)
+
+
+async def test_remote_group_joins_serves_a_stream_and_comes_back(hosts):
+    frontend, endpoint, start_engine = hosts
+    assert frontend.url.startswith("http://127.0.0.2:")
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=HANG)) as session:
+        waiting = await wait_health(session, frontend.url, 503)  # no group yet
+        assert waiting["status"] == "engine_down" and waiting["groups"][0]["endpoint"] == endpoint
+        engine = start_engine()
+        try:
+            assert engine.ready_info["endpoint"] == endpoint and "frontend" not in engine.pids
+            body = await wait_health(session, frontend.url, 200)
+            assert body["groups"][0]["status"] == "ok"
+            events = await stream_completion(session, frontend.url, prompt=IDS, max_tokens=16, temperature=0,
+                                             return_token_ids=True)
+            tokens = [t for e in events for c in e["choices"] for t in c.get("token_ids") or []]
+            assert tokens == hf_greedy(IDS, 16)
+            assert events[-1]["choices"][0]["finish_reason"] == "length"
+            os.kill(engine.pids["scheduler"], signal.SIGKILL)
+            down = await wait_health(session, frontend.url, 503)
+            assert down["groups"][0]["reason"] == f"lost the connection to {endpoint}"
+            engine.wait_restarts(1)
+            await wait_health(session, frontend.url, 200)
+            events = await stream_completion(session, frontend.url, prompt=IDS, max_tokens=16, temperature=0,
+                                             return_token_ids=True)
+            assert [t for e in events for c in e["choices"] for t in c.get("token_ids") or []] == hf_greedy(IDS, 16)
+        finally:
+            engine.stop()
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != CURVE_ENV} | (env or {})
+    return subprocess.run([sys.executable, "-m", "common.cli", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=60, env=env)
+
+
+def test_tcp_between_hosts_needs_curve_keys():
+    for args in (["serve", str(MODEL_DIR), "--engine-endpoint", "tcp://127.0.0.3:7100"],
+                 ["engine", str(MODEL_DIR), "--listen", "tcp://127.0.0.3:7100"]):
+        result = run_cli(*args)
+        assert result.returncode == 2 and "SHUTTLE_CURVE_KEYS" in result.stderr, result.stderr
+        assert result.stderr.strip().count("\n") == 0
+    result = run_cli("serve", str(MODEL_DIR), "--data-parallel-size", "0")
+    assert result.returncode == 2 and "--engine-endpoint" in result.stderr
+
+
+def test_curve_keys_are_made_for_the_environment():
+    result = run_cli("curve-keys")
+    assert result.returncode == 0
+    keys = CurveKeys(**json.loads(result.stdout))
+    assert len(keys.server_public) == len(keys.client_secret) == 40
