@@ -1,7 +1,7 @@
 """Starts and supervises one serving group: worker, scheduler and frontend, each its own process.
 
-The group is two units. The engine (scheduler + worker) shares request and KV state, so its two processes
-live, die and restart together; the frontend holds the clients' connections and is restarted alone. The
+The group is two units. The engine (scheduler + worker, or + N worker ranks under --tensor-parallel-size N)
+shares request and KV state, so its processes live, die and restart together; the frontend holds the clients' connections and is restarted alone. The
 launcher waits until every child reports ready on the control socket, prints the URL and the KV capacity,
 and then watches:
 - a unit whose process dies, or stops sending heartbeats for --heartbeat-timeout seconds, is killed
@@ -33,7 +33,7 @@ from urllib.parse import urlsplit
 import zmq
 
 from common.capacity import requests_that_fit
-from common.config import IpcConfig, ShuttleConfig
+from common.config import TP_RANK_ENV, IpcConfig, ShuttleConfig
 from common.errors import ModelDirError
 from common.ipc import CURVE_ENV, Channel, CurveKeys
 from common.messages import ControlMessage, EngineDown, Heartbeat, ProcessReady
@@ -41,6 +41,20 @@ from common.process import die_with_parent, raise_fd_limit
 
 ENGINE = ("worker", "scheduler")
 FRONTEND = ("frontend",)
+
+
+def engine_roles(tensor_parallel_size: int) -> tuple[str, ...]:
+    """The engine's processes: worker rank 0 is "worker" (as with one rank), rank r > 0 is "worker{r}"."""
+    return ("worker", *(f"worker{rank}" for rank in range(1, tensor_parallel_size)), "scheduler")
+
+
+def worker_rank(role: str) -> int | None:
+    """The tensor-parallel rank of an engine role ("worker" -> 0, "worker3" -> 3), None for other roles."""
+    if role == "worker":
+        return 0
+    if role.startswith("worker") and role[len("worker"):].isdigit():
+        return int(role[len("worker"):])
+    return None
 STOP_TIMEOUT_S = 4.0  # SIGTERM to SIGKILL for the engine's processes at shutdown
 DRAIN_EXIT_GRACE_S = 5.0  # beyond --shutdown-timeout, for the frontend to write its last answers and exit
 START_TIMEOUT_S = 300.0
@@ -105,6 +119,11 @@ class Unit:
         self.ready_announced = True  # False from a failure until the restarted unit is ready
 
     def start(self, config: ShuttleConfig, env: dict[str, str]) -> None:
+        parallel = config.parallel
+        if parallel.tensor_parallel_size > 1 and parallel.master_port == 0:
+            # A fresh rendezvous port for each start: the previous incarnation's may still be held by a dying rank.
+            port = int(_free_tcp_endpoints(1)[0].rsplit(":", 1)[1])
+            config = dataclasses.replace(config, parallel=dataclasses.replace(parallel, master_port=port))
         payload = config.to_json()
         self.ready, self.heartbeats, self.restart_at = {}, {}, None
         self.started_at, self.serving_since = time.monotonic(), None
@@ -112,7 +131,11 @@ class Unit:
             child_env = dict(env)
             if role != "frontend":
                 child_env.pop("SHUTTLE_API_KEY", None)
-            self.procs[role] = subprocess.Popen([sys.executable, "-m", role, "--config", payload], env=child_env,
+            rank = worker_rank(role)
+            if rank is not None:  # every rank runs `python -m worker`; its rank travels like torchrun's RANK
+                child_env[TP_RANK_ENV] = str(rank)
+            module = "worker" if rank is not None else role
+            self.procs[role] = subprocess.Popen([sys.executable, "-m", module, "--config", payload], env=child_env,
                                                 preexec_fn=die_with_parent)
 
     @property
@@ -191,10 +214,13 @@ def serve(args: argparse.Namespace) -> int:
     runtime_dir = tempfile.mkdtemp(prefix="shuttle-")  # mode 0700: only this user reaches the sockets
     try:
         control = f"ipc://{runtime_dir}/control.sock"
+        tp = getattr(args, "tensor_parallel_size", 1)
         if args.zmq_transport == "tcp":
-            ipc = IpcConfig(*_free_tcp_endpoints(3), control, f"ipc://{runtime_dir}/supervisor.sock", curve=True)
+            requests, plans, results, *rank_plans = _free_tcp_endpoints(3 + tp - 1)
+            ipc = IpcConfig(requests, plans, results, control, f"ipc://{runtime_dir}/supervisor.sock", curve=True,
+                            rank_plans=tuple(rank_plans))
         else:
-            ipc = IpcConfig.in_directory(runtime_dir)
+            ipc = IpcConfig.in_directory(runtime_dir, tp)
         try:
             config = ShuttleConfig.from_args(args, ipc)
             if not os.path.isfile(os.path.join(config.model.model_dir, "tokenizer.json")):
@@ -228,7 +254,7 @@ class Launcher:
             self.env["SHUTTLE_API_KEY"] = api_key  # through the environment: argv is visible to every user
         if config.ipc.curve:
             self.env[CURVE_ENV] = CurveKeys.generate().to_env()
-        self.engine = Unit("engine", ENGINE)
+        self.engine = Unit("engine", engine_roles(config.parallel.tensor_parallel_size))
         self.frontend = Unit("frontend", FRONTEND)
         self.ctx = zmq.Context.instance()
         self.control: Channel[ControlMessage] = Channel(self.ctx, zmq.PULL, config.ipc.control, bind=True,
