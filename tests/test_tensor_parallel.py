@@ -33,9 +33,9 @@ from tests.conftest import hf_greedy, hf_tokenizer
 from tests.prompts import STORY
 from tests.server import MODEL_DIR, REPO, ShuttleServer
 
-NUM_KV_BLOCKS = 10  # 160 tokens for requests that need 392 together (each fits alone): preemption is certain
-PROMPT_LENGTHS = (1, 9, 23, 41, 64, 90)  # tokens of the story's start; the longest is prefilled in 6 chunks
-MAX_TOKENS = (40, 24, 33, 20, 28, 36)
+NUM_KV_BLOCKS = 7  # 112 tokens for requests that need 15 blocks together (each fits alone): preemption is certain
+PROMPT_LENGTHS = (1, 23, 41, 70)  # tokens of the story's start; the longest is prefilled in 5 chunks
+MAX_TOKENS = (30, 24, 20, 24)
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +140,7 @@ async def test_killed_rank_restarts_the_engine(tp_server):
     """Runs last: kill -9 of rank 1 mid-stream ends the stream with one error; the engine comes back exact."""
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
         events = []
-        body = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "temperature": 0,
+        body = {"prompt": "Once upon a time", "max_tokens": 100, "ignore_eos": True, "temperature": 0,
                 "stream": True}
         restarts, victim = tp_server.restarts, tp_server.pids["worker1"]
         async with session.post(f"{tp_server.url}/v1/completions", json=body) as response:
