@@ -227,7 +227,8 @@ class OpsConfig:
                                        "408)", type=seconds)
 
 
-SERVE_SECTIONS = (SchedulerConfig, CacheConfig, WorkerConfig, OpsConfig, ParallelConfig)  # whose fields are `shuttle serve` flags
+# whose fields are `shuttle serve` flags
+SERVE_SECTIONS = (SchedulerConfig, CacheConfig, WorkerConfig, OpsConfig, ParallelConfig)
 
 
 def section_from_args(cls, args: argparse.Namespace):

@@ -1,9 +1,9 @@
 """Starts and supervises one serving group: worker, scheduler and frontend, each its own process.
 
 The group is two units. The engine (scheduler + worker, or + N worker ranks under --tensor-parallel-size N)
-shares request and KV state, so its processes live, die and restart together; the frontend holds the clients' connections and is restarted alone. The
-launcher waits until every child reports ready on the control socket, prints the URL and the KV capacity,
-and then watches:
+shares request and KV state, so its processes live, die and restart together; the frontend holds the clients'
+connections and is restarted alone. The launcher waits until every child reports ready on the control socket,
+prints the URL and the KV capacity, and then watches:
 - a unit whose process dies, or stops sending heartbeats for --heartbeat-timeout seconds, is killed
   (all of its processes) and started again after a backoff (0.5 s doubling up to 10 s), at most
   --max-restarts times in a row; a unit that then serves for RESTART_RESET_S seconds starts counting afresh.
@@ -55,6 +55,8 @@ def worker_rank(role: str) -> int | None:
     if role.startswith("worker") and role[len("worker"):].isdigit():
         return int(role[len("worker"):])
     return None
+
+
 STOP_TIMEOUT_S = 4.0  # SIGTERM to SIGKILL for the engine's processes at shutdown
 DRAIN_EXIT_GRACE_S = 5.0  # beyond --shutdown-timeout, for the frontend to write its last answers and exit
 START_TIMEOUT_S = 300.0
