@@ -305,7 +305,7 @@ class ShuttleConfig:
         refusal = tensor_parallel_error(_read_json(Path(model.model_dir) / "config.json"), tp)
         if refusal:  # refused before any process starts, not after every rank has loaded the model
             raise ModelDirError(refusal)
-        if len(ipc.rank_plans) != tp - 1:
+        if ipc is not None and len(ipc.rank_plans) != tp - 1:
             raise ValueError(f"{tp} tensor-parallel ranks need {tp - 1} rank plan endpoints, got {len(ipc.rank_plans)}")
         if args.step_cost_profile:  # a bad profile is a one-line error now, not a scheduler traceback later
             from common.step_cost import StepCostModel
