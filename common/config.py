@@ -173,6 +173,41 @@ class WorkerConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """How one serving group spreads its model over devices (tensor parallel: worker/parallel.py). Each field's help
+    says what it means."""
+
+    tensor_parallel_size: int = option(1, "worker ranks (one process per device) that split the model's attention "
+                                          "heads, KV heads and MLP columns between them (torch.distributed: gloo on "
+                                          "CPU, NCCL on CUDA); the heads must divide by it", type=positive)
+    master_addr: str = option("127.0.0.1", "host of tensor-parallel rank 0's torch.distributed rendezvous")
+    master_port: int = option(0, "port of that rendezvous (0: a free loopback port at each engine start)", type=count)
+
+
+TP_RANK_ENV = "SHUTTLE_TP_RANK"  # a worker process's tensor-parallel rank, set by the launcher (unset: 0)
+
+
+def tensor_parallel_error(hf_config: dict, tensor_parallel_size: int) -> str | None:
+    """Why `tensor_parallel_size` ranks cannot split this model's heads evenly (None when they can).
+
+    Args:
+        hf_config: the model's config.json (its text_config is read when present).
+    """
+    if tensor_parallel_size == 1:
+        return None
+    config = hf_config.get("text_config") or hf_config
+    heads = config.get("num_attention_heads")
+    kv_heads = config.get("num_key_value_heads") or heads
+    if not isinstance(heads, int) or not isinstance(kv_heads, int):
+        return "config.json names no num_attention_heads, so its heads cannot be split between ranks"
+    for name, count in (("attention heads", heads), ("KV heads", kv_heads)):
+        if count % tensor_parallel_size:
+            return (f"--tensor-parallel-size {tensor_parallel_size} does not divide the model's {count} {name} "
+                    f"(each rank must hold the same number of whole heads)")
+    return None
+
+
+@dataclass(frozen=True)
 class OpsConfig:
     """Supervision, shutdown and connection limits. Each field's help says what it means."""
 
@@ -192,7 +227,8 @@ class OpsConfig:
                                        "408)", type=seconds)
 
 
-SERVE_SECTIONS = (SchedulerConfig, CacheConfig, WorkerConfig, OpsConfig)  # whose fields are `shuttle serve` flags
+# whose fields are `shuttle serve` flags
+SERVE_SECTIONS = (SchedulerConfig, CacheConfig, WorkerConfig, OpsConfig, ParallelConfig)
 
 
 def section_from_args(cls, args: argparse.Namespace):
@@ -210,6 +246,8 @@ class IpcConfig:
         results: worker PUSH -> scheduler PULL, one StepResult per step plus start-up reports.
         control: launcher PULL that every child reports readiness and heartbeats to.
         supervisor: frontend PULL that the launcher tells engine failures to (ipc, in the runtime directory).
+        rank_plans: plan endpoints of tensor-parallel ranks 1..N-1 (rank 0 uses `plans`): the scheduler PUSHes
+            every StepPlan to each rank's own socket, so no rank can miss one.
         curve: with tcp transport, the sockets above that cross tcp use ZeroMQ CURVE; the per-launch keys
             travel in the environment (SHUTTLE_CURVE_KEYS), never on a command line.
         group_requests: the frontend's view of data parallelism: the `requests` endpoint of every serving group
@@ -226,18 +264,30 @@ class IpcConfig:
     curve: bool = False
     group_requests: tuple[str, ...] = ()
     remote_groups: tuple[str, ...] = ()
+    rank_plans: tuple[str, ...] = ()
 
     @staticmethod
-    def in_directory(runtime_dir: str, group: int = 0) -> "IpcConfig":
-        """Endpoints in `runtime_dir`; serving group `group` > 0 gets its own requests/plans/results sockets."""
+    def in_directory(runtime_dir: str, group: int = 0, tensor_parallel_size: int = 1) -> "IpcConfig":
+        """Endpoints in `runtime_dir`; serving group `group` > 0 gets its own requests/plans/results sockets, and
+        each worker rank r > 0 its own plans socket."""
         suffix = f"-{group}" if group else ""
         return IpcConfig(*(f"ipc://{runtime_dir}/{name}{suffix}.sock" for name in ("requests", "plans", "results")),
-                         *(f"ipc://{runtime_dir}/{name}.sock" for name in ("control", "supervisor")))
+                         *(f"ipc://{runtime_dir}/{name}.sock" for name in ("control", "supervisor")),
+                         rank_plans=tuple(f"ipc://{runtime_dir}/plans{suffix}-rank{r}.sock"
+                                          for r in range(1, tensor_parallel_size)))
 
     @property
     def all_groups(self) -> tuple[str, ...]:
         """The requests endpoint of every serving group the frontend routes to: local ones, then remote ones."""
         return (self.group_requests or ((self.requests,) if self.requests else ())) + self.remote_groups
+
+    def plans_of(self, rank: int) -> str:
+        """The endpoint worker rank `rank` receives its StepPlans on."""
+        return self.plans if rank == 0 else self.rank_plans[rank - 1]
+
+    @property
+    def all_plans(self) -> list[str]:
+        return [self.plans, *self.rank_plans]
 
 
 @dataclass(frozen=True)
@@ -259,11 +309,18 @@ class ShuttleConfig:
     # headers at all, and WebSockets only from the server's own host.
     allowed_origins: tuple[str, ...] = ()
     ops: OpsConfig = field(default_factory=OpsConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     @staticmethod
     def from_args(args: argparse.Namespace, ipc: IpcConfig) -> "ShuttleConfig":
         """Build from `shuttle serve` arguments (see common/cli.py). Raises ModelDirError."""
         model = ModelConfig.from_dir(args.model_dir, args.max_model_len, args.served_model_name, args.dtype)
+        tp = args.tensor_parallel_size
+        refusal = tensor_parallel_error(_read_json(Path(model.model_dir) / "config.json"), tp)
+        if refusal:  # refused before any process starts, not after every rank has loaded the model
+            raise ModelDirError(refusal)
+        if ipc is not None and len(ipc.rank_plans) != tp - 1:
+            raise ValueError(f"{tp} tensor-parallel ranks need {tp - 1} rank plan endpoints, got {len(ipc.rank_plans)}")
         if args.step_cost_profile:  # a bad profile is a one-line error now, not a scheduler traceback later
             from common.step_cost import StepCostModel
             try:
@@ -283,6 +340,7 @@ class ShuttleConfig:
             batch_endpoint=_batch_endpoint(args),
             allowed_origins=tuple(args.allowed_origins or ()),
             ops=section_from_args(OpsConfig, args),
+            parallel=section_from_args(ParallelConfig, args),
         )
 
     def to_json(self) -> str:

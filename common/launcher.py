@@ -1,11 +1,11 @@
 """Starts and supervises the serving groups and the frontend, each process its own.
 
-A serving group is one unit: its engine (scheduler + worker) shares request and KV state, so its processes live,
-die and restart together. With --data-parallel-size M there are M such units, each with its own sockets (the
-frontend's router spreads requests over them); the frontend holds the clients' connections and is restarted
-alone. `shuttle engine --listen ENDPOINT` runs one group without a frontend, for a frontend on another host. The
-launcher waits until every child reports ready on the control socket, prints the URL and the KV capacity,
-and then watches:
+A serving group is one unit: its engine (scheduler + worker, or + N worker ranks under --tensor-parallel-size N)
+shares request and KV state, so its processes live, die and restart together. With --data-parallel-size M there are
+M such units, each with its own sockets (the frontend's router spreads requests over them); the frontend holds the
+clients' connections and is restarted alone. `shuttle engine --listen ENDPOINT` runs one group without a frontend,
+for a frontend on another host. The launcher waits until every child reports ready on the control socket, prints
+the URL and the KV capacity, and then watches:
 - a unit whose process dies, or stops sending heartbeats for --heartbeat-timeout seconds, is killed
   (all of its processes) and started again after a backoff (0.5 s doubling up to 10 s), at most
   --max-restarts times in a row; a unit that then serves for RESTART_RESET_S seconds starts counting afresh.
@@ -36,14 +36,29 @@ from urllib.parse import urlsplit
 import zmq
 
 from common.capacity import requests_that_fit
-from common.config import IpcConfig, ShuttleConfig
+from common.config import TP_RANK_ENV, IpcConfig, ShuttleConfig
 from common.errors import ModelDirError
 from common.ipc import CURVE_ENV, Channel, CurveKeys
 from common.messages import ControlMessage, EngineDown, Heartbeat, ProcessReady
 from common.process import die_with_parent, raise_fd_limit
 
-ENGINE = ("worker", "scheduler")
 FRONTEND = ("frontend",)
+
+
+def engine_roles(tensor_parallel_size: int) -> tuple[str, ...]:
+    """The engine's processes: worker rank 0 is "worker" (as with one rank), rank r > 0 is "worker{r}"."""
+    return ("worker", *(f"worker{rank}" for rank in range(1, tensor_parallel_size)), "scheduler")
+
+
+def worker_rank(role: str) -> int | None:
+    """The tensor-parallel rank of an engine role ("worker" -> 0, "worker3" -> 3), None for other roles."""
+    if role == "worker":
+        return 0
+    if role.startswith("worker") and role[len("worker"):].isdigit():
+        return int(role[len("worker"):])
+    return None
+
+
 STOP_TIMEOUT_S = 4.0  # SIGTERM to SIGKILL for the engine's processes at shutdown
 DRAIN_EXIT_GRACE_S = 5.0  # beyond --shutdown-timeout, for the frontend to write its last answers and exit
 START_TIMEOUT_S = 300.0
@@ -109,6 +124,13 @@ class Unit:
         self.ready_announced = True  # False from a failure until the restarted unit is ready
 
     def start(self, config: ShuttleConfig, env: dict[str, str]) -> None:
+        parallel = config.parallel
+        if parallel.tensor_parallel_size > 1:
+            # A fresh rendezvous port for each start (the previous incarnation's may still be held by a dying rank);
+            # a given --master-port is group 0's, and group g rendezvouses on the port g above it.
+            port = parallel.master_port + (self.group or 0) if parallel.master_port else \
+                int(_free_tcp_endpoints(1)[0].rsplit(":", 1)[1])
+            config = dataclasses.replace(config, parallel=dataclasses.replace(parallel, master_port=port))
         payload = config.to_json()
         self.ready, self.heartbeats, self.restart_at = {}, {}, None
         self.started_at, self.serving_since = time.monotonic(), None
@@ -116,7 +138,11 @@ class Unit:
             child_env = dict(env)
             if role != "frontend":
                 child_env.pop("SHUTTLE_API_KEY", None)
-            self.procs[role] = subprocess.Popen([sys.executable, "-m", role, "--config", payload], env=child_env,
+            rank = worker_rank(role)
+            if rank is not None:  # every rank runs `python -m worker`; its rank travels like torchrun's RANK
+                child_env[TP_RANK_ENV] = str(rank)
+            module = "worker" if rank is not None else role
+            self.procs[role] = subprocess.Popen([sys.executable, "-m", module, "--config", payload], env=child_env,
                                                 preexec_fn=die_with_parent)
 
     @property
@@ -204,11 +230,15 @@ def serve(args: argparse.Namespace) -> int:
     try:
         control = f"ipc://{runtime_dir}/control.sock"
         supervisor = f"ipc://{runtime_dir}/supervisor.sock"
+        tp = getattr(args, "tensor_parallel_size", 1)
         if args.zmq_transport == "tcp":
-            groups = [IpcConfig(*_free_tcp_endpoints(3), control, supervisor, curve=True)
-                      for _ in range(args.data_parallel_size)]
+            groups = []
+            for _ in range(args.data_parallel_size):
+                requests, plans, results, *rank_plans = _free_tcp_endpoints(3 + tp - 1)
+                groups.append(IpcConfig(requests, plans, results, control, supervisor, curve=True,
+                                        rank_plans=tuple(rank_plans)))
         else:
-            groups = [IpcConfig.in_directory(runtime_dir, g) for g in range(args.data_parallel_size)]
+            groups = [IpcConfig.in_directory(runtime_dir, g, tp) for g in range(args.data_parallel_size)]
         base = groups[0] if groups else IpcConfig("", "", "", control, supervisor)
         curve = args.zmq_transport == "tcp" or any(e.startswith("tcp://") for e in remote)
         ipc = dataclasses.replace(base, curve=curve, group_requests=tuple(g.requests for g in groups),
@@ -241,11 +271,14 @@ def engine(args: argparse.Namespace) -> int:
         return 2
     runtime_dir = tempfile.mkdtemp(prefix="shuttle-")
     try:
+        tp = getattr(args, "tensor_parallel_size", 1)
         if args.zmq_transport == "tcp":
             control = f"ipc://{runtime_dir}/control.sock"
-            internal = IpcConfig(*_free_tcp_endpoints(3), control, "", curve=True)
+            requests, plans, results, *rank_plans = _free_tcp_endpoints(3 + tp - 1)
+            internal = IpcConfig(requests, plans, results, control, "", curve=True, rank_plans=tuple(rank_plans))
         else:
-            internal = dataclasses.replace(IpcConfig.in_directory(runtime_dir), supervisor="")
+            internal = dataclasses.replace(IpcConfig.in_directory(runtime_dir, tensor_parallel_size=tp),
+                                           supervisor="")
         ipc = dataclasses.replace(internal, requests=args.listen, curve=tcp or internal.curve)
         try:
             config = ShuttleConfig.from_args(args, ipc)
@@ -288,7 +321,8 @@ class Launcher:
         self.group_configs = [dataclasses.replace(config, ipc=ipc) for ipc in groups] if groups is not None \
             else [config]
         single = len(self.group_configs) == 1
-        self.engines = [Unit("engine" if single else f"engine of group {g}", ENGINE, group=g)
+        roles = engine_roles(config.parallel.tensor_parallel_size)
+        self.engines = [Unit("engine" if single else f"engine of group {g}", roles, group=g)
                         for g in range(len(self.group_configs))]
         self.frontend = Unit("frontend", FRONTEND) if with_frontend else None
         self.units = self.engines + ([self.frontend] if self.frontend else [])

@@ -11,6 +11,7 @@ import logging
 import time
 from collections import deque
 
+import msgspec
 import zmq
 
 from common.config import ShuttleConfig
@@ -39,7 +40,8 @@ class SchedulerLoop:
         curve = config.ipc.curve
         self.frontends: Channel[FrontendMessage] = Channel(ctx, zmq.ROUTER, config.ipc.requests, bind=True,
                                                            recv_type=FrontendMessage, curve=curve)
-        self.plans = Channel(ctx, zmq.PUSH, config.ipc.plans, bind=True, curve=curve)
+        # One PUSH per worker rank (tensor parallel): every rank must run every plan, in order.
+        self.plans = [Channel(ctx, zmq.PUSH, endpoint, bind=True, curve=curve) for endpoint in config.ipc.all_plans]
         self.results: Channel[WorkerMessage] = Channel(ctx, zmq.PULL, config.ipc.results, bind=True,
                                                        recv_type=WorkerMessage, curve=curve)
         self.clients: set[bytes] = set()
@@ -60,10 +62,22 @@ class SchedulerLoop:
         self.frontend_watch = FrontendWatch()
 
     def wait_for_worker(self) -> WorkerReady:
-        """Block until the worker reports its KV capacity, then build the scheduler around it."""
-        msg = self.results.recv()
-        if not isinstance(msg, WorkerReady):
-            raise RuntimeError(f"expected WorkerReady from the worker, got {type(msg).__name__}")
+        """Block until every worker rank reports its KV capacity, then build the scheduler around the group's.
+
+        The group's capacity is the smallest of its ranks' (a block id must exist on every rank). Returns rank 0's
+        report with that block count (its bytes per token and weight bytes are one rank's).
+        """
+        ready: dict[int, WorkerReady] = {}
+        while len(ready) < len(self.plans):
+            msg = self.results.recv()
+            if not isinstance(msg, WorkerReady):
+                raise RuntimeError(f"expected WorkerReady from the worker, got {type(msg).__name__}")
+            ready[msg.rank] = msg
+        num_blocks = min(r.num_kv_blocks for r in ready.values())
+        if len(ready) > 1:
+            log.info("tensor parallel: %d ranks report %s KV blocks; the group uses %d", len(ready),
+                     [ready[r].num_kv_blocks for r in sorted(ready)], num_blocks)
+        msg = msgspec.structs.replace(ready[0], num_kv_blocks=num_blocks)
         self.worker = msg
         cache = self.config.cache
         kv = KVCacheManager(msg.num_kv_blocks, cache.block_size, cache.enable_prefix_caching)
@@ -93,7 +107,8 @@ class SchedulerLoop:
         step = self.scheduler.schedule()
         if step.is_empty:
             return False
-        self.plans.send(step.plan)
+        for plans in self.plans:
+            plans.send(step.plan)
         step.sent_at = time.monotonic()
         self.in_flight.append(step)
         return True

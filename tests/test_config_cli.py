@@ -18,6 +18,7 @@ NON_DEFAULTS = {
     "worker_threads": ("1", 1), "step_timeout": ("5", 5.0), "heartbeat_timeout": ("6", 6.0),
     "max_restarts": ("2", 2), "shutdown_timeout": ("3", 3.0), "keep_alive_timeout": ("1", 1.0),
     "header_timeout": ("2", 2.0), "body_timeout": ("3", 3.0),
+    "tensor_parallel_size": ("2", 2), "master_addr": ("127.0.0.2", "127.0.0.2"), "master_port": ("29500", 29500),
 }
 BOOLEANS = {"enable_prefix_caching", "async_scheduling"}
 
@@ -31,9 +32,10 @@ def test_every_field_is_a_flag_that_reaches_its_section():
                 argv.append("--no-" + flag[2:])
             else:
                 argv += [flag, NON_DEFAULTS[f.name][0]]
-    config = ShuttleConfig.from_args(build_parser().parse_args(argv), IpcConfig.in_directory("/x"))
+    config = ShuttleConfig.from_args(build_parser().parse_args(argv), IpcConfig.in_directory("/x", tensor_parallel_size=2))
     for section, built in ((CacheConfig, config.cache), (SchedulerConfig, config.scheduler),
-                           (WorkerConfig, config.worker), (type(config.ops), config.ops)):
+                           (WorkerConfig, config.worker), (type(config.ops), config.ops),
+                           (type(config.parallel), config.parallel)):
         for f in dataclasses.fields(section):
             want = False if f.name in BOOLEANS else NON_DEFAULTS[f.name][1]
             assert getattr(built, f.name) == want, f.name

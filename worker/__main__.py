@@ -1,51 +1,66 @@
-"""`python -m worker --config JSON`: the worker process (started by the launcher)."""
+"""`python -m worker --config JSON`: a worker process (started by the launcher), tensor-parallel rank
+$SHUTTLE_TP_RANK (default 0) of its group."""
 
+import json
 import logging
+import os
 import sys
 import time
 import traceback
+from pathlib import Path
 
 import zmq
 
+from common.config import TP_RANK_ENV
 from common.ipc import Channel
 from common.messages import PlanMessage, Shutdown, WorkerFailed, WorkerReady
 from common.process import HeartbeatSender, child_main_args, report_ready
 from worker.model_loader import UnsupportedModelError
+from worker.parallel import join_group
 from worker.worker import ModelRunner
 
 log = logging.getLogger("shuttle.worker")
 
-
 def main() -> None:
     config = child_main_args("worker")
+    rank = int(os.environ.get(TP_RANK_ENV, "0"))  # set by the launcher, like torchrun's RANK
+    name = "worker" if rank == 0 else f"worker{rank}"  # the launcher's name for this rank's process
     ctx = zmq.Context.instance()
-    plans: Channel[PlanMessage] = Channel(ctx, zmq.PULL, config.ipc.plans, bind=False, recv_type=PlanMessage,
-                                          curve=config.ipc.curve)
+    plans: Channel[PlanMessage] = Channel(ctx, zmq.PULL, config.ipc.plans_of(rank), bind=False,
+                                          recv_type=PlanMessage, curve=config.ipc.curve)
     results = Channel(ctx, zmq.PUSH, config.ipc.results, bind=False, curve=config.ipc.curve)
     try:
-        runner = ModelRunner(config)
+        hf_config = json.loads((Path(config.model.model_dir) / "config.json").read_text())
+        parallel = join_group(config.parallel, rank, config.model.model_dir, hf_config)
+        runner = ModelRunner(config, parallel=parallel)
     except UnsupportedModelError as exc:  # a clear refusal, not a traceback; the launcher exits with status 2
         log.error("cannot serve this model: %s", exc)
         sys.exit(2)
     kv = runner.kv_cache
-    results.send(WorkerReady(0, kv.num_blocks, kv.bytes_per_token, runner.weight_bytes))
-    report_ready(config, "worker", num_kv_blocks=kv.num_blocks)
+    results.send(WorkerReady(rank, kv.num_blocks, kv.bytes_per_token, runner.weight_bytes))
+    report_ready(config, name, num_kv_blocks=kv.num_blocks)
     # Issue 9: a thread, so a long forward pass does not look like a hang; a frozen process (SIGSTOP) stops it
     # too. A step that never returns is the scheduler's step watchdog's to notice.
-    HeartbeatSender(config, "worker").start_thread()
+    HeartbeatSender(config, name).start_thread()
     while True:
         plan = plans.recv()
         if isinstance(plan, Shutdown):
             break
         try:
             result = runner.execute(plan)
-        except Exception as exc:  # one bad step fails its requests, never the process
+        except Exception as exc:  # one bad step fails its requests, never the process (unless tensor parallel)
             log.error("step %d failed:\n%s", plan.step_id, traceback.format_exc())
+            if parallel.enabled:
+                # The ranks' collectives may no longer pair up (one rank raised where the others went on): exit,
+                # so that the launcher restarts the engine and every in-flight request ends with an error.
+                log.error("rank %d: a failed step leaves the tensor-parallel group out of step; exiting", rank)
+                sys.exit(1)
             results.send(WorkerFailed(plan.step_id, f"{type(exc).__name__}: {exc}"))
             continue
         if config.debug_step_delay:
             time.sleep(config.debug_step_delay)
-        results.send(result)
+        if parallel.is_driver:  # rank 0 answers for the group
+            results.send(result)
 
 
 if __name__ == "__main__":

@@ -31,8 +31,10 @@ class LayerGeometry:
     v_head_dim: int
 
 
-def load_model(model_dir: str, dtype: str, device: torch.device) -> torch.nn.Module:
+def load_model(model_dir: str, dtype: str, device: torch.device, **load_kwargs) -> torch.nn.Module:
     """Load weights from `model_dir` (config.json + safetensors) in eval mode on `device`.
+
+    `load_kwargs` go to `from_pretrained` (worker/parallel.py's tensor-parallel plan).
 
     Raises:
         ValueError: unknown dtype.
@@ -42,7 +44,7 @@ def load_model(model_dir: str, dtype: str, device: torch.device) -> torch.nn.Mod
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     try:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype],
-                                                     attn_implementation=attention.register())
+                                                     attn_implementation=attention.register(), **load_kwargs)
     except (ValueError, KeyError, NotImplementedError, TypeError) as exc:  # unknown type, no attention interface
         name = _declared_architecture(model_dir)
         if isinstance(exc, KeyError) and attention.ATTENTION_NAME in str(exc):

@@ -14,6 +14,7 @@ from worker.capability import check_exactness
 from worker.input_batch import InputBatch, StepInputs
 from worker.kv_cache import KVCache
 from worker.model_loader import DTYPES, architecture, load_model, probe_geometry
+from worker.parallel import TensorParallel, local_numel
 from worker.sampler import Sampler
 
 log = logging.getLogger("shuttle.worker")
@@ -25,21 +26,28 @@ class ModelRunner:
     Construction loads the model, probes its KV geometry, checks that the paged path reproduces transformers'
     eager attention on it (worker/capability.py), and only then allocates the cache.
 
+    Under tensor parallel (worker/parallel.py) every rank builds one on its shard of the weights, runs the same
+    plans and the same check (their collectives pair up), and holds its own KV heads; rank 0 samples.
+
     Args:
         config: the serving group's configuration.
         device: where weights and cache live (CPU is the reference path).
+        parallel: this process's tensor-parallel rank (the default: no tensor parallelism).
     Raises:
         UnsupportedModelError: the model cannot be served exactly (the message says why).
     """
 
-    def __init__(self, config: ShuttleConfig, device: torch.device = torch.device("cpu")):
+    def __init__(self, config: ShuttleConfig, device: torch.device = torch.device("cpu"),
+                 parallel: TensorParallel = TensorParallel()):
         self.device = device
+        self.parallel = parallel
         model_cfg, cache_cfg = config.model, config.cache
         self.dtype = DTYPES[model_cfg.dtype]
         self.block_size = cache_cfg.block_size
-        self.model = load_model(model_cfg.model_dir, model_cfg.dtype, device)
+        self.model = load_model(model_cfg.model_dir, model_cfg.dtype, device, **parallel.load_kwargs())
         self.architecture = architecture(self.model)
-        self.geometry = probe_geometry(self.model)
+        self.geometry = probe_geometry(self.model)  # under tensor parallel: this rank's KV heads
+        parallel.check_model(self.model, self.geometry)
         if config.worker.worker_threads > 0:
             torch.set_num_threads(config.worker.worker_threads)
         self.backend = make_backend(config.worker.attention_backend, self.block_size, device)
@@ -57,7 +65,8 @@ class ModelRunner:
 
     @property
     def weight_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+        """Bytes of the weights this rank holds."""
+        return sum(local_numel(p) * p.element_size() for p in self.model.parameters())
 
     def forward(self, inputs: StepInputs, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 logits_rows: torch.Tensor) -> torch.Tensor:
@@ -92,10 +101,16 @@ class ModelRunner:
     def _run(self, step_id: int, inputs: StepInputs) -> StepResult:
         logits = self.forward(inputs, self.kv_cache.layers, inputs.logits_rows)  # [S + prompt rows, vocab]
         requests = inputs.sampled_requests
-        prompt_logprobs = self._prompt_logprobs(logits[len(requests):], inputs.prompt_rows)
+        prompt_logprobs = self._prompt_logprobs(logits[len(requests):], inputs.prompt_rows) \
+            if self.parallel.is_driver else []
         if not requests:
             return StepResult(step_id, [], [], prompt_logprobs=prompt_logprobs)
+        if not self.parallel.is_driver:  # rank 0 samples; this rank only needs the tokens to feed them forward
+            for state, token in zip(requests, self.parallel.share_tokens(None, len(requests))):
+                state.token_ids.append(token)
+            return StepResult(step_id, [], [])
         sampled = self.sampler(logits[:len(requests)], [r.sampling for r in requests], [r.token_ids for r in requests])
+        self.parallel.share_tokens(sampled.token_ids, len(requests))
         for state, token in zip(requests, sampled.token_ids):
             state.token_ids.append(token)
             state.sampling.record(token)
