@@ -125,7 +125,8 @@ class Scheduler:
                                 f"prompt + max_tokens needs {max_len} tokens of KV cache; the whole cache holds "
                                 f"{self.kv.pool.num_blocks * self.kv.block_size}")
         request = Request(submit.request_id, client, list(submit.prompt_token_ids), submit.sampling,
-                          submit.arrival_time, submit.priority, submit.group_id or submit.request_id)
+                          submit.arrival_time, submit.priority, submit.group_id or submit.request_id,
+                          background=submit.background)
         request.rank = self.waiting.rank(request)
         if self.num_waiting >= self.config.max_waiting_requests and not self._make_room_for(request):
             return self._reject(client, submit.request_id, 503, "the server is at capacity: waiting queue is full")
@@ -151,8 +152,9 @@ class Scheduler:
 
     def _make_room_for(self, request: Request) -> bool:
         """With the waiting queue full, turn away its lowest-ranked request if `request` ranks above it.
-        Under FCFS a newcomer always ranks last, so only the priority policy can displace anyone."""
-        if self.waiting.policy == "fcfs":
+        Under FCFS a newcomer ranks last in its service class, so there only an interactive request can displace
+        anyone (a waiting background one)."""
+        if self.waiting.policy == "fcfs" and request.background:
             return False
         worst = max(self.waiting, key=_RANK)
         if request.rank >= worst.rank:
