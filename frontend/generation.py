@@ -52,6 +52,7 @@ class TextGeneration:
     num_cached_tokens: int = 0
     finish_reason: str | None = None
     ttft_slo_ms: float = 0.0  # the request's own TTFT objective (0: the server's)
+    background: bool = False  # batch work: the scheduler runs it behind every interactive request
 
     async def deltas(self) -> AsyncIterator[TextDelta]:
         """Yield text deltas until the sequence finishes; leaving early aborts it in the scheduler.
@@ -78,9 +79,11 @@ class TextGeneration:
         matcher = StopStringMatcher(self.stop, self.include_stop, protected=min_tokens > 0)
         text_length = 0  # characters the detokenizer has produced
         held: list[tuple[int, int, TokenLogprobs | None]] = []  # (start of its text, token id, logprobs) not yet out
+        # `background` goes only with batch work, so engine clients that predate it still serve everything else
+        extra = {"background": True} if self.background else {}
         async for output in self.engine.generate(self.request_id, self.prompt_token_ids, self.sampling,
                                                  priority=self.priority, timeout=self.timeout,
-                                                 group_id=self.group_id, ttft_slo_ms=self.ttft_slo_ms):
+                                                 group_id=self.group_id, ttft_slo_ms=self.ttft_slo_ms, **extra):
             if self.metrics is not None:
                 self.metrics.on_output(output)
             if output.finish_reason == FinishReason.ERROR:

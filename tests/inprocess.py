@@ -40,16 +40,19 @@ class FakeEngine(EngineClient):
         self._up.set()
         self.step_delay = step_delay
         self.submitted: list[str] = []
+        self.background: set[str] = set()  # ids submitted as background (batch) work
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                        priority: int = 0, timeout: float = 0.0, group_id: str = "",
-                       ttft_slo_ms: float = 0.0) -> AsyncIterator[RequestOutput]:
+                       ttft_slo_ms: float = 0.0, background: bool = False) -> AsyncIterator[RequestOutput]:
         error = self.admission_error()
         if error is not None:
             raise error
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._queues[request_id] = queue  # counted in flight; fail_all reaches it
         self.submitted.append(request_id)
+        if background:
+            self.background.add(request_id)
         tokens = SCRIPT[:sampling.max_tokens]
         try:
             for i, token in enumerate(tokens):
