@@ -1,4 +1,5 @@
-"""The `shuttle` command. `shuttle serve [MODEL_DIR]` starts a serving group (see common/launcher.py)."""
+"""The `shuttle` command. `shuttle serve [MODEL_DIR]` starts a serving group (see common/launcher.py); `shuttle plan`
+prints the memory plan; `shuttle batch INPUT OUTPUT` runs an OpenAI batch file (see common/batch_file.py)."""
 
 from __future__ import annotations
 
@@ -122,6 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--batch-endpoint", default=None,
                        help="ZeroMQ endpoint for batch clients (default: tcp://127.0.0.1:PORT+1, loopback even with "
                             "--host 0.0.0.0; 'none' disables)")
+    serve.add_argument("--batch-background", action=argparse.BooleanOptionalAction, default=True,
+                       help="run batch jobs behind every interactive (HTTP, WebSocket) request under either "
+                            "--scheduling-policy, so a running batch job does not raise interactive TTFT; "
+                            "--no-batch-background schedules them like interactive requests")
     serve.add_argument("--zmq-transport", choices=["ipc", "tcp"], default="ipc",
                        help="ipc:// sockets in a private runtime directory, or tcp:// on loopback authenticated "
                             "with ZeroMQ CURVE keys made for each launch")
@@ -145,6 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds a client has to send the request body after its head (else HTTP 408)")
     serve.add_argument("--debug-step-delay", type=float, default=0.0, help=argparse.SUPPRESS)
     _add_plan_parser(commands, default_model)
+    from common.batch_file import add_parser as add_batch_parser
+    add_batch_parser(commands)
     return parser
 
 
@@ -188,6 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "plan":
         from capacity.memory_plan import main as plan
         return plan(args)
+    if args.command == "batch":
+        from common.batch_file import run as batch
+        return batch(args)
     return 2
 
 

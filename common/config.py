@@ -243,6 +243,8 @@ class ShuttleConfig:
     # headers at all, and WebSockets only from the server's own host.
     allowed_origins: tuple[str, ...] = ()
     ops: OpsConfig = field(default_factory=OpsConfig)
+    # Batch jobs run behind every interactive request (the scheduler's background class) unless this is False.
+    batch_background: bool = True
 
     @staticmethod
     def from_args(args: argparse.Namespace, ipc: IpcConfig) -> "ShuttleConfig":
@@ -273,6 +275,7 @@ class ShuttleConfig:
             allowed_origins=tuple(args.allowed_origins or ()),
             ops=OpsConfig(args.step_timeout, args.heartbeat_timeout, args.max_restarts, args.shutdown_timeout,
                           args.keep_alive_timeout, args.header_timeout, args.body_timeout),
+            batch_background=getattr(args, "batch_background", True),
         )
 
     def to_json(self) -> str:

@@ -100,7 +100,8 @@ async def serve(config: ShuttleConfig, on_ready) -> None:
     state = FrontendState(config, engine, tokenizer, chat_template, registry)
     api_key = os.environ.get("SHUTTLE_API_KEY")
     app = build_app(state, api_key)
-    batch = BatchEndpoint(state, config.batch_endpoint, api_key) if config.batch_endpoint else None
+    batch = BatchEndpoint(state, config.batch_endpoint, api_key, config.batch_background) if config.batch_endpoint \
+        else None
     batch_task = asyncio.create_task(batch.serve()) if batch else None
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its request.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
