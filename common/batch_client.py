@@ -8,8 +8,9 @@ the same response bodies out (see frontend/zmq_api.py).
 
 `AsyncBatchClient` is the asyncio variant (and the engine of both): credit-based flow control (never more than
 `max_in_flight` jobs unanswered), a heartbeat to the server every second (so the server aborts the jobs of a
-client that died), a clear BatchServerGone when the server falls silent, and 503s retried after their Retry-After
-instead of being reported.
+client that died), a clear BatchServerGone when the server falls silent, 503s retried after their Retry-After
+instead of being reported, and unanswered jobs sent again when the server restarted (its heartbeat's instance
+changed) within the timeout.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ class AsyncBatchClient:
         self.server_timeout = server_timeout
         self.heartbeat = heartbeat
         self.num_retried = 0  # 503s retried after their Retry-After
+        self.num_resent = 0  # jobs sent again because the server restarted while they were unanswered
         self._ctx = zmq.asyncio.Context()
         self._channel: AsyncChannel[BatchServerMessage] | None = None
 
@@ -91,6 +93,7 @@ class AsyncBatchClient:
         order = itertools.count()
         exhausted = False
         last_heard = time.monotonic()
+        instance = ""  # the server's, from its heartbeats
         try:
             while True:
                 now = time.monotonic()
@@ -120,8 +123,13 @@ class AsyncBatchClient:
                             f"(stopped or unreachable); {len(outstanding)} job(s) unanswered") from None
                     continue
                 last_heard = time.monotonic()
-                if isinstance(message, BatchHeartbeat) or message.job_id not in outstanding:
+                if isinstance(message, BatchHeartbeat):
+                    if instance and message.instance != instance:  # a restarted server lost what it held
+                        self.num_resent += await self._resend(channel, outstanding, retries)
+                    instance = message.instance
                     continue
+                if message.job_id not in outstanding or _refused_as_running(message):
+                    continue  # a resent job that had reached the new server after all: the first copy answers
                 if message.status_code == 503:  # queue full, draining, restarting: come back when told
                     self.num_retried += 1
                     due = last_heard + max(message.retry_after, MIN_RETRY_S)
@@ -131,6 +139,15 @@ class AsyncBatchClient:
                 yield message
         finally:
             beat.cancel()
+
+    @staticmethod
+    async def _resend(channel: AsyncChannel, outstanding: dict[str, BatchRequest],
+                      retries: list[tuple[float, int, BatchRequest]]) -> int:
+        waiting_retry = {job.job_id for _, _, job in retries}
+        resend = [job for job_id, job in outstanding.items() if job_id not in waiting_retry]
+        for job in resend:
+            await channel.send(job)
+        return len(resend)
 
     async def _beat(self, channel: AsyncChannel) -> None:
         ping = BatchPing()
@@ -210,6 +227,14 @@ class BatchClient:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _refused_as_running(response: BatchResponse) -> bool:
+    """The server's refusal of a job id it is still running. This client never sends such a job on purpose (run
+    raises ValueError first), so it is a resend's echo and the running copy's answer is still to come."""
+    body = response.body
+    return (response.status_code == 400 and isinstance(body, dict)
+            and (body.get("error") or {}).get("param") == "job_id")
 
 
 async def _aiter(jobs: Iterable[Job] | AsyncIterable[Job]) -> AsyncIterator[Job]:

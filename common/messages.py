@@ -272,7 +272,10 @@ class BatchResponse(msgspec.Struct, tag="response", **_BATCH_WIRE):
 
 class BatchHeartbeat(msgspec.Struct, tag="heartbeat", **_BATCH_WIRE):
     """The server's heartbeat to each client it has heard from: a client that hears nothing for a few seconds
-    takes the server as gone (instead of waiting forever)."""
+    takes the server as gone (instead of waiting forever). `instance` names the endpoint's life: when it changes
+    (the frontend restarted within the client's timeout), the jobs the old one held are lost and are sent again."""
+
+    instance: str = ""
 
 
 BatchServerMessage = BatchResponse | BatchHeartbeat

@@ -28,6 +28,8 @@ from frontend.zmq_api import BatchEndpoint
 
 log = logging.getLogger("shuttle.frontend")
 
+BATCH = web.AppKey("shuttle_batch_endpoint", BatchEndpoint)
+
 
 async def health(request: web.Request) -> web.Response:
     """Liveness plus the scheduler's latest stats; answers from memory, never waits on the model.
@@ -40,6 +42,8 @@ async def health(request: web.Request) -> web.Response:
     stats = engine.stats
     body = {"status": "ok", "in_flight": engine.num_in_flight,
             "scheduler": {name: getattr(stats, name) for name in stats.__struct_fields__}}
+    if BATCH in request.app:
+        body["batch"] = request.app[BATCH].stats()
     refusal = engine.admission_error()
     if refusal is None:
         return web.json_response(body)
@@ -102,6 +106,8 @@ async def serve(config: ShuttleConfig, on_ready) -> None:
     app = build_app(state, api_key)
     batch = BatchEndpoint(state, config.batch_endpoint, api_key, config.batch_background) if config.batch_endpoint \
         else None
+    if batch is not None:
+        app[BATCH] = batch
     batch_task = asyncio.create_task(batch.serve()) if batch else None
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its request.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0)

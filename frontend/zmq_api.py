@@ -21,6 +21,7 @@ import hmac
 import logging
 import re
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import msgspec
@@ -70,6 +71,7 @@ class BatchEndpoint:
         self.heartbeat = heartbeat
         self.clients: dict[bytes, _Client] = {}
         self.num_clients_lost = 0  # clients that went silent with jobs running (their jobs were aborted)
+        self.instance = uuid.uuid4().hex  # told in every heartbeat: a client learns of a restart from it
         self._tasks: set[asyncio.Task] = set()
 
     async def serve(self) -> None:
@@ -149,7 +151,7 @@ class BatchEndpoint:
     async def _watch(self) -> None:
         """Every heartbeat period: a heartbeat to each live client; clients silent too long are dropped and their
         jobs aborted (cancelling a job's task closes its generations, which sends Abort to the scheduler)."""
-        beat = BatchHeartbeat()
+        beat = BatchHeartbeat(self.instance)
         while True:
             await asyncio.sleep(self.heartbeat)
             now = time.monotonic()
@@ -165,6 +167,11 @@ class BatchEndpoint:
                              now - client.last_seen, len(client.jobs))
                     for task in list(client.jobs.values()):
                         task.cancel()
+
+    def stats(self) -> dict:
+        """For /health: live clients, their running jobs, and clients taken as gone with jobs running."""
+        return {"clients": len(self.clients), "jobs_in_flight": sum(len(c.jobs) for c in self.clients.values()),
+                "clients_lost": self.num_clients_lost}
 
     def close(self) -> None:
         for task in self._tasks:

@@ -40,6 +40,7 @@ class WaitingQueue:
         self._heap: list[tuple[tuple[float, float, float], int, Request]] = []
         self._counter = itertools.count()
         self._members: dict[str, tuple[Request, int]] = {}  # request id -> (request, sequence number of its push)
+        self.num_interactive = 0  # members that are not background work
 
     def rank(self, request: Request) -> tuple[float, float, float]:
         """Sort key of a request under this policy: (service class, policy key, tie-break); preemption picks the
@@ -53,7 +54,11 @@ class WaitingQueue:
 
     def push(self, request: Request) -> None:
         seq = next(self._counter)
+        previous = self._members.get(request.request_id)
+        if previous is not None and not previous[0].background:
+            self.num_interactive -= 1
         self._members[request.request_id] = (request, seq)
+        self.num_interactive += not request.background
         heapq.heappush(self._heap, (self.rank(request), seq, request))
 
     def peek(self) -> Request | None:
@@ -64,6 +69,7 @@ class WaitingQueue:
         self._drop_removed()
         request = heapq.heappop(self._heap)[2]
         del self._members[request.request_id]
+        self.num_interactive -= not request.background
         return request
 
     def remove(self, request: Request) -> bool:
@@ -71,6 +77,7 @@ class WaitingQueue:
         member = self._members.get(request.request_id)
         if member is not None and member[0] is request:
             del self._members[request.request_id]
+            self.num_interactive -= not request.background
             return True
         return False
 

@@ -254,6 +254,7 @@ class Scheduler:
         step = ScheduledStep(StepPlan(self._step_id, [], []))
         self._step_id += 1
         new_blocks: dict[str, list[int]] = {}
+        self._free_slots_for_interactive()
 
         preemptions_before = self.num_preemptions
         index = 0
@@ -339,6 +340,16 @@ class Scheduler:
             self._preempt(victim)
             if victim is request:
                 return None
+
+    def _free_slots_for_interactive(self) -> None:
+        """Running background (batch) requests give their slots to waiting interactive ones, so a running set full
+        of batch work never holds an interactive request's first token back; they resume later by recompute, as
+        after any preemption. Runs before the step books anything, so no victim has tokens in this step."""
+        free = self.config.max_num_seqs - len(self.running)
+        need = self.waiting.num_interactive - max(free, 0)
+        while need > 0 and self.running and self.running[-1].background:
+            self._preempt(self.running[-1])
+            need -= 1
 
     def _preempt(self, request: Request) -> None:
         """Free the request's blocks and queue it again; the worker forgets it, and a step in flight that samples

@@ -61,3 +61,25 @@ def test_preemption_takes_a_running_batch_request_before_an_interactive_one():
         if s.num_preemptions > before:
             preempted |= {r.request_id for r in s.waiting}
     assert preempted == {"b"}
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_a_running_set_full_of_batch_work_makes_room_for_an_interactive_request(policy):
+    s = make_scheduler(max_num_seqs=3, scheduling_policy=policy)
+    for i in range(4):
+        submit(s, f"b{i}", background=True, max_tokens=30)
+    run_step(s)
+    assert sorted(r.request_id for r in s.running) == ["b0", "b1", "b2"]
+    submit(s, "i0", background=False, max_tokens=30)
+    submit(s, "i1", background=False, max_tokens=30)
+    step, _ = run_step(s)
+    assert "i0" in step.num_scheduled and "i1" in step.num_scheduled  # at once, not when a batch request ends
+    assert sorted(r.request_id for r in s.running) == ["b0", "i0", "i1"]
+    assert s.num_preemptions == 2 and s.waiting.num_interactive == 0
+    finished = set()
+    for _ in range(200):
+        _, outputs = run_step(s)
+        finished |= {o.request_id for o in outputs.get(b"c", []) if o.finish_reason is not None}
+        if len(finished) == 6:
+            break
+    assert finished == {"b0", "b1", "b2", "b3", "i0", "i1"}  # the preempted batch work still finishes

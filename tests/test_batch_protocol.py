@@ -336,3 +336,41 @@ async def test_shuttle_batch_exits_when_the_server_stops_and_a_rerun_completes(a
         app.engine.step_delay = 0.0
         serving.cancel()
         endpoint.close()
+
+
+async def bind_again(app, address: str) -> BatchEndpoint:
+    """A new endpoint on the address a closed one held (its port may take a moment to be free again)."""
+    deadline = time.monotonic() + HANG
+    while True:
+        try:
+            return BatchEndpoint(app.state, address, KEY)
+        except zmq.ZMQError:
+            assert time.monotonic() < deadline, "address never freed"
+            await asyncio.sleep(0.05)
+
+
+async def test_jobs_lost_to_a_quick_server_restart_are_sent_again(app):
+    first = BatchEndpoint(app.state, "tcp://127.0.0.1:*", KEY, heartbeat=0.1)
+    address = first.endpoint
+    serving = asyncio.create_task(first.serve())
+    app.engine.step_delay = 0.05
+    second = None
+    try:
+        async with AsyncBatchClient(address, max_in_flight=10, api_key=KEY, server_timeout=HANG) as client:
+            results = []
+            async for r in client.run({"custom_id": str(i), "body": {"prompt": "Hi", "max_tokens": 4}}
+                                      for i in range(30)):
+                results.append(r)
+                if len(results) == 5:  # the frontend restarts, well within the client's timeout
+                    serving.cancel()
+                    first.close()
+                    second = await bind_again(app, address)
+                    serving = asyncio.create_task(second.serve())
+        assert client.num_resent >= 1
+    finally:
+        app.engine.step_delay = 0.0
+        serving.cancel()
+        for endpoint in (first, second):
+            if endpoint is not None:
+                endpoint.close()
+    assert sorted(int(r.job_id) for r in results) == list(range(30)) and {r.status_code for r in results} == {200}
