@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -48,8 +49,9 @@ def start(port: int, batch_port: int) -> ShuttleServer:
                          f"tcp://127.0.0.1:{batch_port}", "--max-waiting-requests", "4096")
 
 
-def make_file(path: Path, n: int, max_tokens: int) -> dict[str, dict]:
-    """n lines; every 25th malformed (not JSON, or no custom_id), every 11th body invalid. Returns custom_id -> line."""
+def make_file(path: Path, n: int, max_tokens: int, long: range = range(0), long_tokens: int = 0) -> dict[str, dict]:
+    """n lines; every 25th malformed (not JSON, or no custom_id), every 11th body invalid; the lines in `long` ask
+    for `long_tokens` tokens (ignore_eos). Returns custom_id -> line."""
     lines, jobs = [], {}
     for i in range(n):
         if i % 25 == 24:
@@ -61,6 +63,8 @@ def make_file(path: Path, n: int, max_tokens: int) -> dict[str, dict]:
         else:
             url, body = "/v1/chat/completions", {"messages": [{"role": "user", "content": f"Tom had {i} toys."}],
                                                  "max_tokens": max_tokens, "temperature": 0}
+        if i in long:
+            body.update(max_tokens=long_tokens, ignore_eos=True)
         if i % 11 == 10:
             body["max_tokens"] = -5
         line = {"custom_id": f"req-{i}", "method": "POST", "url": url, "body": body}
@@ -111,15 +115,19 @@ def acceptance_1(server: ShuttleServer, work: Path, n: int) -> None:
     got = records(out)
     ids = [r["custom_id"] for r in got if r["custom_id"] is not None]
     statuses: dict[str, int] = {}
-    same = checked = 0
+    same = 0
     for r in got:
         key = r["response"]["status_code"] if r["response"] else f"error:{r['error']['code']}"
         statuses[str(key)] = statuses.get(str(key), 0) + 1
-    for r in got:  # every answered line against the same request over HTTP
-        if r["response"] is None:
-            continue
-        status, body = http(server.url, jobs[r["custom_id"]]["url"], jobs[r["custom_id"]]["body"])
-        checked += 1
+    answered = [r for r in got if r["response"] is not None]
+
+    def over_http(r: dict) -> tuple[int, dict]:
+        return http(server.url, jobs[r["custom_id"]]["url"], jobs[r["custom_id"]]["body"])
+
+    with ThreadPoolExecutor(16) as pool:  # every answered line against the same request over HTTP
+        expectations = list(pool.map(over_http, answered))
+    checked = len(answered)
+    for r, (status, body) in zip(answered, expectations):
         if status != r["response"]["status_code"]:
             continue
         if status == 200:
@@ -134,11 +142,13 @@ def acceptance_1(server: ShuttleServer, work: Path, n: int) -> None:
     print("    progress (last line):", stderr.strip().splitlines()[-2][-160:] if stderr.strip() else "")
 
 
-def acceptance_2(server: ShuttleServer, work: Path, n: int) -> None:
+def acceptance_2(server: ShuttleServer, work: Path, n: int, long_tokens: int) -> None:
     inp, out = work / "a2.jsonl", work / "a2.out.jsonl"
-    jobs = make_file(inp, n, 120)
+    # the lines around the middle are long, so the jobs in flight at the kill would run for many seconds more
+    jobs = make_file(inp, n, 16, range(int(n * 0.48), int(n * 0.56)), long_tokens)
     process = shuttle_batch(inp, out, server.batch_endpoint, "--max-in-flight", "64")
-    wait_lines(out, n // 2)
+    wait_lines(out, int(n * 0.47))
+    time.sleep(1.0)  # the long jobs are running
     in_flight = health(server.url)["in_flight"]
     process.send_signal(signal.SIGKILL)
     process.wait()
@@ -184,7 +194,7 @@ def acceptance_3(server: ShuttleServer, work: Path, n_batch: int, n_interactive:
     idle = asyncio.run(_interactive_wave(server.url, n_interactive, 0.05))
     inp, out = work / "a3.jsonl", work / "a3.out.jsonl"
     lines = [{"custom_id": f"b{i}", "method": "POST", "url": "/v1/completions",
-              "body": {"prompt": f"Once upon a time {i}", "max_tokens": 64, "temperature": 0, "ignore_eos": True}}
+              "body": {"prompt": f"Once upon a time {i}", "max_tokens": 32, "temperature": 0, "ignore_eos": True}}
              for i in range(n_batch)]
     inp.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
     process = shuttle_batch(inp, out, server.batch_endpoint, "--max-in-flight", str(n_batch), "--quiet")
@@ -207,7 +217,7 @@ def acceptance_3(server: ShuttleServer, work: Path, n_batch: int, n_interactive:
 
 def acceptance_4(server: ShuttleServer, work: Path, n: int, port: int, batch_port: int) -> ShuttleServer:
     inp, out = work / "a4.jsonl", work / "a4.out.jsonl"
-    jobs = make_file(inp, n, 64)
+    jobs = make_file(inp, n, 32)
     process = shuttle_batch(inp, out, server.batch_endpoint, "--max-in-flight", "32")
     wait_lines(out, n // 3)
     server.stop(signal.SIGKILL)
@@ -232,16 +242,23 @@ def main() -> int:
     parser.add_argument("--lines", type=int, default=1000)
     parser.add_argument("--batch", type=int, default=500, help="batch requests of acceptance 3")
     parser.add_argument("--interactive", type=int, default=20)
+    parser.add_argument("--only", default="1,2,3,4", help="which acceptance items to measure")
+    parser.add_argument("--long-tokens", type=int, default=200, help="tokens of the long jobs of acceptance 2")
     args = parser.parse_args()
+    only = {int(x) for x in args.only.split(",")}
     port, batch_port = free_port(), free_port()
     server = start(port, batch_port)
     try:
         with tempfile.TemporaryDirectory() as tmp:
             work = Path(tmp)
-            acceptance_1(server, work, args.lines)
-            acceptance_2(server, work, args.lines)
-            acceptance_3(server, work, args.batch, args.interactive)
-            server = acceptance_4(server, work, args.lines, port, batch_port)
+            if 1 in only:
+                acceptance_1(server, work, args.lines)
+            if 2 in only:
+                acceptance_2(server, work, args.lines, args.long_tokens)
+            if 3 in only:
+                acceptance_3(server, work, args.batch, args.interactive)
+            if 4 in only:
+                server = acceptance_4(server, work, args.lines, port, batch_port)
     finally:
         server.stop()
     return 0
