@@ -16,7 +16,7 @@ from aiohttp import web
 from common.config import IpcConfig, ModelConfig, OpsConfig, ShuttleConfig
 from common.messages import FinishReason, RequestOutput, SchedulerInfo
 from common.sampling import SamplingParams
-from frontend.app import build_app
+from frontend.app import BATCH, build_app
 from frontend.chat import ChatTemplate
 from frontend.engine_client import EngineClient
 from frontend.http_server import listen
@@ -100,11 +100,15 @@ async def start_app(api_key: str | None = None, batch: bool = False, step_delay:
     engine = FakeEngine(step_delay)
     state = FrontendState(config, engine, TextTokenizer(config.model.model_dir),
                           ChatTemplate(config.model.model_dir, config.chat_template), Metrics(lambda: engine.stats))
-    runner = web.AppRunner(build_app(state, api_key), handler_cancellation=True, access_log=None, shutdown_timeout=1)
+    web_app = build_app(state, api_key)
+    endpoint = BatchEndpoint(state, "tcp://127.0.0.1:*", api_key) if batch else None
+    if endpoint is not None:
+        web_app[BATCH] = endpoint  # /health reports on it, as in frontend.app.serve
+    runner = web.AppRunner(web_app, handler_cancellation=True, access_log=None, shutdown_timeout=1)
     await runner.setup()
     server = await listen(runner, "127.0.0.1", 0, config.ops)
     app = AppServer(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", state, runner, server)
-    if batch:
-        app.batch = BatchEndpoint(state, "tcp://127.0.0.1:*", api_key)
+    if endpoint is not None:
+        app.batch = endpoint
         app.tasks.append(asyncio.create_task(app.batch.serve()))
     return app

@@ -80,6 +80,18 @@ async def test_batch_bodies_get_what_http_gets(app):
     assert results["cmpl"].body["choices"][0]["text"] and results["chat"].body["object"] == "chat.completion"
 
 
+async def test_health_reports_batch_clients(app):
+    sock = await raw_socket(app.batch.endpoint)
+    try:
+        await sock.send(job("h", max_tokens=1))
+        assert (await next_response(sock)).status_code == 200
+        async with aiohttp.ClientSession() as session, session.get(f"{app.url}/health") as response:
+            batch = (await response.json())["batch"]
+        assert batch["clients"] >= 1 and batch["jobs_in_flight"] == 0 and batch["clients_lost"] == 0
+    finally:
+        sock.close()
+
+
 async def test_batch_requests_are_background_work(app):
     submitted = len(app.engine.submitted)
     await run_jobs(app, [{"url": "/v1/completions", "body": {"prompt": "Hi", "max_tokens": 2}}])
