@@ -368,7 +368,9 @@ async def test_jobs_lost_to_a_quick_server_restart_are_sent_again(app):
     app.engine.step_delay = 0.05
     second = None
     try:
-        async with AsyncBatchClient(address, max_in_flight=10, api_key=KEY, server_timeout=HANG) as client:
+        # without the resend this would wait forever: the new server's heartbeats keep the client content
+        async with asyncio.timeout(HANG), AsyncBatchClient(address, max_in_flight=10, api_key=KEY,
+                                                           server_timeout=HANG) as client:
             results = []
             async for r in client.run({"custom_id": str(i), "body": {"prompt": "Hi", "max_tokens": 4}}
                                       for i in range(30)):
