@@ -1,6 +1,7 @@
 """The `shuttle` command. `shuttle serve [MODEL_DIR]` starts a frontend and its serving groups (see
 common/launcher.py); `shuttle engine --listen ENDPOINT` one serving group for a frontend on another host;
-`shuttle plan` prints the memory plan without starting one (capacity/memory_plan.py).
+`shuttle plan` prints the memory plan without starting one (capacity/memory_plan.py); `shuttle batch INPUT OUTPUT`
+runs an OpenAI batch file against a server (common/batch_file.py).
 
 The engine's flags are derived from the config sections' field declarations (common/config.py `option`), so a
 flag's default and help live in one place.
@@ -84,6 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plan_parser(commands, default_model)
     commands.add_parser("curve-keys", help="print a new set of ZeroMQ CURVE keys for $SHUTTLE_CURVE_KEYS "
                                            "(the same on a frontend's host and its engines' hosts)")
+    from common.batch_file import add_parser as add_batch_parser
+    add_batch_parser(commands)
     return parser
 
 
@@ -134,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "plan":
         from capacity.memory_plan import main as plan
         return plan(args)
+    if args.command == "batch":
+        from common.batch_file import run as batch
+        return batch(args)
     return 2
 
 

@@ -150,11 +150,13 @@ class Channel(Generic[T]):
 
 
 class MalformedMessage(Exception):
-    """A peer sent something that is not one well-formed message; `identity` is who sent it."""
+    """A peer sent something that is not one well-formed message; `identity` is who sent it, `payload` the one
+    payload frame when there was exactly one (so the caller can still read what it can of it)."""
 
-    def __init__(self, identity: bytes, reason: str):
+    def __init__(self, identity: bytes, reason: str, payload: bytes | None = None):
         super().__init__(reason)
         self.identity = identity
+        self.payload = payload
 
 
 class AsyncChannel(Generic[T]):
@@ -190,7 +192,7 @@ class AsyncChannel(Generic[T]):
         try:
             return identity, self._decoder.decode(frames[1].buffer)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            raise MalformedMessage(identity, str(exc)) from None
+            raise MalformedMessage(identity, str(exc), frames[1].bytes) from None
 
     def close(self) -> None:
         self.socket.close(linger=0)

@@ -7,6 +7,7 @@ ever appended, with defaults, so an older peer still decodes a newer message.
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 import msgspec
 
@@ -50,6 +51,7 @@ class Submit(msgspec.Struct, **_WIRE):
     timeout: float = 0.0
     group_id: str = ""  # the client request this sequence belongs to (fair shares); "" = its own request_id
     ttft_slo_ms: float = 0.0  # the request's own TTFT objective (0: the server's --ttft-slo-ms, if any)
+    background: bool = False  # batch work: waits behind every interactive request, under either policy
 
 
 class Abort(msgspec.Struct, **_WIRE):
@@ -231,40 +233,55 @@ WorkerMessage = WorkerReady | StepResult | WorkerFailed
 
 # ---- batch client <-> frontend (DEALER -> ROUTER) ------------------------------------------------------------
 
-class BatchJob(msgspec.Struct, **_WIRE):
-    """One completion job from a batch client: text (or token ids) in, text out, the /v1/completions validation.
+# Maps, not arrays, on this channel: a client is any program (not one of ours), and a wrong field must be
+# named in its error result; a tag field "type" tells the messages apart.
+_BATCH_WIRE = dict(omit_defaults=True, tag_field="type")
 
-    `job_id` is the client's own; results come back under it, in completion order, not submission order.
+
+class BatchRequest(msgspec.Struct, tag="request", **_BATCH_WIRE):
+    """One job: the body of a POST to `url` (/v1/completions or /v1/chat/completions), exactly as over HTTP.
+
+    `job_id` is the client's own (the batch file's custom_id); its one BatchResponse comes back under it, in
+    completion order. A second job with the id of one still running from the same client is refused (400).
+    `api_key` is required when the server has one (else 401, and no work is done).
     """
 
     job_id: str
-    prompt: str | list[int]
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: list[str] = []
-    priority: int = 0
-    ignore_eos: bool = False
-    api_key: str = ""  # required when the server has an API key (else the job gets error_status 401)
+    url: str
+    body: Any
+    api_key: str = ""
 
 
-class BatchResult(msgspec.Struct, **_WIRE):
-    """A job's one terminal answer: the completion, or an error with an HTTP-like status."""
+class BatchPing(msgspec.Struct, tag="ping", **_BATCH_WIRE):
+    """The client's heartbeat (also its first message): a client silent for a few seconds is taken as gone and
+    its running jobs are aborted."""
+
+
+BatchClientMessage = BatchRequest | BatchPing
+
+
+class BatchResponse(msgspec.Struct, tag="response", **_BATCH_WIRE):
+    """A job's one terminal answer: `status_code` and `body` as an HTTP call would have got them (200 and the
+    completion or chat completion; else the status and an OpenAI error body naming the field). `request_id` is
+    the response's id (cmpl-..., chatcmpl-...). With 503, `retry_after` is seconds after which a retry is
+    expected to be admitted."""
 
     job_id: str
-    text: str = ""
-    token_ids: list[int] = []
-    finish_reason: str = ""
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    error_status: int = 0
-    error_message: str = ""
-    retry_after: float = 0.0  # with error_status 503: seconds after which a retry is expected to be admitted
+    status_code: int
+    body: Any
+    request_id: str = ""
+    retry_after: float = 0.0
 
 
-BatchClientMessage = BatchJob
+class BatchHeartbeat(msgspec.Struct, tag="heartbeat", **_BATCH_WIRE):
+    """The server's heartbeat to each client it has heard from: a client that hears nothing for a few seconds
+    takes the server as gone (instead of waiting forever). `instance` names the endpoint's life: when it changes
+    (the frontend restarted within the client's timeout), the jobs the old one held are lost and are sent again."""
+
+    instance: str = ""
+
+
+BatchServerMessage = BatchResponse | BatchHeartbeat
 
 
 # ---- any child -> launcher (PUSH -> PULL) -----------------------------------------------------------------

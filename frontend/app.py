@@ -30,6 +30,8 @@ from frontend.zmq_api import BatchEndpoint
 
 log = logging.getLogger("shuttle.frontend")
 
+BATCH = web.AppKey("shuttle_batch_endpoint", BatchEndpoint)
+
 
 async def health(request: web.Request) -> web.Response:
     """Liveness plus the schedulers' latest stats; answers from memory, never waits on the model.
@@ -48,6 +50,8 @@ async def health(request: web.Request) -> web.Response:
                         **({"reason": g.reason} if g.reason else {}), "in_flight": g.in_flight,
                         "times_down": g.times_down, "routed": g.routed, "scheduler": _stats_dict(g.stats)}
                        for g in groups]}
+    if BATCH in request.app:
+        body["batch"] = request.app[BATCH].stats()
     refusal = engine.admission_error()
     if refusal is None:
         return web.json_response(body)
@@ -115,7 +119,10 @@ async def serve(config: ShuttleConfig, on_ready) -> None:
     state = FrontendState(config, engine, tokenizer, chat_template, registry)
     api_key = os.environ.get("SHUTTLE_API_KEY")
     app = build_app(state, api_key)
-    batch = BatchEndpoint(state, config.batch_endpoint, api_key) if config.batch_endpoint else None
+    batch = BatchEndpoint(state, config.batch_endpoint, api_key, config.scheduler.batch_background) \
+        if config.batch_endpoint else None
+    if batch is not None:
+        app[BATCH] = batch
     batch_task = asyncio.create_task(batch.serve()) if batch else None
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its request.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0)

@@ -212,11 +212,12 @@ class EngineClient:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                        priority: int = 0, timeout: float = 0.0, group_id: str = "",
-                       ttft_slo_ms: float = 0.0) -> AsyncIterator[RequestOutput]:
+                       ttft_slo_ms: float = 0.0, background: bool = False) -> AsyncIterator[RequestOutput]:
         """Submit a request and yield its outputs; the last one has a finish_reason.
         `timeout`: seconds from now after which the scheduler ends it with an error (0: server default).
         `group_id`: the client request the sequence belongs to (its prompts x n share the running set fairly).
         `ttft_slo_ms`: its TTFT objective for SLO admission (0: the server's).
+        `background`: batch work, which the scheduler runs behind every interactive request.
 
         Raises:
             GenerationError: 503 at once while the server drains or the engine is down.
@@ -231,7 +232,7 @@ class EngineClient:
         try:
             try:
                 await channel.send(Submit(request_id, prompt_token_ids, sampling, time.time(), priority, timeout,
-                                          group_id, ttft_slo_ms))
+                                          group_id, ttft_slo_ms, background))
             except zmq.ZMQError:  # the engine went down while this was being sent
                 if queue.empty():
                     queue.put_nowait(self._error_output(request_id, 503, "the engine stopped; retry shortly"))

@@ -52,6 +52,7 @@ class TextGeneration:
     num_cached_tokens: int = 0
     finish_reason: str | None = None
     ttft_slo_ms: float = 0.0  # the request's own TTFT objective (0: the server's)
+    background: bool = False  # batch work: the scheduler runs it behind every interactive request
 
     async def deltas(self) -> AsyncIterator[TextDelta]:
         """Yield text deltas until the sequence finishes; leaving early aborts it in the scheduler.
@@ -80,7 +81,8 @@ class TextGeneration:
         held: list[tuple[int, int, TokenLogprobs | None]] = []  # (start of its text, token id, logprobs) not yet out
         async for output in self.engine.generate(self.request_id, self.prompt_token_ids, self.sampling,
                                                  priority=self.priority, timeout=self.timeout,
-                                                 group_id=self.group_id, ttft_slo_ms=self.ttft_slo_ms):
+                                                 group_id=self.group_id, ttft_slo_ms=self.ttft_slo_ms,
+                                                 background=self.background):
             if self.metrics is not None:
                 self.metrics.on_output(output)
             if output.finish_reason == FinishReason.ERROR:

@@ -8,7 +8,7 @@ import functools
 
 import msgspec
 
-from common.messages import BatchJob, BatchResult
+from common.messages import BatchRequest, BatchResponse
 from frontend.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 
 REQUEST_BODIES = {  # path -> (Struct, summary)
@@ -46,7 +46,7 @@ def _error_responses() -> dict:
 @functools.cache
 def openapi_document(model_name: str) -> dict:
     """The whole document (built once per served model name)."""
-    structs = [struct for struct, _ in REQUEST_BODIES.values()] + [BatchJob, BatchResult]
+    structs = [struct for struct, _ in REQUEST_BODIES.values()] + [BatchRequest, BatchResponse]
     refs, components = msgspec.json.schema_components(structs, ref_template="#/components/schemas/{name}")
     components["Error"] = ERROR
     paths: dict[str, dict] = {}
@@ -64,7 +64,7 @@ def openapi_document(model_name: str) -> dict:
     return {
         "openapi": "3.1.0",
         "info": {"title": f"shuttle serving {model_name}", "version": "1",
-                 "description": "BatchJob and BatchResult are the ZeroMQ batch endpoint's messages (msgpack)."},
+                 "description": "BatchRequest and BatchResponse are the ZeroMQ batch endpoint's messages (msgpack maps)."},
         "paths": paths,
         "components": {"schemas": components,
                        "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},

@@ -131,25 +131,37 @@ _MISSING_FIELD = re.compile(r"missing required field `([A-Za-z_]\w*)`")
 
 
 def decode_body(body: bytes, request_type: type) -> Any:
-    """Decode a JSON body into `request_type`.
-
-    An explicit `null` for a top-level field means the same as leaving the field out: OpenAI's schema makes its
-    optional fields nullable, and clients send null for "default" (the official Python client with
-    `temperature=None`). So every default lives in one place, the Struct's field declaration.
+    """Decode a JSON body into `request_type` (see convert_body).
 
     Raises:
         InvalidRequestError: not JSON, not an object, or a field of the wrong type (named in `param`).
     """
     try:
         data = msgspec.json.decode(body)
+    except msgspec.DecodeError as exc:
+        raise InvalidRequestError(f"request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise InvalidRequestError("request body is nested too deeply") from None
+    return convert_body(data, request_type)
+
+
+def convert_body(data: Any, request_type: type) -> Any:
+    """Convert an already parsed body (from JSON or msgpack) into `request_type`.
+
+    An explicit `null` for a top-level field means the same as leaving the field out: OpenAI's schema makes its
+    optional fields nullable, and clients send null for "default" (the official Python client with
+    `temperature=None`). So every default lives in one place, the Struct's field declaration.
+
+    Raises:
+        InvalidRequestError: not an object, or a field of the wrong type (named in `param`).
+    """
+    try:
         if isinstance(data, dict):
             data = {name: value for name, value in data.items() if value is not None}
         return msgspec.convert(data, type=request_type)
     except msgspec.ValidationError as exc:
         match = _DECODE_PATH.search(str(exc)) or _MISSING_FIELD.search(str(exc))
         raise InvalidRequestError(f"invalid request body: {exc}", param=match.group(1) if match else None) from None
-    except msgspec.DecodeError as exc:
-        raise InvalidRequestError(f"request body is not valid JSON: {exc}") from None
     except RecursionError:
         raise InvalidRequestError("request body is nested too deeply") from None
 

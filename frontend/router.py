@@ -202,7 +202,7 @@ class Router:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                        priority: int = 0, timeout: float = 0.0, group_id: str = "",
-                       ttft_slo_ms: float = 0.0) -> AsyncIterator[RequestOutput]:
+                       ttft_slo_ms: float = 0.0, background: bool = False) -> AsyncIterator[RequestOutput]:
         """EngineClient.generate on the chosen group (its outputs, its aborts).
 
         Raises:
@@ -219,7 +219,8 @@ class Router:
         self._in_flight[group] += 1
         try:
             async for output in client.generate(request_id, prompt_token_ids, sampling, priority=priority,
-                                                timeout=timeout, group_id=group_id, ttft_slo_ms=ttft_slo_ms):
+                                                timeout=timeout, group_id=group_id, ttft_slo_ms=ttft_slo_ms,
+                                                background=background):
                 yield output
         finally:
             self._in_flight[group] -= 1

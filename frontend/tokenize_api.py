@@ -5,8 +5,8 @@ from __future__ import annotations
 from aiohttp import web
 
 from common.errors import InvalidRequestError
-from frontend.openai_api import chat_prompt_ids, check_model
 from frontend.protocol import DetokenizeRequest, TokenizeRequest, decode_body
+from frontend.serving import chat_prompt_ids, check_model
 from frontend.state import STATE
 
 

@@ -29,8 +29,8 @@ from yarl import URL
 from common.errors import InvalidRequestError
 from frontend.choices import usage
 from frontend.generation import TextGeneration
-from frontend.openai_api import build_generations, check_model
-from frontend.protocol import CompletionRequest, client_error, completion_prompts, decode_body, error_body
+from frontend.protocol import CompletionRequest, client_error, decode_body, error_body
+from frontend.serving import prepare_completion
 from frontend.state import STATE, FrontendState
 
 log = logging.getLogger("shuttle.frontend")
@@ -141,12 +141,9 @@ class _Session:
                 raise InvalidRequestError(f"not supported on the websocket: {', '.join(unsupported)} (it streams one "
                                           f"choice's text per generate)", param=unsupported[0])
             body = decode_body(json.dumps(fields).encode(), CompletionRequest)
-            check_model(self.state, body.model)
-            prompts = completion_prompts(body.prompt, self.state.tokenizer, self.state.config.model.max_model_len)
-            if len(prompts) != 1:
-                raise InvalidRequestError("the websocket takes one prompt per generate", param="prompt")
-            [generation] = build_generations(self.state, body, prompts, self.state.engine.new_request_id("ws"),
-                                             body.max_tokens, None)
+            prepared = prepare_completion(self.state, body, "ws",
+                                          one_prompt="the websocket takes one prompt per generate")
+            [generation] = prepared.generations
             stream.generation = generation
             async with aclosing(generation.deltas()) as deltas:
                 async for delta in deltas:

@@ -1,10 +1,17 @@
 """The frontend's ZeroMQ endpoint for batch jobs: a ROUTER in the same event loop as the HTTP server.
 
-A batch client (common/batch_client.py) sends BatchJob messages and receives one BatchResult per job. Jobs go
-through the same validation and the same engine path as /v1/completions. With an API key set, a job must
-carry it (`BatchJob.api_key`) or it gets error_status 401 and no work is done. A message that is not one
-well-formed BatchJob (extra frames, bad msgpack, wrong fields) is answered with a BatchResult whose job_id is
-empty and error_status 400, and the endpoint goes on serving.
+A batch client (common/batch_client.py, `shuttle batch`) sends BatchRequest messages, each the body of a
+/v1/completions or /v1/chat/completions call addressed by `url`, and receives one BatchResponse per job with the
+status code and body that HTTP call would have got (the serving core, frontend/serving.py, does the work).
+
+- Every job gets exactly one response. A message that is not one well-formed BatchRequest (extra frames, bad
+  msgpack, a missing or wrongly typed field) is answered with status 400 naming the field, under the job's id when
+  it can be read, else under "". A second job with the id of one still running from the same client gets 400.
+- With an API key, every job must carry it (else 401 and no work is done).
+- Heartbeats both ways: the server sends each client it has heard from within CLIENT_TIMEOUT_S a BatchHeartbeat
+  every HEARTBEAT_S; a client silent for CLIENT_TIMEOUT_S (no job, no BatchPing) is taken as gone (killed,
+  crashed, cut off) and its running jobs are aborted, freeing their KV blocks.
+- Batch jobs run as background work by default: the scheduler ranks them behind every interactive request.
 """
 
 from __future__ import annotations
@@ -12,18 +19,35 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
 
+import msgspec
 import zmq
 import zmq.asyncio
 
 from common.ipc import AsyncChannel, MalformedMessage
-from common.messages import BatchClientMessage, BatchJob, BatchResult
-from frontend.choices import collect
-from frontend.openai_api import build_generations
-from frontend.protocol import CompletionRequest, client_error, completion_prompts
+from common.messages import BatchClientMessage, BatchHeartbeat, BatchRequest, BatchResponse
+from frontend.protocol import client_error, error_body
+from frontend.serving import prepare
 from frontend.state import FrontendState
 
 log = logging.getLogger("shuttle.frontend")
+
+HEARTBEAT_S = 1.0  # the server's heartbeat period to each live client
+CLIENT_TIMEOUT_S = 3.0  # a client silent this long is gone: its jobs are aborted
+_FIELD = re.compile(r"at `\$\.([A-Za-z_]\w*)`|missing required field `([A-Za-z_]\w*)`")
+
+
+@dataclass
+class _Client:
+    """One connected batch client (a ZeroMQ identity): when it was last heard and its running jobs."""
+
+    last_seen: float
+    jobs: dict[str, asyncio.Task] = field(default_factory=dict)
+    lost: bool = False  # taken as gone for its silence: its jobs were aborted
 
 
 class BatchEndpoint:
@@ -31,70 +55,146 @@ class BatchEndpoint:
 
     Args:
         api_key: when set, every job must carry it.
+        background: run batch jobs behind interactive requests (the scheduler's background service class).
+        client_timeout: seconds of silence after which a client's jobs are aborted.
     """
 
-    def __init__(self, state: FrontendState, endpoint: str, api_key: str | None = None):
+    def __init__(self, state: FrontendState, endpoint: str, api_key: str | None = None, background: bool = True,
+                 client_timeout: float = CLIENT_TIMEOUT_S, heartbeat: float = HEARTBEAT_S):
         self.state = state
         self.channel: AsyncChannel[BatchClientMessage] = AsyncChannel(
             zmq.asyncio.Context.instance(), zmq.ROUTER, endpoint, bind=True, recv_type=BatchClientMessage)
         self.endpoint = self.channel.socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self._api_key = api_key.encode() if api_key else None
+        self.background = background
+        self.client_timeout = client_timeout
+        self.heartbeat = heartbeat
+        self.clients: dict[bytes, _Client] = {}
+        self.num_clients_lost = 0  # clients that went silent with jobs running (their jobs were aborted)
+        self.instance = uuid.uuid4().hex  # told in every heartbeat: a client learns of a restart from it
         self._tasks: set[asyncio.Task] = set()
 
     async def serve(self) -> None:
+        self._spawn(self._watch())
         while True:
             try:
-                client, job = await self.channel.recv_from()
+                identity, message = await self.channel.recv_from()
             except MalformedMessage as exc:
-                log.warning("malformed batch message: %s", exc)
-                self._spawn(self._answer(exc.identity, BatchResult("", error_status=400,
-                                                                   error_message=f"malformed message: {exc}")))
+                self._heard(exc.identity)
+                job_id, param = _salvage(exc.payload, str(exc))
+                log.warning("malformed batch message from %r: %s", exc.identity, exc)
+                self._spawn(self._answer(exc.identity, _error(job_id, 400, f"malformed message: {exc}", param)))
                 continue
-            self._spawn(self._run(client, job))
+            client = self._heard(identity)  # any message (a BatchPing too) proves the client alive
+            if isinstance(message, BatchRequest):
+                self._start(identity, client, message)
+
+    def _heard(self, identity: bytes) -> _Client:
+        client = self.clients.get(identity)
+        if client is None:
+            client = self.clients[identity] = _Client(time.monotonic())
+        client.last_seen = time.monotonic()
+        return client
+
+    def _start(self, identity: bytes, client: _Client, job: BatchRequest) -> None:
+        if not self._authorized(job):
+            self._spawn(self._answer(identity, _error(job.job_id, 401, "invalid or missing API key")))
+            return
+        if job.job_id in client.jobs:
+            self._spawn(self._answer(identity, _error(job.job_id, 400, f"job id {job.job_id!r} is already running",
+                                                      "job_id")))
+            return
+        task = asyncio.create_task(self._run(identity, client, job))
+        client.jobs[job.job_id] = task
+        task.add_done_callback(lambda _: client.jobs.pop(job.job_id, None))
 
     def _spawn(self, coroutine) -> None:
         task = asyncio.create_task(coroutine)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _answer(self, client: bytes, result: BatchResult) -> None:
+    async def _answer(self, identity: bytes, message: BatchResponse | BatchHeartbeat) -> None:
         try:
-            await self.channel.send(result, identity=client)
+            await self.channel.send(message, identity=identity)
         except zmq.ZMQError as exc:  # the endpoint closed under us (shutdown)
-            log.debug("batch result for %r not sent: %s", result.job_id, exc)
+            log.debug("batch message to %r not sent: %s", identity, exc)
 
-    def _authorized(self, job: BatchJob) -> bool:
+    def _authorized(self, job: BatchRequest) -> bool:
         return self._api_key is None or hmac.compare_digest(job.api_key.encode(), self._api_key)
 
-    async def _run(self, client: bytes, job: BatchJob) -> None:
-        if not self._authorized(job):
-            return await self._answer(client, BatchResult(job.job_id, error_status=401,
-                                                          error_message="invalid or missing API key"))
+    async def _run(self, identity: bytes, client: _Client, job: BatchRequest) -> None:
+        request_id = ""
+
+        def named(rid: str) -> None:
+            nonlocal request_id
+            request_id = rid
+
         try:
-            result = await self._complete(job)
+            prepared = prepare(self.state, job.url, job.body, self.background, named)
+            response = BatchResponse(job.job_id, 200, await prepared.collect(), prepared.request_id)
+        except asyncio.CancelledError:
+            if not client.lost:
+                return  # the server closes: the generations were aborted, and nobody waits on this socket any more
+            # Still answered, in case the client was only slow (not dead): it gets a terminal error, not silence.
+            response = _error(job.job_id, 408, f"job aborted: the batch client was silent for more than "
+                                               f"{self.client_timeout:g} s (it must send a BatchPing every second)",
+                              request_id=request_id)
         except Exception as exc:
             known = client_error(exc)
             if known is None:
                 log.exception("batch job %s failed", job.job_id)
-            retry_after = getattr(exc, "retry_after", None) or 0.0
-            result = BatchResult(job.job_id, error_status=known[0] if known else 500,
-                                 error_message=str(exc) if known else "internal server error", retry_after=retry_after)
-        await self._answer(client, result)
+            status, param = known or (500, None)
+            response = _error(job.job_id, status, str(exc) if known else "internal server error", param,
+                              getattr(exc, "retry_after", None) or 0.0, request_id)
+        await self._answer(identity, response)
 
-    async def _complete(self, job: BatchJob) -> BatchResult:
-        state = self.state
-        body = CompletionRequest(prompt=job.prompt, max_tokens=job.max_tokens, temperature=job.temperature,
-                                 top_p=job.top_p, top_k=job.top_k, seed=job.seed, stop=job.stop or None,
-                                 priority=job.priority, ignore_eos=job.ignore_eos)
-        prompts = completion_prompts(body.prompt, state.tokenizer, state.config.model.max_model_len)
-        generations = build_generations(state, body, prompts, state.engine.new_request_id("batch"), body.max_tokens,
-                                        None)
-        [done] = await collect(generations)
-        generation = done.generation
-        return BatchResult(job.job_id, done.text, done.token_ids, generation.finish_reason or "",
-                           len(generation.prompt_token_ids), generation.num_output_tokens)
+    async def _watch(self) -> None:
+        """Every heartbeat period: a heartbeat to each live client; clients silent too long are dropped and their
+        jobs aborted (cancelling a job's task closes its generations, which sends Abort to the scheduler)."""
+        beat = BatchHeartbeat(self.instance)
+        while True:
+            await asyncio.sleep(self.heartbeat)
+            now = time.monotonic()
+            for identity, client in list(self.clients.items()):
+                if now - client.last_seen <= self.client_timeout:
+                    await self._answer(identity, beat)
+                    continue
+                del self.clients[identity]
+                client.lost = True
+                if client.jobs:
+                    self.num_clients_lost += 1
+                    log.info("batch client %r silent for %.1f s; aborting its %d running job(s)", identity,
+                             now - client.last_seen, len(client.jobs))
+                    for task in list(client.jobs.values()):
+                        task.cancel()
+
+    def stats(self) -> dict:
+        """For /health: live clients, their running jobs, and clients taken as gone with jobs running."""
+        return {"clients": len(self.clients), "jobs_in_flight": sum(len(c.jobs) for c in self.clients.values()),
+                "clients_lost": self.num_clients_lost}
 
     def close(self) -> None:
         for task in self._tasks:
             task.cancel()
+        for client in self.clients.values():
+            for task in client.jobs.values():
+                task.cancel()
         self.channel.close()
+
+
+def _error(job_id: str, status: int, message: str, param: str | None = None, retry_after: float = 0.0,
+           request_id: str = "") -> BatchResponse:
+    return BatchResponse(job_id, status, error_body(status, message, param), request_id, retry_after)
+
+
+def _salvage(payload: bytes | None, reason: str) -> tuple[str, str | None]:
+    """The job id (or "") and the field at fault (or None) of a message that did not decode as a BatchRequest."""
+    match = _FIELD.search(reason)
+    param = (match.group(1) or match.group(2)) if match else None
+    try:
+        data = msgspec.msgpack.decode(payload) if payload is not None else None
+    except (msgspec.DecodeError, RecursionError):
+        return "", param
+    job_id = data.get("job_id") if isinstance(data, dict) else None
+    return (job_id if isinstance(job_id, str) else ""), param
+

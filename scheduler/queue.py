@@ -4,6 +4,11 @@ FCFS ranks by arrival time. Priority ranks by `priority - waited / aging_seconds
 spent waiting is worth one priority level, so a steady stream of urgent work cannot starve the rest.
 Because "now" is common to every request, that order equals the order of the time-invariant key
 `priority + arrival_time / aging_seconds`, which is what lets a plain heap hold it.
+
+Above either policy sits the service class: background (batch) requests rank behind every interactive one,
+whatever their priority or age, so a batch job never delays an interactive request's first token. Within a
+class the policy orders as above. Background work waits while interactive work saturates the server; that is
+its contract (batch clients see it as throughput, not as errors).
 """
 
 from __future__ import annotations
@@ -32,21 +37,28 @@ class WaitingQueue:
             raise ValueError(f"unknown scheduling policy {policy!r}")
         self.policy = policy
         self.aging_seconds = aging_seconds
-        self._heap: list[tuple[tuple[float, float], int, Request]] = []
+        self._heap: list[tuple[tuple[float, float, float], int, Request]] = []
         self._counter = itertools.count()
         self._members: dict[str, tuple[Request, int]] = {}  # request id -> (request, sequence number of its push)
+        self.num_interactive = 0  # members that are not background work
 
-    def rank(self, request: Request) -> tuple[float, float]:
-        """Sort key of a request under this policy; preemption picks the running request with the largest."""
+    def rank(self, request: Request) -> tuple[float, float, float]:
+        """Sort key of a request under this policy: (service class, policy key, tie-break); preemption picks the
+        running request with the largest, so background requests are preempted first."""
+        service_class = 1.0 if request.background else 0.0
         if self.policy == "fcfs":
-            return (request.arrival_time, 0.0)
+            return (service_class, request.arrival_time, 0.0)
         if self.aging_seconds > 0:
-            return (request.priority + request.arrival_time / self.aging_seconds, request.arrival_time)
-        return (float(request.priority), request.arrival_time)
+            return (service_class, request.priority + request.arrival_time / self.aging_seconds, request.arrival_time)
+        return (service_class, float(request.priority), request.arrival_time)
 
     def push(self, request: Request) -> None:
         seq = next(self._counter)
+        previous = self._members.get(request.request_id)
+        if previous is not None and not previous[0].background:
+            self.num_interactive -= 1
         self._members[request.request_id] = (request, seq)
+        self.num_interactive += not request.background
         heapq.heappush(self._heap, (self.rank(request), seq, request))
 
     def peek(self) -> Request | None:
@@ -57,6 +69,7 @@ class WaitingQueue:
         self._drop_removed()
         request = heapq.heappop(self._heap)[2]
         del self._members[request.request_id]
+        self.num_interactive -= not request.background
         return request
 
     def remove(self, request: Request) -> bool:
@@ -64,6 +77,7 @@ class WaitingQueue:
         member = self._members.get(request.request_id)
         if member is not None and member[0] is request:
             del self._members[request.request_id]
+            self.num_interactive -= not request.background
             return True
         return False
 

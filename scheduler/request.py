@@ -44,7 +44,8 @@ class Request:
     num_output_placeholders: int = 0
     num_cached_tokens: int = -1
     epoch: int = 0
-    rank: tuple[float, float] = (0.0, 0.0)  # the waiting queue's sort key, fixed at arrival (smaller runs sooner)
+    background: bool = False  # batch work (service class 1): ranks behind every interactive request
+    rank: tuple[float, float, float] = (0.0, 0.0, 0.0)  # the waiting queue's sort key, fixed at arrival (smaller first)
     status: RequestStatus = RequestStatus.WAITING
     first_scheduled_time: float = 0.0  # time.time() when first admitted to the running set
     deadline: float = float("inf")  # time.time() seconds after which the request ends with a timeout error

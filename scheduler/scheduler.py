@@ -126,7 +126,8 @@ class Scheduler:
                                 f"prompt + max_tokens needs {max_len} tokens of KV cache; the whole cache holds "
                                 f"{self.kv.pool.num_blocks * self.kv.block_size}")
         request = Request(submit.request_id, client, list(submit.prompt_token_ids), submit.sampling,
-                          submit.arrival_time, submit.priority, submit.group_id or submit.request_id)
+                          submit.arrival_time, submit.priority, submit.group_id or submit.request_id,
+                          background=submit.background)
         request.rank = self.waiting.rank(request)
         if self.num_waiting >= self.config.max_waiting_requests and not self._make_room_for(request):
             return self._reject(client, submit.request_id, 503, "the server is at capacity: waiting queue is full")
@@ -152,8 +153,9 @@ class Scheduler:
 
     def _make_room_for(self, request: Request) -> bool:
         """With the waiting queue full, turn away its lowest-ranked request if `request` ranks above it.
-        Under FCFS a newcomer always ranks last, so only the priority policy can displace anyone."""
-        if self.waiting.policy == "fcfs":
+        Under FCFS a newcomer ranks last in its service class, so there only an interactive request can displace
+        anyone (a waiting background one)."""
+        if self.waiting.policy == "fcfs" and request.background:
             return False
         worst = max(self.waiting, key=_RANK)
         if request.rank >= worst.rank:
@@ -253,6 +255,7 @@ class Scheduler:
         step = ScheduledStep(StepPlan(self._step_id, [], []))
         self._step_id += 1
         new_blocks: dict[str, list[int]] = {}
+        self._free_slots_for_interactive()
 
         preemptions_before = self.num_preemptions
         index = 0
@@ -340,6 +343,16 @@ class Scheduler:
             self._preempt(victim)
             if victim is request:
                 return None
+
+    def _free_slots_for_interactive(self) -> None:
+        """Running background (batch) requests give their slots to waiting interactive ones, so a running set full
+        of batch work never holds an interactive request's first token back; they resume later by recompute, as
+        after any preemption. Runs before the step books anything, so no victim has tokens in this step."""
+        free = self.config.max_num_seqs - len(self.running)
+        need = self.waiting.num_interactive - max(free, 0)
+        while need > 0 and self.running and self.running[-1].background:
+            self._preempt(self.running[-1])
+            need -= 1
 
     def _preempt(self, request: Request) -> None:
         """Free the request's blocks and queue it again; the worker forgets it, and a step in flight that samples

@@ -41,7 +41,7 @@ import zmq.asyncio
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from common.messages import BatchJob, BatchResult  # noqa: E402
+from common.messages import BatchHeartbeat, BatchRequest, BatchServerMessage  # noqa: E402
 from common.process import die_with_parent, raise_fd_limit  # noqa: E402
 
 PROMPTS = ["Once upon a time", "Tom had a dog", "Lily saw a big", "The sun was", "A little bird", "Ben and Sue"]
@@ -272,16 +272,17 @@ class Soak:
         sock.connect(self.server.batch)
         try:
             body = self.body()
-            job = BatchJob("j", body["prompt"], max_tokens=body["max_tokens"], temperature=0.8,
-                           api_key=self.args.api_key or "")
+            job = BatchRequest("j", "/v1/completions", {"prompt": body["prompt"], "max_tokens": body["max_tokens"],
+                                                         "temperature": 0.8}, api_key=self.args.api_key or "")
             await sock.send(msgspec.msgpack.encode(job))
-            result = msgspec.msgpack.decode(await sock.recv(), type=BatchResult)
+            while isinstance(result := msgspec.msgpack.decode(await sock.recv(), type=BatchServerMessage),
+                             BatchHeartbeat):
+                pass
         finally:
             sock.close()
-        if result.error_status == 503 and not result.completion_tokens:
-            raise Refused(result.retry_after or 1.0, result.error_message)
-        return "ok" if result.error_status == 0 else f"error:batch_{result.error_status}"
-
+        if result.status_code == 503:
+            raise Refused(result.retry_after or 1.0, result.body["error"]["message"])
+        return "ok" if result.status_code == 200 else f"error:batch_{result.status_code}"
 
 async def faults(args, server: Server, stop: asyncio.Event, log: list, soak: "Soak") -> None:
     """Kill -9 or SIGSTOP the worker at random times around the configured period, until the round's deadline

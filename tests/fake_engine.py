@@ -76,7 +76,8 @@ class FakeEngine:
         return TokenLogprobs(logprob, [t for t, _ in top], [v for _, v in top])
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                       priority: int = 0, timeout: float = 0.0, group_id: str = "", ttft_slo_ms: float = 0.0):
+                       priority: int = 0, timeout: float = 0.0, group_id: str = "", ttft_slo_ms: float = 0.0,
+                       background: bool = False):
         self.submitted.append(Submitted(request_id, list(prompt_token_ids), sampling, timeout, group_id))
         finished = False
         try:

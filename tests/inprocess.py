@@ -16,7 +16,7 @@ from aiohttp import web
 from common.config import IpcConfig, ModelConfig, OpsConfig, ShuttleConfig
 from common.messages import FinishReason, RequestOutput, SchedulerInfo
 from common.sampling import SamplingParams
-from frontend.app import build_app
+from frontend.app import BATCH, build_app
 from frontend.chat import ChatTemplate
 from frontend.engine_client import EngineClient
 from frontend.http_server import listen
@@ -40,16 +40,19 @@ class FakeEngine(EngineClient):
         self._up.set()
         self.step_delay = step_delay
         self.submitted: list[str] = []
+        self.background: set[str] = set()  # ids submitted as background (batch) work
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                        priority: int = 0, timeout: float = 0.0, group_id: str = "",
-                       ttft_slo_ms: float = 0.0) -> AsyncIterator[RequestOutput]:
+                       ttft_slo_ms: float = 0.0, background: bool = False) -> AsyncIterator[RequestOutput]:
         error = self.admission_error()
         if error is not None:
             raise error
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._queues[request_id] = queue  # counted in flight; fail_all reaches it
         self.submitted.append(request_id)
+        if background:
+            self.background.add(request_id)
         tokens = SCRIPT[:sampling.max_tokens]
         try:
             for i, token in enumerate(tokens):
@@ -97,11 +100,15 @@ async def start_app(api_key: str | None = None, batch: bool = False, step_delay:
     engine = FakeEngine(step_delay)
     state = FrontendState(config, engine, TextTokenizer(config.model.model_dir),
                           ChatTemplate(config.model.model_dir, config.chat_template), Metrics(lambda: engine.stats))
-    runner = web.AppRunner(build_app(state, api_key), handler_cancellation=True, access_log=None, shutdown_timeout=1)
+    web_app = build_app(state, api_key)
+    endpoint = BatchEndpoint(state, "tcp://127.0.0.1:*", api_key) if batch else None
+    if endpoint is not None:
+        web_app[BATCH] = endpoint  # /health reports on it, as in frontend.app.serve
+    runner = web.AppRunner(web_app, handler_cancellation=True, access_log=None, shutdown_timeout=1)
     await runner.setup()
     server = await listen(runner, "127.0.0.1", 0, config.ops)
     app = AppServer(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", state, runner, server)
-    if batch:
-        app.batch = BatchEndpoint(state, "tcp://127.0.0.1:*", api_key)
+    if endpoint is not None:
+        app.batch = endpoint
         app.tasks.append(asyncio.create_task(app.batch.serve()))
     return app

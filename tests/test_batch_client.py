@@ -1,47 +1,69 @@
-"""The ZeroMQ batch endpoint: text in, text out, the same validation and the same greedy tokens as HTTP."""
+"""The ZeroMQ batch endpoint end to end on stories260K: completions and chat bodies in, the same greedy texts and
+tokens as HTTP out (HTTP's greedy tokens are checked against transformers' in test_e2e_greedy.py), and
+`shuttle batch` on an OpenAI batch file."""
 
 import json
 import subprocess
 import sys
+import urllib.request
 
-import msgspec
+import pytest
 
 from common.batch_client import BatchClient
-from tests.conftest import hf_greedy, hf_tokenizer
-from tests.server import REPO
+from tests.server import REPO, ShuttleServer
 
 PROMPTS = ["Once upon a time", "Tom had a dog", "Lily saw a big", "The sun was"]
+CHAT = str(REPO / "tests" / "data" / "stories_chat.jinja")
 
 
-def test_batch_jobs_match_transformers_and_bad_jobs_get_errors(server):
-    jobs = [{"job_id": f"j{i}", "prompt": p, "max_tokens": 20 + i, "temperature": 0} for i, p in enumerate(PROMPTS)]
-    jobs.append({"job_id": "ids", "prompt": [1, 403, 407], "max_tokens": 5, "temperature": 0})
-    jobs.append({"job_id": "bad", "prompt": "Hi", "max_tokens": -3})
-    jobs.append({"job_id": "huge", "prompt": "Hi", "max_tokens": 100_000})
-    with BatchClient(server.batch_endpoint, window=3) as client:
+@pytest.fixture(scope="module")
+def server():
+    srv = ShuttleServer("--chat-template", CHAT)
+    yield srv
+    srv.stop()
+
+
+def http(server, path: str, body: dict) -> dict:
+    request = urllib.request.Request(f"{server.url}{path}", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return json.loads(response.read())
+
+
+def test_batch_jobs_match_http(server):
+    jobs = [{"custom_id": f"j{i}", "url": "/v1/completions",
+             "body": {"prompt": p, "max_tokens": 20 + i, "temperature": 0, "return_token_ids": True}}
+            for i, p in enumerate(PROMPTS)]
+    jobs.append({"custom_id": "chat", "url": "/v1/chat/completions",
+                 "body": {"messages": [{"role": "user", "content": "Tom had a red ball."}], "max_tokens": 12,
+                          "temperature": 0}})
+    jobs.append({"custom_id": "huge", "url": "/v1/completions", "body": {"prompt": "Hi", "max_tokens": 100_000}})
+    with BatchClient(server.batch_endpoint, 3) as client:
         results = {r.job_id: r for r in client.run(jobs)}
-    assert sorted(results) == sorted(j["job_id"] for j in jobs)
-    for i, prompt in enumerate(PROMPTS):
-        ids = hf_tokenizer()(prompt).input_ids
-        result = results[f"j{i}"]
-        assert result.token_ids == hf_greedy(ids, 20 + i) and result.error_status == 0
-        assert result.prompt_tokens == len(ids) and result.completion_tokens == len(result.token_ids)
-        assert hf_tokenizer().decode(ids, skip_special_tokens=True) + result.text == hf_tokenizer().decode(
-            ids + result.token_ids, skip_special_tokens=True)
-    assert results["ids"].token_ids == hf_greedy([1, 403, 407], 5)
-    assert results["bad"].error_status == 400 and "max_tokens" in results["bad"].error_message
-    assert results["huge"].error_status == 400
+    assert sorted(results) == sorted(j["custom_id"] for j in jobs)
+    for i in range(len(PROMPTS)):
+        choice, expected = results[f"j{i}"].body["choices"][0], http(server, "/v1/completions", jobs[i]["body"])
+        assert results[f"j{i}"].status_code == 200 and choice["token_ids"]
+        assert (choice["text"], choice["token_ids"]) == (expected["choices"][0]["text"],
+                                                         expected["choices"][0]["token_ids"])
+    chat = results["chat"].body["choices"][0]["message"]
+    assert chat == http(server, "/v1/chat/completions", jobs[4]["body"])["choices"][0]["message"]
+    assert results["huge"].status_code == 400 and results["huge"].body["error"]["param"] == "max_tokens"
 
 
-def test_batch_script_round_trip(server, tmp_path):
-    jobs = tmp_path / "jobs.jsonl"
-    jobs.write_text("\n".join(msgspec.json.encode({"prompt": p, "max_tokens": 8, "temperature": 0}).decode()
-                              for p in PROMPTS))
+def test_shuttle_batch_round_trip(server, tmp_path):
+    lines = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
+              "body": {"prompt": p, "max_tokens": 8, "temperature": 0}} for i, p in enumerate(PROMPTS)]
+    (tmp_path / "in.jsonl").write_text("\n".join(json.dumps(line) for line in lines) + "\n")
     out = tmp_path / "out.jsonl"
-    done = subprocess.run([sys.executable, "scripts/batch_client.py", str(jobs), str(out), "--endpoint",
-                           server.batch_endpoint], cwd=REPO, capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-m", "common.cli", "batch", str(tmp_path / "in.jsonl"), str(out),
+                           "--endpoint", server.batch_endpoint], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    results = [json.loads(line) for line in out.read_text().splitlines()]
-    assert sorted(r["job_id"] for r in results) == ["0", "1", "2", "3"]
-    for r in results:
-        assert r["error_status"] == 0 and r["text"] and (r["completion_tokens"] == 8 or r["finish_reason"] == "stop")
+    assert "4/4" in done.stderr  # the progress bar's last state
+    records = {r["custom_id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert sorted(records) == ["c0", "c1", "c2", "c3"]
+    for i, line in enumerate(lines):
+        response = records[f"c{i}"]["response"]
+        assert response["status_code"] == 200 and records[f"c{i}"]["error"] is None
+        assert response["request_id"] == response["body"]["id"]
+        assert response["body"]["choices"][0]["text"] == http(server, "/v1/completions", line["body"])["choices"][0]["text"]

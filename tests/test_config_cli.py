@@ -20,7 +20,7 @@ NON_DEFAULTS = {
     "header_timeout": ("2", 2.0), "body_timeout": ("3", 3.0),
     "tensor_parallel_size": ("2", 2), "master_addr": ("127.0.0.2", "127.0.0.2"), "master_port": ("29500", 29500),
 }
-BOOLEANS = {"enable_prefix_caching", "async_scheduling"}
+BOOLEANS = {"enable_prefix_caching", "async_scheduling", "batch_background"}
 
 
 def test_every_field_is_a_flag_that_reaches_its_section():

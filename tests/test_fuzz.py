@@ -19,7 +19,7 @@ import zmq.asyncio
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from common.messages import BatchResult
+from common.messages import BatchHeartbeat, BatchServerMessage
 from tests.client import post_completion
 from tests.conftest import hf_greedy
 from tests.server import ShuttleServer, pid_alive
@@ -126,17 +126,16 @@ def _pack(value) -> bytes:
 
 
 def batch_messages() -> st.SearchStrategy:
-    job = st.fixed_dictionaries({"job_id": st.text(max_size=8), "prompt": st.one_of(st.text(max_size=20),
-                                 st.lists(st.integers(-5, 600), max_size=8))},
-                                optional={"max_tokens": st.integers(-2, 6),  # absent: max_tokens 4
-                                          "temperature": st.floats(-1, 3), "top_k": st.integers(-3, 3),
-                                          "stop": st.lists(st.text(max_size=4), max_size=3)})
-    encoded = job.map(lambda j: [msgspec.msgpack.encode(
-        [j["job_id"], j["prompt"], j.get("max_tokens", 4), j.get("temperature", 1.0), 1.0, j.get("top_k", 0), None,
-         j.get("stop", [])])])
-    # BatchJob is tagged and array_like: ["BatchJob", ...fields]; garbage frames and frame counts too
-    tagged = encoded.map(lambda frames: [msgspec.msgpack.encode(["BatchJob", *msgspec.msgpack.decode(frames[0])])])
-    return st.one_of(tagged, tagged, encoded, st.lists(st.binary(max_size=24), min_size=1, max_size=3),
+    body = st.fixed_dictionaries({"prompt": st.one_of(st.text(max_size=20), st.lists(st.integers(-5, 600), max_size=8))},
+                                 optional={"max_tokens": st.integers(-2, 6), "temperature": st.floats(-1, 3),
+                                           "top_k": st.integers(-3, 3), "stop": st.lists(st.text(max_size=4),
+                                                                                          max_size=3)})
+    request = st.fixed_dictionaries({"type": st.just("request"), "job_id": st.text(max_size=8),
+                                     "url": st.sampled_from(["/v1/completions", "/v1/chat/completions", "/x"]),
+                                     "body": st.one_of(body, json_values)})
+    encoded = request.map(lambda r: [_pack(r)])
+    # garbage frames and frame counts too
+    return st.one_of(encoded, encoded, st.lists(st.binary(max_size=24), min_size=1, max_size=3),
                      json_values.map(lambda v: [_pack(v)]))
 
 
@@ -172,9 +171,13 @@ async def send_batch(endpoint, messages) -> None:
     try:
         for frames in messages:
             await sock.send_multipart(frames)
-        for _ in messages:  # one result per message, however malformed
-            result = msgspec.msgpack.decode(await asyncio.wait_for(sock.recv(), HANG), type=BatchResult)
-            assert result.error_status < 500, (messages, result)
+        answered = 0
+        while answered < len(messages):  # one result per message, however malformed (heartbeats aside)
+            result = msgspec.msgpack.decode(await asyncio.wait_for(sock.recv(), HANG), type=BatchServerMessage)
+            if isinstance(result, BatchHeartbeat):
+                continue
+            answered += 1
+            assert result.status_code < 500, (messages, result)
     finally:
         sock.close()
 

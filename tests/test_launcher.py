@@ -113,11 +113,13 @@ async def test_tcp_transport_is_authenticated_and_the_api_key_stays_off_command_
                 HANG)
         assert all(status == 200 and body["usage"]["completion_tokens"] <= 4 for status, body in results)
         assert not any(s.poll(0) for s in strays)
-        with BatchClient(srv.batch_endpoint, timeout=HANG, api_key="") as client:
-            [refused] = list(client.run([{"prompt": "Hi", "max_tokens": 2}]))
-        with BatchClient(srv.batch_endpoint, timeout=HANG, api_key=KEY) as client:
-            [done] = list(client.run([{"prompt": "Hi", "max_tokens": 2}]))
-        assert refused.error_status == 401 and done.error_status == 0 and len(done.token_ids) >= 1
+        job = {"url": "/v1/completions", "body": {"prompt": "Hi", "max_tokens": 2}}
+        with BatchClient(srv.batch_endpoint, server_timeout=HANG, api_key="") as client:
+            [refused] = list(client.run([job]))
+        with BatchClient(srv.batch_endpoint, server_timeout=HANG, api_key=KEY) as client:
+            [done] = list(client.run([job]))
+        assert refused.status_code == 401 and done.status_code == 200
+        assert done.body["usage"]["completion_tokens"] >= 1
     finally:
         for stray in strays:
             stray.close()

@@ -27,7 +27,7 @@ class RefusingEngine:
         return f"{prefix}-1"
 
     async def generate(self, request_id, prompt_token_ids, sampling, priority=0, timeout=0.0, group_id="",
-                       ttft_slo_ms=0.0):
+                       ttft_slo_ms=0.0, background=False):
         self.objectives.append(ttft_slo_ms)
         yield RequestOutput(request_id, finish_reason=FinishReason.ERROR, error_status=503,
                             error_message="the server cannot meet the TTFT objective now", retry_after_s=7.0,

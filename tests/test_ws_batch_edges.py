@@ -17,7 +17,7 @@ import zmq.asyncio
 
 from common.cli import build_parser
 from common.config import ShuttleConfig
-from common.messages import BatchJob, BatchResult
+from common.messages import BatchHeartbeat, BatchRequest, BatchResponse, BatchServerMessage
 from tests.inprocess import SCRIPT, start_app
 from tests.server import MODEL_DIR
 
@@ -119,22 +119,35 @@ async def batch_socket(app) -> zmq.asyncio.Socket:
     return sock
 
 
-async def batch_result(sock) -> BatchResult:
-    frame = await asyncio.wait_for(sock.recv(), HANG)
-    return msgspec.msgpack.decode(frame, type=BatchResult)
+async def batch_result(sock) -> BatchResponse:
+    """The next response (heartbeats skipped)."""
+    while True:
+        message = msgspec.msgpack.decode(await asyncio.wait_for(sock.recv(), HANG), type=BatchServerMessage)
+        if not isinstance(message, BatchHeartbeat):
+            return message
+
+
+def completion(job_id: str, key: str = KEY, **body) -> bytes:
+    return msgspec.msgpack.encode(BatchRequest(job_id, "/v1/completions", {"prompt": "Hi", "max_tokens": 2, **body},
+                                               api_key=key))
 
 
 async def test_batch_endpoint_survives_malformed_messages(app):
     sock = await batch_socket(app)
     try:
-        good = msgspec.msgpack.encode(BatchJob("ok", "Hi", max_tokens=2, api_key=KEY))
-        for frames in ([good, good], [b"\x00\xff\x13"], [msgspec.msgpack.encode({"job_id": 1})], [b"", b"", b""]):
+        good = completion("ok")
+        for frames, job_id, param in (
+                ([good, good], "", None), ([b"\x00\xff\x13"], "", None),
+                ([msgspec.msgpack.encode({"type": "request", "job_id": 1})], "", "job_id"),
+                ([msgspec.msgpack.encode({"type": "request", "job_id": "named", "url": 5, "body": {}})], "named", "url"),
+                ([b"", b"", b""], "", None)):
             await sock.send_multipart(frames)
             result = await batch_result(sock)
-            assert result.job_id == "" and result.error_status == 400 and "malformed" in result.error_message
+            assert (result.job_id, result.status_code) == (job_id, 400)
+            assert "malformed" in result.body["error"]["message"] and result.body["error"]["param"] == param
         await sock.send(good)
         result = await batch_result(sock)
-        assert result.error_status == 0 and result.token_ids == SCRIPT[:2]
+        assert result.status_code == 200 and result.body["choices"][0]["finish_reason"] == "length"
     finally:
         sock.close()
 
@@ -144,9 +157,10 @@ async def test_batch_jobs_need_the_api_key(app):
     submitted = len(app.engine.submitted)
     try:
         for key in ("", "wrong"):
-            await sock.send(msgspec.msgpack.encode(BatchJob(f"key-{key}", "Hi", max_tokens=2, api_key=key)))
+            await sock.send(completion(f"key-{key}", key=key))
             result = await batch_result(sock)
-            assert (result.job_id, result.error_status, result.token_ids) == (f"key-{key}", 401, [])
+            assert (result.job_id, result.status_code, result.body["error"]["type"]) == (
+                f"key-{key}", 401, "authentication_error")
         assert len(app.engine.submitted) == submitted  # refused before any work
     finally:
         sock.close()

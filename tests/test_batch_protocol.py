@@ -1,0 +1,390 @@
+"""Issue 11: the ZeroMQ batch protocol, in-process (the real app and batch endpoint over the scripted fake engine):
+the same bodies and answers as HTTP, one answer per job, duplicates refused, heartbeats both ways, credit-based
+backpressure, 503s retried, and `shuttle batch` on OpenAI batch files (resume, kill -9, a server that stops)."""
+
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+
+import aiohttp
+import msgspec
+import pytest
+import zmq
+import zmq.asyncio
+
+from common.batch_client import AsyncBatchClient, BatchClient, BatchServerGone
+from common.messages import BatchHeartbeat, BatchRequest, BatchServerMessage
+from frontend.zmq_api import BatchEndpoint
+from tests.inprocess import SCRIPT, start_app
+from tests.server import REPO
+
+HANG = 30.0
+KEY = "sk-batch-protocol"
+
+
+@pytest.fixture(scope="module")
+async def app():
+    app = await start_app(api_key=KEY, batch=True)
+    yield app
+    await app.close()
+
+
+def comparable(body: dict) -> dict:
+    """A response body without what differs between two calls (its id and creation time)."""
+    return {k: v for k, v in body.items() if k not in ("id", "created")}
+
+
+async def http(app, path: str, body: dict) -> tuple[int, dict]:
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {KEY}"}) as session:
+        async with session.post(f"{app.url}{path}", json=body) as response:
+            return response.status, await response.json()
+
+
+async def run_jobs(app, jobs, **options) -> dict:
+    async with AsyncBatchClient(app.batch.endpoint, api_key=KEY, **options) as client:
+        return {r.job_id: r async for r in client.run(jobs)}
+
+
+BODIES = [
+    ("cmpl", "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 5, "temperature": 0}),
+    ("cmpl-n2-ids", "/v1/completions", {"prompt": [[1, 403], [1, 407]], "max_tokens": 3, "n": 2,
+                                        "return_token_ids": True, "logprobs": 1}),
+    ("chat", "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 4,
+                                      "stop": [" play"], "logprobs": True, "top_logprobs": 2}),
+    ("bad-max", "/v1/completions", {"prompt": "Hi", "max_tokens": -1}),
+    ("bad-type", "/v1/completions", {"prompt": "Hi", "temperature": "hot"}),
+    ("no-messages", "/v1/chat/completions", {"max_tokens": 3}),
+    ("bad-model", "/v1/completions", {"prompt": "Hi", "model": "gpt-4"}),
+    ("bad-body", "/v1/completions", ["not", "an", "object"]),
+]
+
+
+async def test_batch_bodies_get_what_http_gets(app):
+    results = await run_jobs(app, [{"custom_id": i, "url": u, "body": b} for i, u, b in BODIES]
+                             + [{"custom_id": "bad-url", "url": "/v1/embeddings", "body": {"input": "x"}}])
+    for job_id, url, body in BODIES:
+        status, expected = await http(app, url, body)
+        got = results[job_id]
+        assert (got.status_code, comparable(got.body)) == (status, comparable(expected)), job_id
+        if status == 200:
+            assert got.request_id == got.body["id"]
+            assert got.request_id.startswith("chatcmpl-" if "chat" in url else "cmpl-")
+    assert results["bad-max"].body["error"]["param"] == "max_tokens"
+    assert results["bad-type"].body["error"]["param"] == "temperature"
+    assert results["no-messages"].body["error"]["param"] == "messages"
+    assert results["bad-model"].status_code == 404
+    assert (results["bad-url"].status_code, results["bad-url"].body["error"]["param"]) == (400, "url")
+    assert results["cmpl"].body["choices"][0]["text"] and results["chat"].body["object"] == "chat.completion"
+
+
+async def test_health_reports_batch_clients(app):
+    sock = await raw_socket(app.batch.endpoint)
+    try:
+        await sock.send(job("h", max_tokens=1))
+        assert (await next_response(sock)).status_code == 200
+        async with aiohttp.ClientSession() as session, session.get(f"{app.url}/health") as response:
+            batch = (await response.json())["batch"]
+        assert batch["clients"] >= 1 and batch["jobs_in_flight"] == 0 and batch["clients_lost"] == 0
+    finally:
+        sock.close()
+
+
+async def test_batch_requests_are_background_work(app):
+    submitted = len(app.engine.submitted)
+    await run_jobs(app, [{"url": "/v1/completions", "body": {"prompt": "Hi", "max_tokens": 2}}])
+    assert await http(app, "/v1/completions", {"prompt": "Hi", "max_tokens": 2})
+    batch_id, http_id = app.engine.submitted[submitted:]
+    assert batch_id in app.engine.background and http_id not in app.engine.background
+
+
+async def raw_socket(endpoint: str) -> zmq.asyncio.Socket:
+    sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    return sock
+
+
+async def next_response(sock):
+    while True:
+        message = msgspec.msgpack.decode(await asyncio.wait_for(sock.recv(), HANG), type=BatchServerMessage)
+        if not isinstance(message, BatchHeartbeat):
+            return message
+
+
+def job(job_id: str, max_tokens: int = 8, key: str = KEY) -> bytes:
+    return msgspec.msgpack.encode(BatchRequest(job_id, "/v1/completions", {"prompt": "Hi", "max_tokens": max_tokens},
+                                               key))
+
+
+async def test_a_second_job_with_a_running_id_is_refused_and_the_first_goes_on(app):
+    app.engine.step_delay = 0.05
+    sock = await raw_socket(app.batch.endpoint)
+    try:
+        await sock.send(job("same"))
+        await sock.send(job("same"))
+        first, second = await next_response(sock), await next_response(sock)
+        assert (first.job_id, first.status_code, first.body["error"]["param"]) == ("same", 400, "job_id")
+        assert (second.job_id, second.status_code) == ("same", 200)
+        assert second.body["usage"]["completion_tokens"] == 8
+    finally:
+        app.engine.step_delay = 0.0
+        sock.close()
+
+
+async def wait_until(predicate, what: str) -> None:
+    deadline = time.monotonic() + HANG
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.02)
+
+
+async def test_a_silent_client_has_its_jobs_aborted(app):
+    endpoint = BatchEndpoint(app.state, "tcp://127.0.0.1:*", KEY, client_timeout=0.5, heartbeat=0.1)
+    serving = asyncio.create_task(endpoint.serve())
+    app.engine.step_delay = 0.5  # 8 tokens: 4 s per job unless aborted
+    sock = await raw_socket(endpoint.endpoint)
+    try:
+        for i in range(5):
+            await sock.send(job(f"j{i}"))
+        await wait_until(lambda: app.engine.num_in_flight == 5, "jobs started")
+        heartbeats = 0
+        while heartbeats < 2:  # the server beats to a live client
+            heartbeats += isinstance(msgspec.msgpack.decode(await asyncio.wait_for(sock.recv(), HANG),
+                                                            type=BatchServerMessage), BatchHeartbeat)
+        # the client now says nothing more: its jobs are aborted long before they would have finished
+        await wait_until(lambda: app.engine.num_in_flight == 0, "silent client's jobs aborted")
+        assert endpoint.num_clients_lost == 1 and not endpoint.clients
+        # a client that was only slow, not dead, still gets one terminal answer per job
+        answers = [await next_response(sock) for _ in range(5)]
+        assert sorted((a.job_id, a.status_code) for a in answers) == [(f"j{i}", 408) for i in range(5)]
+    finally:
+        app.engine.step_delay = 0.0
+        sock.close()
+        serving.cancel()
+        endpoint.close()
+
+
+async def test_a_silent_server_raises_naming_the_endpoint():
+    ctx = zmq.asyncio.Context.instance()
+    silent = ctx.socket(zmq.ROUTER)  # takes jobs, never answers
+    silent.setsockopt(zmq.LINGER, 0)
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    endpoint = f"tcp://127.0.0.1:{port}"
+    try:
+        async with AsyncBatchClient(endpoint, server_timeout=0.5) as client:
+            with pytest.raises(BatchServerGone, match=endpoint.replace(".", r"\.")):
+                async for _ in client.run([{"body": {"prompt": "Hi"}}]):
+                    pass
+    finally:
+        silent.close()
+
+
+async def test_credit_bounds_jobs_in_flight_and_503s_are_retried(app):
+    app.engine.step_delay = 0.01
+    app.engine.draining = True  # every job is refused with 503 + Retry-After at first
+    app.engine.drain_deadline = time.monotonic()
+    peak = 0
+
+    async def watch():
+        nonlocal peak
+        while True:
+            peak = max(peak, app.engine.num_in_flight)
+            await asyncio.sleep(0.002)
+
+    watcher = asyncio.create_task(watch())
+    asyncio.get_running_loop().call_later(0.3, setattr, app.engine, "draining", False)
+    try:
+        async with AsyncBatchClient(app.batch.endpoint, max_in_flight=3, api_key=KEY) as client:
+            results = [r async for r in client.run({"custom_id": str(i), "body": {"prompt": "Hi", "max_tokens": 4}}
+                                                   for i in range(20))]
+        assert client.num_retried >= 3  # the first three were refused, then retried, never reported
+    finally:
+        watcher.cancel()
+        app.engine.step_delay = 0.0
+        app.engine.draining = False
+    assert sorted(int(r.job_id) for r in results) == list(range(20))
+    assert {r.status_code for r in results} == {200}
+    assert 1 <= peak <= 3
+
+
+async def test_sync_batch_client(app):
+    def run() -> list:
+        with BatchClient(app.batch.endpoint, 2, api_key=KEY) as client:
+            return list(client.run([{"custom_id": "a", "body": {"prompt": "Hi", "max_tokens": 3}},
+                                    {"custom_id": "b", "url": "/v1/chat/completions",
+                                     "body": {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}}]))
+    results = {r.job_id: r for r in await asyncio.to_thread(run)}
+    assert results["a"].body["usage"]["completion_tokens"] == 3
+    assert results["b"].body["choices"][0]["message"]["role"] == "assistant"
+
+
+# ---- shuttle batch ----------------------------------------------------------------------------------------------
+
+def batch_file(path, n: int) -> list[str]:
+    """n lines: completions and chat mixed, every 10th line malformed, every 7th body invalid. Returns the ids
+    each output line is keyed by (custom_id, or the line number for lines without a readable one)."""
+    keys, lines = [], []
+    for i in range(n):
+        if i % 10 == 9:
+            lines.append("{not json" if i % 20 == 9 else json.dumps({"custom_id": f"m{i}", "method": "GET",
+                                                                    "url": "/v1/completions", "body": {}}))
+            keys.append(f"line:{i + 1}" if i % 20 == 9 else f"m{i}")
+            continue
+        body = {"prompt": f"Story {i}", "max_tokens": 3} if i % 2 else {
+            "messages": [{"role": "user", "content": f"Story {i}"}], "max_tokens": 3}
+        if i % 7 == 6:
+            body["max_tokens"] = -1
+        lines.append(json.dumps({"custom_id": f"r{i}", "method": "POST",
+                                 "url": "/v1/completions" if i % 2 else "/v1/chat/completions", "body": body}))
+        keys.append(f"r{i}")
+    path.write_text("\n".join(lines) + "\n")
+    return keys
+
+
+def output_keys(path) -> list[str]:
+    keys = []
+    for line in path.read_text().splitlines():
+        record = json.loads(line)
+        keys.append(record["custom_id"] if record["custom_id"] is not None else f"line:{record['error']['line']}")
+    return keys
+
+
+async def shuttle_batch(*args: str) -> asyncio.subprocess.Process:
+    return await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "common.cli", "batch", *args, "--quiet", cwd=REPO, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE, env={**os.environ, "SHUTTLE_API_KEY": KEY})
+
+
+async def finish(process) -> tuple[int, str]:
+    _, stderr = await asyncio.wait_for(process.communicate(), HANG)
+    return process.returncode, stderr.decode()
+
+
+async def test_shuttle_batch_file_kill_9_and_resume(app, tmp_path):
+    endpoint = BatchEndpoint(app.state, "tcp://127.0.0.1:*", KEY, client_timeout=1.5, heartbeat=0.1)
+    serving = asyncio.create_task(endpoint.serve())
+    keys = batch_file(tmp_path / "in.jsonl", 200)
+    out = tmp_path / "out.jsonl"
+    app.engine.step_delay = 0.6  # a job (3 tokens) lasts longer than the endpoint's client timeout
+    try:
+        process = await shuttle_batch(str(tmp_path / "in.jsonl"), str(out), "--endpoint", endpoint.endpoint,
+                                      "--max-in-flight", "50")
+        await wait_until(lambda: out.exists() and len(out.read_text().splitlines()) >= 100, "half the file")
+        process.send_signal(signal.SIGKILL)
+        await process.wait()
+        await wait_until(lambda: app.engine.num_in_flight == 0, "dead client's jobs ended")
+        assert endpoint.num_clients_lost == 1  # they were aborted: the client fell silent with jobs running
+        app.engine.step_delay = 0.0
+        code, stderr = await finish(await shuttle_batch(str(tmp_path / "in.jsonl"), str(out), "--endpoint",
+                                                        endpoint.endpoint))
+    finally:
+        app.engine.step_delay = 0.0
+        serving.cancel()
+        endpoint.close()
+    assert code == 0, stderr
+    got = output_keys(out)
+    assert len(got) == 200 and sorted(got) == sorted(keys)  # every line once: none missing, none twice
+    records = {k: json.loads(line) for k, line in zip(got, out.read_text().splitlines())}
+    assert records["r0"]["response"]["status_code"] == 200
+    assert records["r0"]["response"]["body"]["object"] == "chat.completion"
+    assert records["r1"]["response"]["body"]["choices"][0]["text"]
+    assert records["r6"]["response"]["status_code"] == 400
+    assert records["r6"]["response"]["body"]["error"]["param"] == "max_tokens"
+    assert records["m19"]["error"]["code"] == "invalid_line" and records["m19"]["response"] is None
+    assert records["line:10"]["custom_id"] is None and "not JSON" in records["line:10"]["error"]["message"]
+
+
+async def test_shuttle_batch_refuses_duplicate_ids_before_sending(app, tmp_path):
+    lines = [{"custom_id": c, "url": "/v1/completions", "body": {"prompt": "Hi", "max_tokens": 1}} for c in "aba"]
+    (tmp_path / "in.jsonl").write_text("\n".join(json.dumps(line) for line in lines))
+    submitted = len(app.engine.submitted)
+    code, stderr = await finish(await shuttle_batch(str(tmp_path / "in.jsonl"), str(tmp_path / "out.jsonl"),
+                                                    "--endpoint", app.batch.endpoint))
+    assert code == 2 and "duplicate custom_id" in stderr and "'a' (line 3)" in stderr
+    assert len(app.engine.submitted) == submitted and not (tmp_path / "out.jsonl").exists()
+
+
+async def test_shuttle_batch_without_the_key_gets_401_and_no_work(app, tmp_path):
+    batch_file(tmp_path / "in.jsonl", 5)
+    submitted = len(app.engine.submitted)
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "common.cli", "batch", str(tmp_path / "in.jsonl"), str(tmp_path / "out.jsonl"),
+        "--endpoint", app.batch.endpoint, "--quiet", "--api-key", "wrong", cwd=REPO,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    code, stderr = await finish(process)
+    assert code == 0, stderr
+    statuses = [json.loads(line)["response"]["status_code"] for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert statuses == [401] * 5
+    assert len(app.engine.submitted) == submitted
+
+
+async def test_shuttle_batch_exits_when_the_server_stops_and_a_rerun_completes(app, tmp_path):
+    endpoint = BatchEndpoint(app.state, "tcp://127.0.0.1:*", KEY)
+    address = endpoint.endpoint
+    serving = asyncio.create_task(endpoint.serve())
+    keys = batch_file(tmp_path / "in.jsonl", 60)
+    out = tmp_path / "out.jsonl"
+    app.engine.step_delay = 0.02
+    try:
+        process = await shuttle_batch(str(tmp_path / "in.jsonl"), str(out), "--endpoint", address,
+                                      "--max-in-flight", "4", "--server-timeout", "2")
+        await wait_until(lambda: out.exists() and len(out.read_text().splitlines()) >= 20, "a third of the file")
+        serving.cancel()
+        endpoint.close()  # the server stops answering mid-job
+        code, stderr = await finish(process)
+        assert code == 1 and address in stderr and "rerun" in stderr
+        partial = output_keys(out)
+        assert 20 <= len(partial) < 60 and len(set(partial)) == len(partial)
+        await wait_until(lambda: app.engine.num_in_flight == 0, "jobs of the stopped endpoint ended")
+        endpoint = BatchEndpoint(app.state, address, KEY)  # the server is back on the same address
+        serving = asyncio.create_task(endpoint.serve())
+        code, stderr = await finish(await shuttle_batch(str(tmp_path / "in.jsonl"), str(out), "--endpoint", address))
+        assert code == 0, stderr
+        assert sorted(output_keys(out)) == sorted(keys)
+    finally:
+        app.engine.step_delay = 0.0
+        serving.cancel()
+        endpoint.close()
+
+
+async def bind_again(app, address: str) -> BatchEndpoint:
+    """A new endpoint on the address a closed one held (its port may take a moment to be free again)."""
+    deadline = time.monotonic() + HANG
+    while True:
+        try:
+            return BatchEndpoint(app.state, address, KEY)
+        except zmq.ZMQError:
+            assert time.monotonic() < deadline, "address never freed"
+            await asyncio.sleep(0.05)
+
+
+async def test_jobs_lost_to_a_quick_server_restart_are_sent_again(app):
+    first = BatchEndpoint(app.state, "tcp://127.0.0.1:*", KEY, heartbeat=0.1)
+    address = first.endpoint
+    serving = asyncio.create_task(first.serve())
+    app.engine.step_delay = 0.05
+    second = None
+    try:
+        # without the resend this would wait forever: the new server's heartbeats keep the client content
+        async with asyncio.timeout(HANG), AsyncBatchClient(address, max_in_flight=10, api_key=KEY,
+                                                           server_timeout=HANG) as client:
+            results = []
+            async for r in client.run({"custom_id": str(i), "body": {"prompt": "Hi", "max_tokens": 4}}
+                                      for i in range(30)):
+                results.append(r)
+                if len(results) == 5:  # the frontend restarts, well within the client's timeout
+                    serving.cancel()
+                    first.close()
+                    second = await bind_again(app, address)
+                    serving = asyncio.create_task(second.serve())
+        assert client.num_resent >= 1
+    finally:
+        app.engine.step_delay = 0.0
+        serving.cancel()
+        for endpoint in (first, second):
+            if endpoint is not None:
+                endpoint.close()
+    assert sorted(int(r.job_id) for r in results) == list(range(30)) and {r.status_code for r in results} == {200}
