@@ -26,8 +26,10 @@ import re
 import subprocess
 import sys
 import tempfile
+import multiprocessing
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -253,6 +255,33 @@ def check_in_subprocess(name: str) -> Result:
     return Result(**json.loads(lines[-1]))
 
 
+def check_in_fork(name: str) -> Result:
+    """One architecture in a forked child of this process, which has imported torch and transformers already (a
+    fresh interpreter spends most of a check importing them); a crash or a hang still costs only its own row."""
+    start = time.perf_counter()
+    context = multiprocessing.get_context("fork")
+    receiver, sender = context.Pipe(duplex=False)
+    proc = context.Process(target=_check_and_send, args=(name, sender))
+    proc.start()
+    sender.close()
+    try:
+        if not receiver.poll(ONE_TIMEOUT_S):
+            return Result(name, "ERROR", f"no answer within {ONE_TIMEOUT_S} s", seconds=time.perf_counter() - start)
+        return Result(**receiver.recv())
+    except EOFError:
+        proc.join()
+        return Result(name, "ERROR", f"check process exited {proc.exitcode}", seconds=time.perf_counter() - start)
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        proc.join()
+
+
+def _check_and_send(name: str, sender) -> None:
+    _, model_type, extra = targets([name])[0]
+    sender.send(check(name, model_type, extra).__dict__)
+
+
 def markdown(results: list[Result]) -> str:
     lines = ["| architecture | result | detail |", "|---|---|---|"]
     for r in results:
@@ -265,6 +294,9 @@ def main() -> int:
     parser.add_argument("names", nargs="*", help="model types or variant names (default: all)")
     parser.add_argument("--json", type=Path, default=Path("bench_results/architectures.json"))
     parser.add_argument("--update-readme", action="store_true", help="rewrite the table in README.md")
+    parser.add_argument("--jobs", type=int, default=2, help="checks run at once, each in its own process")
+    parser.add_argument("--fresh-interpreters", action="store_true",
+                        help="run each check in a new Python process instead of a fork of this one (slower)")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # run one check and print it as JSON (the subprocess)
     args = parser.parse_args()
     logging.disable(logging.WARNING)
@@ -273,9 +305,14 @@ def main() -> int:
         name, model_type, extra = targets([args.one])[0]
         print(json.dumps(check(name, model_type, extra).__dict__))
         return 0
+    chosen = targets(args.names)
+    if len(chosen) == 1:
+        runs = iter([check(*chosen[0])])
+    else:  # the checks are subprocesses, so threads are enough to run --jobs of them at once (in order)
+        one = check_in_subprocess if args.fresh_interpreters else check_in_fork
+        runs = ThreadPoolExecutor(max(1, args.jobs)).map(one, [name for name, _, _ in chosen])
     results = []
-    for name, model_type, extra in targets(args.names):
-        result = check_in_subprocess(name) if len(args.names) != 1 else check(name, model_type, extra)
+    for (name, _, _), result in zip(chosen, runs):
         results.append(result)
         print(f"{name:<28}{result.status:<9}{result.seconds:6.1f}s  {result.detail}", flush=True)
     counts = {s: sum(r.status == s for r in results) for s in ("exact", "refused", "WRONG", "ERROR", "n/a")}
