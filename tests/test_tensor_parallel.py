@@ -24,7 +24,7 @@ from common.config import (
     CacheConfig, IpcConfig, ModelConfig, ParallelConfig, ShuttleConfig, tensor_parallel_error,
 )
 from common.ipc import Channel
-from common.launcher import engine_roles, worker_rank
+from common.supervised_unit import engine_roles, worker_rank
 from common.messages import PlanMessage, StepPlan, Submit, WorkerReady
 from common.sampling import SamplingParams
 from scheduler.loop import SchedulerLoop

@@ -1,0 +1,162 @@
+"""One supervised unit of processes: the frontend, or one serving group's engine (scheduler + worker ranks).
+
+A unit's processes start, fail and restart together; common/launcher.py owns the units and the policy around them
+(backoff, bounded restarts, telling the frontend), this module only what one unit is and how it starts and stops.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+from common.config import TP_RANK_ENV, ShuttleConfig
+from common.messages import ControlMessage, Heartbeat, ProcessReady
+from common.process import die_with_parent
+
+RESTART_RESET_S = 60.0  # a unit that served this long after a restart starts counting its failures afresh
+BACKOFF_FIRST_S, BACKOFF_MAX_S = 0.5, 10.0
+
+FRONTEND = ("frontend",)
+
+
+def engine_roles(tensor_parallel_size: int) -> tuple[str, ...]:
+    """The engine's processes: worker rank 0 is "worker" (as with one rank), rank r > 0 is "worker{r}"."""
+    return ("worker", *(f"worker{rank}" for rank in range(1, tensor_parallel_size)), "scheduler")
+
+
+def worker_rank(role: str) -> int | None:
+    """The tensor-parallel rank of an engine role ("worker" -> 0, "worker3" -> 3), None for other roles."""
+    if role == "worker":
+        return 0
+    if role.startswith("worker") and role[len("worker"):].isdigit():
+        return int(role[len("worker"):])
+    return None
+
+
+
+def free_tcp_endpoints(n: int) -> list[str]:
+    """`n` loopback tcp:// endpoints on ports free right now (the OS picks them)."""
+    sockets = [socket.socket() for _ in range(n)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return [f"tcp://127.0.0.1:{p}" for p in ports]
+
+
+def describe_exit(code: int) -> str:
+    """A child's return code in words: "exited with status 2", "was killed by signal SIGKILL"."""
+    if code < 0:
+        return f"was killed by signal {signal.Signals(-code).name}"
+    return f"exited with status {code}"
+
+
+class Unit:
+    """Processes that start, fail and restart together (the engine's two, or the frontend).
+
+    Attributes:
+        ready: role -> the info its ProcessReady carried, for this incarnation.
+        failures_in_a_row: restarts since the unit last served RESTART_RESET_S seconds.
+    """
+
+    def __init__(self, name: str, roles: tuple[str, ...], group: int | None = None):
+        self.name = name
+        self.roles = roles
+        self.group = group  # the serving group's index (None: the frontend)
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.ready: dict[str, dict] = {}
+        self.heartbeats: dict[str, float] = {}
+        self.started_at = 0.0
+        self.serving_since: float | None = None
+        self.failures_in_a_row = 0
+        self.restart_at: float | None = None
+        self.start_durations: list[float] = []  # seconds from start to ready, most recent last
+        self.ready_announced = True  # False from a failure until the restarted unit is ready
+
+    def start(self, config: ShuttleConfig, env: dict[str, str]) -> None:
+        parallel = config.parallel
+        if parallel.tensor_parallel_size > 1:
+            # A fresh rendezvous port for each start (the previous incarnation's may still be held by a dying rank);
+            # a given --master-port is group 0's, and group g rendezvouses on the port g above it.
+            port = parallel.master_port + (self.group or 0) if parallel.master_port else \
+                int(free_tcp_endpoints(1)[0].rsplit(":", 1)[1])
+            config = dataclasses.replace(config, parallel=dataclasses.replace(parallel, master_port=port))
+        payload = config.to_json()
+        self.ready, self.heartbeats, self.restart_at = {}, {}, None
+        self.started_at, self.serving_since = time.monotonic(), None
+        for role in self.roles:
+            child_env = dict(env)
+            if role != "frontend":
+                child_env.pop("SHUTTLE_API_KEY", None)
+            rank = worker_rank(role)
+            if rank is not None:  # every rank runs `python -m worker`; its rank travels like torchrun's RANK
+                child_env[TP_RANK_ENV] = str(rank)
+            module = "worker" if rank is not None else role
+            self.procs[role] = subprocess.Popen([sys.executable, "-m", module, "--config", payload], env=child_env,
+                                                preexec_fn=die_with_parent)
+
+    @property
+    def is_ready(self) -> bool:
+        return bool(self.procs) and all(role in self.ready for role in self.roles)
+
+    def on_control(self, msg: ControlMessage) -> None:
+        proc = self.procs.get(msg.name)
+        if proc is None or proc.pid != msg.pid:
+            return  # from an earlier incarnation
+        if isinstance(msg, ProcessReady):
+            self.ready[msg.name] = msg.info
+            self.heartbeats[msg.name] = time.monotonic()
+            if self.is_ready:
+                self.serving_since = time.monotonic()
+                self.start_durations = (self.start_durations + [self.serving_since - self.started_at])[-3:]
+        elif isinstance(msg, Heartbeat):
+            self.heartbeats[msg.name] = time.monotonic()
+
+    def failure(self, heartbeat_timeout: float) -> str | None:
+        """Why the unit must go (a process died, or a ready one fell silent), else None."""
+        for role, proc in self.procs.items():
+            if proc.poll() is not None:
+                return f"{role} (pid {proc.pid}) {describe_exit(proc.returncode)}"
+        if heartbeat_timeout > 0:
+            now = time.monotonic()
+            for role, last in self.heartbeats.items():
+                if now - last > heartbeat_timeout:
+                    return f"{role} (pid {self.procs[role].pid}) sent no heartbeat for {now - last:.0f} s"
+        return None
+
+    def kill(self) -> None:
+        """SIGKILL every process of the unit (a stopped or hung one too) and reap it."""
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+        for proc in self.procs.values():
+            proc.wait()
+        self.ready, self.heartbeats = {}, {}
+
+    def terminate(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=max(deadline - time.monotonic(), 0.01))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def expected_start_s(self) -> float:
+        """A cautious guess of the next start-up: half again the slowest of the last three (start-up time varies
+        with the machine's load, and a guess that is too short sends clients back into a wall)."""
+        return 1.5 * max(self.start_durations, default=10.0)
+
+    def next_backoff(self) -> float:
+        return min(BACKOFF_FIRST_S * 2 ** self.failures_in_a_row, BACKOFF_MAX_S)
+
+    def pids(self, suffix: str = "") -> dict[str, int]:
+        return {role + suffix: proc.pid for role, proc in self.procs.items()}
