@@ -71,9 +71,10 @@ class FeedReaders:
 class BrowserPage:
     """The /dashboard page open in headless Chromium (playwright driving the system's browser)."""
 
-    def __init__(self, url: str, api_key: str | None, chromium: str):
-        self.url, self.api_key, self.chromium = url, api_key, chromium
+    def __init__(self, url: str, api_key: str | None, chromium: str, query: str = ""):
+        self.url, self.api_key, self.chromium, self.query = url, api_key, chromium, query
         self.frames = 0
+        self.page = None  # the playwright Page while open
 
     @asynccontextmanager
     async def open(self):
@@ -82,9 +83,9 @@ class BrowserPage:
         async with async_playwright() as playwright:
             browser = await playwright.chromium.launch(executable_path=self.chromium, args=CHROMIUM_ARGS)
             try:
-                page = await browser.new_page(viewport={"width": 1400, "height": 860})
+                self.page = page = await browser.new_page(viewport={"width": 1400, "height": 860})
                 fragment = f"#key={self.api_key}" if self.api_key else ""
-                await page.goto(f"{self.url}/dashboard{fragment}")
+                await page.goto(f"{self.url}/dashboard{self.query}{fragment}")
                 yield self
                 self.frames = int(await page.evaluate("Number(document.body.dataset.frames)"))
             finally:

@@ -16,37 +16,27 @@ import shutil
 import sys
 from pathlib import Path
 
-_spec = importlib.util.spec_from_file_location("bench_serve", Path(__file__).with_name("bench_serve.py"))
-bench_serve = sys.modules["bench_serve"] = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench_serve)
-
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync"]
+_spec = importlib.util.spec_from_file_location("bench_dashboard", Path(__file__).with_name("bench_dashboard.py"))
+bench_dashboard = sys.modules["bench_dashboard"] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench_dashboard)
+bench_serve = bench_dashboard.bench_serve
 
 
 async def run(args: argparse.Namespace) -> None:
-    from playwright.async_api import async_playwright
-
     vocab_size = await bench_serve._vocab_size(args.url, args.api_key)
     specs = bench_serve.random_workload(args.num_prompts, args.input_len, args.output_len, 0.5, args.shared_prefix_len,
                                         vocab_size, 0)
-    async with async_playwright() as playwright:
-        browser = await playwright.chromium.launch(executable_path=args.chromium, args=CHROMIUM_ARGS)
-        try:
-            page = await browser.new_page(viewport={"width": 1400, "height": 860})
-            fragment = f"#key={args.api_key}" if args.api_key else ""
-            await page.goto(f"{args.url}/dashboard?window={args.window}{fragment}")
-            load = asyncio.create_task(bench_serve.run_benchmark(args.url, specs, args.request_rate,
-                                                                 args.max_concurrency, 0, False, args.api_key))
-            await asyncio.sleep(args.after)
-            await page.screenshot(path=args.out, full_page=True)
-            print(f"wrote {args.out}")
-            # The rest of the workload is dropped: its requests fail on the closed session, which is expected here.
-            asyncio.get_running_loop().set_exception_handler(lambda loop, context: None)
-            load.cancel()
-            await asyncio.gather(load, return_exceptions=True)
-        finally:
-            await browser.close()
+    browser = bench_dashboard.BrowserPage(args.url, args.api_key, args.chromium, f"?window={args.window}")
+    async with browser.open():
+        load = asyncio.create_task(bench_serve.run_benchmark(args.url, specs, args.request_rate,
+                                                             args.max_concurrency, 0, False, args.api_key))
+        await asyncio.sleep(args.after)
+        await browser.page.screenshot(path=args.out, full_page=True)
+        print(f"wrote {args.out}")
+        # The rest of the workload is dropped: its requests fail on the closed session, which is expected here.
+        asyncio.get_running_loop().set_exception_handler(lambda loop, context: None)
+        load.cancel()
+        await asyncio.gather(load, return_exceptions=True)
 
 
 def main(argv: list[str] | None = None) -> int:
