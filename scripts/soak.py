@@ -41,7 +41,7 @@ import zmq.asyncio
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from common.messages import BatchHeartbeat, BatchRequest, BatchServerMessage  # noqa: E402
+from common.messages import BatchHeartbeat, BatchPing, BatchRequest, BatchServerMessage  # noqa: E402
 from common.process import die_with_parent, raise_fd_limit  # noqa: E402
 
 PROMPTS = ["Once upon a time", "Tom had a dog", "Lily saw a big", "The sun was", "A little bird", "Ben and Sue"]
@@ -275,9 +275,12 @@ class Soak:
             job = BatchRequest("j", "/v1/completions", {"prompt": body["prompt"], "max_tokens": body["max_tokens"],
                                                          "temperature": 0.8}, api_key=self.args.api_key or "")
             await sock.send(msgspec.msgpack.encode(job))
-            while isinstance(result := msgspec.msgpack.decode(await sock.recv(), type=BatchServerMessage),
-                             BatchHeartbeat):
-                pass
+            ping = msgspec.msgpack.encode(BatchPing())
+            while True:  # a client that stays silent for a few seconds is taken as gone: ping while waiting
+                if await sock.poll(1000) and not isinstance(
+                        result := msgspec.msgpack.decode(await sock.recv(), type=BatchServerMessage), BatchHeartbeat):
+                    break
+                await sock.send(ping)
         finally:
             sock.close()
         if result.status_code == 503:
