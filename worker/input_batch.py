@@ -80,6 +80,7 @@ class InputBatch:
         self.requests: dict[str, CachedRequestState] = {}
         self._table = np.full((initial_rows, max_blocks_per_seq), null_block, dtype=np.int32)
         self._free_rows = list(range(initial_rows - 1, -1, -1))
+        self._row_ranges: dict[int, tuple[torch.Tensor, torch.Tensor, list[int]]] = {}
 
     def apply(self, plan: StepPlan) -> list[tuple[CachedRequestState, int]]:
         """Update states from the plan; returns (state, num_scheduled_tokens) of the step's requests.
@@ -128,6 +129,17 @@ class InputBatch:
 
     def pack(self, scheduled: list[tuple[CachedRequestState, int]]) -> StepInputs:
         """Build the step's tensors for the scheduled requests (decodes first)."""
+        positions = []
+        for state, num_new in scheduled:
+            if num_new != 1 or len(state.token_ids) != state.num_computed_tokens + 1:
+                break
+            positions.append(state.num_computed_tokens)
+        else:
+            return self._pack_decodes([state for state, _ in scheduled], positions)
+        return self._pack_mixed(scheduled)
+
+    def _pack_mixed(self, scheduled: list[tuple[CachedRequestState, int]]) -> StepInputs:
+        """pack() for any step: prefill chunks (prompt logprobs included) and decodes."""
         decodes = [item for item in scheduled if item[1] == 1]
         prefills = [item for item in scheduled if item[1] != 1]
         ordered = decodes + prefills
@@ -174,3 +186,23 @@ class InputBatch:
             seq_lens_list=seq_lens)
         return StepInputs(torch.tensor(input_ids, dtype=torch.long), torch.from_numpy(positions), attention,
                           torch.tensor(sample_rows, dtype=torch.long), sampled, prompt_rows)
+
+    def _pack_decodes(self, states: list[CachedRequestState], positions: list[int]) -> StepInputs:
+        """pack() for a step of decodes only (each row's one new token is its last known one, so every row samples
+        and none is in its prompt): the common steady state, built with fewer passes."""
+        bs, num_seqs = self.block_size, len(states)
+        pos = np.array(positions, dtype=np.int64)
+        lens = pos + 1
+        width = int(-(-lens.max() // bs))
+        table = self._table[[s.row for s in states], :width]
+        slots = table[np.arange(num_seqs), pos // bs].astype(np.int64) * bs + pos % bs
+        if num_seqs not in self._row_ranges:  # shared read-only tensors 0..B (query_start_loc, sample_rows)
+            self._row_ranges[num_seqs] = (torch.arange(num_seqs + 1, dtype=torch.int32),
+                                          torch.arange(num_seqs, dtype=torch.long), list(range(num_seqs + 1)))
+        query_start_loc, sample_rows, query_start = self._row_ranges[num_seqs]
+        attention = AttentionMetadata(
+            query_start_loc=query_start_loc, seq_lens=torch.from_numpy(lens.astype(np.int32)),
+            block_table=torch.from_numpy(table), slot_mapping=torch.from_numpy(slots), num_decodes=num_seqs,
+            max_query_len=1, max_seq_len=int(lens.max()), query_start_list=query_start, seq_lens_list=lens.tolist())
+        return StepInputs(torch.tensor([s.token_ids[-1] for s in states], dtype=torch.long), torch.from_numpy(pos),
+                          attention, sample_rows, states)

@@ -49,6 +49,9 @@ class SamplingState:
         self.bias_values = torch.tensor([b for _, b in params.logit_bias], dtype=torch.float32)
         self.output_counts: torch.Tensor | None = None
         self.seen: torch.Tensor | None = None
+        # argmax of the raw logits is the whole job (the common case, taken without the batched passes)
+        self.plain_greedy = (params.greedy and params.logprobs is None and not params.logit_bias
+                             and not params.has_penalties and params.min_tokens == 0)
 
     def penalty_tensors(self, token_ids: list[int], vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.output_counts is None:
@@ -92,6 +95,8 @@ class Sampler:
         Returns:
             SamplerOutput with S token ids (and logprobs for rows that asked).
         """
+        if all(s.plain_greedy for s in states):
+            return SamplerOutput(logits.argmax(dim=-1).tolist(), None)
         logits = logits.float()
         params = [s.params for s in states]
         wants_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
