@@ -65,42 +65,48 @@ def workload(n: int, prompt_range: tuple[int, int], output_range: tuple[int, int
 
 # ---- shuttle ------------------------------------------------------------------------------------------------------
 
-def run_shuttle(model: str, requests, serve_args: list[str], profile_out: Path | None) -> Outcome:
-    cmd = [sys.executable, "-m", "common.cli", "serve", model, "--port", "0", *serve_args]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, text=True, start_new_session=True)
-    info = None
-    for line in proc.stdout:
-        if line.startswith("shuttle: ready "):
-            info = json.loads(line[len("shuttle: ready "):])
-            break
-    if info is None:
-        proc.wait()
-        raise RuntimeError("shuttle did not start")
-    profilers = []
-    try:
-        asyncio.run(_shuttle_requests(info["url"], requests[:2]))  # warm-up
+class ShuttleServer:
+    """`shuttle serve` started once (warmed up by two requests) and timed on the workload once per round; py-spy
+    records the worker and scheduler during the rounds with --profile."""
+
+    def __init__(self, model: str, requests, serve_args: list[str], profile_out: Path | None):
+        cmd = [sys.executable, "-m", "common.cli", "serve", model, "--port", "0", *serve_args]
+        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, text=True, start_new_session=True)
+        self.profilers = []
+        info = None
+        for line in self.proc.stdout:
+            if line.startswith("shuttle: ready "):
+                info = json.loads(line[len("shuttle: ready "):])
+                break
+        if info is None:
+            self.proc.wait()
+            raise RuntimeError("shuttle did not start")
+        self.url = info["url"]
+        asyncio.run(_shuttle_requests(self.url, requests[:2]))  # warm-up
         if profile_out is not None:
             for name in ("worker", "scheduler"):
                 out = profile_out.with_name(f"{profile_out.stem}-{name}.txt")
-                profilers.append((name, out, subprocess.Popen(
-                    [str(Path(sys.executable).parent / "py-spy"), "record", "--format", "raw", "--rate", "200", "--nonblocking", "-o", str(out),
-                     "-p", str(info["pids"][name])], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)))
+                self.profilers.append((name, out, subprocess.Popen(
+                    [str(Path(sys.executable).parent / "py-spy"), "record", "--format", "raw", "--rate", "200",
+                     "--nonblocking", "-o", str(out), "-p", str(info["pids"][name])],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)))
             time.sleep(1.0)
+
+    def run(self, requests) -> Outcome:
         start = time.perf_counter()
-        latencies = asyncio.run(_shuttle_requests(info["url"], requests))
-        wall = time.perf_counter() - start
-    finally:
-        for _, _, p in profilers:
+        latencies = asyncio.run(_shuttle_requests(self.url, requests))
+        return Outcome("shuttle", time.perf_counter() - start, sum(m for _, m in requests), latencies)
+
+    def stop(self) -> None:
+        for _, _, p in self.profilers:
             p.send_signal(signal.SIGINT)
             p.wait(30)
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(15)
-    if profilers:
-        for name, out, _ in profilers:
+        self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(15)
+        for name, out, _ in self.profilers:
             print(f"\nprofile of the {name} process ({out}):")
             for category, share in summarize_profile(out).items():
                 print(f"  {category:<34}{100 * share:6.1f}%")
-    return Outcome("shuttle", wall, sum(m for _, m in requests), latencies)
 
 
 async def _shuttle_requests(url: str, requests) -> list[float]:
@@ -170,11 +176,14 @@ def convert_to_gguf(model_dir: str) -> Path:
     return out
 
 
-def run_llama_cpp(model_dir: str, requests, threads: int) -> Outcome:
+def load_llama_cpp(model_dir: str, requests, threads: int):
     from llama_cpp import Llama
 
-    llm = Llama(model_path=str(convert_to_gguf(model_dir)), n_ctx=max(len(p) + m for p, m in requests) + 8,
-                n_threads=threads, n_threads_batch=threads, n_batch=512, verbose=False)
+    return Llama(model_path=str(convert_to_gguf(model_dir)), n_ctx=max(len(p) + m for p, m in requests) + 8,
+                 n_threads=threads, n_threads_batch=threads, n_batch=512, verbose=False)
+
+
+def run_llama_cpp(llm, requests, threads: int) -> Outcome:
     start = time.perf_counter()
     latencies, produced = [], 0
     for prompt, max_tokens in requests:
@@ -238,6 +247,16 @@ def run_continuous_batching(model, requests) -> Outcome:
                    list(latencies.values()))
 
 
+def _median_round(runs: list[Outcome]) -> Outcome:
+    """The round with the median wall time (the lower middle of an even count), its walls listed in the note."""
+    ordered = sorted(runs, key=lambda o: o.wall_s)
+    chosen = ordered[(len(ordered) - 1) // 2]
+    if len(runs) > 1:
+        walls = ", ".join(f"{o.wall_s:.2f}" for o in runs)
+        chosen.note = "; ".join(filter(None, [chosen.note, f"median of {len(runs)} rounds: {walls} s"]))
+    return chosen
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=str(REPO.parent / "shared" / "models" / "stories260K"))
@@ -246,6 +265,8 @@ def main() -> int:
     parser.add_argument("--output-len", type=int, nargs=2, default=(16, 128))
     parser.add_argument("--batch-size", type=int, default=16, help="static batch size for the padded baseline")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="rounds of every method, interleaved; each row is the method's median round")
     parser.add_argument("--skip", nargs="*", default=[], choices=["sequential", "static", "continuous"])
     parser.add_argument("--peers", nargs="*", default=[], choices=["llama.cpp"],
                         help="other engines to run on the same workload (installed separately)")
@@ -263,25 +284,42 @@ def main() -> int:
     if profile is not None:
         profile.parent.mkdir(parents=True, exist_ok=True)
 
-    outcomes = [run_shuttle(args.model, requests, args.serve_args.split(), profile)]
-    if "sequential" not in args.skip:
-        outcomes.append(run_sequential(model, requests))
-    if "static" not in args.skip:
-        outcomes.append(run_static_batches(model, requests, args.batch_size))
-    if "continuous" not in args.skip:
-        try:
-            outcomes.append(run_continuous_batching(model, requests))
-        except Exception as exc:  # it is allowed not to run everywhere; say so in the table
-            outcomes.append(Outcome("transformers continuous batching", float("nan"), 0, [], f"failed: {exc!r}"[:120]))
-
-    if "llama.cpp" in args.peers:
-        outcomes.append(run_llama_cpp(args.model, requests, torch.get_num_threads()))
+    # Every method runs --repeats times, rounds interleaved so that a machine whose speed drifts affects all alike;
+    # each row is the method's median round (by wall time). shuttle's server starts once.
+    server = ShuttleServer(args.model, requests, args.serve_args.split(), profile)
+    rounds: dict[str, list[Outcome]] = collections.defaultdict(list)
+    try:
+        for _ in range(args.repeats):
+            found = [server.run(requests)]
+            if "sequential" not in args.skip:
+                found.append(run_sequential(model, requests))
+            if "static" not in args.skip:
+                found.append(run_static_batches(model, requests, args.batch_size))
+            if "continuous" not in args.skip:
+                try:
+                    found.append(run_continuous_batching(model, requests))
+                except Exception as exc:  # it is allowed not to run everywhere; say so in the table
+                    found.append(Outcome("transformers continuous batching", float("nan"), 0, [],
+                                         f"failed: {exc!r}"[:120]))
+            if "llama.cpp" in args.peers:
+                # loaded for its own round only: its idle worker threads keep polling and would slow the others
+                llm = load_llama_cpp(args.model, requests, torch.get_num_threads())
+                try:
+                    found.append(run_llama_cpp(llm, requests, torch.get_num_threads()))
+                finally:
+                    llm.close()
+                    del llm
+            for outcome in found:
+                rounds[outcome.name].append(outcome)
+    finally:
+        server.stop()
+    outcomes = [_median_round(runs) for runs in rounds.values()]
 
     rows = [o.row() for o in outcomes]
     shuttle = rows[0]
     print(f"\nmodel {args.model}: {args.num_requests} requests, prompts {args.prompt_len[0]}-{args.prompt_len[1]}, "
           f"outputs {args.output_len[0]}-{args.output_len[1]} tokens, greedy, all at once; torch threads "
-          f"{torch.get_num_threads()}")
+          f"{torch.get_num_threads()}; median of {args.repeats} interleaved round(s)")
     print(f"{'method':<36}{'wall s':>9}{'out tok/s':>11}{'mean lat s':>12}{'p99 lat s':>11}{'shuttle x':>11}")
     for row in rows:
         ratio = shuttle["output_tok_per_s"] / row["output_tok_per_s"] if row["output_tok_per_s"] else float("nan")
