@@ -14,6 +14,7 @@ from worker.capability import check_exactness
 from worker.input_batch import InputBatch, StepInputs
 from worker.kv_cache import KVCache
 from worker.model_loader import DTYPES, architecture, load_model, probe_geometry
+from worker.output_projection import chunk_output_projection
 from worker.parallel import TensorParallel, local_numel
 from worker.sampler import Sampler
 
@@ -46,6 +47,7 @@ class ModelRunner:
         self.block_size = cache_cfg.block_size
         self.model = load_model(model_cfg.model_dir, model_cfg.dtype, device, **parallel.load_kwargs())
         self.architecture = architecture(self.model)
+        chunk_output_projection(self.model, device, parallel.enabled)
         self.geometry = probe_geometry(self.model)  # under tensor parallel: this rank's KV heads
         parallel.check_model(self.model, self.geometry)
         if config.worker.worker_threads > 0:
