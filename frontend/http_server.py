@@ -51,7 +51,10 @@ class ShuttleRequestHandler(RequestHandler):
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
-        idle = self._waiter is not None and not self._waiter.done()  # between requests, no complete head yet
+        # Waiting for a request head: between requests (start() awaits its waiter), or on a fresh connection whose
+        # first head is still incomplete, where data can arrive before start() has created its waiter at all.
+        idle = (self._waiter is not None and not self._waiter.done()) or (
+            self._request_count == 0 and not self._messages)
         if idle and data and self._header_timer is None and self._header_timeout > 0:
             self._header_timer = self._loop.call_later(self._header_timeout, self._head_overdue)
         elif not idle and self._header_timer is not None:

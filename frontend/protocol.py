@@ -200,8 +200,9 @@ def completion_prompts(prompt: Any, tokenizer, max_model_len: int, add_special_t
 
 def sampling_params(request: SamplingFields, num_prompt_tokens: int, max_model_len: int, vocab_size: int,
                     max_tokens: int | None, logprobs: int | None, prompt_param: str = "prompt",
-                    prompt_logprobs: int | None = None) -> SamplingParams:
+                    prompt_logprobs: int | None = None, max_tokens_param: str = "max_tokens") -> SamplingParams:
     """SamplingParams of one prompt of a request; max_tokens defaults to what is left of max_model_len.
+    `max_tokens_param` is the field the request gave it in (chat's max_completion_tokens), for errors.
 
     Raises:
         InvalidRequestError: a parameter out of range, or prompt + max_tokens over max_model_len.
@@ -226,11 +227,13 @@ def sampling_params(request: SamplingFields, num_prompt_tokens: int, max_model_l
             f"tokens, which leaves no room for output", param=prompt_param)
     if max_tokens is None:
         max_tokens = room
+    elif max_tokens < 1:
+        raise InvalidRequestError(f"{max_tokens_param} must be at least 1", param=max_tokens_param)
     elif max_tokens > room:
         raise InvalidRequestError(
             f"This model's maximum context length is {max_model_len} tokens. However, you requested "
             f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} for the "
-            f"completion)", param="max_tokens")
+            f"completion)", param=max_tokens_param)
     params = SamplingParams(
         max_tokens=max_tokens, temperature=request.temperature, top_p=request.top_p,
         top_k=0 if request.top_k == -1 else request.top_k, min_p=request.min_p, seed=request.seed,

@@ -42,7 +42,8 @@ def check_model(state: FrontendState, model: str | None) -> None:
 
 def build_generations(state: FrontendState, body: SamplingFields, prompts: list[list[int]], request_id: str,
                       max_tokens: int | None, logprobs: int | None, prompt_param: str = "prompt",
-                      prompt_logprobs: int | None = None, background: bool = False) -> list[TextGeneration]:
+                      prompt_logprobs: int | None = None, background: bool = False,
+                      max_tokens_param: str = "max_tokens") -> list[TextGeneration]:
     """One TextGeneration per (prompt, choice); choice index = prompt index * n + j. With a seed, choice j of a
     prompt samples with seed + j, so the n choices differ yet each is reproducible. `background`: batch work,
     which the scheduler runs behind every interactive request.
@@ -59,7 +60,7 @@ def build_generations(state: FrontendState, body: SamplingFields, prompts: list[
     generations = []
     for p, ids in enumerate(prompts):
         base = sampling_params(body, len(ids), model.max_model_len, state.tokenizer.vocab_size, max_tokens, logprobs,
-                               prompt_param, prompt_logprobs)
+                               prompt_param, prompt_logprobs, max_tokens_param)
         for j in range(body.n):
             sampling = base if base.seed is None else msgspec.structs.replace(base, seed=(base.seed + j) % 2**64)
             index = p * body.n + j
@@ -239,9 +240,11 @@ def prepare_chat(state: FrontendState, body: ChatCompletionRequest, id_prefix: s
     request_id = state.engine.new_request_id(id_prefix)
     if on_request_id is not None:
         on_request_id(request_id)
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    generations = build_generations(state, body, [ids], request_id, max_tokens, logprobs, prompt_param="messages",
-                                    background=background)
+    newer = body.max_completion_tokens is not None
+    generations = build_generations(state, body, [ids], request_id,
+                                    body.max_completion_tokens if newer else body.max_tokens, logprobs,
+                                    prompt_param="messages", background=background,
+                                    max_tokens_param="max_completion_tokens" if newer else "max_tokens")
     envelope = {"id": request_id, "created": int(time.time()), "model": state.model_name}
 
     def chat_choice(key: str, g: TextGeneration, message: dict, token_ids: list[int], lps, finish: str | None) -> dict:

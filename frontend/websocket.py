@@ -1,7 +1,8 @@
 """GET /v1/ws: token streaming over a WebSocket.
 
 Protocol (JSON text frames; several generations may share one socket, told apart by `id`):
-  client -> {"type": "generate", "id": "<optional, chosen by the client>", ...any /v1/completions field}
+  client -> {"type": "generate", "id": <optional string or integer, echoed as sent; default "gen-N">, ...any
+             /v1/completions field}
   server -> {"type": "delta", "id": ..., "text": "...", "token_ids": [...]}         one per text delta
   server -> {"type": "done", "id": ..., "finish_reason": "stop"|"length"|"abort", "usage": {...}}
   client -> {"type": "cancel", "id": ...}       the generation ends with a "done" whose finish_reason is "abort"
@@ -40,7 +41,7 @@ log = logging.getLogger("shuttle.frontend")
 class _Stream:
     """One generation on the socket; `ended` once its terminal frame has been sent."""
 
-    client_id: str
+    client_id: str | int  # echoed exactly as the client sent it (a string or an integer)
     task: asyncio.Task | None = None
     generation: TextGeneration | None = None
     ended: bool = False
@@ -77,7 +78,7 @@ class _Session:
                 if stream.task is not None and stream.task is not asyncio.current_task():
                     stream.task.cancel()
 
-    async def error(self, client_id: str | None, status: int, message: str, param: str | None = None) -> None:
+    async def error(self, client_id: str | int | None, status: int, message: str, param: str | None = None) -> None:
         await self.send({"type": "error", "id": client_id, "error": error_body(status, message, param)["error"]})
 
     async def end(self, stream: _Stream, frame: dict) -> None:
@@ -103,8 +104,11 @@ class _Session:
             return await self.error(None, 400, f"invalid JSON: {exc}")
         if not isinstance(frame, dict):
             return await self.error(None, 400, "frame must be a JSON object")
-        raw_id = frame.get("id")
-        client_id = str(raw_id) if raw_id is not None else f"gen-{next(self._ids)}"
+        client_id = frame.get("id")
+        if client_id is None:
+            client_id = f"gen-{next(self._ids)}"
+        elif isinstance(client_id, bool) or not isinstance(client_id, (str, int)):
+            return await self.error(None, 400, "id must be a string or an integer (echoed as sent)", "id")
         kind = frame.get("type")
         if kind == "cancel":
             stream = self.streams.get(client_id)

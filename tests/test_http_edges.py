@@ -40,9 +40,19 @@ async def app():
     await app.close()
 
 
-async def test_partial_head_is_closed_after_the_header_timeout(app):
-    reader, writer = await connect(app.url)
-    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\n")  # and never the rest
+@pytest.fixture(scope="module")
+async def patient_app():
+    """Keep-alive far beyond HANG: only the header timer can close a connection in time here."""
+    app = await start_app(header_timeout=0.5, keep_alive_timeout=10 * HANG, step_delay=0.05)
+    yield app
+    await app.close()
+
+
+@pytest.mark.parametrize("partial", [b"POST /v1/comple",  # inside the request line
+                                     b"POST /v1/completions HTTP/1.1\r\nHost: test\r\n"])  # inside the headers
+async def test_partial_head_is_closed_after_the_header_timeout(patient_app, partial):
+    reader, writer = await connect(patient_app.url)
+    writer.write(partial)  # and never the rest
     assert await read_until_closed(reader) == b""
     writer.close()
 

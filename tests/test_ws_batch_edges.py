@@ -60,6 +60,22 @@ async def test_lone_surrogate_id_gets_frames_and_the_socket_goes_on(app):
     assert [t for f in frames if f["type"] == "delta" and f["id"] == "\ud800" for t in f["token_ids"]] == SCRIPT[:3]
 
 
+async def test_ids_are_echoed_as_sent_and_other_id_types_are_refused(app):
+    async with aiohttp.ClientSession(headers=auth()) as session, session.ws_connect(f"{app.url}/v1/ws") as ws:
+        await ws.send_str('{"type": "generate", "id": 5, "prompt": "Hi", "max_tokens": 2}')
+        await ws.send_str('{"type": "generate", "id": "5", "prompt": "Hi", "max_tokens": 1}')  # another id than 5
+        frames = await collect_frames(ws, {5, "5"})
+        await ws.send_str('{"type": "generate", "id": [1], "prompt": "Hi", "max_tokens": 1}')
+        refused = json.loads((await ws.receive(timeout=HANG)).data)
+        await ws.send_str('{"type": "generate", "prompt": "Hi", "max_tokens": 1}')
+        unnamed = await collect_frames(ws, {"gen-0"})
+    ends = {(type(f["id"]), f["id"]): f for f in frames if f["type"] == "done"}
+    assert ends[(int, 5)]["usage"]["completion_tokens"] == 2 and ends[(str, "5")]["usage"]["completion_tokens"] == 1
+    assert all(f["id"] in (5, "5") for f in frames)
+    assert refused["type"] == "error" and refused["id"] is None and refused["error"]["param"] == "id"
+    assert unnamed[-1]["type"] == "done" and unnamed[-1]["id"] == "gen-0"
+
+
 async def test_origin_must_be_own_or_allowed(app):
     async with aiohttp.ClientSession(headers=auth()) as session:
         for origin, allowed in [("https://evil.example", False), ("https://ok.example", True), (app.url, True),
