@@ -171,7 +171,7 @@ def add_parser(commands) -> None:
     batch.add_argument("--priority", type=int, default=None,
                        help="`priority` of every body without one (lower first, among batch requests; batch work "
                             "always runs behind interactive traffic unless the server has --no-batch-background)")
-    batch.add_argument("--api-key", default=None, help="the server's API key (default: $SHUTTLE_API_KEY)")
+    batch.add_argument("--api-key", default=None, help="the server's API key; when not given, $SHUTTLE_API_KEY is used")
     batch.add_argument("--server-timeout", type=float, default=5.0,
                        help="seconds without a word from the server (it beats every second) before giving up")
     batch.add_argument("--quiet", action="store_true", help="no progress bar")
