@@ -23,6 +23,7 @@ import json
 import logging
 from contextlib import aclosing
 from dataclasses import dataclass
+from typing import Any
 
 from aiohttp import WSMsgType, web
 from yarl import URL
@@ -78,7 +79,7 @@ class _Session:
                 if stream.task is not None and stream.task is not asyncio.current_task():
                     stream.task.cancel()
 
-    async def error(self, client_id: str | int | None, status: int, message: str, param: str | None = None) -> None:
+    async def error(self, client_id: Any, status: int, message: str, param: str | None = None) -> None:
         await self.send({"type": "error", "id": client_id, "error": error_body(status, message, param)["error"]})
 
     async def end(self, stream: _Stream, frame: dict) -> None:
@@ -105,11 +106,14 @@ class _Session:
         if not isinstance(frame, dict):
             return await self.error(None, 400, "frame must be a JSON object")
         client_id = frame.get("id")
+        kind = frame.get("type")
         if client_id is None:
             client_id = f"gen-{next(self._ids)}"
         elif isinstance(client_id, bool) or not isinstance(client_id, (str, int)):
-            return await self.error(None, 400, "id must be a string or an integer (echoed as sent)", "id")
-        kind = frame.get("type")
+            if kind == "cancel":
+                return  # it names no generation
+            # the id comes back as sent, so the client can still match this generate's one terminal frame
+            return await self.error(client_id, 400, "id must be a string or an integer", "id")
         if kind == "cancel":
             stream = self.streams.get(client_id)
             if stream is not None and stream.task is not None:

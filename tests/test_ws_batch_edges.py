@@ -72,7 +72,7 @@ async def test_ids_are_echoed_as_sent_and_other_id_types_are_refused(app):
     ends = {(type(f["id"]), f["id"]): f for f in frames if f["type"] == "done"}
     assert ends[(int, 5)]["usage"]["completion_tokens"] == 2 and ends[(str, "5")]["usage"]["completion_tokens"] == 1
     assert all(f["id"] in (5, "5") for f in frames)
-    assert refused["type"] == "error" and refused["id"] is None and refused["error"]["param"] == "id"
+    assert refused["type"] == "error" and refused["id"] == [1] and refused["error"]["param"] == "id"
     assert unnamed[-1]["type"] == "done" and unnamed[-1]["id"] == "gen-0"
 
 
