@@ -301,7 +301,8 @@ ControlMessage = ProcessReady | Heartbeat
 
 class EngineDown(msgspec.Struct, **_WIRE):
     """A serving group's engine (scheduler + worker) stopped: end that group's in-flight requests with an error
-    and route nothing to it until its new scheduler answers Hello (503 only when no group serves). `retry_after`: the launcher's estimate of seconds until it serves again."""
+    and route nothing to it until its new scheduler answers Hello (503 only when no group serves). `retry_after`:
+    the launcher's estimate of seconds until it serves again."""
 
     reason: str
     retry_after: float = 1.0

@@ -194,7 +194,8 @@ def prepare_completion(state: FrontendState, body: CompletionRequest, id_prefix:
                                     prompt_logprobs=logprobs if body.echo else None, background=background)
     echo_texts = {}
     if body.echo:
-        originals = body.prompt if isinstance(body.prompt, list) and not isinstance(body.prompt[0], int) else [body.prompt]
+        several = isinstance(body.prompt, list) and not isinstance(body.prompt[0], int)
+        originals = body.prompt if several else [body.prompt]
         for g in generations:
             original = originals[g.index // body.n]
             echo_texts[g.index] = original if isinstance(original, str) else state.tokenizer.decode(g.prompt_token_ids)
