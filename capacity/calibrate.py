@@ -48,7 +48,10 @@ def grid(max_model_len: int, max_num_batched_tokens: int, max_num_seqs: int) -> 
     configs = [("decode", b, c, 0) for b in batches for c in contexts if b * c <= MAX_PREFILL_TOKENS]
     chunks = sorted({q for q in (16, 64, 256, 1024, 2048) if q <= max_num_batched_tokens} | {max_num_batched_tokens})
     configs += [("prefill", 1, min(max_model_len - 8, 4 * q), q) for q in chunks]
-    configs += [("prefill", 4, min(max_model_len - 8, q), q) for q in chunks if 4 * q <= max_num_batched_tokens]
+    # several prompts filling the whole budget at once: the steps behind the first TTFTs of a burst, whose
+    # attention a single long prompt's chunks do not span
+    shared = sorted({q for q in chunks if 4 * q <= max_num_batched_tokens} | {max(1, max_num_batched_tokens // 4)})
+    configs += [("prefill", 4, min(max_model_len - 8, q), q) for q in shared]
     return configs
 
 

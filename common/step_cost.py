@@ -10,6 +10,19 @@ A step's wall time on the worker is modelled as a non-negative linear combinatio
             + c_decode_attention  * sum(k_i)           decode attention reads the whole context once
             + c_sampled   * sampled rows               LM head at sampling positions + the sampler
 
+A served step also shares the machine with the frontend, the scheduler and the clients. calibrate.py's serving stage
+measures how much that changes each kind of work, and the model keeps the in-process fit and those corrections
+apart:
+
+    served seconds = decode_factor  x (c_step + decode terms + c_sampled x sampled rows)
+                   + prefill_factor x (c_token x prompt tokens + c_prefill x prefill sequences + prefill attention)
+                   + serving_step_s + serving_token_s x sampled rows
+
+(decode terms: (c_token + c_decode) per decode sequence and the decode attention). Decode steps read every weight
+for a few rows and are memory-bound; prefill chunks are compute-bound: beside a busy frontend they slow down by
+different amounts, so one factor for both mispredicts one of them. And every sampled token is then streamed by the
+frontend to its client, work that competes with the worker for the cores while the next steps run.
+
 This is the roofline-free form of the models in the literature on LLM serving simulators (Vidur, Agrawal et al.
 2024; DistServe's latency model, Zhong et al. 2024): linear in tokens, with an attention term quadratic in the
 chunk. Coefficients are fitted by non-negative least squares on relative error (a 1 ms decode step matters as
@@ -19,9 +32,10 @@ server's own steps (scheduler/admission.py). No torch here: the scheduler proces
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -76,14 +90,22 @@ class StepCostModel:
     """Seconds per step from its StepShape, plus the fixed latencies around steps that clients feel.
 
     Attributes:
-        coefficients: seconds per unit of each of FEATURES (all >= 0).
+        coefficients: seconds per unit of each of FEATURES (all >= 0), as the worker takes them alone.
         scheduler_s: scheduler CPU seconds per step (plan + settle + encode), spent while the worker runs the
             step before (hidden with two steps in flight unless it exceeds the step).
         client_s: seconds a token spends between the worker and the client (IPC, detokenize, HTTP), added to
             each token time; TTFT also pays the request's way in (tokenize, submit), which is in it too.
         jitter: sigma of the log-normal factor (mean 1) by which the simulator scales each step: a shared
-            machine's steps have a heavy tail (the worker descheduled); 0 gives every step its predicted time.
+            machine's steps spread around their prediction (served stories260K steps at 0.9x capacity: measured /
+            predicted 0.6 at p10, 1.2 at p90, 1.6-2.0 at p99, alike for decode and prefill steps of every size);
+            0 gives every step its predicted time.
         meta: where and how it was measured (model, machine, load average, threads, rmse).
+        decode_factor: served / in-process time of a step's fixed and decode work (dimensionless).
+        prefill_factor: served / in-process time of its prefill work: prompt tokens, prefill sequences and their
+            attention (dimensionless).
+        serving_step_s: seconds a served step costs on top of its work (sockets, the other processes' turns).
+        serving_token_s: seconds each sampled token adds to a served step (the frontend and the clients streaming
+            it, on the cores the worker shares).
     """
 
     coefficients: dict[str, float]
@@ -91,12 +113,80 @@ class StepCostModel:
     client_s: float = 0.0
     meta: dict = field(default_factory=dict)
     jitter: float = 0.0
+    decode_factor: float = 1.0
+    prefill_factor: float = 1.0
+    serving_step_s: float = 0.0
+    serving_token_s: float = 0.0
 
     def __post_init__(self):
         unknown = set(self.coefficients) - set(FEATURES)
         if unknown:
             raise ValueError(f"unknown cost model features {sorted(unknown)}; known: {FEATURES}")
-        self._weights = tuple(float(self.coefficients.get(name, 0.0)) for name in FEATURES)
+        c = {name: float(self.coefficients.get(name, 0.0)) for name in FEATURES}
+        fd, fp = self.decode_factor, self.prefill_factor
+        # the formula of the module docstring folded into one weight per feature: num_tokens counts prompt tokens
+        # and decode tokens alike, so a decode sequence's c_token moves from the prefill to the decode factor
+        self._weights = (fd * c["step"] + self.serving_step_s, fp * c["token"], fp * c["prefill_seq"],
+                         fd * (c["decode_seq"] + c["token"]) - fp * c["token"], fp * c["prefill_attention"],
+                         fd * c["decode_attention"], fd * c["sampled"] + self.serving_token_s)
+
+    def in_process(self) -> "StepCostModel":
+        """The worker alone: the same coefficients and scheduler time, without the serving corrections, the
+        client latency or the jitter (what calibrate.py's serving stage starts from)."""
+        return StepCostModel(dict(self.coefficients), self.scheduler_s, 0.0, dict(self.meta))
+
+    def parts(self, shape: StepShape) -> tuple[float, float]:
+        """In-process seconds of a step split as the serving factors see it: (fixed + decode work, prefill work)."""
+        c = self.coefficients.get
+        prefill_tokens = shape.num_tokens - shape.num_decode_seqs
+        prefill = (c("token", 0.0) * prefill_tokens + c("prefill_seq", 0.0) * shape.num_prefill_seqs
+                   + c("prefill_attention", 0.0) * shape.prefill_attention)
+        decode = (c("step", 0.0) + (c("token", 0.0) + c("decode_seq", 0.0)) * shape.num_decode_seqs
+                  + c("decode_attention", 0.0) * shape.decode_attention + c("sampled", 0.0) * shape.num_sampled)
+        return decode, prefill
+
+    def fit_serving(self, shapes: Sequence[StepShape], seconds: Sequence[float]) -> "StepCostModel":
+        """This model with its serving corrections fitted to served steps (scheduler/step_log.py).
+
+        served seconds ~ decode_factor x decode part + prefill_factor x prefill part + serving_step_s
+        + serving_token_s x sampled rows, by non-negative least squares on error relative to the prediction (each
+        step counts alike; reweighted four times); a part that no step has keeps factor 1. Decode sequences all
+        sample, so the decode factor and the per-token term can trade against each other; their sum over a step,
+        the prediction, is what the fit pins down. The jitter is the spread of what remains: half the distance
+        between the 16th and 84th percentiles of log(served / fitted), the standard deviation for a log-normal
+        factor (served stories260K steps: p99 1.7x the fit, as sigma 0.26 gives), robust to a few
+        outliers. meta gains the fit's relative RMS error ("serving_rel_rmse") and the step count.
+
+        Raises:
+            ValueError: fewer than 3 steps, or a non-positive duration.
+        """
+        import numpy as np
+
+        y = np.asarray(seconds, dtype=np.float64)
+        if len(shapes) != len(y) or len(y) < 3 or (y <= 0).any():
+            raise ValueError("need at least 3 served steps with positive durations")
+        base = self.in_process()
+        x = np.asarray([(*base.parts(s), 1.0, s.num_sampled) for s in shapes], dtype=np.float64)
+        weights = 1.0 / y
+        for _ in range(4):
+            fd, fp, per_step, per_token = nonnegative_least_squares(x * weights[:, None], y * weights)
+            # Relative to the prediction, not to the noisy observation: dividing by y pulls the fit down by
+            # about 2 sigma^2 (17% at sigma 0.3); weights from the last fit leave the mean unbiased.
+            weights = 1.0 / np.maximum(x @ np.array([fd, fp, per_step, per_token]), 1e-9)
+        if not x[:, 0].any():
+            fd = 1.0
+        if not x[:, 1].any():
+            fp = 1.0
+        fitted = dataclasses.replace(base, decode_factor=float(fd), prefill_factor=float(fp),
+                                     serving_step_s=float(per_step), serving_token_s=float(per_token),
+                                     client_s=self.client_s)
+        predicted = np.asarray([fitted.predict(s) for s in shapes])
+        log_ratio = np.log(y / np.maximum(predicted, 1e-9))
+        q16, q84 = np.percentile(log_ratio, [16, 84])
+        fitted.jitter = float(max(q84 - q16, 0.0) / 2)
+        fitted.meta = {**fitted.meta, "num_served_steps": len(y),
+                       "serving_rel_rmse": float(math.sqrt(float(np.mean(((predicted - y) / y) ** 2))))}
+        return fitted
 
     def predict(self, shape: StepShape) -> float:
         """Seconds the worker takes for a step of this shape (0 for an empty step)."""
@@ -117,7 +207,8 @@ class StepCostModel:
 
     def to_json(self) -> dict:
         return {"coefficients": dict(self.coefficients), "scheduler_s": self.scheduler_s, "client_s": self.client_s,
-                "jitter": self.jitter, "meta": self.meta}
+                "jitter": self.jitter, "decode_factor": self.decode_factor, "prefill_factor": self.prefill_factor,
+                "serving_step_s": self.serving_step_s, "serving_token_s": self.serving_token_s, "meta": self.meta}
 
     def save(self, path: str | Path) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -127,8 +218,10 @@ class StepCostModel:
     def load(path: str | Path) -> "StepCostModel":
         """Read a profile written by `save()`. Raises OSError, ValueError (bad JSON or unknown features)."""
         data = json.loads(Path(path).read_text())
-        return StepCostModel(dict(data["coefficients"]), float(data.get("scheduler_s", 0.0)),
-                             float(data.get("client_s", 0.0)), dict(data.get("meta", {})), float(data.get("jitter", 0.0)))
+        floats = {name: float(data[name]) for name in ("scheduler_s", "client_s", "jitter", "decode_factor",
+                                                        "prefill_factor", "serving_step_s", "serving_token_s")
+                  if name in data}
+        return StepCostModel(dict(data["coefficients"]), meta=dict(data.get("meta", {})), **floats)
 
     # ---- fitting ----------------------------------------------------------------------------------------
 

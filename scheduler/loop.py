@@ -25,6 +25,7 @@ from scheduler.kv_cache import KVCacheManager
 from scheduler.liveness import FrontendWatch, StepWatchdog
 from scheduler.scheduler import ScheduledStep, Scheduler
 from scheduler.stats import StepStats
+from scheduler.step_log import StepLog
 
 log = logging.getLogger("shuttle.scheduler")
 
@@ -50,6 +51,7 @@ class SchedulerLoop:
         self.max_in_flight = 2 if config.scheduler.async_scheduling else 1
         self.in_flight: deque[ScheduledStep] = deque()
         self.step_stats = StepStats()
+        self.step_log = StepLog(config.scheduler.step_log) if config.scheduler.step_log else None
         self._last_broadcast: SchedulerStats | None = None
         self._last_broadcast_time = 0.0
         self._poller = zmq.Poller()
@@ -118,6 +120,8 @@ class SchedulerLoop:
             log.error("worker failed step %d: %s", result.step_id, result.message)
             self.scheduler.fail_step(step, 500, f"model execution failed: {result.message}")
             return
+        if self.step_log is not None:
+            self.step_log.record(step.scheduled, step.sent_at, time.monotonic())
         self.scheduler.update_from_output(step, result)
         self.step_stats.on_step(len(step.scheduled), step.num_tokens, step.num_prompt_tokens, len(result.token_ids),
                                 step.num_decode_tokens)

@@ -2,11 +2,13 @@
 """Calibrate the step-cost model of a model on this machine and save it as a JSON profile.
 
 Runs the real ModelRunner in process over a grid of step shapes (decode batches over contexts, prefill chunks;
-see capacity/calibrate.py) and fits the cost model. Then (unless --no-serve) it serves the model for real and runs
-a short bench_serve.py load (closed loop, --serve-concurrency streams of short prompts) next to the simulation of
-the same workload, and fits the two things a process-local measurement cannot see: how much slower steps run
-when the frontend and the clients share the machine's cores (one factor on every coefficient), and the latency a
-token spends between the worker and the client (client_s). It prints each measurement and the fit, and writes:
+see capacity/calibrate.py) and fits the cost model. Then (unless --no-serve) it serves the model for real with
+`--step-log` and runs three short bench_serve.py loads (closed loop: short prompts at the two --serve-concurrency
+values, and long prompts with two output tokens at the low one), and fits to the steps the server logged what a
+process-local measurement cannot see: how much slower decode work and prefill work run when the frontend and the
+clients share the machine's cores (decode_factor + serving_step_s, prefill_factor) and how much served steps
+spread (jitter); the latency a token spends between the worker and the client (client_s) comes from the first
+run's median TTFT. It prints each measurement, the fit and each run measured next to simulated, and writes:
 
     .venv/bin/python scripts/calibrate.py --model ../shared/models/stories260K --out profiles/stories260K.json
     .venv/bin/python scripts/calibrate.py --model /tmp/shuttle-models/llama-110m --out profiles/llama-110m.json
@@ -17,6 +19,7 @@ The profile feeds scripts/simulate.py, scripts/tune.py and `shuttle serve --step
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -30,73 +33,79 @@ import bench_serve  # noqa: E402
 import simulate  # noqa: E402
 from capacity.calibrate import Calibrator  # noqa: E402
 from common.step_cost import FEATURES, StepCostModel  # noqa: E402
+from scheduler.step_log import read_step_log  # noqa: E402
 
 
-def serve_check(model_dir: str, model: StepCostModel, concurrencies: list[int], num_prompts: int, input_len: int,
-                output_len: int) -> StepCostModel:
-    """Fit the serving corrections from real server runs at a low and a high concurrency.
+def serve_check(model_dir: str, model: StepCostModel, concurrencies: list[int], num_prompts: int = 32,
+                input_len: int = 128, output_len: int = 64, prefill_len: int | None = None) -> StepCostModel:
+    """Fit the serving corrections from three real server runs: decode-heavy at a low and a high concurrency, and
+    prefill-heavy (prompts of ~prefill_len tokens, 2 output tokens) at the low one.
 
-    The mean time per output token (TPOT, averaged over requests) of a decode-bound run is about one step as the
-    clients see it (the median ITL is not: a busy frontend delivers tokens in clumps): f x (in-process step) + e,
-    where f is how much slower
-    (or faster) the worker's work runs beside the frontend and the clients than alone, and e what a served step
-    costs on top (sockets, the scheduler's and frontend's turns on the cores). Two runs give f and e (f >= 0.3,
-    e >= 0); the median TTFT of the low-concurrency run then gives client_s. Each run has 4 requests per stream,
-    so that its medians are the steady state's, not the first burst's. Returns the corrected model;
-    meta["serve_check"] holds both runs, measured and simulated."""
+    The server logs every step it runs with its served duration (`--step-log`, scheduler/step_log.py), and
+    StepCostModel.fit_serving fits decode_factor, prefill_factor and serving_step_s to those steps, and the jitter
+    to what they leave unexplained. What the steps cannot show, the latency between the worker and the client
+    (client_s), is what the low-concurrency run's median TTFT has beyond the simulated one. Each run has 4
+    requests per stream, so that its medians are the steady state's, not the first burst's. Returns the
+    corrected model; meta["serve_check"] holds each run, measured and simulated."""
     from tests.server import ShuttleServer
 
-    runs = []
-    server = ShuttleServer(model_dir=Path(model_dir), start_timeout=600)
+    low_c, high_c = concurrencies
+    max_len = int(model.meta.get("max_model_len", 2048))
+    prefill_len = min(prefill_len or 4 * input_len, (max_len - 8) * 2 // 3)  # range 0.5: the longest is 1.5x
+    workloads = {name: ["--num-prompts", str(max(num_prompts, 4 * c)), "--max-concurrency", str(c),
+                        "--input-len", str(n_in), "--output-len", str(n_out), "--range-ratio", "0.5",
+                        "--seed", str(seed)]  # one server: other prompts each run, or the prefix cache hits
+                 for name, c, n_in, n_out, seed in (("low", low_c, input_len, output_len, 99 + low_c),
+                                                    ("high", high_c, input_len, output_len, 99 + high_c),
+                                                    ("prefill", low_c, prefill_len, 2, 7 + low_c))}
+    measured: dict[str, dict] = {}
+    steps: dict[str, list] = {}
+    log_path = Path("bench_results/calibrate_steps.jsonl")  # kept: the served steps the fit saw
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log_path.unlink(missing_ok=True)
+    server = ShuttleServer("--step-log", str(log_path), model_dir=Path(model_dir), start_timeout=600)
     try:
-        for concurrency in concurrencies:
-            argv = ["--num-prompts", str(max(num_prompts, 4 * concurrency)), "--max-concurrency", str(concurrency),
-                    "--input-len", str(input_len), "--output-len", str(output_len), "--range-ratio", "0.5",
-                    "--seed", str(99 + concurrency)]  # one server: other prompts each run, or the prefix cache hits
-            out = Path(f"bench_results/calibrate_serve_{concurrency}.json")
+        seen = 0
+        for name, argv in workloads.items():
+            out = Path(f"bench_results/calibrate_serve_{name}.json")
             bench_serve.main(["--url", server.url, *argv, "--result-json", str(out), "--no-progress"])
-            runs.append((concurrency, argv, json.loads(out.read_text())))
+            measured[name] = json.loads(out.read_text())
+            logged = read_step_log(log_path)
+            steps[name], seen = logged[seen:], len(logged)
     finally:
         server.stop()
 
-    def simulated(candidate: StepCostModel, argv: list[str]) -> dict:
-        sim_args = _sim_parser().parse_args(["--profile", "-", *argv])
+    def simulated(candidate: StepCostModel, name: str) -> dict:
+        sim_args = _sim_parser().parse_args(["--profile", "-", *workloads[name]])
         return simulate.build_simulator(sim_args, candidate).run(
             simulate.build_workload(sim_args, candidate)).summary()
 
-    base = StepCostModel(dict(model.coefficients), model.scheduler_s, 0.0, dict(model.meta))
-    (b_low, m_low), (b_high, m_high) = [(simulated(base, argv)["tpot_ms"]["mean"] / 1000,
-                                         measured["tpot_ms"]["mean"] / 1000) for _, argv, measured in runs]
-    f = (m_high - m_low) / (b_high - b_low) if b_high > b_low else m_high / b_high
-    e = m_low - f * b_low
-    if f < 0.3 or model.coefficients["step"] * f + e < 0:  # meaningless: a pure factor through both instead
-        f, e = max((b_low * m_low + b_high * m_high) / (b_low ** 2 + b_high ** 2), 0.3), 0.0
-    coefficients = {k: v * f for k, v in model.coefficients.items()}
-    coefficients["step"] += e
-    corrected = StepCostModel(coefficients, model.scheduler_s, 0.0, dict(model.meta))
-    low, high = runs
-    corrected.client_s = max(0.0, (low[2]["ttft_ms"]["median"] - simulated(corrected, low[1])["ttft_ms"]["median"])
-                             / 1000)
-    # the tail: the jitter whose simulated p99 ITL at the high concurrency comes closest to the measured one
-    target = high[2]["itl_ms"]["p99"]
-    errors = []
-    for sigma in (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0):
-        corrected.jitter = sigma
-        errors.append((abs(simulated(corrected, high[1])["itl_ms"]["p99"] - target), sigma))
-    corrected.jitter = min(errors)[1]
+    served = [step for run in steps.values() for step in run]
+    corrected = model.in_process().fit_serving([s.shape for s in served], [s.seconds for s in served])
+    no_jitter = dataclasses.replace(corrected, jitter=0.0)
+    corrected.client_s = max(0.0, (measured["low"]["ttft_ms"]["median"]
+                                   - simulated(no_jitter, "low")["ttft_ms"]["median"]) / 1000)
     report = []
-    for concurrency, argv, measured in runs:
-        check = simulated(corrected, argv)
-        report.append({"concurrency": concurrency, "workload": argv,
-                       "measured": {k: measured[f"{k}_ms"]["median"] for k in ("ttft", "itl", "tpot")},
-                       "simulated": {k: check[f"{k}_ms"]["median"] for k in ("ttft", "itl", "tpot")}})
-        print(f"serve check at concurrency {concurrency}: TPOT mean measured {measured['tpot_ms']['mean']:.1f} / "
-              f"simulated {check['tpot_ms']['mean']:.1f} ms, ITL p50 {measured['itl_ms']['median']:.1f} / "
-              f"{check['itl_ms']['median']:.1f} ms, TTFT p50 {measured['ttft_ms']['median']:.1f} / "
-              f"{check['ttft_ms']['median']:.1f} ms")
-    corrected.meta.update(serving_factor=f, serving_step_s=e, serve_check=report)
-    print(f"serving: steps run {f:.2f}x their in-process time + {e * 1e3:.2f} ms; "
-          f"client latency {corrected.client_s * 1e3:.2f} ms; step jitter sigma {corrected.jitter:.1f}")
+    for name, argv in workloads.items():
+        check, real = simulated(corrected, name), measured[name]
+        step_ms = [1e3 * sum(s.seconds for s in steps[name]) / max(len(steps[name]), 1),
+                   1e3 * sum(corrected.predict(s.shape) for s in steps[name]) / max(len(steps[name]), 1)]
+        keys = ("ttft", "itl", "tpot")
+        report.append({"run": name, "workload": argv, "served_step_ms": step_ms,
+                       "measured": {k: {s: real[f"{k}_ms"][s] for s in ("median", "p99")} for k in keys},
+                       "simulated": {k: {s: check[f"{k}_ms"][s] for s in ("median", "p99")} for k in keys}})
+        print(f"serve check, {name} run (concurrency {argv[3]}, input {argv[5]}, output {argv[7]}): measured / "
+              f"predicted ms: {len(steps[name])} steps, mean {step_ms[0]:.2f} / {step_ms[1]:.2f}; TPOT mean "
+              f"{real['tpot_ms']['mean']:.1f} / {check['tpot_ms']['mean']:.1f}, ITL p50 "
+              f"{real['itl_ms']['median']:.1f} / {check['itl_ms']['median']:.1f}, p99 {real['itl_ms']['p99']:.1f} / "
+              f"{check['itl_ms']['p99']:.1f}; TTFT p50 {real['ttft_ms']['median']:.1f} / "
+              f"{check['ttft_ms']['median']:.1f}, p99 {real['ttft_ms']['p99']:.1f} / {check['ttft_ms']['p99']:.1f}")
+    corrected.meta.update(serve_check=report)
+    print(f"serving: decode work {corrected.decode_factor:.2f}x its in-process time + "
+          f"{corrected.serving_step_s * 1e3:.2f} ms per step + {corrected.serving_token_s * 1e6:.1f} us per sampled "
+          f"token, prefill work {corrected.prefill_factor:.2f}x (relative "
+          f"RMS error {corrected.meta['serving_rel_rmse']:.3f} over {len(served)} steps); client latency "
+          f"{corrected.client_s * 1e3:.2f} ms; step jitter sigma {corrected.jitter:.2f}")
     return corrected
 
 
@@ -123,14 +132,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--serve-concurrency", type=int, nargs=2, default=[8, 128],
                         help="the low and the high concurrency of the two real-server runs")
     parser.add_argument("--serve-prompts", type=int, default=96)
-    parser.add_argument("--serve-input-len", type=int, default=64)
-    parser.add_argument("--serve-output-len", type=int, default=48)
+    parser.add_argument("--serve-input-len", type=int, default=128,
+                        help="mean prompt of the two decode-heavy runs (bench_serve.py's default; use your workload's)")
+    parser.add_argument("--serve-output-len", type=int, default=64,
+                        help="mean output of the two decode-heavy runs (bench_serve.py's default; use your workload's)")
+    parser.add_argument("--serve-prefill-len", type=int, default=None,
+                        help="mean prompt of the prefill-heavy run (default 4x --serve-input-len, at most 2/3 of "
+                             "max_model_len)")
     args = parser.parse_args(argv)
     start = time.time()
     print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs", flush=True)
     if args.serve_only:
-        previous = StepCostModel.load(args.out)
-        model = StepCostModel(previous.meta["in_process_coefficients"], previous.scheduler_s, 0.0, previous.meta)
+        model = StepCostModel.load(args.out).in_process()
     else:
         calibrator = Calibrator(args.model, args.dtype, args.max_model_len, attention_backend=args.attention_backend)
         model, measurements = calibrator.calibrate(args.max_num_batched_tokens, args.max_num_seqs, args.repeats,
@@ -138,11 +151,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'measurement':<60}{'ms':>10}{'fit ms':>10}")
         for m in measurements:
             print(f"{m.label:<60}{m.seconds * 1e3:10.2f}{model.predict(m.shape) * 1e3:10.2f}")
-        model.meta["in_process_coefficients"] = dict(model.coefficients)
         del calibrator  # its model and cache: the server stage needs the memory and the cores
     if not args.no_serve:
         model = serve_check(args.model, model, args.serve_concurrency, args.serve_prompts, args.serve_input_len,
-                            args.serve_output_len)
+                            args.serve_output_len, args.serve_prefill_len)
     model.meta["load_average_at_end"] = os.getloadavg()[0]
     model.meta["seconds"] = round(time.time() - start, 1)
     print("coefficients: " + ", ".join(f"{name} {model.coefficients[name]:.3g}" for name in FEATURES))

@@ -2,17 +2,22 @@
 """Set the simulator's prediction next to a real bench_serve.py run of the same workload (issue 12 acceptance 2).
 
 Takes bench_serve.py's workload flags and `shuttle serve` flags, simulates the workload with the profile, serves
-the model for real with the same flags, runs bench_serve.py, and prints p50/p99 TTFT and ITL side by side with
-the verdict: within 15% or 20 ms, whichever is larger.
+the model for real with the same flags (and --step-log), runs bench_serve.py, and prints p50/p99 TTFT and ITL side
+by side with the verdict: within 15% or 20 ms, whichever is larger; then the real server's steps next to what the
+profile predicts for the same shapes, which tells a wrong step model from what happens around the steps.
+--repeats runs the real side that many times, each on a fresh server, and compares with the median of the runs
+(all runs are printed): the p99 of a short run is a handful of requests, and this machine's speed drifts between
+runs.
 
 On a machine whose other tenants come and go, the speed of the same server changes from one minute to the next;
---recalibrate first redoes calibrate.py's real-server stage (two short runs of its own workload, not this one)
+--recalibrate first redoes calibrate.py's real-server stage (three short runs of its own workload, not this one)
 on top of the profile's in-process fit, so that calibration and measurement share one window.
 
     .venv/bin/python scripts/check_simulator.py --model ../shared/models/stories260K \\
-        --profile profiles/stories260K.json --num-prompts 400 --request-rate 30
+        --profile profiles/stories260K.json --num-prompts 1500 --rate-fraction 0.9 --repeats 3
     .venv/bin/python scripts/check_simulator.py --model /tmp/shuttle-models/llama-110m \\
-        --profile profiles/llama-110m.json --num-prompts 64 --max-concurrency 16 --input-len 256 --range-ratio 1.0
+        --profile profiles/llama-110m.json --num-prompts 64 --max-concurrency 16 --input-len 256 --range-ratio 1.0 \\
+        --output-len 32 --max-num-seqs 64 --repeats 3
 """
 
 from __future__ import annotations
@@ -20,7 +25,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -29,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_serve  # noqa: E402
 import simulate  # noqa: E402
 from common.step_cost import StepCostModel  # noqa: E402
+from scheduler.step_log import read_step_log  # noqa: E402
 
 TOLERANCE = 0.15
 FLOOR_MS = 20.0
@@ -42,19 +50,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=Path("bench_results/check_simulator.json"))
     parser.add_argument("--recalibrate", type=int, nargs=2, default=None, metavar=("LOW", "HIGH"),
                         help="redo the real-server calibration stage at these two concurrencies first")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="real runs, each on a fresh server; the measured value is their median (the p99 of a "
+                             "short run is a few requests, and this machine's speed drifts between runs)")
+    parser.add_argument("--sim-repeats", type=int, default=5,
+                        help="simulations with different step-jitter seeds; the prediction is their median")
     parser.add_argument("--rate-fraction", type=float, default=None,
                         help="instead of --request-rate: this share of the capacity the simulator predicts")
     args = parser.parse_args(argv)
     cost = StepCostModel.load(args.profile)
     if args.recalibrate:
         import calibrate
-        base = StepCostModel(cost.meta["in_process_coefficients"], cost.scheduler_s, 0.0, cost.meta)
-        cost = calibrate.serve_check(args.model, base, args.recalibrate, 32, 64, 48)
+        cost = calibrate.serve_check(args.model, cost.in_process(), args.recalibrate)
     if args.rate_fraction:  # near saturation, wherever saturation is on this machine now
         saturated = simulate.build_simulator(args, cost).run(simulate.build_workload(args, cost, float("inf")))
         args.request_rate = round(args.rate_fraction * saturated.summary()["request_throughput"], 2)
         print(f"predicted capacity {saturated.summary()['request_throughput']:.2f} req/s; rate {args.request_rate}")
-    predicted = simulate.build_simulator(args, cost).run(simulate.build_workload(args, cost)).summary()
+    workload = simulate.build_workload(args, cost)
+    simulated = [simulate.build_simulator(args, cost, seed=seed).run(workload).summary()
+                 for seed in range(args.sim_repeats)]
     serve_flags = ["--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens",
                    str(args.max_num_batched_tokens), "--block-size", str(args.block_size),
                    "--kv-cache-memory", str(args.kv_cache_memory)]
@@ -63,34 +77,68 @@ def main(argv: list[str] | None = None) -> int:
                   "--range-ratio", str(args.range_ratio), "--seed", str(args.seed), "--no-progress"]
     if args.max_concurrency:
         bench_argv += ["--max-concurrency", str(args.max_concurrency)]
-    from tests.server import ShuttleServer
-
     load_before = os.getloadavg()
-    server = ShuttleServer(*serve_flags, model_dir=Path(args.model), start_timeout=600)
-    try:
-        out = args.json.with_suffix(".bench.json")
-        bench_serve.main(["--url", server.url, *bench_argv, "--result-json", str(out)])
-        measured = json.loads(out.read_text())
-    finally:
-        server.stop()
+    runs = [measure(args, serve_flags, bench_argv, args.json.with_suffix(f".bench{i}.json"))
+            for i in range(args.repeats)]
     load_after = os.getloadavg()
     rows, ok = [], True
-    print(f"{'':<10}{'predicted ms':>14}{'measured ms':>14}{'error':>10}  within 15% or 20 ms")
+    print(f"{'':<10}{'predicted ms':>14}{'measured ms':>14}{'error':>10}  within 15% or 20 ms"
+          + ("  (measured: median of the runs " + ", ".join(f"#{i + 1}" for i in range(len(runs))) + ")"
+             if len(runs) > 1 else ""))
     for metric in ("ttft", "itl"):
         for stat in ("median", "p99"):
-            p, m = predicted[f"{metric}_ms"][stat], measured[f"{metric}_ms"][stat]
+            each = [measured[f"{metric}_ms"][stat] for measured, _ in runs]
+            p = statistics.median(summary[f"{metric}_ms"][stat] for summary in simulated)
+            m = statistics.median(each)
             within = abs(p - m) <= max(TOLERANCE * m, FLOOR_MS)
             ok &= within
-            rows.append({"metric": f"{metric} {stat}", "predicted_ms": p, "measured_ms": m, "within": within})
+            rows.append({"metric": f"{metric} {stat}", "predicted_ms": p, "measured_ms": m, "runs_ms": each,
+                         "within": within})
             name = f"{metric.upper()} {'p50' if stat == 'median' else stat}"
-            print(f"{name:<10}{p:>14.1f}{m:>14.1f}{100 * (p - m) / m if m else 0:>9.1f}%  {'yes' if within else 'NO'}")
-    print(f"throughput req/s: predicted {predicted['request_throughput']:.2f}, measured "
-          f"{measured['request_throughput']:.2f}; load average {load_before[0]:.2f} before, {load_after[0]:.2f} after")
+            print(f"{name:<10}{p:>14.1f}{m:>14.1f}{100 * (p - m) / m if m else 0:>9.1f}%  {'yes' if within else 'NO'}"
+                  + ("   " + " ".join(f"{x:.1f}" for x in each) if len(runs) > 1 else ""))
+    steps = served_steps([step for _, served in runs for step in served], cost)
+    for kind, row in steps.items():
+        print(f"served {kind} steps: {row['count']}, mean {row['measured_ms']:.2f} ms, the profile predicts "
+              f"{row['predicted_ms']:.2f} ms for the same shapes")
+    throughput = statistics.median(measured["request_throughput"] for measured, _ in runs)
+    predicted = statistics.median(summary["request_throughput"] for summary in simulated)
+    print(f"throughput req/s: predicted {predicted:.2f}, measured {throughput:.2f}; "
+          f"load average {load_before[0]:.2f} before, {load_after[0]:.2f} after")
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"rows": rows, "predicted": predicted, "measured": measured,
+    args.json.write_text(json.dumps({"rows": rows, "predicted": simulated, "measured": [m for m, _ in runs],
+                                     "served_steps": steps,
                                      "load_average": [load_before[0], load_after[0]],
                                      "config": {k: str(v) for k, v in vars(args).items()}}, indent=2))
     return 0 if ok else 1
+
+
+def measure(args, serve_flags: list[str], bench_argv: list[str], out: Path) -> tuple[dict, list]:
+    """One real run on a fresh server (as the simulation starts: empty cache, nothing in flight): bench_serve.py's
+    summary and the server's steps (--step-log)."""
+    from tests.server import ShuttleServer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        log_path = Path(tmp) / "steps.jsonl"
+        server = ShuttleServer(*serve_flags, "--step-log", str(log_path), model_dir=Path(args.model),
+                               start_timeout=600)
+        try:
+            bench_serve.main(["--url", server.url, *bench_argv, "--result-json", str(out)])
+        finally:
+            server.stop()
+        return json.loads(out.read_text()), read_step_log(log_path)
+
+
+def served_steps(served: list, cost: StepCostModel) -> dict[str, dict]:
+    """The real server's steps (its --step-log) against the profile's prediction for the same shapes, decode-only
+    steps and steps with prefill work apart: tells a wrong step model from what happens around the steps."""
+    kinds: dict[str, dict] = {}
+    for kind, chosen in (("decode-only", [s for s in served if s.num_prefill_seqs == 0]),
+                         ("prefill", [s for s in served if s.num_prefill_seqs > 0])):
+        if chosen:
+            kinds[kind] = {"count": len(chosen), "measured_ms": 1e3 * sum(s.seconds for s in chosen) / len(chosen),
+                           "predicted_ms": 1e3 * sum(cost.predict(s.shape) for s in chosen) / len(chosen)}
+    return kinds
 
 
 if __name__ == "__main__":

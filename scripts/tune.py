@@ -195,8 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     cost = StepCostModel.load(args.profile)
     if args.recalibrate:
         import calibrate
-        base = StepCostModel(cost.meta["in_process_coefficients"], cost.scheduler_s, 0.0, cost.meta)
-        cost = calibrate.serve_check(args.model, base, args.recalibrate, 32, 64, 48)
+        cost = calibrate.serve_check(args.model, cost.in_process(), args.recalibrate)
     started = time.perf_counter()
     print(f"load average {os.getloadavg()[0]:.2f}", flush=True)
     if args.rates is None:  # capacity: everything at once on the default budgets

@@ -72,11 +72,58 @@ def test_decode_run_is_the_sum_of_its_steps():
     assert model.decode_run(seqs, contexts, 0) == 0.0 and model.predict(StepShape()) == 0.0
 
 
+def test_serving_factors_scale_decode_and_prefill_work_apart():
+    """A mixed step's served time is decode_factor x (fixed + decode work) + prefill_factor x prefill work +
+    serving_step_s, the terms written out by hand from the in-process coefficients."""
+    served = StepCostModel(TRUE, decode_factor=1.5, prefill_factor=0.8, serving_step_s=0.003, serving_token_s=4e-5)
+    shape = shape_of([(10, 1, True), (0, 8, False), (8, 4, True), (99, 1, True)])
+    decode = (TRUE["step"] + (TRUE["token"] + TRUE["decode_seq"]) * 2 + TRUE["decode_attention"] * 111
+              + TRUE["sampled"] * 3)
+    prefill = TRUE["token"] * 12 + TRUE["prefill_seq"] * 2 + TRUE["prefill_attention"] * 112
+    assert StepCostModel(TRUE).predict(shape) == pytest.approx(decode + prefill, rel=1e-12)
+    assert served.predict(shape) == pytest.approx(1.5 * decode + 0.8 * prefill + 0.003 + 3 * 4e-5, rel=1e-12)
+    decodes = shape_of([(50, 1, True)] * 4)
+    assert served.decode_run(4, 200, 3) == pytest.approx(
+        sum(served.predict(StepShape(4, 0, 4, 0, 200 + 4 * k, 4)) for k in range(3)), rel=1e-12)
+    assert served.in_process().predict(decodes) == StepCostModel(TRUE).predict(decodes)
+
+
+def test_fit_serving_recovers_the_factors_and_the_spread_of_served_steps():
+    """Served steps made from the in-process model with known corrections: noiseless, the fit returns them; with
+    a log-normal factor of sigma 0.25 on every step, it still finds them closely and measures the sigma."""
+    import math
+
+    truth = StepCostModel(TRUE, decode_factor=1.4, prefill_factor=0.9, serving_step_s=0.002, serving_token_s=5e-5)
+    shapes = random_shapes(400, seed=3)
+    fitted = StepCostModel(TRUE, client_s=0.005).fit_serving(shapes, [truth.predict(s) for s in shapes])
+    assert (fitted.decode_factor, fitted.prefill_factor, fitted.serving_step_s, fitted.serving_token_s) == \
+        pytest.approx((1.4, 0.9, 0.002, 5e-5))
+    assert fitted.jitter == pytest.approx(0.0, abs=1e-9) and fitted.client_s == 0.005
+    assert fitted.coefficients == TRUE and fitted.meta["num_served_steps"] == 400
+
+    rng = random.Random(5)
+    noisy = [truth.predict(s) * math.exp(0.25 * rng.gauss(0, 1) - 0.25 ** 2 / 2) for s in shapes]
+    fitted = StepCostModel(TRUE).fit_serving(shapes, noisy)
+    # the factors and the per-token term may trade (decode sequences all sample); the predictions may not
+    truth_ms, fitted_ms = (sum(m.predict(s) for s in shapes) for m in (truth, fitted))
+    assert fitted_ms == pytest.approx(truth_ms, rel=0.03)
+    assert fitted.prefill_factor == pytest.approx(0.9, rel=0.1) and fitted.jitter == pytest.approx(0.25, rel=0.15)
+    decodes_only = [shape_of([(40, 1, True)] * b) for b in (1, 2, 4, 8, 16)]  # no prefill work: its factor stays 1
+    assert StepCostModel(TRUE).fit_serving(decodes_only, [truth.predict(s) for s in decodes_only]).prefill_factor == 1
+    with pytest.raises(ValueError):
+        StepCostModel(TRUE).fit_serving(shapes[:3], [0.01, 0.0, 0.01])
+
+
 def test_profile_round_trips_through_json(tmp_path):
-    model = StepCostModel(TRUE, scheduler_s=1e-4, client_s=2e-3, meta={"model": "x"})
+    model = StepCostModel(TRUE, scheduler_s=1e-4, client_s=2e-3, meta={"model": "x"}, jitter=0.3,
+                          decode_factor=1.2, prefill_factor=0.9, serving_step_s=4e-3, serving_token_s=1e-5)
     model.save(tmp_path / "p.json")
     loaded = StepCostModel.load(tmp_path / "p.json")
     assert loaded.coefficients == TRUE and loaded.scheduler_s == 1e-4 and loaded.client_s == 2e-3
+    assert (loaded.jitter, loaded.decode_factor, loaded.prefill_factor, loaded.serving_step_s,
+            loaded.serving_token_s) == (0.3, 1.2, 0.9, 4e-3, 1e-5)
     assert loaded.meta == {"model": "x"}
+    shape = shape_of([(3, 1, True), (0, 30, True)])
+    assert loaded.predict(shape) == model.predict(shape)
     with pytest.raises(ValueError):
         StepCostModel({"bogus": 1.0})

@@ -1,0 +1,53 @@
+"""`--step-log`: every served step's shape and duration, as calibrate.py fits the serving corrections from."""
+
+from types import SimpleNamespace
+
+import aiohttp
+import pytest
+
+from scheduler.step_log import StepLog, read_step_log
+from tests.client import post_completion
+from tests.server import ShuttleServer
+
+STEP_DELAY = 0.1
+
+
+def entries(*chunks):
+    return {str(i): SimpleNamespace(start=s, num_new=n, samples=k) for i, (s, n, k) in enumerate(chunks)}
+
+
+def test_a_step_runs_from_its_send_or_the_previous_result_whichever_is_later(tmp_path):
+    """With two plans in flight the second waits for the first: its time starts when the first's result is back."""
+    log = StepLog(tmp_path / "steps.jsonl")
+    log.record(entries((0, 12, True)), sent_at=10.0, result_at=10.5)
+    log.record(entries((12, 1, True), (0, 5, False)), sent_at=10.1, result_at=10.8)  # queued behind the first
+    log.record(entries((13, 1, True)), sent_at=11.0, result_at=11.25)  # the worker was idle: from its send
+    log.close()
+    steps = read_step_log(tmp_path / "steps.jsonl")
+    assert [round(s.seconds, 9) for s in steps] == [0.5, 0.3, 0.25]
+    assert [(s.num_tokens, s.num_prefill_seqs, s.num_decode_seqs, s.num_sampled) for s in steps] == [
+        (12, 1, 0, 1), (6, 1, 1, 1), (1, 0, 1, 1)]
+    assert steps[1].shape.prefill_attention == 25 and steps[1].shape.decode_attention == 13
+
+
+@pytest.fixture(scope="module")
+def logging_server(tmp_path_factory):
+    path = tmp_path_factory.mktemp("steps") / "steps.jsonl"
+    srv = ShuttleServer("--step-log", str(path), "--debug-step-delay", str(STEP_DELAY))
+    yield srv, path
+    srv.stop()
+
+
+async def test_the_server_logs_each_step_it_runs(logging_server):
+    srv, path = logging_server
+    async with aiohttp.ClientSession() as session:
+        status, body = await post_completion(session, srv.url, prompt="Once upon a time", max_tokens=4,
+                                             temperature=0, ignore_eos=True, return_token_ids=True)
+    assert status == 200, body
+    prompt_len = len(body["choices"][0]["prompt_token_ids"])
+    steps = read_step_log(path)
+    # one prefill step that samples the first token, then one decode step per further token
+    assert [(s.num_tokens, s.num_prefill_seqs, s.num_decode_seqs, s.num_sampled) for s in steps] == [
+        (prompt_len, 1, 0, 1)] + [(1, 0, 1, 1)] * 3
+    assert [s.decode_attention for s in steps[1:]] == [prompt_len + 1, prompt_len + 2, prompt_len + 3]
+    assert all(STEP_DELAY <= s.seconds < 5 for s in steps)  # the worker's time is in it (--debug-step-delay)
