@@ -6,6 +6,9 @@ in flight, step N+1 is planned as soon as step N was sent, the worker runs plans
 was sent and the previous one ended), and the scheduler settles a step when its result is back, taking in the
 requests that arrived meanwhile first. Each step's duration is StepCostModel.predict of its shape; the scheduler's
 own time per step (plan + settle) is added to the scheduler's clock, and client_s to every token a client sees.
+The frontend is one queue: requests reach the scheduler through it one at a time, ingress_s each (HTTP,
+tokenization, submit; of requests sent together the first is planned alone, as a real server does), and each
+step's tokens leave through it, egress_s per token (detokenize, stream), so a busy frontend delays both.
 Sampled tokens are fabricated (never an end-of-sequence id: outputs have their workload length, as with
 bench_serve.py's ignore_eos), so everything else (chunked prefill, KV blocks, prefix cache, preemption,
 admission, SLO refusals) is the real code's behaviour.
@@ -183,18 +186,25 @@ class Simulator:
         samples: list[Sample] = []
         pool = scheduler.kv.pool
 
-        def next_arrival() -> float:
-            if not pending or slots == deque():
-                return math.inf
+        frontend_free = -math.inf  # the frontend takes requests in one at a time (cost.ingress_s each)
+
+        def sent_at() -> float:  # when the client sends the next request
             return max(workload[pending[0]].arrival, slots[0] if slots else 0.0)
 
+        def next_arrival() -> float:  # when it reaches the scheduler
+            if not pending or slots == deque():
+                return math.inf
+            return max(sent_at(), frontend_free) + cost.ingress_s
+
         def send_until(t: float) -> None:
+            nonlocal frontend_free
             while pending and (arrival := next_arrival()) <= t:
+                records[pending[0]].arrival = sent_at()
                 index = pending.popleft()
                 if slots:
                     slots.popleft()
                 request = workload[index]
-                records[index].arrival = arrival
+                frontend_free = arrival
                 self.now = max(self.now, arrival)  # the loop takes a Submit in as it comes, even mid-wait
                 scheduler.add_request(CLIENT, Submit(
                     str(index), request.prompt_token_ids, SamplingParams(max_tokens=request.output_len,
@@ -203,8 +213,11 @@ class Simulator:
                 deliver(arrival)  # a refusal comes back at once
 
         def deliver(t: float) -> None:
+            nonlocal frontend_free
             for output in scheduler.take_outputs().get(CLIENT, []):
                 record = records[int(output.request_id)]
+                if cost.egress_s:  # the frontend streams them after what it is busy with
+                    frontend_free = t = max(frontend_free, t) + cost.egress_s * len(output.new_token_ids)
                 if output.new_token_ids:
                     record.token_times.extend([t + cost.client_s] * len(output.new_token_ids))
                 if output.finish_reason is not None:

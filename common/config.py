@@ -334,6 +334,12 @@ class ShuttleConfig:
                 StepCostModel.load(args.step_cost_profile)
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 raise ModelDirError(f"--step-cost-profile {args.step_cost_profile}: {exc}") from None
+        if args.step_log:  # likewise: the scheduler opens it for appending
+            try:
+                with open(args.step_log, "a"):
+                    pass
+            except OSError as exc:
+                raise ModelDirError(f"--step-log {args.step_log}: {exc.strerror or exc}") from None
         return ShuttleConfig(
             model=model,
             ipc=ipc,

@@ -94,7 +94,10 @@ class StepCostModel:
         scheduler_s: scheduler CPU seconds per step (plan + settle + encode), spent while the worker runs the
             step before (hidden with two steps in flight unless it exceeds the step).
         client_s: seconds a token spends between the worker and the client (IPC, detokenize, HTTP), added to
-            each token time; TTFT also pays the request's way in (tokenize, submit), which is in it too.
+            each token time; TTFT also pays what the request's way in costs beyond ingress_s.
+        ingress_s: frontend seconds per arriving request (HTTP, tokenization, submit), one request at a time:
+            requests sent together reach the scheduler ingress_s apart.
+        egress_s: frontend seconds per output token (detokenize, stream), in the same queue as the ingress.
         jitter: sigma of the log-normal factor (mean 1) by which the simulator scales each step: a shared
             machine's steps spread around their prediction (served stories260K steps at 0.9x capacity: measured /
             predicted 0.6 at p10, 1.2 at p90, 1.6-2.0 at p99, alike for decode and prefill steps of every size);
@@ -117,6 +120,8 @@ class StepCostModel:
     prefill_factor: float = 1.0
     serving_step_s: float = 0.0
     serving_token_s: float = 0.0
+    ingress_s: float = 0.0
+    egress_s: float = 0.0
 
     def __post_init__(self):
         unknown = set(self.coefficients) - set(FEATURES)
@@ -179,7 +184,7 @@ class StepCostModel:
             fp = 1.0
         fitted = dataclasses.replace(base, decode_factor=float(fd), prefill_factor=float(fp),
                                      serving_step_s=float(per_step), serving_token_s=float(per_token),
-                                     client_s=self.client_s)
+                                     client_s=self.client_s, ingress_s=self.ingress_s, egress_s=self.egress_s)
         predicted = np.asarray([fitted.predict(s) for s in shapes])
         log_ratio = np.log(y / np.maximum(predicted, 1e-9))
         q16, q84 = np.percentile(log_ratio, [16, 84])
@@ -208,7 +213,8 @@ class StepCostModel:
     def to_json(self) -> dict:
         return {"coefficients": dict(self.coefficients), "scheduler_s": self.scheduler_s, "client_s": self.client_s,
                 "jitter": self.jitter, "decode_factor": self.decode_factor, "prefill_factor": self.prefill_factor,
-                "serving_step_s": self.serving_step_s, "serving_token_s": self.serving_token_s, "meta": self.meta}
+                "serving_step_s": self.serving_step_s, "serving_token_s": self.serving_token_s,
+                "ingress_s": self.ingress_s, "egress_s": self.egress_s, "meta": self.meta}
 
     def save(self, path: str | Path) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -219,7 +225,8 @@ class StepCostModel:
         """Read a profile written by `save()`. Raises OSError, ValueError (bad JSON or unknown features)."""
         data = json.loads(Path(path).read_text())
         floats = {name: float(data[name]) for name in ("scheduler_s", "client_s", "jitter", "decode_factor",
-                                                        "prefill_factor", "serving_step_s", "serving_token_s")
+                                                        "prefill_factor", "serving_step_s", "serving_token_s",
+                                                        "ingress_s", "egress_s")
                   if name in data}
         return StepCostModel(dict(data["coefficients"]), meta=dict(data.get("meta", {})), **floats)
 

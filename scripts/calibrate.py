@@ -43,8 +43,11 @@ def serve_check(model_dir: str, model: StepCostModel, concurrencies: list[int], 
 
     The server logs every step it runs with its served duration (`--step-log`, scheduler/step_log.py), and
     StepCostModel.fit_serving fits decode_factor, prefill_factor and serving_step_s to those steps, and the jitter
-    to what they leave unexplained. What the steps cannot show, the latency between the worker and the client
-    (client_s), is what the low-concurrency run's median TTFT has beyond the simulated one. Each run has 4
+    to what they leave unexplained. What the steps cannot show: the frontend's time per arriving request
+    (ingress_s: its CPU seconds per request in the prefill-heavy run, /proc/PID/stat) and per streamed token
+    (egress_s: the rest of its CPU seconds in the token-heavy high run, per output token), and the latency
+    between the worker and the client (client_s), what the low-concurrency run's median TTFT has beyond the
+    simulated one. Each run has 4
     requests per stream, so that its medians are the steady state's, not the first burst's. Returns the
     corrected model; meta["serve_check"] holds each run, measured and simulated."""
     from tests.server import ShuttleServer
@@ -63,12 +66,15 @@ def serve_check(model_dir: str, model: StepCostModel, concurrencies: list[int], 
     log_path = Path("bench_results/calibrate_steps.jsonl")  # kept: the served steps the fit saw
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log_path.unlink(missing_ok=True)
+    frontend_cpu_s: dict[str, float] = {}
     server = ShuttleServer("--step-log", str(log_path), model_dir=Path(model_dir), start_timeout=600)
     try:
         seen = 0
         for name, argv in workloads.items():
             out = Path(f"bench_results/calibrate_serve_{name}.json")
+            before = _cpu_seconds(server.pids["frontend"])
             bench_serve.main(["--url", server.url, *argv, "--result-json", str(out), "--no-progress"])
+            frontend_cpu_s[name] = _cpu_seconds(server.pids["frontend"]) - before
             measured[name] = json.loads(out.read_text())
             logged = read_step_log(log_path)
             steps[name], seen = logged[seen:], len(logged)
@@ -82,6 +88,13 @@ def serve_check(model_dir: str, model: StepCostModel, concurrencies: list[int], 
 
     served = [step for run in steps.values() for step in run]
     corrected = model.in_process().fit_serving([s.shape for s in served], [s.seconds for s in served])
+    # the prefill-heavy run streams 2 tokens per request: its frontend time is the requests' way in; what the
+    # token-heavy high run spends beyond its requests' way in is streaming
+    corrected.ingress_s = frontend_cpu_s["prefill"] / max(measured["prefill"]["completed"], 1)
+    high = measured["high"]
+    corrected.egress_s = max(0.0, frontend_cpu_s["high"] - corrected.ingress_s * high["completed"]) / max(
+        high["total_output_tokens"], 1)
+    corrected.meta["frontend_cpu_s"] = frontend_cpu_s
     no_jitter = dataclasses.replace(corrected, jitter=0.0)
     corrected.client_s = max(0.0, (measured["low"]["ttft_ms"]["median"]
                                    - simulated(no_jitter, "low")["ttft_ms"]["median"]) / 1000)
@@ -104,9 +117,17 @@ def serve_check(model_dir: str, model: StepCostModel, concurrencies: list[int], 
     print(f"serving: decode work {corrected.decode_factor:.2f}x its in-process time + "
           f"{corrected.serving_step_s * 1e3:.2f} ms per step + {corrected.serving_token_s * 1e6:.1f} us per sampled "
           f"token, prefill work {corrected.prefill_factor:.2f}x (relative "
-          f"RMS error {corrected.meta['serving_rel_rmse']:.3f} over {len(served)} steps); client latency "
+          f"RMS error {corrected.meta['serving_rel_rmse']:.3f} over {len(served)} steps); frontend "
+          f"{corrected.ingress_s * 1e3:.2f} ms per request on its way in, {corrected.egress_s * 1e6:.1f} us per token "
+          f"out; client latency "
           f"{corrected.client_s * 1e3:.2f} ms; step jitter sigma {corrected.jitter:.2f}")
     return corrected
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds a process has used (/proc/PID/stat fields 14 and 15)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _sim_parser() -> argparse.ArgumentParser:

@@ -10,8 +10,9 @@ profile predicts for the same shapes, which tells a wrong step model from what h
 runs.
 
 On a machine whose other tenants come and go, the speed of the same server changes from one minute to the next;
---recalibrate first redoes calibrate.py's real-server stage (three short runs of its own workload, not this one)
-on top of the profile's in-process fit, so that calibration and measurement share one window.
+--recalibrate redoes calibrate.py's real-server stage (three short runs of its own workload, not this one) on top
+of the profile's in-process fit before each real run, and predicts that run with it, so that each calibration and
+its measurement share one window.
 
     .venv/bin/python scripts/check_simulator.py --model ../shared/models/stories260K \\
         --profile profiles/stories260K.json --num-prompts 1500 --rate-fraction 0.9 --repeats 3
@@ -49,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", required=True)
     parser.add_argument("--json", type=Path, default=Path("bench_results/check_simulator.json"))
     parser.add_argument("--recalibrate", type=int, nargs=2, default=None, metavar=("LOW", "HIGH"),
-                        help="redo the real-server calibration stage at these two concurrencies first")
+                        help="redo the real-server calibration stage at these two concurrencies before each "
+                             "real run")
     parser.add_argument("--repeats", type=int, default=1,
                         help="real runs, each on a fresh server; the measured value is their median (the p99 of a "
                              "short run is a few requests, and this machine's speed drifts between runs)")
@@ -58,59 +60,77 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate-fraction", type=float, default=None,
                         help="instead of --request-rate: this share of the capacity the simulator predicts")
     args = parser.parse_args(argv)
-    cost = StepCostModel.load(args.profile)
-    if args.recalibrate:
-        import calibrate
-        cost = calibrate.serve_check(args.model, cost.in_process(), args.recalibrate)
-    if args.rate_fraction:  # near saturation, wherever saturation is on this machine now
-        saturated = simulate.build_simulator(args, cost).run(simulate.build_workload(args, cost, float("inf")))
-        args.request_rate = round(args.rate_fraction * saturated.summary()["request_throughput"], 2)
-        print(f"predicted capacity {saturated.summary()['request_throughput']:.2f} req/s; rate {args.request_rate}")
-    workload = simulate.build_workload(args, cost)
-    simulated = [simulate.build_simulator(args, cost, seed=seed).run(workload).summary()
-                 for seed in range(args.sim_repeats)]
+    profile = StepCostModel.load(args.profile)
     serve_flags = ["--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens",
                    str(args.max_num_batched_tokens), "--block-size", str(args.block_size),
                    "--kv-cache-memory", str(args.kv_cache_memory)]
-    bench_argv = ["--num-prompts", str(args.num_prompts), "--request-rate", str(args.request_rate),
-                  "--input-len", str(args.input_len), "--output-len", str(args.output_len),
-                  "--range-ratio", str(args.range_ratio), "--seed", str(args.seed), "--no-progress"]
-    if args.max_concurrency:
-        bench_argv += ["--max-concurrency", str(args.max_concurrency)]
     load_before = os.getloadavg()
-    runs = [measure(args, serve_flags, bench_argv, args.json.with_suffix(f".bench{i}.json"))
-            for i in range(args.repeats)]
+    predictions, runs = [], []
+    for i in range(args.repeats):
+        if args.recalibrate:  # each real run right after its own serving-stage calibration
+            import calibrate
+            cost = calibrate.serve_check(args.model, profile.in_process(), args.recalibrate)
+        else:
+            cost = profile
+        if args.recalibrate or not predictions:
+            predictions.append(predict(args, cost))
+        else:
+            predictions.append(predictions[-1])
+        simulated, rate = predictions[-1]
+        bench_argv = ["--num-prompts", str(args.num_prompts), "--request-rate", str(rate),
+                      "--input-len", str(args.input_len), "--output-len", str(args.output_len),
+                      "--range-ratio", str(args.range_ratio), "--seed", str(args.seed), "--no-progress"]
+        if args.max_concurrency:
+            bench_argv += ["--max-concurrency", str(args.max_concurrency)]
+        runs.append(measure(args, serve_flags, bench_argv, args.json.with_suffix(f".bench{i}.json")))
     load_after = os.getloadavg()
     rows, ok = [], True
     print(f"{'':<10}{'predicted ms':>14}{'measured ms':>14}{'error':>10}  within 15% or 20 ms"
-          + ("  (measured: median of the runs " + ", ".join(f"#{i + 1}" for i in range(len(runs))) + ")"
-             if len(runs) > 1 else ""))
+          + ("  (medians of the runs; each run #: predicted / measured)" if len(runs) > 1 else ""))
     for metric in ("ttft", "itl"):
         for stat in ("median", "p99"):
             each = [measured[f"{metric}_ms"][stat] for measured, _ in runs]
-            p = statistics.median(summary[f"{metric}_ms"][stat] for summary in simulated)
-            m = statistics.median(each)
+            each_predicted = [statistics.median(summary[f"{metric}_ms"][stat] for summary in simulated)
+                              for simulated, _ in predictions]
+            p, m = statistics.median(each_predicted), statistics.median(each)
             within = abs(p - m) <= max(TOLERANCE * m, FLOOR_MS)
             ok &= within
             rows.append({"metric": f"{metric} {stat}", "predicted_ms": p, "measured_ms": m, "runs_ms": each,
-                         "within": within})
+                         "runs_predicted_ms": each_predicted, "within": within})
             name = f"{metric.upper()} {'p50' if stat == 'median' else stat}"
             print(f"{name:<10}{p:>14.1f}{m:>14.1f}{100 * (p - m) / m if m else 0:>9.1f}%  {'yes' if within else 'NO'}"
-                  + ("   " + " ".join(f"{x:.1f}" for x in each) if len(runs) > 1 else ""))
+                  + ("   " + ", ".join(f"{a:.1f} / {b:.1f}" for a, b in zip(each_predicted, each))
+                     if len(runs) > 1 else ""))
     steps = served_steps([step for _, served in runs for step in served], cost)
     for kind, row in steps.items():
         print(f"served {kind} steps: {row['count']}, mean {row['measured_ms']:.2f} ms, the profile predicts "
               f"{row['predicted_ms']:.2f} ms for the same shapes")
     throughput = statistics.median(measured["request_throughput"] for measured, _ in runs)
-    predicted = statistics.median(summary["request_throughput"] for summary in simulated)
+    predicted = statistics.median(summary["request_throughput"] for simulated, _ in predictions
+                                  for summary in simulated)
     print(f"throughput req/s: predicted {predicted:.2f}, measured {throughput:.2f}; "
           f"load average {load_before[0]:.2f} before, {load_after[0]:.2f} after")
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"rows": rows, "predicted": simulated, "measured": [m for m, _ in runs],
+    args.json.write_text(json.dumps({"rows": rows, "predicted": [{"request_rate": rate, "simulations": simulated}
+                                                                for simulated, rate in predictions],
+                                     "measured": [m for m, _ in runs],
                                      "served_steps": steps,
                                      "load_average": [load_before[0], load_after[0]],
                                      "config": {k: str(v) for k, v in vars(args).items()}}, indent=2))
     return 0 if ok else 1
+
+
+def predict(args, cost: StepCostModel) -> tuple[list[dict], float]:
+    """The workload simulated with --sim-repeats jitter seeds, at --request-rate or --rate-fraction of the
+    capacity the simulator predicts with this cost model: (summaries, request rate)."""
+    rate = args.request_rate
+    if args.rate_fraction:  # near saturation, wherever saturation is on this machine now
+        saturated = simulate.build_simulator(args, cost).run(simulate.build_workload(args, cost, float("inf")))
+        rate = round(args.rate_fraction * saturated.summary()["request_throughput"], 2)
+        print(f"predicted capacity {saturated.summary()['request_throughput']:.2f} req/s; rate {rate}")
+    workload = simulate.build_workload(args, cost, rate)
+    return [simulate.build_simulator(args, cost, seed=seed).run(workload).summary()
+            for seed in range(args.sim_repeats)], rate
 
 
 def measure(args, serve_flags: list[str], bench_argv: list[str], out: Path) -> tuple[dict, list]:

@@ -14,7 +14,8 @@ NON_DEFAULTS = {
     "max_num_seqs": ("7", 7), "max_num_batched_tokens": ("300", 300), "max_waiting_requests": ("9", 9),
     "scheduling_policy": ("priority", "priority"), "priority_aging_seconds": ("2.5", 2.5),
     "request_timeout": ("4", 4.0), "max_seqs_per_request": ("3", 3), "long_prefill_token_threshold": ("64", 64),
-    "ttft_slo_ms": ("250", 250.0), "step_cost_profile": ("", ""), "attention_backend": ("reference", "reference"),
+    "ttft_slo_ms": ("250", 250.0), "step_cost_profile": ("", ""), "step_log": ("/dev/null", "/dev/null"),
+    "attention_backend": ("reference", "reference"),
     "worker_threads": ("1", 1), "step_timeout": ("5", 5.0), "heartbeat_timeout": ("6", 6.0),
     "max_restarts": ("2", 2), "shutdown_timeout": ("3", 3.0), "keep_alive_timeout": ("1", 1.0),
     "header_timeout": ("2", 2.0), "body_timeout": ("3", 3.0),
@@ -53,3 +54,11 @@ def test_bad_values_are_usage_errors(flag, value, capsys):
     with pytest.raises(SystemExit) as exc:
         build_parser().parse_args(["serve", flag, value])
     assert exc.value.code == 2 and flag in capsys.readouterr().err
+
+
+def test_an_unwritable_step_log_is_refused_before_any_process_starts(tmp_path):
+    from common.errors import ModelDirError
+
+    args = build_parser().parse_args(["serve", str(MODEL_DIR), "--step-log", str(tmp_path / "missing" / "steps.jsonl")])
+    with pytest.raises(ModelDirError, match="--step-log .*missing/steps.jsonl: No such file or directory"):
+        ShuttleConfig.from_args(args, IpcConfig.in_directory("/x"))

@@ -52,6 +52,28 @@ def test_client_latency_is_added_to_every_token():
     assert record.token_times == pytest.approx([0.013, 0.023])
 
 
+def test_requests_sent_together_reach_the_scheduler_one_ingress_apart():
+    """With 1 ms of frontend time per request, of three requests sent at 0 the first reaches the scheduler at 1 ms
+    and is planned alone (1-11 ms), its decode is planned right after (11-21 ms); the other two (in at 2 and 3 ms)
+    are prefilled together in the step after (21-31 ms). Without ingress time all three share the first step."""
+    together = [request(0.0, 4, 2) for _ in range(3)]
+    records = sim(StepCostModel({"step": 0.010}, ingress_s=0.001)).run(together).records
+    assert [r.token_times for r in records] == [pytest.approx([0.011, 0.021])] + [pytest.approx([0.031, 0.041])] * 2
+    assert [r.arrival for r in records] == [0.0] * 3  # TTFT counts from when the client sent it
+    assert [r.token_times for r in sim().run(together).records] == [pytest.approx([0.010, 0.020])] * 3
+
+
+def test_the_frontend_streams_tokens_and_takes_requests_in_through_one_queue():
+    """2 ms of frontend time per token out: of two first tokens from the step ending at 10 ms one leaves at 12, the
+    other at 14; a request sent at 11 ms waits for that and reaches the scheduler at 14 (prefill 14-24 ms, out at
+    26 ms)."""
+    cost = StepCostModel({"step": 0.010}, egress_s=0.002)
+    a, b, c = sim(cost).run([request(0.0, 4, 1), request(0.0, 4, 1), request(0.011, 4, 1)]).records
+    assert (a.token_times, b.token_times, c.token_times) == (
+        pytest.approx([0.012]), pytest.approx([0.014]), pytest.approx([0.026]))
+    assert c.ttft == pytest.approx(0.015)
+
+
 def test_chunked_prefill_under_the_token_budget():
     """A 10-token prompt under a budget of 4 tokens needs 3 steps: first token at 30 ms."""
     [record] = sim(max_num_batched_tokens=4).run([request(0.0, 10, 1)]).records

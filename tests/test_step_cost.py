@@ -116,12 +116,13 @@ def test_fit_serving_recovers_the_factors_and_the_spread_of_served_steps():
 
 def test_profile_round_trips_through_json(tmp_path):
     model = StepCostModel(TRUE, scheduler_s=1e-4, client_s=2e-3, meta={"model": "x"}, jitter=0.3,
-                          decode_factor=1.2, prefill_factor=0.9, serving_step_s=4e-3, serving_token_s=1e-5)
+                          decode_factor=1.2, prefill_factor=0.9, serving_step_s=4e-3, serving_token_s=1e-5,
+                          ingress_s=7e-4, egress_s=5e-5)
     model.save(tmp_path / "p.json")
     loaded = StepCostModel.load(tmp_path / "p.json")
     assert loaded.coefficients == TRUE and loaded.scheduler_s == 1e-4 and loaded.client_s == 2e-3
     assert (loaded.jitter, loaded.decode_factor, loaded.prefill_factor, loaded.serving_step_s,
-            loaded.serving_token_s) == (0.3, 1.2, 0.9, 4e-3, 1e-5)
+            loaded.serving_token_s, loaded.ingress_s, loaded.egress_s) == (0.3, 1.2, 0.9, 4e-3, 1e-5, 7e-4, 5e-5)
     assert loaded.meta == {"model": "x"}
     shape = shape_of([(3, 1, True), (0, 30, True)])
     assert loaded.predict(shape) == model.predict(shape)
