@@ -186,7 +186,7 @@ class Simulator:
         samples: list[Sample] = []
         pool = scheduler.kv.pool
 
-        frontend_free = -math.inf  # the frontend takes requests in one at a time (cost.ingress_s each)
+        frontend_free = -math.inf  # when the frontend is done with what it has: ingress and egress queue here
 
         def sent_at() -> float:  # when the client sends the next request
             return max(workload[pending[0]].arrival, slots[0] if slots else 0.0)

@@ -6,9 +6,10 @@ see capacity/calibrate.py) and fits the cost model. Then (unless --no-serve) it 
 `--step-log` and runs three short bench_serve.py loads (closed loop: short prompts at the two --serve-concurrency
 values, and long prompts with two output tokens at the low one), and fits to the steps the server logged what a
 process-local measurement cannot see: how much slower decode work and prefill work run when the frontend and the
-clients share the machine's cores (decode_factor + serving_step_s, prefill_factor) and how much served steps
-spread (jitter); the latency a token spends between the worker and the client (client_s) comes from the first
-run's median TTFT. It prints each measurement, the fit and each run measured next to simulated, and writes:
+clients share the machine's cores (decode_factor, prefill_factor, serving_step_s, serving_token_s) and how much
+served steps spread (jitter); from the frontend's CPU time, what it spends per request on its way in and per token
+on its way out (ingress_s, egress_s); and the latency left between the worker and the client (client_s) from the
+first run's median TTFT. It prints each measurement, the fit and each run measured next to simulated, and writes:
 
     .venv/bin/python scripts/calibrate.py --model ../shared/models/stories260K --out profiles/stories260K.json
     .venv/bin/python scripts/calibrate.py --model /tmp/shuttle-models/llama-110m --out profiles/llama-110m.json
@@ -47,9 +48,8 @@ def serve_check(model_dir: str, model: StepCostModel, concurrencies: list[int], 
     (ingress_s: its CPU seconds per request in the prefill-heavy run, /proc/PID/stat) and per streamed token
     (egress_s: the rest of its CPU seconds in the token-heavy high run, per output token), and the latency
     between the worker and the client (client_s), what the low-concurrency run's median TTFT has beyond the
-    simulated one. Each run has 4
-    requests per stream, so that its medians are the steady state's, not the first burst's. Returns the
-    corrected model; meta["serve_check"] holds each run, measured and simulated."""
+    simulated one. Each run has 4 requests per stream, so that its medians are the steady state's, not the first
+    burst's. Returns the corrected model; meta["serve_check"] holds each run, measured and simulated."""
     from tests.server import ShuttleServer
 
     low_c, high_c = concurrencies
