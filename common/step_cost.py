@@ -128,12 +128,14 @@ class StepCostModel:
         if unknown:
             raise ValueError(f"unknown cost model features {sorted(unknown)}; known: {FEATURES}")
         c = {name: float(self.coefficients.get(name, 0.0)) for name in FEATURES}
-        fd, fp = self.decode_factor, self.prefill_factor
-        # the formula of the module docstring folded into one weight per feature: num_tokens counts prompt tokens
-        # and decode tokens alike, so a decode sequence's c_token moves from the prefill to the decode factor
-        self._weights = (fd * c["step"] + self.serving_step_s, fp * c["token"], fp * c["prefill_seq"],
-                         fd * (c["decode_seq"] + c["token"]) - fp * c["token"], fp * c["prefill_attention"],
-                         fd * c["decode_attention"], fd * c["sampled"] + self.serving_token_s)
+        # The split of the module docstring, one in-process weight per feature for each part: num_tokens counts
+        # prompt tokens and decode tokens alike, so a decode sequence's c_token moves to the decode part.
+        self._decode_weights = (c["step"], 0.0, 0.0, c["decode_seq"] + c["token"], 0.0, c["decode_attention"],
+                                c["sampled"])
+        self._prefill_weights = (0.0, c["token"], c["prefill_seq"], -c["token"], c["prefill_attention"], 0.0, 0.0)
+        serving = (self.serving_step_s, 0.0, 0.0, 0.0, 0.0, 0.0, self.serving_token_s)
+        self._weights = tuple(self.decode_factor * d + self.prefill_factor * p + s
+                              for d, p, s in zip(self._decode_weights, self._prefill_weights, serving))
 
     def in_process(self) -> "StepCostModel":
         """The worker alone: the same coefficients and scheduler time, without the serving corrections, the
@@ -142,13 +144,9 @@ class StepCostModel:
 
     def parts(self, shape: StepShape) -> tuple[float, float]:
         """In-process seconds of a step split as the serving factors see it: (fixed + decode work, prefill work)."""
-        c = self.coefficients.get
-        prefill_tokens = shape.num_tokens - shape.num_decode_seqs
-        prefill = (c("token", 0.0) * prefill_tokens + c("prefill_seq", 0.0) * shape.num_prefill_seqs
-                   + c("prefill_attention", 0.0) * shape.prefill_attention)
-        decode = (c("step", 0.0) + (c("token", 0.0) + c("decode_seq", 0.0)) * shape.num_decode_seqs
-                  + c("decode_attention", 0.0) * shape.decode_attention + c("sampled", 0.0) * shape.num_sampled)
-        return decode, prefill
+        x = shape.features()
+        return (sum(w * v for w, v in zip(self._decode_weights, x)),
+                sum(w * v for w, v in zip(self._prefill_weights, x)))
 
     def fit_serving(self, shapes: Sequence[StepShape], seconds: Sequence[float]) -> "StepCostModel":
         """This model with its serving corrections fitted to served steps (scheduler/step_log.py).

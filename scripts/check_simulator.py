@@ -72,11 +72,8 @@ def main(argv: list[str] | None = None) -> int:
             cost = calibrate.serve_check(args.model, profile.in_process(), args.recalibrate)
         else:
             cost = profile
-        if args.recalibrate or not predictions:
-            predictions.append(predict(args, cost))
-        else:
-            predictions.append(predictions[-1])
-        simulated, rate = predictions[-1]
+        predictions.append(predict(args, cost) if args.recalibrate or not predictions else predictions[-1])
+        simulated, rate, _ = predictions[-1]
         bench_argv = ["--num-prompts", str(args.num_prompts), "--request-rate", str(rate),
                       "--input-len", str(args.input_len), "--output-len", str(args.output_len),
                       "--range-ratio", str(args.range_ratio), "--seed", str(args.seed), "--no-progress"]
@@ -91,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         for stat in ("median", "p99"):
             each = [measured[f"{metric}_ms"][stat] for measured, _ in runs]
             each_predicted = [statistics.median(summary[f"{metric}_ms"][stat] for summary in simulated)
-                              for simulated, _ in predictions]
+                              for simulated, _, _ in predictions]
             p, m = statistics.median(each_predicted), statistics.median(each)
             within = abs(p - m) <= max(TOLERANCE * m, FLOOR_MS)
             ok &= within
@@ -101,18 +98,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name:<10}{p:>14.1f}{m:>14.1f}{100 * (p - m) / m if m else 0:>9.1f}%  {'yes' if within else 'NO'}"
                   + ("   " + ", ".join(f"{a:.1f} / {b:.1f}" for a, b in zip(each_predicted, each))
                      if len(runs) > 1 else ""))
-    steps = served_steps([step for _, served in runs for step in served], cost)
+    steps = served_steps([(step, cost) for (_, served), (_, _, cost) in zip(runs, predictions) for step in served])
     for kind, row in steps.items():
         print(f"served {kind} steps: {row['count']}, mean {row['measured_ms']:.2f} ms, the profile predicts "
               f"{row['predicted_ms']:.2f} ms for the same shapes")
     throughput = statistics.median(measured["request_throughput"] for measured, _ in runs)
-    predicted = statistics.median(summary["request_throughput"] for simulated, _ in predictions
+    predicted = statistics.median(summary["request_throughput"] for simulated, _, _ in predictions
                                   for summary in simulated)
     print(f"throughput req/s: predicted {predicted:.2f}, measured {throughput:.2f}; "
           f"load average {load_before[0]:.2f} before, {load_after[0]:.2f} after")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"rows": rows, "predicted": [{"request_rate": rate, "simulations": simulated}
-                                                                for simulated, rate in predictions],
+                                                                for simulated, rate, _ in predictions],
                                      "measured": [m for m, _ in runs],
                                      "served_steps": steps,
                                      "load_average": [load_before[0], load_after[0]],
@@ -120,9 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if ok else 1
 
 
-def predict(args, cost: StepCostModel) -> tuple[list[dict], float]:
+def predict(args, cost: StepCostModel) -> tuple[list[dict], float, StepCostModel]:
     """The workload simulated with --sim-repeats jitter seeds, at --request-rate or --rate-fraction of the
-    capacity the simulator predicts with this cost model: (summaries, request rate)."""
+    capacity the simulator predicts with this cost model: (summaries, request rate, the cost model)."""
     rate = args.request_rate
     if args.rate_fraction:  # near saturation, wherever saturation is on this machine now
         saturated = simulate.build_simulator(args, cost).run(simulate.build_workload(args, cost, float("inf")))
@@ -130,7 +127,7 @@ def predict(args, cost: StepCostModel) -> tuple[list[dict], float]:
         print(f"predicted capacity {saturated.summary()['request_throughput']:.2f} req/s; rate {rate}")
     workload = simulate.build_workload(args, cost, rate)
     return [simulate.build_simulator(args, cost, seed=seed).run(workload).summary()
-            for seed in range(args.sim_repeats)], rate
+            for seed in range(args.sim_repeats)], rate, cost
 
 
 def measure(args, serve_flags: list[str], bench_argv: list[str], out: Path) -> tuple[dict, list]:
@@ -149,15 +146,16 @@ def measure(args, serve_flags: list[str], bench_argv: list[str], out: Path) -> t
         return json.loads(out.read_text()), read_step_log(log_path)
 
 
-def served_steps(served: list, cost: StepCostModel) -> dict[str, dict]:
-    """The real server's steps (its --step-log) against the profile's prediction for the same shapes, decode-only
-    steps and steps with prefill work apart: tells a wrong step model from what happens around the steps."""
+def served_steps(served: list[tuple]) -> dict[str, dict]:
+    """The real servers' steps (their --step-log), each against the prediction of the cost model its run was
+    predicted with, decode-only steps and steps with prefill work apart: tells a wrong step model from what happens
+    around the steps. served: (ServedStep, StepCostModel) pairs."""
     kinds: dict[str, dict] = {}
-    for kind, chosen in (("decode-only", [s for s in served if s.num_prefill_seqs == 0]),
-                         ("prefill", [s for s in served if s.num_prefill_seqs > 0])):
+    for kind, chosen in (("decode-only", [(s, c) for s, c in served if s.num_prefill_seqs == 0]),
+                         ("prefill", [(s, c) for s, c in served if s.num_prefill_seqs > 0])):
         if chosen:
-            kinds[kind] = {"count": len(chosen), "measured_ms": 1e3 * sum(s.seconds for s in chosen) / len(chosen),
-                           "predicted_ms": 1e3 * sum(cost.predict(s.shape) for s in chosen) / len(chosen)}
+            kinds[kind] = {"count": len(chosen), "measured_ms": 1e3 * sum(s.seconds for s, _ in chosen) / len(chosen),
+                           "predicted_ms": 1e3 * sum(c.predict(s.shape) for s, c in chosen) / len(chosen)}
     return kinds
 
 
