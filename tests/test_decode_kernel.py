@@ -56,3 +56,26 @@ def test_kernel_handles_multi_query_and_wider_values():
     got = paged_decode(query, key_cache, value_cache, table, seq_lens, 0.5, None, None, None)
     torch.testing.assert_close(got, _reference(query, key_cache, value_cache, table, seq_lens, features),
                                atol=2e-5, rtol=1e-5)
+
+
+def test_warm_up_keeps_torch_threads():
+    """With OMP_NUM_THREADS=1, numba's OpenMP pool, started by the kernel's first launch, raised torch's intra-op
+    threads to numba's count (the cores): the worker ran two torch threads, the second spinning beside the frontend,
+    though README's advice was followed. Run in a fresh interpreter: the pool starts once per process."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import torch; torch.set_num_threads(1)\n"
+            "from worker import decode_kernel\n"
+            "torch.ones(64, 64) @ torch.ones(64, 64)\n"  # torch's pool running first, as after loading a model
+            "decode_kernel.warm_up(torch.get_num_threads())\n"
+            "after_warm_up = torch.get_num_threads()\n"
+            "decode_kernel.warm_up(torch.get_num_threads())\n"
+            "print(after_warm_up, torch.get_num_threads())\n")
+    # as README advises on a shared machine; numba's pool as large as on a 2-core one, whatever this one has
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "2"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
+                         timeout=300, check=True).stdout.split()
+    assert out == ["1", "1"]
