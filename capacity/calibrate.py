@@ -52,6 +52,9 @@ def grid(max_model_len: int, max_num_batched_tokens: int, max_num_seqs: int) -> 
     # attention a single long prompt's chunks do not span
     shared = sorted({q for q in chunks if 4 * q <= max_num_batched_tokens} | {max(1, max_num_batched_tokens // 4)})
     configs += [("prefill", 4, min(max_model_len - 8, q), q) for q in shared]
+    # and eight: a burst's first step packs as many prompts as fit, and the full budget is where a token costs most
+    eighth = max(1, max_num_batched_tokens // 8)
+    configs.append(("prefill", 8, min(max_model_len - 8, eighth), eighth))
     return configs
 
 

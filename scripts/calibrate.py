@@ -29,6 +29,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+# The in-process grid runs with the torch threads of the servers the serving stage starts (tests/server.py: one,
+# unless OMP_NUM_THREADS says otherwise): the serving factors are then the cost of serving, not of a thread count.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import bench_serve  # noqa: E402
 import simulate  # noqa: E402

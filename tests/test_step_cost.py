@@ -7,7 +7,7 @@ import pytest
 from common.step_cost import FEATURES, StepCostModel, StepShape, nonnegative_least_squares, shape_of
 
 TRUE = {"step": 2e-3, "token": 3e-5, "prefill_seq": 4e-4, "decode_seq": 1e-4, "prefill_attention": 2e-9,
-        "decode_attention": 5e-8, "sampled": 6e-5}
+        "decode_attention": 5e-8, "sampled": 6e-5, "token_squared": 1e-9}
 
 
 def random_shapes(n: int, seed: int = 0) -> list[StepShape]:
@@ -26,7 +26,7 @@ def test_shape_of_counts_tokens_sequences_and_attention_pairs():
     shape = shape_of([(10, 1, True), (0, 8, False), (8, 4, True), (99, 1, True)])
     assert shape == StepShape(num_tokens=14, num_prefill_seqs=2, num_decode_seqs=2,
                               prefill_attention=8 * 8 + 4 * 12, decode_attention=11 + 100, num_sampled=3)
-    assert shape.features() == (1.0, 14, 2, 2, 112, 111, 3)
+    assert shape.features() == (1.0, 14, 2, 2, 112, 111, 3, 14 * 12)
 
 
 def test_fit_recovers_the_coefficients_of_noiseless_data():
@@ -41,7 +41,7 @@ def test_fit_recovers_the_coefficients_of_noiseless_data():
 def test_fit_never_returns_negative_coefficients():
     """Data that a free least-squares fit explains with a negative per-token cost: NNLS clamps it to zero and
     refits the rest."""
-    shapes = [StepShape(t, 0, t, 0, 0, t) for t in (1, 2, 4, 8, 16, 32, 64)]
+    shapes = [StepShape(t, 0, t, 0, 0, t) for t in (1, 2, 4, 8, 16, 32, 64, 128)]
     seconds = [0.010 + 0.001 * s.num_decode_seqs - 0.0004 * s.num_tokens for s in shapes]
     model = StepCostModel.fit(shapes, seconds)
     assert all(value >= 0 for value in model.coefficients.values())
@@ -79,7 +79,8 @@ def test_serving_factors_scale_decode_and_prefill_work_apart():
     shape = shape_of([(10, 1, True), (0, 8, False), (8, 4, True), (99, 1, True)])
     decode = (TRUE["step"] + (TRUE["token"] + TRUE["decode_seq"]) * 2 + TRUE["decode_attention"] * 111
               + TRUE["sampled"] * 3)
-    prefill = TRUE["token"] * 12 + TRUE["prefill_seq"] * 2 + TRUE["prefill_attention"] * 112
+    prefill = (TRUE["token"] * 12 + TRUE["prefill_seq"] * 2 + TRUE["prefill_attention"] * 112
+               + TRUE["token_squared"] * 14 * 12)
     assert StepCostModel(TRUE).predict(shape) == pytest.approx(decode + prefill, rel=1e-12)
     assert served.predict(shape) == pytest.approx(1.5 * decode + 0.8 * prefill + 0.003 + 3 * 4e-5, rel=1e-12)
     decodes = shape_of([(50, 1, True)] * 4)
