@@ -159,6 +159,7 @@ class Simulator:
         self.max_concurrency = max_concurrency
         self.now = 0.0
         self._noise = random.Random(seed)  # step-time jitter (cost.jitter), seeded: runs repeat exactly
+        self._slow: float | None = None  # the persistent part of the jitter's log, carried from step to step
         # the scheduler never sees the profile path: admission gets the model and the virtual clock directly
         plain = dataclasses.replace(config, step_cost_profile="")
         self.scheduler = Scheduler(plain, KVCacheManager(num_blocks, block_size, enable_prefix_caching),
@@ -168,10 +169,21 @@ class Simulator:
                                                 clock=lambda: self.now)
 
     def _jittered(self, seconds: float) -> float:
-        sigma = self.cost.jitter
+        """The step's seconds times its log-normal factor (mean 1): a persistent part that decays over the step's
+        own duration (cost.jitter_memory_s; idle time between steps is not counted), and a fresh part."""
+        cost = self.cost
+        sigma = cost.jitter
         if not sigma:
             return seconds
-        return seconds * math.exp(sigma * self._noise.gauss(0.0, 1.0) - sigma * sigma / 2)
+        slow_sigma = sigma * math.sqrt(cost.jitter_slow_share) if cost.jitter_memory_s > 0 else 0.0
+        log_factor = math.sqrt(sigma * sigma - slow_sigma * slow_sigma) * self._noise.gauss(0.0, 1.0)
+        if slow_sigma:
+            if self._slow is None:  # the machine's state when the run starts: any, as often as it occurs
+                self._slow = slow_sigma * self._noise.gauss(0.0, 1.0)
+            keep = math.exp(-seconds / cost.jitter_memory_s)
+            self._slow = keep * self._slow + math.sqrt(1 - keep * keep) * slow_sigma * self._noise.gauss(0.0, 1.0)
+            log_factor += self._slow
+        return seconds * math.exp(log_factor - sigma * sigma / 2)
 
     def run(self, workload: list[SimRequest]) -> SimResult:
         """Simulate the whole workload to its end. Raises RuntimeError if the scheduler can make no progress."""

@@ -138,3 +138,25 @@ def test_step_jitter_is_seeded_and_keeps_the_mean():
     gaps = [y - x for x, y in zip(a, a[1:])]
     assert sum(gaps) / len(gaps) == pytest.approx(0.010, rel=0.1)
     assert max(gaps) > 2 * 0.010 and min(gaps) < 0.5 * 0.010
+
+
+def test_persistent_jitter_makes_runs_of_slow_steps():
+    """The machine's speed drifts: with the whole spread persistent over 1 s, consecutive 10 ms steps take nearly
+    the same time (independent ones do not), and the mean stays 10 ms."""
+    import statistics
+
+    workload = [request(0.0, 4, 2000)]
+
+    def gaps(cost):
+        times = Simulator(SchedulerConfig(), 1000, 4, 4096, cost, seed=3).run(workload).records[0].token_times
+        return [y - x for x, y in zip(times, times[1:])]
+
+    def lag1(values):
+        mean = statistics.fmean(values)
+        centred = [v - mean for v in values]
+        return sum(a * b for a, b in zip(centred, centred[1:])) / sum(c * c for c in centred)
+
+    fresh = gaps(StepCostModel({"step": 0.010}, jitter=0.3))
+    slow = gaps(StepCostModel({"step": 0.010}, jitter=0.3, jitter_slow_share=1.0, jitter_memory_s=1.0))
+    assert abs(lag1(fresh)) < 0.1 and lag1(slow) > 0.9
+    assert statistics.fmean(slow) == pytest.approx(0.010, rel=0.15)

@@ -4,7 +4,8 @@ import random
 
 import pytest
 
-from common.step_cost import FEATURES, StepCostModel, StepShape, nonnegative_least_squares, shape_of
+from common.step_cost import (FEATURES, StepCostModel, StepShape, jitter_persistence, nonnegative_least_squares,
+                               shape_of)
 
 TRUE = {"step": 2e-3, "token": 3e-5, "prefill_seq": 4e-4, "decode_seq": 1e-4, "prefill_attention": 2e-9,
         "decode_attention": 5e-8, "sampled": 6e-5, "token_squared": 1e-9}
@@ -113,17 +114,37 @@ def test_fit_serving_recovers_the_factors_and_the_spread_of_served_steps():
     assert StepCostModel(TRUE).fit_serving(decodes_only, [truth.predict(s) for s in decodes_only]).prefill_factor == 1
     with pytest.raises(ValueError):
         StepCostModel(TRUE).fit_serving(shapes[:3], [0.01, 0.0, 0.01])
+    # a plan that only releases finished requests (no tokens) is logged but is no step: it changes nothing
+    with_release = StepCostModel(TRUE).fit_serving(shapes + [StepShape()], [truth.predict(s) for s in shapes] + [5e-4])
+    assert with_release.serving_step_s == pytest.approx(0.002) and with_release.meta["num_served_steps"] == 400
+
+
+def test_jitter_persistence_finds_the_slow_part_of_the_spread():
+    """Steps of 10 ms whose log factor is a slow part (60% of the variance, correlation exp(-t / 0.3 s)) plus a
+    fresh one: the share and the time constant come back; independent factors give none."""
+    import math
+
+    rng = random.Random(11)
+    sigma, share, memory, step = 0.25, 0.6, 0.3, 0.01
+    keep, slow, log_ratio = math.exp(-step / memory), 0.0, []
+    for _ in range(20000):
+        slow = keep * slow + math.sqrt(1 - keep * keep) * sigma * math.sqrt(share) * rng.gauss(0, 1)
+        log_ratio.append(slow + sigma * math.sqrt(1 - share) * rng.gauss(0, 1))
+    found_share, found_memory = jitter_persistence(log_ratio, [step] * len(log_ratio))
+    assert found_share == pytest.approx(share, abs=0.08) and found_memory == pytest.approx(memory, rel=0.3)
+    assert jitter_persistence([rng.gauss(0, 0.25) for _ in range(20000)], [step] * 20000) == (0.0, 0.0)
 
 
 def test_profile_round_trips_through_json(tmp_path):
     model = StepCostModel(TRUE, scheduler_s=1e-4, client_s=2e-3, meta={"model": "x"}, jitter=0.3,
                           decode_factor=1.2, prefill_factor=0.9, serving_step_s=4e-3, serving_token_s=1e-5,
-                          ingress_s=7e-4, egress_s=5e-5)
+                          ingress_s=7e-4, egress_s=5e-5, jitter_slow_share=0.6, jitter_memory_s=0.3)
     model.save(tmp_path / "p.json")
     loaded = StepCostModel.load(tmp_path / "p.json")
     assert loaded.coefficients == TRUE and loaded.scheduler_s == 1e-4 and loaded.client_s == 2e-3
     assert (loaded.jitter, loaded.decode_factor, loaded.prefill_factor, loaded.serving_step_s,
-            loaded.serving_token_s, loaded.ingress_s, loaded.egress_s) == (0.3, 1.2, 0.9, 4e-3, 1e-5, 7e-4, 5e-5)
+            loaded.serving_token_s, loaded.ingress_s, loaded.egress_s, loaded.jitter_slow_share,
+            loaded.jitter_memory_s) == (0.3, 1.2, 0.9, 4e-3, 1e-5, 7e-4, 5e-5, 0.6, 0.3)
     assert loaded.meta == {"model": "x"}
     shape = shape_of([(3, 1, True), (0, 30, True)])
     assert loaded.predict(shape) == model.predict(shape)
