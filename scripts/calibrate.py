@@ -123,7 +123,8 @@ def serve_check(model_dir: str, model: StepCostModel, concurrencies: list[int], 
           f"RMS error {corrected.meta['serving_rel_rmse']:.3f} over {len(served)} steps); frontend "
           f"{corrected.ingress_s * 1e3:.2f} ms per request on its way in, {corrected.egress_s * 1e6:.1f} us per token "
           f"out; client latency "
-          f"{corrected.client_s * 1e3:.2f} ms; step jitter sigma {corrected.jitter:.2f}")
+          f"{corrected.client_s * 1e3:.2f} ms; step jitter sigma {corrected.jitter:.2f}, "
+          f"{100 * corrected.jitter_slow_share:.0f}% of it persisting ~{corrected.jitter_memory_s:.2f} s")
     return corrected
 
 
