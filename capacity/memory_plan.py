@@ -15,6 +15,7 @@ activations of the largest step + the per-token state it keeps for running reque
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import json
 import os
@@ -53,7 +54,15 @@ def rss_bytes(field_name: str = "VmRSS", pid: int | str = "self") -> int:
 
 
 def reset_peak_rss() -> None:
-    """Start a new resident-set high-water mark for this process (Linux: write 5 to /proc/self/clear_refs)."""
+    """Start a new resident-set high-water mark for this process (Linux: write 5 to /proc/self/clear_refs).
+
+    Free heap memory is handed back to the system first (glibc's malloc_trim): glibc keeps freed memory resident
+    and raises its mmap threshold as large blocks are freed, so after earlier work (a test suite's) a step's
+    activations could reuse resident memory and the high-water mark would not move: peak 0 measured."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: the mark is only as good as the allocator's habits
+        pass
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
 
@@ -234,8 +243,8 @@ def _profile_steps(runner, max_model_len: int, max_num_batched_tokens: int, max_
         while scheduler.has_work:
             step = scheduler.schedule()
             gc.collect()
-            before = rss_bytes()
             reset_peak_rss()
+            before = rss_bytes()
             result = runner.execute(step.plan)
             peak = rss_bytes("VmHWM") - before
             tokens = step.num_tokens
