@@ -34,14 +34,6 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-
                  "--disable-component-update", "--disable-sync"]
 
 
-def cpu_seconds(pid: int | None) -> float:
-    """User + system CPU seconds of process `pid` so far (0 without a pid), from /proc/PID/stat."""
-    if not pid:
-        return 0.0
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 class FeedReaders:
     """`count` clients reading the SSE feed until stopped; `frames` counts what they received."""
 
@@ -102,7 +94,7 @@ async def run(args: argparse.Namespace) -> dict:
             if mode == "on":
                 watcher = (BrowserPage(args.url, args.api_key, args.chromium) if args.browser
                            else FeedReaders(args.url, args.api_key, args.watchers))
-            cpu_before = cpu_seconds(args.frontend_pid)
+            cpu_before = bench_serve.cpu_seconds(args.frontend_pid)
             if watcher is None:
                 results, duration = await bench_serve.run_benchmark(args.url, specs, float("inf"),
                                                                     args.max_concurrency, 0, False, args.api_key)
@@ -113,7 +105,7 @@ async def run(args: argparse.Namespace) -> dict:
                                                                         args.max_concurrency, 0, False, args.api_key)
                 frames = watcher.frames
             summary = bench_serve.summarize(results, duration, None, None)
-            cpu = cpu_seconds(args.frontend_pid) - cpu_before
+            cpu = bench_serve.cpu_seconds(args.frontend_pid) - cpu_before
             cpu_per_k = 1000 * cpu / max(summary["total_output_tokens"], 1) * 1000  # ms per 1000 tokens
             runs.append({"round": round_, "mode": mode, "output_token_throughput": summary["output_token_throughput"],
                          "request_throughput": summary["request_throughput"], "failed": summary["failed"],

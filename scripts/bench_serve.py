@@ -20,6 +20,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import aiohttp
 from tqdm import tqdm
@@ -41,6 +42,14 @@ class RequestResult:
     e2e: float = 0.0
     itls: list[float] = field(default_factory=list)
     error: str = ""
+
+
+def cpu_seconds(pid: int | None) -> float:
+    """User + system CPU seconds of process `pid` so far (0 without a pid), from /proc/PID/stat."""
+    if not pid:
+        return 0.0
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def random_workload(n: int, input_len: int, output_len: int, range_ratio: float, shared_prefix_len: int,

@@ -75,9 +75,9 @@ def serve_check(model_dir: str, model: StepCostModel, concurrencies: list[int], 
         seen = 0
         for name, argv in workloads.items():
             out = Path(f"bench_results/calibrate_serve_{name}.json")
-            before = _cpu_seconds(server.pids["frontend"])
+            before = bench_serve.cpu_seconds(server.pids["frontend"])
             bench_serve.main(["--url", server.url, *argv, "--result-json", str(out), "--no-progress"])
-            frontend_cpu_s[name] = _cpu_seconds(server.pids["frontend"]) - before
+            frontend_cpu_s[name] = bench_serve.cpu_seconds(server.pids["frontend"]) - before
             measured[name] = json.loads(out.read_text())
             logged = read_step_log(log_path)
             steps[name], seen = logged[seen:], len(logged)
@@ -126,12 +126,6 @@ def serve_check(model_dir: str, model: StepCostModel, concurrencies: list[int], 
           f"{corrected.client_s * 1e3:.2f} ms; step jitter sigma {corrected.jitter:.2f}, "
           f"{100 * corrected.jitter_slow_share:.0f}% of it persisting ~{corrected.jitter_memory_s:.2f} s")
     return corrected
-
-
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds a process has used (/proc/PID/stat fields 14 and 15)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _sim_parser() -> argparse.ArgumentParser:

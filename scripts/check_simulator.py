@@ -69,10 +69,10 @@ def main(argv: list[str] | None = None) -> int:
     for i in range(args.repeats):
         if args.recalibrate:  # each real run right after its own serving-stage calibration
             import calibrate
-            cost = calibrate.serve_check(args.model, profile.in_process(), args.recalibrate)
-        else:
-            cost = profile
-        predictions.append(predict(args, cost) if args.recalibrate or not predictions else predictions[-1])
+            predictions.append(predict(args, calibrate.serve_check(args.model, profile.in_process(),
+                                                                   args.recalibrate)))
+        else:  # one profile: one prediction for every run
+            predictions.append(predictions[-1] if predictions else predict(args, profile))
         simulated, rate, _ = predictions[-1]
         bench_argv = ["--num-prompts", str(args.num_prompts), "--request-rate", str(rate),
                       "--input-len", str(args.input_len), "--output-len", str(args.output_len),
