@@ -19,7 +19,7 @@ import msgspec
 import torch
 
 from common.config import CacheConfig, IpcConfig, ModelConfig, SchedulerConfig, ShuttleConfig, WorkerConfig
-from common.messages import PlanMessage, StepResult, Submit, WorkerMessage
+from common.messages import PlanMessage, Submit, WorkerMessage
 from common.sampling import SamplingParams
 from common.step_cost import StepCostModel, StepShape, shape_of
 from scheduler.kv_cache import KVCacheManager

@@ -1,17 +1,20 @@
 """A discrete-event simulator of one serving group that drives the real Scheduler (scheduler/scheduler.py) with a
 virtual clock and a step-cost model instead of a worker.
 
-The event loop has the overlapped loop's semantics (scheduler/loop.py): with async scheduling up to two plans are
-in flight, step N+1 is planned as soon as step N was sent, the worker runs plans in order (a step starts when it
-was sent and the previous one ended), and the scheduler settles a step when its result is back, taking in the
-requests that arrived meanwhile first. Each step's duration is StepCostModel.predict of its shape; the scheduler's
-own time per step (plan + settle) is added to the scheduler's clock, and client_s to every token a client sees.
-The frontend is one queue: requests reach the scheduler through it one at a time, ingress_s each (HTTP,
-tokenization, submit; of requests sent together the first is planned alone, as a real server does), and each
-step's tokens leave through it, egress_s per token (detokenize, stream), so a busy frontend delays both.
-Sampled tokens are fabricated (never an end-of-sequence id: outputs have their workload length, as with
-bench_serve.py's ignore_eos), so everything else (chunked prefill, KV blocks, prefix cache, preemption,
-admission, SLO refusals) is the real code's behaviour.
+The processes are lanes of CPU work on the machine's cores (capacity/shared_cores.py): the worker runs each step
+(StepCostModel.worker_seconds of its shape, times the jitter), the scheduler plans and settles (scheduler_s per
+step, half each), the frontend takes each request in (ingress_s: HTTP, tokenization, submit) and streams each
+step's outputs (egress_step_s, then egress_s per token), and the benchmark client reads them (client_cpu_*);
+client_s is added to every token a client sees. With cost.cores 0 each process has a core of its own; with cores
+they share them, so a step runs slower while the frontend and the client stream the step before, and near
+saturation everything queues for the cores as on the machine.
+
+The scheduler has the overlapped loop's semantics (scheduler/loop.py): with async scheduling up to two plans are in
+flight, step N+1 is planned as soon as step N was sent, the worker runs plans in order, and the scheduler settles a
+step when its result is back and it is free, taking in requests whenever the frontend hands them over (of requests
+sent together the first is planned alone, as a real server does). Sampled tokens are fabricated (never an
+end-of-sequence id: outputs have their workload length, as with bench_serve.py's ignore_eos), so everything else
+(chunked prefill, KV blocks, prefix cache, preemption, admission, SLO refusals) is the real code's behaviour.
 
 Deterministic: the same workload, configuration, cost model and seed give the same result, bit for bit (the
 seed drives the optional step-time jitter of the cost model).
@@ -28,11 +31,12 @@ from dataclasses import dataclass, field
 from common.config import SchedulerConfig
 from common.messages import FinishReason, StepResult, Submit
 from common.sampling import SamplingParams
-from common.step_cost import StepCostModel, shape_of
+from common.step_cost import StepCostModel, StepShape, shape_of
+from capacity.shared_cores import SharedCores
 from capacity.workload import SimRequest
 from scheduler.admission import SloAdmission
 from scheduler.kv_cache import KVCacheManager
-from scheduler.scheduler import ScheduledStep, Scheduler
+from scheduler.scheduler import Scheduler
 
 CLIENT = b"sim"
 FILLER_TOKEN = 5  # the fabricated sampled token; never an end-of-sequence id in the simulation
@@ -80,6 +84,15 @@ class Sample:
     num_tokens: int  # scheduled in the step
 
 
+@dataclass(slots=True)
+class ServedSeconds:
+    """A simulated step as scheduler/step_log.py logs a real one: its shape and seconds from when the worker could
+    start it (sent, and the step before it done) to its result."""
+
+    shape: StepShape
+    seconds: float
+
+
 @dataclass
 class SimResult:
     records: list[RequestRecord]
@@ -87,6 +100,7 @@ class SimResult:
     num_steps: int  # steps the worker ran
     num_preemptions: int
     duration: float  # first arrival to last finish, seconds
+    served: list[ServedSeconds] = field(default_factory=list)  # each step as the server's --step-log has it
 
     @property
     def completed(self) -> list[RequestRecord]:
@@ -158,6 +172,7 @@ class Simulator:
         self.max_in_flight = 2 if config.async_scheduling else 1
         self.max_concurrency = max_concurrency
         self.now = 0.0
+        self.cores: SharedCores | None = None  # the last run's processes
         self._noise = random.Random(seed)  # step-time jitter (cost.jitter), seeded: runs repeat exactly
         self._slow: float | None = None  # the persistent part of the jitter's log, carried from step to step
         # the scheduler never sees the profile path: admission gets the model and the virtual clock directly
@@ -193,88 +208,128 @@ class Simulator:
         pending = deque(order)  # not yet sent, in arrival order
         # closed loop: when each of the max_concurrency client slots is free next (finishes come in time order)
         slots = deque([0.0] * self.max_concurrency) if self.max_concurrency is not None else None
-        in_flight: deque[tuple[ScheduledStep, float]] = deque()
-        worker_free = 0.0
+        cores = SharedCores(("worker", "scheduler", "frontend", "client"), cost.cores, cost.cpu_weights)
+        self.cores = cores  # kept for what each process ran and waited (calibrate.py fits the weights to it)
+        in_flight: deque[list] = deque()  # [step, result back, sent to the worker at] in the order planned
         samples: list[Sample] = []
         pool = scheduler.kv.pool
+        served: list[ServedSeconds] = []
+        worker_done = 0.0  # when the worker's last step ended
+        blocked_until = -math.inf  # nothing fitted at the last plan: wait for news, or for the idle poll
+        news = True  # something the scheduler acts on happened since its last turn
 
-        frontend_free = -math.inf  # when the frontend is done with what it has: ingress and egress queue here
+        def unblock(_: float = 0.0) -> None:
+            nonlocal blocked_until, news
+            blocked_until = -math.inf
+            news = True
 
-        def sent_at() -> float:  # when the client sends the next request
+        def next_send() -> float:  # when the client sends the next request
+            if not pending or (slots is not None and not slots):
+                return math.inf
             return max(workload[pending[0]].arrival, slots[0] if slots else 0.0)
 
-        def next_arrival() -> float:  # when it reaches the scheduler
-            if not pending or slots == deque():
-                return math.inf
-            return max(sent_at(), frontend_free) + cost.ingress_s
+        def send(at: float) -> None:
+            index = pending.popleft()
+            records[index].arrival = at
+            if slots:
+                slots.popleft()
+            cores.submit("frontend", cost.ingress_s, lambda t: submitted(index, t))
 
-        def send_until(t: float) -> None:
-            nonlocal frontend_free
-            while pending and (arrival := next_arrival()) <= t:
-                records[pending[0]].arrival = sent_at()
-                index = pending.popleft()
-                if slots:
-                    slots.popleft()
-                request = workload[index]
-                frontend_free = arrival
-                self.now = max(self.now, arrival)  # the loop takes a Submit in as it comes, even mid-wait
-                scheduler.add_request(CLIENT, Submit(
-                    str(index), request.prompt_token_ids, SamplingParams(max_tokens=request.output_len,
-                                                                         ignore_eos=True, temperature=0.0),
-                    arrival, ttft_slo_ms=request.ttft_slo_ms))
-                deliver(arrival)  # a refusal comes back at once
+        def send_due() -> None:
+            while next_send() <= cores.now:
+                send(next_send())
 
-        def deliver(t: float) -> None:
-            nonlocal frontend_free
-            for output in scheduler.take_outputs().get(CLIENT, []):
-                record = records[int(output.request_id)]
-                if cost.egress_s:  # the frontend streams them after what it is busy with
-                    frontend_free = t = max(frontend_free, t) + cost.egress_s * len(output.new_token_ids)
-                if output.new_token_ids:
-                    record.token_times.extend([t + cost.client_s] * len(output.new_token_ids))
-                if output.finish_reason is not None:
-                    record.finish = t + cost.client_s
-                    if output.finish_reason == FinishReason.ERROR:
-                        record.status = output.error_status or 500
-                        record.retry_after_s = output.retry_after_s
-                    if slots is not None:  # closed loop: the client sends its next request now
-                        slots.append(record.finish)
+        def submitted(index: int, t: float) -> None:  # the frontend hands the request to the scheduler
+            request = workload[index]
+            self.now = t
+            scheduler.add_request(CLIENT, Submit(
+                str(index), request.prompt_token_ids, SamplingParams(max_tokens=request.output_len,
+                                                                     ignore_eos=True, temperature=0.0),
+                t, ttft_slo_ms=request.ttft_slo_ms))
+            unblock()
+            deliver()  # a refusal comes back at once
 
-        while True:
-            send_until(self.now)
-            if not in_flight and not scheduler.has_work:
-                upcoming = next_arrival()
-                if upcoming == math.inf:
-                    break
-                self.now = max(self.now, upcoming)
-                continue
-            sent = False
-            if len(in_flight) < self.max_in_flight and scheduler.has_work:
+        def deliver() -> None:  # the frontend streams each output, the client reads it
+            outputs = scheduler.take_outputs().get(CLIENT, [])
+            if outputs and cost.egress_step_s:
+                cores.submit("frontend", cost.egress_step_s)
+            for output in outputs:
+                n = len(output.new_token_ids)
+                cores.submit("frontend", cost.egress_s * n,
+                             lambda _, output=output, n=n: cores.submit(
+                                 "client", cost.client_cpu_request_s * (output.finish_reason is not None)
+                                 + cost.client_cpu_token_s * n, lambda t, output=output: received(output, t)))
+
+        def received(output, t: float) -> None:
+            record = records[int(output.request_id)]
+            t += cost.client_s
+            record.token_times.extend([t] * len(output.new_token_ids))
+            if output.finish_reason is not None:
+                record.finish = t
+                if output.finish_reason == FinishReason.ERROR:
+                    record.status = output.error_status or 500
+                    record.retry_after_s = output.retry_after_s
+                if slots is not None:  # closed loop: the client sends its next request now
+                    slots.append(t)
+                    send_due()
+
+        def plan() -> bool:  # the scheduler's turn, when it is idle: plan the next step if it can, else settle
+            nonlocal blocked_until
+            if len(in_flight) < self.max_in_flight and scheduler.has_work and blocked_until < self.now:
                 step = scheduler.schedule()
                 if not step.is_empty:
-                    self.now += cost.scheduler_s / 2  # planning
-                    start = max(self.now, worker_free)
-                    worker_free = start + self._jittered(cost.predict(shape_of(
-                        (e.start, e.num_new, e.samples) for e in step.scheduled.values())))
-                    in_flight.append((step, worker_free))
-                    sent = True
+                    flight = [step, False]
+                    in_flight.append(flight)
                     samples.append(Sample(self.now, scheduler.num_waiting, len(scheduler.running),
                                           (pool.num_blocks - pool.num_free) / pool.num_blocks, step.num_tokens))
-            if in_flight and (not sent or len(in_flight) >= self.max_in_flight):
-                step, finish = in_flight.popleft()
-                send_until(finish)  # the loop takes in Submits while it waits for the result
-                self.now = max(self.now, finish)
+                    shape = shape_of((e.start, e.num_new, e.samples) for e in step.scheduled.values())
+                    work = self._jittered(cost.worker_seconds(shape))
+
+                    def result_back(t: float) -> None:
+                        nonlocal news, worker_done
+                        flight[1] = news = True
+                        served.append(ServedSeconds(shape, t - max(flight[2], worker_done)))
+                        worker_done = t
+
+                    def planned(t: float) -> None:
+                        nonlocal news
+                        news = True
+                        flight.append(t)
+                        cores.submit("worker", work, result_back)
+
+                    cores.submit("scheduler", cost.scheduler_s / 2, planned)
+                    return True
+                if not in_flight and next_send() == math.inf and cores.next_event() == math.inf:
+                    raise RuntimeError("the scheduler can make no progress: nothing fits and nothing runs")
+                blocked_until = math.inf if in_flight else self.now + IDLE_POLL_S
+            if in_flight and in_flight[0][1]:
+                step = in_flight.popleft()[0]
                 sampled = step.sampling_ids
                 scheduler.update_from_output(step, StepResult(step.plan.step_id, sampled,
                                                               [FILLER_TOKEN] * len(sampled)))
-                deliver(self.now)
-                self.now += cost.scheduler_s / 2  # settling
-            elif not sent and scheduler.has_work:
-                upcoming = next_arrival()
-                if upcoming == math.inf and not in_flight:
-                    raise RuntimeError("the scheduler can make no progress: nothing fits and nothing runs")
-                self.now = max(self.now, min(upcoming, self.now + IDLE_POLL_S))
+                unblock()
+                deliver()
+                cores.submit("scheduler", cost.scheduler_s / 2, unblock)  # settling
+                return True
+            return False
+
+        while True:
+            timed_out = scheduler.num_timed_out
             scheduler.expire(self.now)
+            news |= scheduler.num_timed_out != timed_out
+            while news and not cores.busy("scheduler"):
+                news = plan()
+            idle_poll = blocked_until if not in_flight and blocked_until > self.now else math.inf
+            upcoming = min(cores.next_event(), next_send(), idle_poll)
+            if upcoming == math.inf:
+                if scheduler.has_work or in_flight:
+                    raise RuntimeError("the scheduler can make no progress: nothing fits and nothing runs")
+                break
+            cores.advance(upcoming)
+            self.now = upcoming
+            if -math.inf < blocked_until <= self.now:  # the idle poll: try again
+                unblock()
+            send_due()
         start = min((r.arrival for r in records), default=0.0)
         end = max((r.finish for r in records if not math.isnan(r.finish)), default=start)
-        return SimResult(records, samples, len(samples), scheduler.num_preemptions, end - start)
+        return SimResult(records, samples, len(samples), scheduler.num_preemptions, end - start, served)

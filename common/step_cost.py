@@ -125,6 +125,23 @@ class StepCostModel:
         serving_step_s: seconds a served step costs on top of its work (sockets, the other processes' turns).
         serving_token_s: seconds each sampled token adds to a served step (the frontend and the clients streaming
             it, on the cores the worker shares).
+        cores: the cores the worker, the scheduler, the frontend and the client share; 0: each has its own. With
+            cores, the simulator runs each process's CPU seconds (worker_seconds, scheduler_s, ingress_s, egress_s,
+            egress_step_s, client_cpu_*) on them shared (capacity/shared_cores.py), so that a step is slowed while
+            the frontend and the client stream the tokens of the step before, as far as the cores are oversubscribed.
+        cpu_decode_factor: with cores, the share of a served step's fixed and decode time (decode_factor,
+            serving_step_s, serving_token_s) that is the worker's own work, the rest having been waits for a core
+            at the calibration's load (dimensionless, about 0.9).
+        cpu_prefill_factor: the same for its prefill time.
+        egress_step_s: frontend CPU seconds per step's results (receiving, decoding and dispatching them), before
+            its egress_s per token.
+        client_cpu_request_s: CPU seconds the benchmark client spends per request (with cores: it shares them).
+        client_cpu_token_s: CPU seconds the benchmark client spends per token it reads.
+        cpu_weights: with cores, each process's weight when more of them have work than there are cores
+            ("worker", "scheduler", "frontend", "client"; 1 where absent): the OS does not share the cores
+            equally (stories260K served at 40 req/s on 2 cores: the worker waited for a core 0.13 s per second,
+            the frontend 0.32 s, the client 0.11 s, from /proc/PID/task/*/schedstat); fitted so that the simulated
+            waits match the measured ones.
     """
 
     coefficients: dict[str, float]
@@ -140,6 +157,13 @@ class StepCostModel:
     egress_s: float = 0.0
     jitter_slow_share: float = 0.0
     jitter_memory_s: float = 0.0
+    cores: float = 0.0
+    cpu_decode_factor: float = 1.0
+    cpu_prefill_factor: float = 1.0
+    egress_step_s: float = 0.0
+    client_cpu_request_s: float = 0.0
+    client_cpu_token_s: float = 0.0
+    cpu_weights: dict = field(default_factory=dict)
 
     def __post_init__(self):
         unknown = set(self.coefficients) - set(FEATURES)
@@ -205,9 +229,8 @@ class StepCostModel:
             fd = 1.0
         if not x[:, 1].any():
             fp = 1.0
-        fitted = dataclasses.replace(base, decode_factor=float(fd), prefill_factor=float(fp),
-                                     serving_step_s=float(per_step), serving_token_s=float(per_token),
-                                     client_s=self.client_s, ingress_s=self.ingress_s, egress_s=self.egress_s)
+        fitted = dataclasses.replace(self, decode_factor=float(fd), prefill_factor=float(fp),
+                                     serving_step_s=float(per_step), serving_token_s=float(per_token))
         predicted = np.asarray([fitted.predict(s) for s in shapes])
         log_ratio = np.log(y / np.maximum(predicted, 1e-9))
         q16, q84 = np.percentile(log_ratio, [16, 84])
@@ -223,6 +246,18 @@ class StepCostModel:
             return 0.0
         return sum(w * x for w, x in zip(self._weights, shape.features()))
 
+    def worker_seconds(self, shape: StepShape) -> float:
+        """What the simulator runs on the worker for a step: with shared `cores`, the served prediction's decode
+        and prefill parts scaled by cpu_decode_factor and cpu_prefill_factor (the waits for a core that the
+        served fit averages over are then the sharing's to add), else predict(shape)."""
+        if not self.cores:
+            return self.predict(shape)
+        if shape.num_tokens == 0:
+            return 0.0
+        decode, prefill = self.parts(shape)
+        served_decode = self.decode_factor * decode + self.serving_step_s + self.serving_token_s * shape.num_sampled
+        return self.cpu_decode_factor * served_decode + self.cpu_prefill_factor * self.prefill_factor * prefill
+
     def decode_run(self, num_seqs: int, context_sum: int, num_steps: int) -> float:
         """Seconds for `num_steps` consecutive decode steps of `num_seqs` sequences whose contexts sum to
         `context_sum` in the first step and grow by one token each per step (closed form of the sum)."""
@@ -236,7 +271,7 @@ class StepCostModel:
 
     def to_json(self) -> dict:
         return {"coefficients": dict(self.coefficients), **{name: getattr(self, name) for name in _SCALARS},
-                "meta": self.meta}
+                "cpu_weights": dict(self.cpu_weights), "meta": self.meta}
 
     def save(self, path: str | Path) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -247,7 +282,9 @@ class StepCostModel:
         """Read a profile written by `save()`. Raises OSError, ValueError (bad JSON or unknown features)."""
         data = json.loads(Path(path).read_text())
         floats = {name: float(data[name]) for name in _SCALARS if name in data}  # older profiles lack some
-        return StepCostModel(dict(data["coefficients"]), meta=dict(data.get("meta", {})), **floats)
+        weights = {name: float(w) for name, w in data.get("cpu_weights", {}).items()}
+        return StepCostModel(dict(data["coefficients"]), meta=dict(data.get("meta", {})), cpu_weights=weights,
+                             **floats)
 
     # ---- fitting ----------------------------------------------------------------------------------------
 
@@ -277,7 +314,8 @@ class StepCostModel:
         return model
 
 
-_SCALARS = tuple(f.name for f in dataclasses.fields(StepCostModel) if f.name not in ("coefficients", "meta"))
+_SCALARS = tuple(f.name for f in dataclasses.fields(StepCostModel)
+                 if f.name not in ("coefficients", "meta", "cpu_weights"))
 
 
 def jitter_persistence(log_ratio, seconds) -> tuple[float, float]:

@@ -52,6 +52,18 @@ def cpu_seconds(pid: int | None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def run_queue_wait_seconds(pid: int) -> float | None:
+    """Seconds the threads of process `pid` have spent runnable but waiting for a core so far (the second field
+    of /proc/PID/task/TID/schedstat, in nanoseconds); None where the kernel does not keep schedstats."""
+    total = 0
+    for path in Path(f"/proc/{pid}/task").glob("*/schedstat"):
+        try:
+            total += int(path.read_text().split()[1])
+        except (OSError, IndexError, ValueError):  # a thread that ended meanwhile
+            continue
+    return total / 1e9 if Path(f"/proc/{pid}/schedstat").exists() else None
+
+
 def random_workload(n: int, input_len: int, output_len: int, range_ratio: float, shared_prefix_len: int,
                     vocab_size: int, seed: int) -> list[RequestSpec]:
     rng = random.Random(seed)

@@ -7,9 +7,10 @@ see capacity/calibrate.py) and fits the cost model. Then (unless --no-serve) it 
 values, and long prompts with two output tokens at the low one), and fits to the steps the server logged what a
 process-local measurement cannot see: how much slower decode work and prefill work run when the frontend and the
 clients share the machine's cores (decode_factor, prefill_factor, serving_step_s, serving_token_s) and how much
-served steps spread (jitter); from the frontend's CPU time, what it spends per request on its way in and per token
-on its way out (ingress_s, egress_s); and the latency left between the worker and the client (client_s) from the
-first run's median TTFT. It prints each measurement, the fit and each run measured next to simulated, and writes:
+served steps spread (jitter); from each process's CPU time and waits for a core, what the frontend, the client
+and the scheduler spend per request, token and step, the worker's own share of a served step, and how the OS shares
+the cores among them (the simulator's shared cores, capacity/shared_cores.py); and the latency left between the
+worker and the client (client_s) from the first run's median TTFT. It prints each measurement, the fit and each run measured next to simulated, and writes:
 
     .venv/bin/python scripts/calibrate.py --model ../shared/models/stories260K --out profiles/stories260K.json
     .venv/bin/python scripts/calibrate.py --model /tmp/shuttle-models/llama-110m --out profiles/llama-110m.json
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 import time
@@ -47,11 +49,12 @@ def serve_check(model_dir: str, model: StepCostModel, concurrencies: list[int], 
 
     The server logs every step it runs with its served duration (`--step-log`, scheduler/step_log.py), and
     StepCostModel.fit_serving fits decode_factor, prefill_factor and serving_step_s to those steps, and the jitter
-    to what they leave unexplained. What the steps cannot show: the frontend's time per arriving request
-    (ingress_s: its CPU seconds per request in the prefill-heavy run, /proc/PID/stat) and per streamed token
-    (egress_s: the rest of its CPU seconds in the token-heavy high run, per output token), and the latency
-    between the worker and the client (client_s), what the low-concurrency run's median TTFT has beyond the
-    simulated one. Each run has 4 requests per stream, so that its medians are the steady state's, not the first
+    to what they leave unexplained. What the steps cannot show is fitted from the processes' CPU seconds
+    (/proc/PID/stat) and waits for a core (/proc/PID/task/*/schedstat) in each run, for the simulator's shared
+    cores: fit_cpu (the frontend's, the client's and the scheduler's CPU seconds per request, token and step),
+    fit_worker_work (the worker's own share of a served step) and fit_cpu_weights (how the cores are shared);
+    then the latency between the worker and the client (client_s), what the low-concurrency run's median TTFT has
+    beyond the simulated one. Each run has 4 requests per stream, so that its medians are the steady state's, not the first
     burst's. Returns the corrected model; meta["serve_check"] holds each run, measured and simulated."""
     from tests.server import ShuttleServer
 
@@ -69,35 +72,45 @@ def serve_check(model_dir: str, model: StepCostModel, concurrencies: list[int], 
     log_path = Path("bench_results/calibrate_steps.jsonl")  # kept: the served steps the fit saw
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log_path.unlink(missing_ok=True)
-    frontend_cpu_s: dict[str, float] = {}
+    cpu_s: dict[str, dict[str, float]] = {}  # per run: CPU seconds of each process, and of the client (this one)
+    waits: dict[str, dict[str, float]] = {}  # per run: seconds per second each waited for a core (None: unknown)
     server = ShuttleServer("--step-log", str(log_path), model_dir=Path(model_dir), start_timeout=600)
     try:
         seen = 0
         for name, argv in workloads.items():
             out = Path(f"bench_results/calibrate_serve_{name}.json")
-            before = bench_serve.cpu_seconds(server.pids["frontend"])
+            pids = {**server.pids, "client": os.getpid()}
+            before, start = process_usage(pids), time.perf_counter()
             bench_serve.main(["--url", server.url, *argv, "--result-json", str(out), "--no-progress"])
-            frontend_cpu_s[name] = bench_serve.cpu_seconds(server.pids["frontend"]) - before
+            after, wall = process_usage(pids), time.perf_counter() - start
+            cpu_s[name] = {process: after[process][0] - before[process][0] for process in pids}
+            waits[name] = {process: None if after[process][1] is None else
+                           (after[process][1] - before[process][1]) / wall for process in pids}
             measured[name] = json.loads(out.read_text())
             logged = read_step_log(log_path)
             steps[name], seen = logged[seen:], len(logged)
     finally:
         server.stop()
 
-    def simulated(candidate: StepCostModel, name: str) -> dict:
+    def simulated_run(candidate: StepCostModel, name: str) -> tuple:
+        """The run simulated: (SimResult, seconds per second each process waited for a core)."""
         sim_args = _sim_parser().parse_args(["--profile", "-", *workloads[name]])
-        return simulate.build_simulator(sim_args, candidate).run(
-            simulate.build_workload(sim_args, candidate)).summary()
+        simulator = simulate.build_simulator(sim_args, candidate)
+        result = simulator.run(simulate.build_workload(sim_args, candidate))
+        return result, {process: wait / max(result.duration, 1e-9)
+                        for process, wait in simulator.cores.wait_seconds.items()}
+
+    def simulated(candidate: StepCostModel, name: str) -> dict:
+        return simulated_run(candidate, name)[0].summary()
 
     served = [step for run in steps.values() for step in run]
     corrected = model.in_process().fit_serving([s.shape for s in served], [s.seconds for s in served])
-    # the prefill-heavy run streams 2 tokens per request: its frontend time is the requests' way in; what the
-    # token-heavy high run spends beyond its requests' way in is streaming
-    corrected.ingress_s = frontend_cpu_s["prefill"] / max(measured["prefill"]["completed"], 1)
-    high = measured["high"]
-    corrected.egress_s = max(0.0, frontend_cpu_s["high"] - corrected.ingress_s * high["completed"]) / max(
-        high["total_output_tokens"], 1)
-    corrected.meta["frontend_cpu_s"] = frontend_cpu_s
+    corrected = fit_cpu(corrected, {name: (measured[name], steps[name], cpu_s[name]) for name in workloads})
+    corrected.meta.update(cpu_s=cpu_s, run_queue_wait=waits)
+    corrected = fit_worker_work(corrected, steps, simulated_run)
+    if all(wait is not None for run in waits.values() for wait in run.values()):
+        corrected = fit_cpu_weights(corrected, waits, simulated_run)
+        corrected = fit_worker_work(corrected, steps, simulated_run, iterations=2)
     no_jitter = dataclasses.replace(corrected, jitter=0.0)
     corrected.client_s = max(0.0, (measured["low"]["ttft_ms"]["median"]
                                    - simulated(no_jitter, "low")["ttft_ms"]["median"]) / 1000)
@@ -122,10 +135,102 @@ def serve_check(model_dir: str, model: StepCostModel, concurrencies: list[int], 
           f"token, prefill work {corrected.prefill_factor:.2f}x (relative "
           f"RMS error {corrected.meta['serving_rel_rmse']:.3f} over {len(served)} steps); frontend "
           f"{corrected.ingress_s * 1e3:.2f} ms per request on its way in, {corrected.egress_s * 1e6:.1f} us per token "
-          f"out; client latency "
+          f"and {corrected.egress_step_s * 1e3:.2f} ms per step out; client {corrected.client_cpu_request_s * 1e3:.2f} "
+          f"ms per request, {corrected.client_cpu_token_s * 1e6:.1f} us per token; the worker's own work "
+          f"{corrected.cpu_decode_factor:.2f}x (decode) and {corrected.cpu_prefill_factor:.2f}x (prefill) its "
+          f"served time; scheduler {corrected.scheduler_s * 1e3:.2f} ms per step; {corrected.cores:g} cores "
+          f"shared with weights {corrected.cpu_weights}; client latency "
           f"{corrected.client_s * 1e3:.2f} ms; step jitter sigma {corrected.jitter:.2f}, "
           f"{100 * corrected.jitter_slow_share:.0f}% of it persisting ~{corrected.jitter_memory_s:.2f} s")
     return corrected
+
+
+def process_usage(pids: dict[str, int]) -> dict[str, tuple[float, float | None]]:
+    """(CPU seconds, seconds waiting for a core) of each process so far (bench_serve.py's readers of /proc)."""
+    return {name: (bench_serve.cpu_seconds(pid), bench_serve.run_queue_wait_seconds(pid)) for name, pid in pids.items()}
+
+
+WEIGHT_GRID = (1.0, 1.5, 2.0, 3.0)
+
+
+def fit_worker_work(model: StepCostModel, steps: dict[str, list], simulated_run, iterations: int = 3) -> StepCostModel:
+    """With shared cores, the share of the served fit's decode and prefill time that is the worker's own work
+    (cpu_decode_factor, cpu_prefill_factor), such that the simulated runs' steps, slowed by the sharing, last on
+    average what the real servers logged (decode-only steps for the one, steps with prefill work for the other): a
+    fixed-point iteration on the ratio of the means, as a step's served time depends on everything else running.
+    The worker's measured CPU seconds cannot be used for it: they include its I/O threads, which work beside the
+    step, and a step's CPU time grows with its neighbours' use of the caches. steps: run name -> its served steps
+    (--step-log); simulated_run as fit_cpu_weights'."""
+    if not model.cores:
+        return model
+
+    def means(pairs) -> tuple[float, float]:
+        decode = [seconds for has_prefill, seconds in pairs if not has_prefill]
+        prefill = [seconds for has_prefill, seconds in pairs if has_prefill]
+        return (sum(decode) / len(decode) if decode else math.nan,
+                sum(prefill) / len(prefill) if prefill else math.nan)
+
+    measured = means([(s.num_prefill_seqs > 0, s.seconds) for run in steps.values() for s in run if s.num_tokens])
+    for _ in range(iterations):
+        simulated = means([(s.shape.num_prefill_seqs > 0, s.seconds) for name in steps
+                           for s in simulated_run(model, name)[0].served])
+        decode, prefill = (m / s if m > 0 and s > 0 else 1.0 for m, s in zip(measured, simulated))
+        model = dataclasses.replace(model, cpu_decode_factor=model.cpu_decode_factor * decode,
+                                    cpu_prefill_factor=model.cpu_prefill_factor * prefill)
+    return model
+
+
+def fit_cpu_weights(model: StepCostModel, waits: dict[str, dict[str, float]], simulated_run) -> StepCostModel:
+    """The processes' weights on the shared cores (cpu_weights, the frontend's fixed at 1), by one pass of
+    coordinate search over WEIGHT_GRID for the worker's, the client's and the scheduler's: the simulated seconds per
+    second each of the worker, the frontend and the client waits for a core, against those measured in the same
+    runs (squared differences summed over runs and processes). The scheduler's own measured wait is left out of
+    the objective: it is the latency of its many short wake-ups, which processor sharing does not model.
+    simulated_run(model, run name) -> (SimResult, {process: wait seconds per second})."""
+    def error(weights: dict[str, float]) -> float:
+        candidate = dataclasses.replace(model, cpu_weights=weights)
+        total = 0.0
+        for name, measured in waits.items():
+            simulated = simulated_run(candidate, name)[1]
+            total += sum((simulated[p] - measured[p]) ** 2 for p in ("worker", "frontend", "client"))
+        return total
+
+    best = {"worker": 1.0, "client": 1.0, "scheduler": 1.0}
+    best_error = error(best)
+    for process in tuple(best):
+        for weight in WEIGHT_GRID:
+            trial = {**best, process: weight}
+            if trial != best and (trial_error := error(trial)) < best_error:
+                best, best_error = trial, trial_error
+    return dataclasses.replace(model, cpu_weights=best,
+                               meta={**model.meta, "cpu_weights_rms_wait": math.sqrt(best_error / (3 * len(waits)))})
+
+
+def fit_cpu(model: StepCostModel, runs: dict[str, tuple[dict, list, dict[str, float]]]) -> StepCostModel:
+    """The processes' CPU seconds per unit of work, fitted over the real runs by non-negative least squares (each
+    run's CPU seconds relative to its own total, so that a short run counts as much as a long one), for the
+    simulator's shared cores: the frontend per request in (ingress_s), per token out (egress_s) and per step's
+    results (egress_step_s); the client per request and per token; the scheduler per step (scheduler_s). runs:
+    name -> (bench_serve summary,
+    the run's served steps, CPU seconds per process)."""
+    import numpy as np
+
+    from common.step_cost import nonnegative_least_squares
+
+    def fit(process: str, columns) -> list[float]:
+        x = np.asarray([columns(summary, served) for summary, served, _ in runs.values()], dtype=np.float64)
+        y = np.asarray([max(cpu[process], 1e-6) for _, _, cpu in runs.values()], dtype=np.float64)
+        return [float(c) for c in nonnegative_least_squares(x / y[:, None], np.ones_like(y))]
+
+    ingress, egress, egress_step = fit("frontend", lambda summary, served: (
+        summary["completed"], summary["total_output_tokens"], len(served)))
+    client_request, client_token = fit("client", lambda summary, _: (summary["completed"],
+                                                                       summary["total_output_tokens"]))
+    steps = sum(len(served) for _, served, _ in runs.values())
+    return dataclasses.replace(
+        model, cores=float(len(os.sched_getaffinity(0))), ingress_s=ingress, egress_s=egress,
+        egress_step_s=egress_step, client_cpu_request_s=client_request, client_cpu_token_s=client_token,
+        scheduler_s=sum(cpu["scheduler"] for *_, cpu in runs.values()) / max(steps, 1))
 
 
 def _sim_parser() -> argparse.ArgumentParser:

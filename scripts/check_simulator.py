@@ -12,7 +12,8 @@ runs.
 On a machine whose other tenants come and go, the speed of the same server changes from one minute to the next;
 --recalibrate redoes calibrate.py's real-server stage (three short runs of its own workload, not this one) on top
 of the profile's in-process fit before each real run, and predicts that run with it, so that each calibration and
-its measurement share one window.
+its measurement share one window. --measure-capacity follows each real run with one that sends every request at
+once, whose throughput is the capacity then: it says how near saturation the offered rate really was.
 
     .venv/bin/python scripts/check_simulator.py --model ../shared/models/stories260K \\
         --profile profiles/stories260K.json --num-prompts 1500 --rate-fraction 0.9 --repeats 3
@@ -59,13 +60,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="simulations with different step-jitter seeds; the prediction is their median")
     parser.add_argument("--rate-fraction", type=float, default=None,
                         help="instead of --request-rate: this share of the capacity the simulator predicts")
+    parser.add_argument("--measure-capacity", action="store_true",
+                        help="after each real run, one more on a fresh server with every request sent at once: the "
+                             "capacity measured, to set the offered rate against (how near saturation it was)")
     args = parser.parse_args(argv)
     profile = StepCostModel.load(args.profile)
     serve_flags = ["--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens",
                    str(args.max_num_batched_tokens), "--block-size", str(args.block_size),
                    "--kv-cache-memory", str(args.kv_cache_memory)]
     load_before = os.getloadavg()
-    predictions, runs = [], []
+    predictions, runs, capacities = [], [], []
     for i in range(args.repeats):
         if args.recalibrate:  # each real run right after its own serving-stage calibration
             import calibrate
@@ -80,6 +84,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.max_concurrency:
             bench_argv += ["--max-concurrency", str(args.max_concurrency)]
         runs.append(measure(args, serve_flags, bench_argv, args.json.with_suffix(f".bench{i}.json")))
+        if args.measure_capacity:
+            at_once = [*bench_argv[:2], "--request-rate", "inf", *bench_argv[4:]]
+            capacities.append(measure(args, serve_flags, at_once, args.json.with_suffix(f".capacity{i}.json"))[0])
     load_after = os.getloadavg()
     rows, ok = [], True
     print(f"{'':<10}{'predicted ms':>14}{'measured ms':>14}{'error':>10}  within 15% or 20 ms"
@@ -107,10 +114,16 @@ def main(argv: list[str] | None = None) -> int:
                                   for summary in simulated)
     print(f"throughput req/s: predicted {predicted:.2f}, measured {throughput:.2f}; "
           f"load average {load_before[0]:.2f} before, {load_after[0]:.2f} after")
+    for i, capacity in enumerate(capacities):
+        rate = predictions[i][1]
+        print(f"run {i + 1}: offered {rate:.2f} req/s; capacity measured right after (every request at once) "
+              f"{capacity['request_throughput']:.2f} req/s: the run offered {rate / capacity['request_throughput']:.2f}"
+              f"x of it")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"rows": rows, "predicted": [{"request_rate": rate, "simulations": simulated}
                                                                 for simulated, rate, _ in predictions],
                                      "measured": [m for m, _ in runs],
+                                     "capacity_measured": [c["request_throughput"] for c in capacities],
                                      "served_steps": steps,
                                      "load_average": [load_before[0], load_after[0]],
                                      "config": {k: str(v) for k, v in vars(args).items()}}, indent=2))

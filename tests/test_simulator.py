@@ -74,6 +74,19 @@ def test_the_frontend_streams_tokens_and_takes_requests_in_through_one_queue():
     assert c.ttft == pytest.approx(0.015)
 
 
+def test_on_one_shared_core_a_step_slows_while_the_frontend_streams_the_one_before():
+    """One core for all: 10 ms steps, 4 ms of frontend per token. Step 1 runs alone (0-10 ms); its token's egress
+    and step 2 share the core, so the token leaves at 18 ms and step 2 (4 ms done by then) ends at 24; likewise
+    token 2 leaves at 32 and step 3 ends at 38; token 3 then streams alone (38-42). Cores of their own: 14, 24,
+    34 ms. The served steps are what the step log would have: 10, 14 and 14 ms."""
+    alone = StepCostModel({"step": 0.010}, egress_s=0.004)
+    [record] = sim(alone).run([request(0.0, 4, 3)]).records
+    assert record.token_times == pytest.approx([0.014, 0.024, 0.034])
+    shared = sim(StepCostModel({"step": 0.010}, egress_s=0.004, cores=1.0)).run([request(0.0, 4, 3)])
+    assert shared.records[0].token_times == pytest.approx([0.018, 0.032, 0.042])
+    assert [s.seconds for s in shared.served] == pytest.approx([0.010, 0.014, 0.014])
+
+
 def test_chunked_prefill_under_the_token_budget():
     """A 10-token prompt under a budget of 4 tokens needs 3 steps: first token at 30 ms."""
     [record] = sim(max_num_batched_tokens=4).run([request(0.0, 10, 1)]).records

@@ -1,5 +1,6 @@
 """The step-cost model: shapes of steps, the non-negative fit, the closed-form decode run, the JSON profile."""
 
+import dataclasses
 import random
 
 import pytest
@@ -138,15 +139,28 @@ def test_jitter_persistence_finds_the_slow_part_of_the_spread():
 def test_profile_round_trips_through_json(tmp_path):
     model = StepCostModel(TRUE, scheduler_s=1e-4, client_s=2e-3, meta={"model": "x"}, jitter=0.3,
                           decode_factor=1.2, prefill_factor=0.9, serving_step_s=4e-3, serving_token_s=1e-5,
-                          ingress_s=7e-4, egress_s=5e-5, jitter_slow_share=0.6, jitter_memory_s=0.3)
+                          ingress_s=7e-4, egress_s=5e-5, jitter_slow_share=0.6, jitter_memory_s=0.3, cores=2.0,
+                          cpu_decode_factor=0.8, cpu_prefill_factor=0.7, egress_step_s=3e-4,
+                          client_cpu_request_s=1e-3, client_cpu_token_s=9e-5, cpu_weights={"worker": 1.5})
     model.save(tmp_path / "p.json")
     loaded = StepCostModel.load(tmp_path / "p.json")
-    assert loaded.coefficients == TRUE and loaded.scheduler_s == 1e-4 and loaded.client_s == 2e-3
-    assert (loaded.jitter, loaded.decode_factor, loaded.prefill_factor, loaded.serving_step_s,
-            loaded.serving_token_s, loaded.ingress_s, loaded.egress_s, loaded.jitter_slow_share,
-            loaded.jitter_memory_s) == (0.3, 1.2, 0.9, 4e-3, 1e-5, 7e-4, 5e-5, 0.6, 0.3)
-    assert loaded.meta == {"model": "x"}
+    assert loaded == model  # every field, each set to a value other than its default
+    assert all(getattr(model, f.name) != f.default for f in dataclasses.fields(StepCostModel)
+               if f.default is not dataclasses.MISSING)
     shape = shape_of([(3, 1, True), (0, 30, True)])
     assert loaded.predict(shape) == model.predict(shape)
+
+
+def test_worker_seconds_with_shared_cores_are_the_served_parts_scaled():
+    """Without cores the simulator runs predict(); with them, the served fit's decode part (with its per-step and
+    per-token terms) times cpu_decode_factor plus its prefill part times cpu_prefill_factor."""
+    served = StepCostModel(TRUE, decode_factor=1.2, prefill_factor=1.5, serving_step_s=1e-3, serving_token_s=2e-5)
+    shape = shape_of([(40, 1, True), (41, 1, True), (0, 30, True)])
+    assert served.worker_seconds(shape) == served.predict(shape)
+    shared = dataclasses.replace(served, cores=2.0, cpu_decode_factor=0.5, cpu_prefill_factor=0.25)
+    decode, prefill = served.parts(shape)
+    assert shared.worker_seconds(shape) == pytest.approx(
+        0.5 * (1.2 * decode + 1e-3 + 2e-5 * 3) + 0.25 * 1.5 * prefill)
+    assert shared.worker_seconds(shape_of([])) == 0.0
     with pytest.raises(ValueError):
         StepCostModel({"bogus": 1.0})
