@@ -55,18 +55,31 @@ class SharedCores:
         """How long each process has had work but no core so far (seconds): its run-queue wait."""
         return {name: busy - cpu for name, busy, cpu in zip(self._names, self._busy_seconds, self._cpu)}
 
-    def submit(self, lane: str, work: float, on_done: Callable[[float], None] | None = None) -> None:
+    def submit(self, lane: str, work: float, on_done: Callable[[float], None] | None = None) -> list | None:
         """Queue `work` CPU seconds on `lane` at the current time; on_done(time) runs when it completes (at once,
-        when the lane is idle and the work is 0)."""
+        when the lane is idle and the work is 0). Returns the job, for waiting() and add(), or None when it
+        completed at once."""
         index = self._index[lane]
         queue = self._queues[index]
         if not queue:
             if work <= DONE:
                 if on_done is not None:
                     on_done(self.now)
-                return
+                return None
             self._active = tuple(sorted((*self._active, index)))
-        queue.append([work, on_done])
+        job = [work, on_done]
+        queue.append(job)
+        return job
+
+    def waiting(self, lane: str, job: list) -> bool:
+        """Whether `job`, submitted to `lane` and not completed, has not started yet (another job runs first)."""
+        queue = self._queues[self._index[lane]]
+        return bool(queue) and queue[0] is not job
+
+    @staticmethod
+    def add(job: list, work: float) -> None:
+        """Give a job that has not completed `work` more CPU seconds."""
+        job[0] += work
 
     def busy(self, lane: str) -> bool:
         return bool(self._queues[self._index[lane]])

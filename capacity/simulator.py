@@ -4,8 +4,10 @@ virtual clock and a step-cost model instead of a worker.
 The processes are lanes of CPU work on the machine's cores (capacity/shared_cores.py): the worker runs each step
 (StepCostModel.worker_seconds of its shape, times the jitter), the scheduler plans and settles (scheduler_s per
 step, half each), the frontend takes each request in (ingress_s: HTTP, tokenization, submit) and streams each
-step's outputs (egress_step_s, then egress_s per token), and the benchmark client reads them (client_cpu_*);
-client_s is added to every token a client sees. With cost.cores 0 each process has a core of its own; with cores
+step's outputs (egress_step_s, then egress_s per token), and the benchmark client reads them (client_cpu_*; a
+busy client reads what waits in a stream's socket at once: outputs that reach a stream whose read has not started
+join it, and their tokens arrive together, as bench_serve.py's reads do); client_s is added to every token a client
+sees. With cost.cores 0 each process has a core of its own; with cores
 they share them, so a step runs slower while the frontend and the client stream the step before, and near
 saturation everything queues for the cores as on the machine.
 
@@ -214,6 +216,7 @@ class Simulator:
         samples: list[Sample] = []
         pool = scheduler.kv.pool
         served: list[ServedSeconds] = []
+        reading: dict[str, tuple[list, list]] = {}  # request -> (its client read not done yet, the outputs in it)
         worker_done = 0.0  # when the worker's last step ended
         blocked_until = -math.inf  # nothing fitted at the last plan: wait for news, or for the idle poll
         news = True  # something the scheduler acts on happened since its last turn
@@ -254,11 +257,27 @@ class Simulator:
             if outputs and cost.egress_step_s:
                 cores.submit("frontend", cost.egress_step_s)
             for output in outputs:
-                n = len(output.new_token_ids)
-                cores.submit("frontend", cost.egress_s * n,
-                             lambda _, output=output, n=n: cores.submit(
-                                 "client", cost.client_cpu_request_s * (output.finish_reason is not None)
-                                 + cost.client_cpu_token_s * n, lambda t, output=output: received(output, t)))
+                cores.submit("frontend", cost.egress_s * len(output.new_token_ids),
+                             lambda _, output=output: streamed(output))
+
+        def streamed(output) -> None:  # in the stream's socket: the client reads all that waits there at once
+            work = (cost.client_cpu_request_s * (output.finish_reason is not None)
+                    + cost.client_cpu_token_s * len(output.new_token_ids))
+            read = reading.get(output.request_id)
+            if read is not None and cores.waiting("client", read[0]):
+                cores.add(read[0], work)
+                read[1].append(output)
+                return
+            batch = [output]
+            job = cores.submit("client", work, lambda t: read_done(output.request_id, batch, t))
+            if job is not None:
+                reading[output.request_id] = (job, batch)
+
+        def read_done(request_id: str, batch: list, t: float) -> None:
+            if reading.get(request_id, (None, None))[1] is batch:
+                del reading[request_id]
+            for output in batch:
+                received(output, t)
 
         def received(output, t: float) -> None:
             record = records[int(output.request_id)]

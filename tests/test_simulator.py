@@ -173,3 +173,13 @@ def test_persistent_jitter_makes_runs_of_slow_steps():
     slow = gaps(StepCostModel({"step": 0.010}, jitter=0.3, jitter_slow_share=1.0, jitter_memory_s=1.0))
     assert abs(lag1(fresh)) < 0.1 and lag1(slow) > 0.9
     assert statistics.fmean(slow) == pytest.approx(0.010, rel=0.15)
+
+
+def test_a_busy_client_reads_the_tokens_waiting_in_a_stream_at_once():
+    """10 ms steps, a client that needs 25 ms per token (its own core): token 1 (out at 10 ms) is read 10-35;
+    token 2 (20 ms) waits for that read, and token 3 (30 ms) joins token 2's read, which has not started: both are
+    read 35-85 and arrive together; token 4 (40 ms) comes when that read is under way: its own read, 85-110."""
+    slow_client = StepCostModel({"step": 0.010}, client_cpu_token_s=0.025)
+    [record] = sim(slow_client).run([request(0.0, 4, 4)]).records
+    assert record.token_times == pytest.approx([0.035, 0.085, 0.085, 0.110])
+    assert record.itls == pytest.approx([0.050, 0.0, 0.025])
