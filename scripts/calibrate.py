@@ -211,8 +211,7 @@ def fit_cpu(model: StepCostModel, runs: dict[str, tuple[dict, list, dict[str, fl
     run's CPU seconds relative to its own total, so that a short run counts as much as a long one), for the
     simulator's shared cores: the frontend per request in (ingress_s), per token out (egress_s) and per step's
     results (egress_step_s); the client per request and per token; the scheduler per step (scheduler_s). runs:
-    name -> (bench_serve summary,
-    the run's served steps, CPU seconds per process)."""
+    name -> (bench_serve summary, the run's served steps, CPU seconds per process)."""
     import numpy as np
 
     from common.step_cost import nonnegative_least_squares
