@@ -1,17 +1,13 @@
-"""calibrate.py's fits for the simulator's shared cores, on synthetic runs whose truth is known."""
+"""The fits of the simulator's shared cores to real runs (capacity/serving_fit.py), on synthetic runs whose truth
+is known."""
 
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
+from capacity import serving_fit
 from capacity.simulator import ServedSeconds
 from common.step_cost import StepCostModel, StepShape
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-
-import calibrate  # noqa: E402
 
 DECODE = StepShape(8, 0, 8, 0, 800, 8)
 PREFILL = StepShape(100, 1, 0, 5000, 0, 1)
@@ -30,7 +26,7 @@ def test_cpu_per_request_token_and_step_are_recovered_from_three_runs():
         cpu = {"frontend": 2e-3 * requests + 1e-4 * tokens + 5e-4 * steps, "client": 1e-3 * requests + 8e-5 * tokens,
                "scheduler": 1e-3 * steps, "worker": 1.0}
         runs[name] = ({"completed": requests, "total_output_tokens": tokens}, [served(DECODE, 0.01)] * steps, cpu)
-    fitted = calibrate.fit_cpu(StepCostModel({"step": 1e-3}), runs)
+    fitted = serving_fit.fit_cpu(StepCostModel({"step": 1e-3}), runs)
     assert (fitted.ingress_s, fitted.egress_s, fitted.egress_step_s) == pytest.approx((2e-3, 1e-4, 5e-4), rel=1e-6)
     assert (fitted.client_cpu_request_s, fitted.client_cpu_token_s) == pytest.approx((1e-3, 8e-5), rel=1e-6)
     assert fitted.scheduler_s == pytest.approx(1e-3) and fitted.cores >= 1
@@ -48,10 +44,10 @@ def test_worker_work_is_scaled_until_the_simulated_steps_last_what_the_servers_l
         return SimpleNamespace(served=steps), {}
 
     logged = {"run": [served(DECODE, 0.010), served(PREFILL, 0.040)]}
-    fitted = calibrate.fit_worker_work(model, logged, simulated_run, iterations=20)
+    fitted = serving_fit.fit_worker_work(model, logged, simulated_run, iterations=20)
     assert 2 * fitted.worker_seconds(DECODE) == pytest.approx(0.010)
     assert 4 * fitted.worker_seconds(PREFILL) == pytest.approx(0.040, rel=1e-6)
-    assert calibrate.fit_worker_work(StepCostModel({"step": 1e-3}), logged, simulated_run).cpu_decode_factor == 1.0
+    assert serving_fit.fit_worker_work(StepCostModel({"step": 1e-3}), logged, simulated_run).cpu_decode_factor == 1.0
 
 
 def test_weights_are_chosen_to_match_the_measured_waits():
@@ -61,5 +57,5 @@ def test_weights_are_chosen_to_match_the_measured_waits():
         return None, {"worker": 0.3 / weight, "frontend": 0.2, "client": 0.1, "scheduler": 0.0}
 
     waits = {"run": {"worker": 0.1, "frontend": 0.2, "client": 0.1, "scheduler": 0.5}}
-    fitted = calibrate.fit_cpu_weights(StepCostModel({"step": 1e-3}, cores=2.0), waits, simulated_run)
+    fitted = serving_fit.fit_cpu_weights(StepCostModel({"step": 1e-3}, cores=2.0), waits, simulated_run)
     assert fitted.cpu_weights["worker"] == 3.0 and fitted.meta["cpu_weights_rms_wait"] == pytest.approx(0.0)
