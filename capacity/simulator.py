@@ -38,7 +38,7 @@ from capacity.shared_cores import SharedCores
 from capacity.workload import SimRequest
 from scheduler.admission import SloAdmission
 from scheduler.kv_cache import KVCacheManager
-from scheduler.scheduler import Scheduler
+from scheduler.scheduler import ScheduledStep, Scheduler
 
 CLIENT = b"sim"
 FILLER_TOKEN = 5  # the fabricated sampled token; never an end-of-sequence id in the simulation
@@ -93,6 +93,15 @@ class ServedSeconds:
 
     shape: StepShape
     seconds: float
+
+
+@dataclass(slots=True)
+class _Flight:
+    """A planned step until it is settled."""
+
+    step: ScheduledStep
+    result_back: bool = False
+    sent_at: float = math.nan  # when the scheduler handed it to the worker
 
 
 @dataclass
@@ -173,8 +182,7 @@ class Simulator:
         self.cost = cost
         self.max_in_flight = 2 if config.async_scheduling else 1
         self.max_concurrency = max_concurrency
-        self.now = 0.0
-        self.cores: SharedCores | None = None  # the last run's processes
+        self.cores: SharedCores | None = None  # the last run's processes; their clock is the simulation's
         self._noise = random.Random(seed)  # step-time jitter (cost.jitter), seeded: runs repeat exactly
         self._slow: float | None = None  # the persistent part of the jitter's log, carried from step to step
         # the scheduler never sees the profile path: admission gets the model and the virtual clock directly
@@ -184,6 +192,11 @@ class Simulator:
         self.scheduler.admission = SloAdmission(config.ttft_slo_ms,
                                                 None if use_online_admission else (admission_cost or cost),
                                                 clock=lambda: self.now)
+
+    @property
+    def now(self) -> float:
+        """The virtual time in seconds: the clock of the run's processes (0 before a run)."""
+        return self.cores.now if self.cores is not None else 0.0
 
     def _jittered(self, seconds: float) -> float:
         """The step's seconds times its log-normal factor (mean 1): a persistent part that decays over the step's
@@ -212,7 +225,7 @@ class Simulator:
         slots = deque([0.0] * self.max_concurrency) if self.max_concurrency is not None else None
         cores = SharedCores(("worker", "scheduler", "frontend", "client"), cost.cores, cost.cpu_weights)
         self.cores = cores  # kept for what each process ran and waited (calibrate.py fits the weights to it)
-        in_flight: deque[list] = deque()  # [step, result back, sent to the worker at] in the order planned
+        in_flight: deque[_Flight] = deque()  # in the order planned
         samples: list[Sample] = []
         pool = scheduler.kv.pool
         served: list[ServedSeconds] = []
@@ -244,7 +257,6 @@ class Simulator:
 
         def submitted(index: int, t: float) -> None:  # the frontend hands the request to the scheduler
             request = workload[index]
-            self.now = t
             scheduler.add_request(CLIENT, Submit(
                 str(index), request.prompt_token_ids, SamplingParams(max_tokens=request.output_len,
                                                                      ignore_eos=True, temperature=0.0),
@@ -297,7 +309,7 @@ class Simulator:
             if len(in_flight) < self.max_in_flight and scheduler.has_work and blocked_until < self.now:
                 step = scheduler.schedule()
                 if not step.is_empty:
-                    flight = [step, False]
+                    flight = _Flight(step)
                     in_flight.append(flight)
                     samples.append(Sample(self.now, scheduler.num_waiting, len(scheduler.running),
                                           (pool.num_blocks - pool.num_free) / pool.num_blocks, step.num_tokens))
@@ -306,14 +318,14 @@ class Simulator:
 
                     def result_back(t: float) -> None:
                         nonlocal news, worker_done
-                        flight[1] = news = True
-                        served.append(ServedSeconds(shape, t - max(flight[2], worker_done)))
+                        flight.result_back = news = True
+                        served.append(ServedSeconds(shape, t - max(flight.sent_at, worker_done)))
                         worker_done = t
 
                     def planned(t: float) -> None:
                         nonlocal news
                         news = True
-                        flight.append(t)
+                        flight.sent_at = t
                         cores.submit("worker", work, result_back)
 
                     cores.submit("scheduler", cost.scheduler_s / 2, planned)
@@ -321,8 +333,8 @@ class Simulator:
                 if not in_flight and next_send() == math.inf and cores.next_event() == math.inf:
                     raise RuntimeError("the scheduler can make no progress: nothing fits and nothing runs")
                 blocked_until = math.inf if in_flight else self.now + IDLE_POLL_S
-            if in_flight and in_flight[0][1]:
-                step = in_flight.popleft()[0]
+            if in_flight and in_flight[0].result_back:
+                step = in_flight.popleft().step
                 sampled = step.sampling_ids
                 scheduler.update_from_output(step, StepResult(step.plan.step_id, sampled,
                                                               [FILLER_TOKEN] * len(sampled)))
@@ -345,7 +357,6 @@ class Simulator:
                     raise RuntimeError("the scheduler can make no progress: nothing fits and nothing runs")
                 break
             cores.advance(upcoming)
-            self.now = upcoming
             if -math.inf < blocked_until <= self.now:  # the idle poll: try again
                 unblock()
             send_due()
