@@ -179,6 +179,10 @@ class StepCostModel:
         serving = (self.serving_step_s, 0.0, 0.0, 0.0, 0.0, 0.0, self.serving_token_s, 0.0)
         self._weights = tuple(self.decode_factor * d + self.prefill_factor * p + s
                               for d, p, s in zip(self._decode_weights, self._prefill_weights, serving))
+        # with shared cores, the worker's own share of each part of the served prediction (worker_seconds)
+        self._worker_weights = tuple(self.cpu_decode_factor * (self.decode_factor * d + s)
+                                     + self.cpu_prefill_factor * self.prefill_factor * p
+                                     for d, p, s in zip(self._decode_weights, self._prefill_weights, serving))
 
     def in_process(self) -> "StepCostModel":
         """The worker alone: the same coefficients and scheduler time, without the serving corrections, the
@@ -248,15 +252,14 @@ class StepCostModel:
 
     def worker_seconds(self, shape: StepShape) -> float:
         """What the simulator runs on the worker for a step: with shared `cores`, the served prediction's decode
-        and prefill parts scaled by cpu_decode_factor and cpu_prefill_factor (the waits for a core that the
-        served fit averages over are then the sharing's to add), else predict(shape)."""
+        part (with serving_step_s and serving_token_s) times cpu_decode_factor plus its prefill part times
+        cpu_prefill_factor (the waits for a core that the served fit averages over are then the sharing's to add);
+        else predict(shape)."""
         if not self.cores:
             return self.predict(shape)
         if shape.num_tokens == 0:
             return 0.0
-        decode, prefill = self.parts(shape)
-        served_decode = self.decode_factor * decode + self.serving_step_s + self.serving_token_s * shape.num_sampled
-        return self.cpu_decode_factor * served_decode + self.cpu_prefill_factor * self.prefill_factor * prefill
+        return sum(w * x for w, x in zip(self._worker_weights, shape.features()))
 
     def decode_run(self, num_seqs: int, context_sum: int, num_steps: int) -> float:
         """Seconds for `num_steps` consecutive decode steps of `num_seqs` sequences whose contexts sum to
