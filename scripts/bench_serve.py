@@ -38,6 +38,7 @@ class RequestResult:
     ok: bool
     prompt_len: int = 0
     output_tokens: int = 0
+    sent: float = 0.0  # perf_counter seconds when the request was sent
     ttft: float = 0.0
     e2e: float = 0.0
     itls: list[float] = field(default_factory=list)
@@ -96,7 +97,7 @@ async def run_one(session: aiohttp.ClientSession, url: str, model: str, spec: Re
     body = {"model": model, "prompt": spec.prompt, "max_tokens": spec.max_tokens, "temperature": 0.0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
-    result = RequestResult(ok=False, prompt_len=spec.prompt_len)
+    result = RequestResult(ok=False, prompt_len=spec.prompt_len, sent=start)
     last = start
     try:
         async with session.post(f"{url}/v1/completions", json=body) as response:
@@ -197,6 +198,17 @@ def summarize(results: list[RequestResult], duration: float, ttft_slo_ms: float 
     }
 
 
+def save_requests(path: str, results: list[RequestResult]) -> None:
+    """One JSON line per request, in the order sent: when it was sent (seconds after the first), its lengths
+    (tokens), TTFT, end-to-end latency and inter-token latencies (seconds), and its error ("" when it succeeded)."""
+    first = min((r.sent for r in results), default=0.0)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        for r in sorted(results, key=lambda r: r.sent):
+            f.write(json.dumps({"sent_s": r.sent - first, "prompt_len": r.prompt_len, "output_tokens": r.output_tokens,
+                                "ttft_s": r.ttft, "e2e_s": r.e2e, "itls_s": r.itls, "error": r.error}) + "\n")
+
+
 def print_table(summary: dict) -> None:
     print(f"{'completed':<28}{summary['completed']:>12}   failed {summary['failed']}")
     print(f"{'duration (s)':<28}{summary['duration_s']:>12.2f}")
@@ -230,6 +242,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--result-json", default="bench_results/bench_serve.json")
     parser.add_argument("--api-key", default=os.environ.get("SHUTTLE_API_KEY"),
                         help="sent as Authorization: Bearer (default: $SHUTTLE_API_KEY)")
+    parser.add_argument("--save-requests", default=None, metavar="JSONL",
+                        help="also write one line per request: sent_s (since the first was sent), prompt_len, "
+                             "output_tokens, ttft_s, e2e_s, itls_s, error")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
 
@@ -250,6 +265,9 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.result_json, "w") as f:
             json.dump(summary, f, indent=2)
         print(f"wrote {args.result_json}")
+    if args.save_requests:
+        save_requests(args.save_requests, results)
+        print(f"wrote {args.save_requests}")
     return 0 if summary["failed"] == 0 else 1
 
 
