@@ -5,7 +5,10 @@ work than there are cores, the cores are shared among them in proportion to thei
 one core (generalised processor sharing: Parekh and Gallager, "A generalized processor sharing approach to flow
 control in integrated services networks", IEEE/ACM Transactions on Networking 1(3), 1993; what one core can
 not use goes to the others, as in water-filling); otherwise each runs at full speed. A job's work is its CPU
-seconds; its callback runs at the virtual time it completes and may submit more jobs.
+seconds at the machine's nominal speed; its callback runs at the virtual time it completes and may submit more jobs.
+The machine's speed (`speed`, 1 nominal) scales how fast every process's work progresses while it holds a core, as a
+shared host's other tenants slow all of them alike; the CPU seconds counted are the time on a core, as /proc counts
+them.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ class SharedCores:
             raise ValueError(f"cores must be >= 0, got {cores}")
         self.cores = cores
         self.now = 0.0
+        self._speed = 1.0
         self._names = list(lanes)
         self._weights = [float((weights or {}).get(name, 1.0)) for name in self._names]
         if min(self._weights, default=1.0) <= 0:
@@ -54,6 +58,22 @@ class SharedCores:
     def wait_seconds(self) -> dict[str, float]:
         """How long each process has had work but no core so far (seconds): its run-queue wait."""
         return {name: busy - cpu for name, busy, cpu in zip(self._names, self._busy_seconds, self._cpu)}
+
+    @property
+    def speed(self) -> float:
+        """Work done per second on a core, relative to nominal (1.0)."""
+        return self._speed
+
+    @speed.setter
+    def speed(self, value: float) -> None:
+        """Change the machine's speed from the current time on.
+
+        Raises:
+            ValueError: a speed that is not positive.
+        """
+        if not value > 0:
+            raise ValueError(f"speed must be positive, got {value}")
+        self._speed = float(value)
 
     def submit(self, lane: str, work: float, on_done: Callable[[float], None] | None = None) -> list | None:
         """Queue `work` CPU seconds on `lane` at the current time; on_done(time) runs when it completes (at once,
@@ -108,7 +128,7 @@ class SharedCores:
         if not self._active:
             return math.inf
         rates, queues = self.rates(), self._queues
-        return self.now + min(queues[i][0][0] / rates[i] for i in self._active)
+        return self.now + min(queues[i][0][0] / rates[i] for i in self._active) / self._speed
 
     def advance(self, until: float) -> None:
         """Run the processes up to `until`, completing jobs in time order (lanes in their given order at a tie).
@@ -136,8 +156,8 @@ class SharedCores:
         if elapsed > 0 and self._active:
             rates, queues, cpu, busy = self.rates(), self._queues, self._cpu, self._busy_seconds
             for i in self._active:
-                work = rates[i] * elapsed
-                queues[i][0][0] -= work
-                cpu[i] += work
+                on_core = rates[i] * elapsed
+                queues[i][0][0] -= on_core * self._speed
+                cpu[i] += on_core
                 busy[i] += elapsed
         self.now = until

@@ -57,3 +57,21 @@ def test_zero_work_on_an_idle_lane_completes_at_once_and_time_only_goes_forward(
         cores.advance(0.5)
     with pytest.raises(ValueError):
         SharedCores(("a",), cores=1, weights={"a": 0.0})
+
+
+def test_a_slower_machine_slows_every_process_and_counts_time_on_a_core():
+    """At half speed from 0.5 s: a's 1 CPU second (nominal) has 0.5 left, done at 0.5 + 0.5 / 0.5 = 1.5 s, and it
+    was on its core 1.5 s; b, sharing nothing, alike."""
+    cores = SharedCores(("a", "b"), cores=2)
+    done = []
+    cores.submit("a", 1.0, done.append)
+    cores.submit("b", 1.0, done.append)
+    cores.advance(0.5)
+    cores.speed = 0.5
+    assert cores.next_event() == pytest.approx(1.5)
+    cores.advance(2.0)
+    assert done == [pytest.approx(1.5), pytest.approx(1.5)]
+    assert cores.cpu_seconds == pytest.approx({"a": 1.5, "b": 1.5})
+    assert cores.wait_seconds == pytest.approx({"a": 0.0, "b": 0.0})
+    with pytest.raises(ValueError):
+        cores.speed = 0.0
