@@ -12,7 +12,8 @@ def test_bench_serve_tiny(server, tmp_path):
     out = tmp_path / "bench.json"
     result = subprocess.run([sys.executable, "scripts/bench_serve.py", "--url", server.url, "--num-prompts", "12",
                              "--max-concurrency", "4", "--input-len", "32", "--output-len", "8",
-                             "--ttft-slo-ms", "10000", "--result-json", str(out), "--no-progress"],
+                             "--ttft-slo-ms", "10000", "--result-json", str(out), "--no-progress",
+                             "--save-requests", str(tmp_path / "requests.jsonl")],
                             cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     summary = json.loads(out.read_text())
@@ -28,3 +29,10 @@ def test_bench_serve_tiny(server, tmp_path):
     for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         assert set(summary[key]) == {"mean", "median", "p90", "p99"} and summary[key]["p99"] >= summary[key]["median"]
     assert "TTFT" in result.stdout and "output throughput" in result.stdout
+    # --save-requests: one line per request, in the order sent, each with its own lengths and latencies
+    lines = [json.loads(line) for line in (tmp_path / "requests.jsonl").read_text().splitlines()]
+    assert len(lines) == 12 and lines[0]["sent_s"] == 0.0
+    assert [line["sent_s"] for line in lines] == sorted(line["sent_s"] for line in lines)
+    assert sorted(line["output_tokens"] for line in lines) == sorted(w.max_tokens for w in workload)
+    assert all(len(line["itls_s"]) <= line["output_tokens"] - 1 and 0 < line["ttft_s"] <= line["e2e_s"]
+               and line["error"] == "" for line in lines)
