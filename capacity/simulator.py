@@ -18,8 +18,11 @@ sent together the first is planned alone, as a real server does). Sampled tokens
 end-of-sequence id: outputs have their workload length, as with bench_serve.py's ignore_eos), so everything else
 (chunked prefill, KV blocks, prefix cache, preemption, admission, SLO refusals) is the real code's behaviour.
 
+The machine's speed follows cost.speed_trace (capacity/machine_speed.py), when the profile has one: every process's
+work runs slower in its slow spells, as on a shared host.
+
 Deterministic: the same workload, configuration, cost model and seed give the same result, bit for bit (the
-seed drives the optional step-time jitter of the cost model).
+seed drives the optional step-time jitter of the cost model and where the speed trace starts).
 """
 
 from __future__ import annotations
@@ -159,6 +162,26 @@ def percentiles(values: list[float]) -> dict[str, float]:
             "p99": 1000 * rank(99)}
 
 
+class _MachineSpeed:
+    """The machine's speed during a run: cost.speed_trace replayed from `start` or a point the seed draws
+    (wrapping around), one value per interval; constant 1 without a trace."""
+
+    def __init__(self, trace: list[float], interval_s: float, rng: random.Random, start: int | None = None):
+        self._trace, self._interval = trace, interval_s
+        self._index = (rng.randrange(len(trace)) if start is None else start % len(trace)) if trace else 0
+        self._intervals = 0
+        self.value = trace[self._index] if trace else 1.0
+        self.next_change = interval_s if trace else math.inf
+
+    def advance(self) -> float:
+        """Move to the next interval; its speed."""
+        self._intervals += 1
+        self.next_change = (self._intervals + 1) * self._interval
+        self._index = (self._index + 1) % len(self._trace)
+        self.value = self._trace[self._index]
+        return self.value
+
+
 class Simulator:
     """One serving group in virtual time.
 
@@ -173,15 +196,20 @@ class Simulator:
         max_concurrency: closed loop: at most this many unfinished requests; the next one is sent when one ends.
         admission_cost: the cost model SLO admission predicts with (default: `cost`); None with
             use_online_admission fits it online from the simulated steps, as a server without a profile does.
+        seed: draws the step jitter and where cost.speed_trace starts.
+        speed_start: the interval of cost.speed_trace the run starts at (None: drawn by the seed); 0 replays a
+            trace measured alongside a real run in step with it.
     """
 
     def __init__(self, config: SchedulerConfig, num_blocks: int, block_size: int, max_model_len: int,
                  cost: StepCostModel, enable_prefix_caching: bool = True, max_concurrency: int | None = None,
-                 admission_cost: StepCostModel | None = None, use_online_admission: bool = False, seed: int = 0):
+                 admission_cost: StepCostModel | None = None, use_online_admission: bool = False, seed: int = 0,
+                 speed_start: int | None = None):
         self.config = config
         self.cost = cost
         self.max_in_flight = 2 if config.async_scheduling else 1
         self.max_concurrency = max_concurrency
+        self.speed_start = speed_start
         self.cores: SharedCores | None = None  # the last run's processes; their clock is the simulation's
         self._noise = random.Random(seed)  # step-time jitter (cost.jitter), seeded: runs repeat exactly
         self._slow: float | None = None  # the persistent part of the jitter's log, carried from step to step
@@ -233,6 +261,8 @@ class Simulator:
         worker_done = 0.0  # when the worker's last step ended
         blocked_until = -math.inf  # nothing fitted at the last plan: wait for news, or for the idle poll
         news = True  # something the scheduler acts on happened since its last turn
+        speed = _MachineSpeed(cost.speed_trace, cost.speed_interval_s, self._noise, self.speed_start)
+        cores.speed = speed.value
 
         def unblock(_: float = 0.0) -> None:
             nonlocal blocked_until, news
@@ -356,7 +386,9 @@ class Simulator:
                 if scheduler.has_work or in_flight:
                     raise RuntimeError("the scheduler can make no progress: nothing fits and nothing runs")
                 break
-            cores.advance(upcoming)
+            cores.advance(min(upcoming, speed.next_change))
+            if cores.now >= speed.next_change:
+                cores.speed = speed.advance()
             if -math.inf < blocked_until <= self.now:  # the idle poll: try again
                 unblock()
             send_due()

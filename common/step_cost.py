@@ -142,6 +142,12 @@ class StepCostModel:
             equally (stories260K served at 40 req/s on 2 cores: the worker waited for a core 0.13 s per second,
             the frontend 0.32 s, the client 0.11 s, from /proc/PID/task/*/schedstat); fitted so that the simulated
             waits match the measured ones.
+        speed_trace: the machine's speed measured over time (capacity/machine_speed.py), relative to its mean,
+            one value per speed_interval_s: a shared host slows every process alike for seconds at a time (a
+            Python-bound probe on this machine: about 0.55-0.7x for 2-8 s, every 15-30 s), which at 0.9x of the
+            mean capacity makes the queues of the real runs' tails. The simulator replays it, from a point its seed
+            draws, scaling every process's work on the shared cores; empty: constant speed.
+        speed_interval_s: seconds each value of speed_trace lasts.
     """
 
     coefficients: dict[str, float]
@@ -164,6 +170,8 @@ class StepCostModel:
     client_cpu_request_s: float = 0.0
     client_cpu_token_s: float = 0.0
     cpu_weights: dict = field(default_factory=dict)
+    speed_trace: list = field(default_factory=list)
+    speed_interval_s: float = 0.0
 
     def __post_init__(self):
         unknown = set(self.coefficients) - set(FEATURES)
@@ -274,7 +282,7 @@ class StepCostModel:
 
     def to_json(self) -> dict:
         return {"coefficients": dict(self.coefficients), **{name: getattr(self, name) for name in _SCALARS},
-                "cpu_weights": dict(self.cpu_weights), "meta": self.meta}
+                "cpu_weights": dict(self.cpu_weights), "speed_trace": list(self.speed_trace), "meta": self.meta}
 
     def save(self, path: str | Path) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -287,7 +295,7 @@ class StepCostModel:
         floats = {name: float(data[name]) for name in _SCALARS if name in data}  # older profiles lack some
         weights = {name: float(w) for name, w in data.get("cpu_weights", {}).items()}
         return StepCostModel(dict(data["coefficients"]), meta=dict(data.get("meta", {})), cpu_weights=weights,
-                             **floats)
+                             speed_trace=[float(v) for v in data.get("speed_trace", [])], **floats)
 
     # ---- fitting ----------------------------------------------------------------------------------------
 
@@ -318,7 +326,7 @@ class StepCostModel:
 
 
 _SCALARS = tuple(f.name for f in dataclasses.fields(StepCostModel)
-                 if f.name not in ("coefficients", "meta", "cpu_weights"))
+                 if f.name not in ("coefficients", "meta", "cpu_weights", "speed_trace"))
 
 
 def jitter_persistence(log_ratio, seconds) -> tuple[float, float]:

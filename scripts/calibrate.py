@@ -10,7 +10,10 @@ clients share the machine's cores (decode_factor, prefill_factor, serving_step_s
 served steps spread (jitter); from each process's CPU time and waits for a core, what the frontend, the client
 and the scheduler spend per request, token and step, the worker's own share of a served step, and how the OS shares
 the cores among them (the simulator's shared cores, capacity/shared_cores.py); and the latency left between the
-worker and the client (client_s) from the first run's median TTFT. It prints each measurement, the fit and each run measured next to simulated, and writes:
+worker and the client (client_s) from the first run's median TTFT. While the server runs, a small monitor
+process traces the machine's speed (capacity/machine_speed.py): the simulator replays that trace on every process,
+and check_simulator.py measures later runs against its mean (meta speed_reference_cpu_s). It prints each measurement, the fit and each run
+measured next to simulated, and writes:
 
     .venv/bin/python scripts/calibrate.py --model ../shared/models/stories260K --out profiles/stories260K.json
     .venv/bin/python scripts/calibrate.py --model /tmp/shuttle-models/llama-110m --out profiles/llama-110m.json
@@ -36,10 +39,13 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import bench_serve  # noqa: E402
 import simulate  # noqa: E402
+from capacity import machine_speed  # noqa: E402
 from capacity.calibrate import Calibrator  # noqa: E402
 from capacity.serving_fit import fit_cpu, fit_cpu_weights, fit_worker_work  # noqa: E402
 from common.step_cost import FEATURES, StepCostModel  # noqa: E402
 from scheduler.step_log import read_step_log  # noqa: E402
+
+SPEED_INTERVAL_S = 0.5  # the machine's speed is traced in steps of this many seconds
 
 
 def serve_check(model_dir: str, model: StepCostModel, concurrencies: list[int], num_prompts: int = 32,
@@ -55,7 +61,10 @@ def serve_check(model_dir: str, model: StepCostModel, concurrencies: list[int], 
     fit_worker_work (the worker's own share of a served step) and fit_cpu_weights (how the cores are shared);
     then the latency between the worker and the client (client_s), what the low-concurrency run's median TTFT has
     beyond the simulated one. Each run has 4 requests per stream, so that its medians are the steady state's, not the first
-    burst's. Returns the corrected model; meta["serve_check"] holds each run, measured and simulated."""
+    burst's. A monitor process (capacity/machine_speed.py) traces the machine's speed through the three runs; the
+    fits see its mean, and the trace, relative to that mean, goes into the model afterwards (speed_trace; meta
+    speed_reference_cpu_s is the monitor's unit at that mean). Returns the corrected model; meta["serve_check"]
+    holds each run, measured and simulated."""
     from tests.server import ShuttleServer
 
     low_c, high_c = concurrencies
@@ -74,23 +83,28 @@ def serve_check(model_dir: str, model: StepCostModel, concurrencies: list[int], 
     log_path.unlink(missing_ok=True)
     cpu_s: dict[str, dict[str, float]] = {}  # per run: CPU seconds of each process, and of the client (this one)
     waits: dict[str, dict[str, float]] = {}  # per run: seconds per second each waited for a core (None: unknown)
+    windows = []  # each run's (start, end) in time.monotonic(): the speed monitor's reference is theirs
     server = ShuttleServer("--step-log", str(log_path), model_dir=Path(model_dir), start_timeout=600)
     try:
         seen = 0
-        for name, argv in workloads.items():
-            out = Path(f"bench_results/calibrate_serve_{name}.json")
-            pids = {**server.pids, "client": os.getpid()}
-            before, start = process_usage(pids), time.perf_counter()
-            bench_serve.main(["--url", server.url, *argv, "--result-json", str(out), "--no-progress"])
-            after, wall = process_usage(pids), time.perf_counter() - start
-            cpu_s[name] = {process: after[process][0] - before[process][0] for process in pids}
-            waits[name] = {process: None if after[process][1] is None else
-                           (after[process][1] - before[process][1]) / wall for process in pids}
-            measured[name] = json.loads(out.read_text())
-            logged = read_step_log(log_path)
-            steps[name], seen = logged[seen:], len(logged)
+        with machine_speed.SpeedMonitor() as monitor:
+            for name, argv in workloads.items():
+                out = Path(f"bench_results/calibrate_serve_{name}.json")
+                pids = {**server.pids, "client": os.getpid()}
+                before, start = process_usage(pids), time.perf_counter()
+                windows.append([time.monotonic()])
+                bench_serve.main(["--url", server.url, *argv, "--result-json", str(out), "--no-progress"])
+                windows[-1].append(time.monotonic())
+                after, wall = process_usage(pids), time.perf_counter() - start
+                cpu_s[name] = {process: after[process][0] - before[process][0] for process in pids}
+                waits[name] = {process: None if after[process][1] is None else
+                               (after[process][1] - before[process][1]) / wall for process in pids}
+                measured[name] = json.loads(out.read_text())
+                logged = read_step_log(log_path)
+                steps[name], seen = logged[seen:], len(logged)
     finally:
         server.stop()
+    reference_cpu_s = monitor.reference_cpu_s(windows, SPEED_INTERVAL_S)
 
     def simulated_run(candidate: StepCostModel, name: str) -> tuple:
         """The run simulated: (SimResult, seconds per second each process waited for a core)."""
@@ -114,6 +128,13 @@ def serve_check(model_dir: str, model: StepCostModel, concurrencies: list[int], 
     no_jitter = dataclasses.replace(corrected, jitter=0.0)
     corrected.client_s = max(0.0, (measured["low"]["ttft_ms"]["median"]
                                    - simulated(no_jitter, "low")["ttft_ms"]["median"]) / 1000)
+    if reference_cpu_s:
+        speeds = [v for a, b in windows for v in monitor.trace(a, b, SPEED_INTERVAL_S, reference_cpu_s)]
+        print(f"machine speed through the runs, relative to its mean: min {min(speeds):.2f}, max {max(speeds):.2f} "
+              f"(per {SPEED_INTERVAL_S:g} s)")
+        corrected = machine_speed.with_speed_trace(corrected, speeds, SPEED_INTERVAL_S)
+        # a run measured later with the monitor is replayed relative to the speed the fits saw
+        corrected.meta["speed_reference_cpu_s"] = reference_cpu_s
     report = []
     for name, argv in workloads.items():
         check, real = simulated(corrected, name), measured[name]
@@ -141,7 +162,9 @@ def serve_check(model_dir: str, model: StepCostModel, concurrencies: list[int], 
           f"served time; scheduler {corrected.scheduler_s * 1e3:.2f} ms per step; {corrected.cores:g} cores "
           f"shared with weights {corrected.cpu_weights}; client latency "
           f"{corrected.client_s * 1e3:.2f} ms; step jitter sigma {corrected.jitter:.2f}, "
-          f"{100 * corrected.jitter_slow_share:.0f}% of it persisting ~{corrected.jitter_memory_s:.2f} s")
+          + (f"the machine's speed replayed from a {len(corrected.speed_trace) * SPEED_INTERVAL_S:g} s trace"
+             if corrected.speed_trace else
+             f"{100 * corrected.jitter_slow_share:.0f}% of it persisting ~{corrected.jitter_memory_s:.2f} s"))
     return corrected
 
 

@@ -79,9 +79,9 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
 
 def build_simulator(args: argparse.Namespace, cost: StepCostModel, ttft_slo_ms: float = 0.0,
                     max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
-                    seed: int = 0) -> Simulator:
+                    seed: int = 0, speed_start: int | None = None) -> Simulator:
     """A Simulator for the flags (budgets overridable for sweeps); KV blocks as the worker would size them; `seed`
-    draws the step jitter."""
+    draws the step jitter (and, without speed_start, where the machine's speed trace starts)."""
     meta = cost.meta
     max_model_len = args.max_model_len or meta["max_model_len"]
     blocks = args.num_kv_blocks or kv_blocks_for_memory(args.kv_cache_memory, meta["kv_bytes_per_token"],
@@ -93,7 +93,7 @@ def build_simulator(args: argparse.Namespace, cost: StepCostModel, ttft_slo_ms: 
                              ttft_slo_ms=ttft_slo_ms)
     return Simulator(config, blocks, args.block_size, max_model_len, cost,
                      enable_prefix_caching=args.enable_prefix_caching, max_concurrency=args.max_concurrency,
-                     seed=seed)
+                     seed=seed, speed_start=speed_start)
 
 
 def build_workload(args: argparse.Namespace, cost: StepCostModel, request_rate: float | None = None) -> list[SimRequest]:

@@ -87,6 +87,20 @@ def test_on_one_shared_core_a_step_slows_while_the_frontend_streams_the_one_befo
     assert [s.seconds for s in shared.served] == pytest.approx([0.010, 0.014, 0.014])
 
 
+def test_the_machine_speed_trace_slows_every_step_in_its_slow_intervals():
+    """10 ms steps; the machine runs at 1.0 then 0.5 for 25 ms each, the seed drawing where the trace starts.
+    Starting fast: steps end at 10, 20, then 5 ms done by 25 and 5 ms left at half speed: 35. Starting slow: 20,
+    then 2.5 ms by 25 and 7.5 at full speed: 32.5, then 42.5."""
+    traced = StepCostModel({"step": 0.010}, speed_trace=[1.0, 0.5], speed_interval_s=0.025)
+    seen = set()
+    for seed in range(8):
+        [record] = Simulator(SchedulerConfig(), 64, 4, 128, traced, seed=seed).run([request(0.0, 4, 3)]).records
+        times = tuple(round(t, 9) for t in record.token_times)
+        assert times in {(0.010, 0.020, 0.035), (0.020, 0.0325, 0.0425)}
+        seen.add(times)
+    assert len(seen) == 2  # both starting points occur
+
+
 def test_chunked_prefill_under_the_token_budget():
     """A 10-token prompt under a budget of 4 tokens needs 3 steps: first token at 30 ms."""
     [record] = sim(max_num_batched_tokens=4).run([request(0.0, 10, 1)]).records

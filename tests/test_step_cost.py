@@ -141,7 +141,8 @@ def test_profile_round_trips_through_json(tmp_path):
                           decode_factor=1.2, prefill_factor=0.9, serving_step_s=4e-3, serving_token_s=1e-5,
                           ingress_s=7e-4, egress_s=5e-5, jitter_slow_share=0.6, jitter_memory_s=0.3, cores=2.0,
                           cpu_decode_factor=0.8, cpu_prefill_factor=0.7, egress_step_s=3e-4,
-                          client_cpu_request_s=1e-3, client_cpu_token_s=9e-5, cpu_weights={"worker": 1.5})
+                          client_cpu_request_s=1e-3, client_cpu_token_s=9e-5, cpu_weights={"worker": 1.5},
+                          speed_trace=[1.1, 0.8, 1.1], speed_interval_s=0.5)
     model.save(tmp_path / "p.json")
     loaded = StepCostModel.load(tmp_path / "p.json")
     assert loaded == model  # every field, each set to a value other than its default
