@@ -15,6 +15,12 @@ of the profile's in-process fit before each real run, and predicts that run with
 its measurement share one window. --measure-capacity follows each real run with one that sends every request at
 once, whose throughput is the capacity then: it says how near saturation the offered rate really was.
 
+A small monitor process (capacity/machine_speed.py, SpeedMonitor: about 2% of a core) times a fixed unit of work
+throughout each real run, and again during the calibration the prediction came from (the profile's
+speed_reference_cpu_s); the same predictions are then repeated given the machine's speed during the run, relative
+to the calibration's, replayed in step with it: a second table that tells what the simulator gets wrong from what
+the machine did differently between calibration and run.
+
     .venv/bin/python scripts/check_simulator.py --model ../shared/models/stories260K \\
         --profile profiles/stories260K.json --num-prompts 1500 --rate-fraction 0.9 --repeats 3
     .venv/bin/python scripts/check_simulator.py --model /tmp/shuttle-models/llama-110m \\
@@ -30,6 +36,7 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -37,9 +44,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_serve  # noqa: E402
 import simulate  # noqa: E402
+from capacity.machine_speed import SpeedMonitor, with_speed_trace  # noqa: E402
 from common.step_cost import StepCostModel  # noqa: E402
 from scheduler.step_log import read_step_log  # noqa: E402
 
+SPEED_INTERVAL_S = 0.5
 TOLERANCE = 0.15
 FLOOR_MS = 20.0
 
@@ -83,33 +92,29 @@ def main(argv: list[str] | None = None) -> int:
                       "--range-ratio", str(args.range_ratio), "--seed", str(args.seed), "--no-progress"]
         if args.max_concurrency:
             bench_argv += ["--max-concurrency", str(args.max_concurrency)]
-        runs.append(measure(args, serve_flags, bench_argv, args.json.with_suffix(f".bench{i}.json")))
+        runs.append(measure(args, serve_flags, bench_argv, args.json.with_suffix(f".bench{i}.json"),
+                            predictions[-1][2].meta.get("speed_reference_cpu_s")))
         if args.measure_capacity:
             at_once = [*bench_argv[:2], "--request-rate", "inf", *bench_argv[4:]]
             capacities.append(measure(args, serve_flags, at_once, args.json.with_suffix(f".capacity{i}.json"))[0])
     load_after = os.getloadavg()
-    rows, ok = [], True
-    print(f"{'':<10}{'predicted ms':>14}{'measured ms':>14}{'error':>10}  within 15% or 20 ms"
-          + ("  (medians of the runs; each run #: predicted / measured)" if len(runs) > 1 else ""))
-    for metric in ("ttft", "itl"):
-        for stat in ("median", "p99"):
-            each = [measured[f"{metric}_ms"][stat] for measured, _ in runs]
-            each_predicted = [statistics.median(summary[f"{metric}_ms"][stat] for summary in simulated)
-                              for simulated, _, _ in predictions]
-            p, m = statistics.median(each_predicted), statistics.median(each)
-            within = abs(p - m) <= max(TOLERANCE * m, FLOOR_MS)
-            ok &= within
-            rows.append({"metric": f"{metric} {stat}", "predicted_ms": p, "measured_ms": m, "runs_ms": each,
-                         "runs_predicted_ms": each_predicted, "within": within})
-            name = f"{metric.upper()} {'p50' if stat == 'median' else stat}"
-            print(f"{name:<10}{p:>14.1f}{m:>14.1f}{100 * (p - m) / m if m else 0:>9.1f}%  {'yes' if within else 'NO'}"
-                  + ("   " + ", ".join(f"{a:.1f} / {b:.1f}" for a, b in zip(each_predicted, each))
-                     if len(runs) > 1 else ""))
-    steps = served_steps([(step, cost) for (_, served), (_, _, cost) in zip(runs, predictions) for step in served])
+    rows, ok = compare("predicted", [simulated for simulated, _, _ in predictions], [m for m, _, _ in runs])
+    # the same predictions given the machine's speed measured alongside each run instead of the calibration's
+    given_speed = [[simulate.build_simulator(args, with_speed_trace(cost, speeds, SPEED_INTERVAL_S), seed=seed,
+                                             speed_start=0).run(simulate.build_workload(args, cost, rate)).summary()
+                    for seed in range(args.sim_repeats)]
+                   for (simulated, rate, cost), (_, _, speeds) in zip(predictions, runs) if speeds]
+    rows_given_speed = []
+    if len(given_speed) == len(runs):
+        for (_, _, speeds) in runs:
+            print(f"machine speed during the run, relative to its calibration's: mean {statistics.fmean(speeds):.2f}, "
+                  f"min {min(speeds):.2f}, max {max(speeds):.2f}")
+        rows_given_speed, _ = compare("given speed", given_speed, [m for m, _, _ in runs])
+    steps = served_steps([(step, cost) for (_, served, _), (_, _, cost) in zip(runs, predictions) for step in served])
     for kind, row in steps.items():
         print(f"served {kind} steps: {row['count']}, mean {row['measured_ms']:.2f} ms, the profile predicts "
               f"{row['predicted_ms']:.2f} ms for the same shapes")
-    throughput = statistics.median(measured["request_throughput"] for measured, _ in runs)
+    throughput = statistics.median(measured["request_throughput"] for measured, _, _ in runs)
     predicted = statistics.median(summary["request_throughput"] for simulated, _, _ in predictions
                                   for summary in simulated)
     print(f"throughput req/s: predicted {predicted:.2f}, measured {throughput:.2f}; "
@@ -122,12 +127,38 @@ def main(argv: list[str] | None = None) -> int:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"rows": rows, "predicted": [{"request_rate": rate, "simulations": simulated}
                                                                 for simulated, rate, _ in predictions],
-                                     "measured": [m for m, _ in runs],
+                                     "measured": [m for m, _, _ in runs],
+                                     "rows_given_speed": rows_given_speed,
+                                     "speed_during_runs": [speeds for _, _, speeds in runs],
                                      "capacity_measured": [c["request_throughput"] for c in capacities],
                                      "served_steps": steps,
                                      "load_average": [load_before[0], load_after[0]],
                                      "config": {k: str(v) for k, v in vars(args).items()}}, indent=2))
     return 0 if ok else 1
+
+
+def compare(title: str, predicted: list[list[dict]], measured: list[dict]) -> tuple[list[dict], bool]:
+    """Print p50/p99 TTFT and ITL predicted (per run, the median of its simulations' summaries) next to measured
+    (bench_serve summaries), each the median over the runs, with the verdict. Returns the rows and whether all
+    are within 15% or 20 ms."""
+    rows, ok = [], True
+    print(f"{'':<10}{title + ' ms':>14}{'measured ms':>14}{'error':>10}  within 15% or 20 ms"
+          + ("  (medians of the runs; each run #: predicted / measured)" if len(measured) > 1 else ""))
+    for metric in ("ttft", "itl"):
+        for stat in ("median", "p99"):
+            each = [m[f"{metric}_ms"][stat] for m in measured]
+            each_predicted = [statistics.median(summary[f"{metric}_ms"][stat] for summary in simulated)
+                              for simulated in predicted]
+            p, m = statistics.median(each_predicted), statistics.median(each)
+            within = abs(p - m) <= max(TOLERANCE * m, FLOOR_MS)
+            ok &= within
+            rows.append({"metric": f"{metric} {stat}", "predicted_ms": p, "measured_ms": m, "runs_ms": each,
+                         "runs_predicted_ms": each_predicted, "within": within})
+            name = f"{metric.upper()} {'p50' if stat == 'median' else stat}"
+            print(f"{name:<10}{p:>14.1f}{m:>14.1f}{100 * (p - m) / m if m else 0:>9.1f}%  {'yes' if within else 'NO'}"
+                  + ("   " + ", ".join(f"{a:.1f} / {b:.1f}" for a, b in zip(each_predicted, each))
+                     if len(measured) > 1 else ""))
+    return rows, ok
 
 
 def predict(args, cost: StepCostModel) -> tuple[list[dict], float, StepCostModel]:
@@ -143,9 +174,11 @@ def predict(args, cost: StepCostModel) -> tuple[list[dict], float, StepCostModel
             for seed in range(args.sim_repeats)], rate, cost
 
 
-def measure(args, serve_flags: list[str], bench_argv: list[str], out: Path) -> tuple[dict, list]:
+def measure(args, serve_flags: list[str], bench_argv: list[str], out: Path,
+            reference_cpu_s: float | None = None) -> tuple[dict, list, list[float]]:
     """One real run on a fresh server (as the simulation starts: empty cache, nothing in flight): bench_serve.py's
-    summary and the server's steps (--step-log)."""
+    summary, the server's steps (--step-log) and, given the speed monitor's reference of the calibration, the
+    machine's speed during the run relative to it (capacity/machine_speed.py; [] without a reference)."""
     from tests.server import ShuttleServer
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -153,10 +186,14 @@ def measure(args, serve_flags: list[str], bench_argv: list[str], out: Path) -> t
         server = ShuttleServer(*serve_flags, "--step-log", str(log_path), model_dir=Path(args.model),
                                start_timeout=600)
         try:
-            bench_serve.main(["--url", server.url, *bench_argv, "--result-json", str(out)])
+            with SpeedMonitor() as monitor:
+                start = time.monotonic()
+                bench_serve.main(["--url", server.url, *bench_argv, "--result-json", str(out)])
+                end = time.monotonic()
         finally:
             server.stop()
-        return json.loads(out.read_text()), read_step_log(log_path)
+        speeds = monitor.trace(start, end, SPEED_INTERVAL_S, reference_cpu_s) if reference_cpu_s else []
+        return json.loads(out.read_text()), read_step_log(log_path), speeds
 
 
 def served_steps(served: list[tuple]) -> dict[str, dict]:
