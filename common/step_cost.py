@@ -177,6 +177,9 @@ class StepCostModel:
         unknown = set(self.coefficients) - set(FEATURES)
         if unknown:
             raise ValueError(f"unknown cost model features {sorted(unknown)}; known: {FEATURES}")
+        if self.speed_trace and (self.speed_interval_s <= 0 or min(self.speed_trace) <= 0):
+            raise ValueError(f"a speed trace needs a positive interval and positive speeds, got "
+                             f"{self.speed_interval_s} s and a minimum of {min(self.speed_trace)}")
         c = {name: float(self.coefficients.get(name, 0.0)) for name in FEATURES}
         # The split of the module docstring, one in-process weight per feature for each part: num_tokens counts
         # prompt tokens and decode tokens alike, so a decode sequence's c_token moves to the decode part.

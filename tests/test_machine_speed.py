@@ -11,7 +11,7 @@ from common.step_cost import StepCostModel
 
 def test_speed_monitor_traces_the_speed_relative_to_a_reference():
     """A second of monitoring at 20 ms: its unit of work ran about 50 times; the trace over the same window,
-    relative to that window's own reference, averages 1 (harmonic reference); relative to a unit twice as long
+    relative to that window's own reference, averages 1 (a harmonic mean); relative to a unit twice as long
     it reads twice as fast."""
     with SpeedMonitor(period_s=0.02) as monitor:
         start = time.monotonic()
@@ -21,7 +21,8 @@ def test_speed_monitor_traces_the_speed_relative_to_a_reference():
     reference = monitor.reference_cpu_s([(start, end)], 0.25)
     trace = monitor.trace(start, end, 0.25, reference)
     assert len(trace) == math.ceil((end - start) / 0.25)
-    assert sum(trace) / len(trace) == pytest.approx(1.0)
+    # exactly 1 when every interval has samples; on a busy machine one may have none and repeat the one before
+    assert sum(trace) / len(trace) == pytest.approx(1.0, abs=0.05)
     doubled = monitor.trace(start, end, 0.25, 2 * reference)
     assert doubled == pytest.approx([2 * v for v in trace])
     assert monitor.reference_cpu_s([(end + 10, end + 11)], 0.25) is None  # no samples then
