@@ -21,7 +21,8 @@ def test_speed_monitor_traces_the_speed_relative_to_a_reference():
     reference = monitor.reference_cpu_s([(start, end)], 0.25)
     trace = monitor.trace(start, end, 0.25, reference)
     assert len(trace) == math.ceil((end - start) / 0.25)
-    # exactly 1 when every interval has samples; on a busy machine one may have none and repeat the one before
+    # exactly 1 when every interval has samples; one without (here the last, a fraction of a millisecond long)
+    # repeats the one before, which the reference leaves out
     assert sum(trace) / len(trace) == pytest.approx(1.0, abs=0.05)
     doubled = monitor.trace(start, end, 0.25, 2 * reference)
     assert doubled == pytest.approx([2 * v for v in trace])
