@@ -19,6 +19,8 @@ from typing import Callable
 
 from common.step_cost import StepCostModel
 
+SPEED_INTERVAL_S = 0.5  # the trace's resolution: the spells last seconds, a step a few milliseconds
+
 
 def with_speed_trace(cost: StepCostModel, trace: list[float], interval_s: float) -> StepCostModel:
     """The cost model with the machine's measured speed trace: the simulator replays it on every process, so the

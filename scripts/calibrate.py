@@ -45,7 +45,6 @@ from capacity.serving_fit import fit_cpu, fit_cpu_weights, fit_worker_work  # no
 from common.step_cost import FEATURES, StepCostModel  # noqa: E402
 from scheduler.step_log import read_step_log  # noqa: E402
 
-SPEED_INTERVAL_S = 0.5  # the machine's speed is traced in steps of this many seconds
 
 
 def serve_check(model_dir: str, model: StepCostModel, concurrencies: list[int], num_prompts: int = 32,
@@ -104,7 +103,7 @@ def serve_check(model_dir: str, model: StepCostModel, concurrencies: list[int], 
                 steps[name], seen = logged[seen:], len(logged)
     finally:
         server.stop()
-    reference_cpu_s = monitor.reference_cpu_s(windows, SPEED_INTERVAL_S)
+    reference_cpu_s = monitor.reference_cpu_s(windows, machine_speed.SPEED_INTERVAL_S)
 
     def simulated_run(candidate: StepCostModel, name: str) -> tuple:
         """The run simulated: (SimResult, seconds per second each process waited for a core)."""
@@ -129,10 +128,11 @@ def serve_check(model_dir: str, model: StepCostModel, concurrencies: list[int], 
     corrected.client_s = max(0.0, (measured["low"]["ttft_ms"]["median"]
                                    - simulated(no_jitter, "low")["ttft_ms"]["median"]) / 1000)
     if reference_cpu_s:
-        speeds = [v for a, b in windows for v in monitor.trace(a, b, SPEED_INTERVAL_S, reference_cpu_s)]
+        interval = machine_speed.SPEED_INTERVAL_S
+        speeds = [v for a, b in windows for v in monitor.trace(a, b, interval, reference_cpu_s)]
         print(f"machine speed through the runs, relative to its mean: min {min(speeds):.2f}, max {max(speeds):.2f} "
-              f"(per {SPEED_INTERVAL_S:g} s)")
-        corrected = machine_speed.with_speed_trace(corrected, speeds, SPEED_INTERVAL_S)
+              f"(per {interval:g} s)")
+        corrected = machine_speed.with_speed_trace(corrected, speeds, interval)
         # a run measured later with the monitor is replayed relative to the speed the fits saw
         corrected.meta["speed_reference_cpu_s"] = reference_cpu_s
     report = []
@@ -162,7 +162,7 @@ def serve_check(model_dir: str, model: StepCostModel, concurrencies: list[int], 
           f"served time; scheduler {corrected.scheduler_s * 1e3:.2f} ms per step; {corrected.cores:g} cores "
           f"shared with weights {corrected.cpu_weights}; client latency "
           f"{corrected.client_s * 1e3:.2f} ms; step jitter sigma {corrected.jitter:.2f}, "
-          + (f"the machine's speed replayed from a {len(corrected.speed_trace) * SPEED_INTERVAL_S:g} s trace"
+          + (f"the machine's speed replayed from a {len(corrected.speed_trace) * corrected.speed_interval_s:g} s trace"
              if corrected.speed_trace else
              f"{100 * corrected.jitter_slow_share:.0f}% of it persisting ~{corrected.jitter_memory_s:.2f} s"))
     return corrected

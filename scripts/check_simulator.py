@@ -44,11 +44,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_serve  # noqa: E402
 import simulate  # noqa: E402
-from capacity.machine_speed import SpeedMonitor, with_speed_trace  # noqa: E402
+from capacity.machine_speed import SPEED_INTERVAL_S, SpeedMonitor, with_speed_trace  # noqa: E402
 from common.step_cost import StepCostModel  # noqa: E402
 from scheduler.step_log import read_step_log  # noqa: E402
 
-SPEED_INTERVAL_S = 0.5
 TOLERANCE = 0.15
 FLOOR_MS = 20.0
 
@@ -99,11 +98,8 @@ def main(argv: list[str] | None = None) -> int:
             capacities.append(measure(args, serve_flags, at_once, args.json.with_suffix(f".capacity{i}.json"))[0])
     load_after = os.getloadavg()
     rows, ok = compare("predicted", [simulated for simulated, _, _ in predictions], [m for m, _, _ in runs])
-    # the same predictions given the machine's speed measured alongside each run instead of the calibration's
-    given_speed = [[simulate.build_simulator(args, with_speed_trace(cost, speeds, SPEED_INTERVAL_S), seed=seed,
-                                             speed_start=0).run(simulate.build_workload(args, cost, rate)).summary()
-                    for seed in range(args.sim_repeats)]
-                   for (simulated, rate, cost), (_, _, speeds) in zip(predictions, runs) if speeds]
+    given_speed = [predict_given_speed(args, rate, cost, speeds)
+                   for (_, rate, cost), (_, _, speeds) in zip(predictions, runs) if speeds]
     rows_given_speed = []
     if len(given_speed) == len(runs):
         for (_, _, speeds) in runs:
@@ -172,6 +168,15 @@ def predict(args, cost: StepCostModel) -> tuple[list[dict], float, StepCostModel
     workload = simulate.build_workload(args, cost, rate)
     return [simulate.build_simulator(args, cost, seed=seed).run(workload).summary()
             for seed in range(args.sim_repeats)], rate, cost
+
+
+def predict_given_speed(args, rate: float, cost: StepCostModel, speeds: list[float]) -> list[dict]:
+    """The run simulated as predict() did, given the machine's speed measured alongside it (relative to the
+    calibration's) instead of the calibration's own trace, replayed in step with the run: --sim-repeats summaries."""
+    traced = with_speed_trace(cost, speeds, SPEED_INTERVAL_S)
+    workload = simulate.build_workload(args, cost, rate)
+    return [simulate.build_simulator(args, traced, seed=seed, speed_start=0).run(workload).summary()
+            for seed in range(args.sim_repeats)]
 
 
 def measure(args, serve_flags: list[str], bench_argv: list[str], out: Path,
