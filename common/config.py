@@ -159,7 +159,7 @@ class SchedulerConfig:
     step_cost_profile: str = option("", "calibrated step-cost profile (scripts/calibrate.py) for --ttft-slo-ms; "
                                         "without one the cost model is fitted online to the server's own steps",
                                     metavar="JSON")
-    step_log: str = option("", "append every step's shape and served seconds to this file as JSON lines "
+    step_log: str = option("", "append every step's shape, served seconds and end time to this file as JSON lines "
                                "(scheduler/step_log.py; scripts/calibrate.py fits its serving corrections from them)",
                            metavar="FILE")
     batch_background: bool = option(True, "run batch jobs (the ZeroMQ endpoint) behind every interactive HTTP or "

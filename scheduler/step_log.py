@@ -18,7 +18,8 @@ from common.step_cost import StepShape, shape_of
 
 
 class ServedStep(msgspec.Struct, array_like=True):
-    """One line of the log: the step's shape and its served duration in seconds."""
+    """One line of the log: the step's shape, its served duration in seconds and when it ended (time.monotonic()
+    seconds when its result was back; 0 in logs written before the field existed)."""
 
     seconds: float
     num_tokens: int
@@ -27,6 +28,7 @@ class ServedStep(msgspec.Struct, array_like=True):
     prefill_attention: int
     decode_attention: int
     num_sampled: int
+    ended_at: float = 0.0  # last: older lines, without it, still decode
 
     @property
     def shape(self) -> StepShape:
@@ -51,7 +53,7 @@ class StepLog:
         began, self._last_result_at = max(sent_at, self._last_result_at), result_at
         shape = shape_of((e.start, e.num_new, e.samples) for e in scheduled.values())
         line = ServedStep(result_at - began, shape.num_tokens, shape.num_prefill_seqs, shape.num_decode_seqs,
-                          shape.prefill_attention, shape.decode_attention, shape.num_sampled)
+                          shape.prefill_attention, shape.decode_attention, shape.num_sampled, result_at)
         self._file.write(self._encoder.encode(line).decode() + "\n")
 
     def close(self) -> None:

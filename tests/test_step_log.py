@@ -28,6 +28,9 @@ def test_a_step_runs_from_its_send_or_the_previous_result_whichever_is_later(tmp
     assert [(s.num_tokens, s.num_prefill_seqs, s.num_decode_seqs, s.num_sampled) for s in steps] == [
         (12, 1, 0, 1), (6, 1, 1, 1), (1, 0, 1, 1)]
     assert steps[1].shape.prefill_attention == 25 and steps[1].shape.decode_attention == 13
+    assert [s.ended_at for s in steps] == [10.5, 10.8, 11.25]  # when each result was back, to line steps up in time
+    (tmp_path / "old.jsonl").write_text("[0.5,12,1,0,78,0,1]\n")  # a line written before ended_at existed
+    assert read_step_log(tmp_path / "old.jsonl")[0].ended_at == 0.0
 
 
 @pytest.fixture(scope="module")
