@@ -50,6 +50,23 @@ def test_worker_work_is_scaled_until_the_simulated_steps_last_what_the_servers_l
     assert serving_fit.fit_worker_work(StepCostModel({"step": 1e-3}), logged, simulated_run).cpu_decode_factor == 1.0
 
 
+def test_worker_work_is_judged_against_the_prediction_of_each_steps_own_shape():
+    """The servers logged only small decode steps, each lasting exactly its served prediction; the simulation also
+    runs large ones (another mix of steps, as a simulated run has), each lasting 2x the worker's work: the fit makes
+    every simulated step last its prediction, where matching plain means would have made them all too fast."""
+    model = StepCostModel({"step": 1e-3, "decode_seq": 1e-4, "decode_attention": 1e-7}, cores=2.0)
+    large = StepShape(100, 0, 100, 0, 20000, 100)
+
+    def simulated_run(candidate, name):
+        return SimpleNamespace(served=[ServedSeconds(shape, 2 * candidate.worker_seconds(shape))
+                                       for shape in (DECODE, large)]), {}
+
+    logged = {"run": [served(DECODE, model.predict(DECODE))] * 3}
+    fitted = serving_fit.fit_worker_work(model, logged, simulated_run)
+    for shape in (DECODE, large):
+        assert 2 * fitted.worker_seconds(shape) == pytest.approx(model.predict(shape))
+
+
 def test_weights_are_chosen_to_match_the_measured_waits():
     """A stand-in whose worker waits 0.3 / weight seconds per second: measured 0.1 picks the worker's weight 3."""
     def simulated_run(candidate, name):
