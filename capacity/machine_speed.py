@@ -132,29 +132,3 @@ class SpeedMonitor:
         for cpu in self._medians(start, end, interval_s):
             speeds.append(reference_cpu_s / cpu if cpu == cpu else (speeds[-1] if speeds else 1.0))
         return speeds
-
-    def sensitivity(self, steps: list[tuple[float, float]], interval_s: float, reference_cpu_s: float) -> float:
-        """How strongly served steps follow the monitor's speed: k in served / predicted ~ speed^-k, the slope of
-        the mean log(served / predicted) of each interval's steps against -log(speed) then (least squares over
-        intervals with at least 3 steps), within [0, 2]; 1 with fewer than 5 such intervals or no spread. The
-        monitor's small kernels and Python objects slow with the host more than large matrix multiplies do, so a
-        model whose steps are large multiplies follows it by less than 1.
-
-        steps: (time.monotonic() when the step ended, log(served / predicted seconds)) pairs."""
-        by_interval: dict[int, list[float]] = {}
-        for at, log_ratio in steps:
-            by_interval.setdefault(int(at // interval_s), []).append(log_ratio)
-        xs, ys = [], []
-        for index, log_ratios in by_interval.items():
-            cpu = self.unit_cpu_s(index * interval_s, (index + 1) * interval_s)
-            if len(log_ratios) >= 3 and cpu == cpu:
-                xs.append(math.log(reference_cpu_s / cpu))
-                ys.append(sum(log_ratios) / len(log_ratios))
-        if len(xs) < 5:
-            return 1.0
-        mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
-        spread = sum((x - mean_x) ** 2 for x in xs)
-        if spread <= 0:
-            return 1.0
-        slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / spread
-        return min(max(-slope, 0.0), 2.0)

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import sys
 import time
@@ -130,15 +129,12 @@ def serve_check(model_dir: str, model: StepCostModel, concurrencies: list[int], 
                                    - simulated(no_jitter, "low")["ttft_ms"]["median"]) / 1000)
     if reference_cpu_s:
         interval = machine_speed.SPEED_INTERVAL_S
-        # how much the served steps follow the monitor's unit of work: the trace is raised to that power
-        k = monitor.sensitivity([(s.ended_at, math.log(s.seconds / corrected.predict(s.shape))) for s in served
-                                 if s.num_tokens and s.seconds > 0], interval, reference_cpu_s)
-        speeds = [v ** k for a, b in windows for v in monitor.trace(a, b, interval, reference_cpu_s)]
+        speeds = [v for a, b in windows for v in monitor.trace(a, b, interval, reference_cpu_s)]
         print(f"machine speed through the runs, relative to its mean: min {min(speeds):.2f}, max {max(speeds):.2f} "
-              f"(per {interval:g} s; the served steps follow the monitor's unit to the power {k:.2f})")
+              f"(per {interval:g} s)")
         corrected = machine_speed.with_speed_trace(corrected, speeds, interval)
-        # a run measured later with the monitor is replayed relative to the speed the fits saw, to the same power
-        corrected.meta.update(speed_reference_cpu_s=reference_cpu_s, speed_sensitivity=k)
+        # a run measured later with the monitor is replayed relative to the speed the fits saw
+        corrected.meta["speed_reference_cpu_s"] = reference_cpu_s
     report = []
     for name, argv in workloads.items():
         check, real = simulated(corrected, name), measured[name]

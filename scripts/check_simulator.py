@@ -173,8 +173,7 @@ def predict(args, cost: StepCostModel) -> tuple[list[dict], float, StepCostModel
 def predict_given_speed(args, rate: float, cost: StepCostModel, speeds: list[float]) -> list[dict]:
     """The run simulated as predict() did, given the machine's speed measured alongside it (relative to the
     calibration's) instead of the calibration's own trace, replayed in step with the run: --sim-repeats summaries."""
-    k = cost.meta.get("speed_sensitivity", 1.0)  # how much the served steps follow the monitor (calibrate.py)
-    traced = with_speed_trace(cost, [v ** k for v in speeds], SPEED_INTERVAL_S)
+    traced = with_speed_trace(cost, speeds, SPEED_INTERVAL_S)
     workload = simulate.build_workload(args, cost, rate)
     return [simulate.build_simulator(args, traced, seed=seed, speed_start=0).run(workload).summary()
             for seed in range(args.sim_repeats)]

@@ -40,16 +40,3 @@ def test_with_speed_trace_keeps_only_the_fresh_part_of_the_step_jitter():
     for trace, interval in (([], 0.5), ([1.0, 0.0], 0.5), ([1.0], 0.0)):
         with pytest.raises(ValueError):
             with_speed_trace(cost, trace, interval)
-
-
-def test_sensitivity_is_how_strongly_served_steps_follow_the_monitor():
-    """Ten 0.5 s intervals at speeds 0.8 to 1.25 by the monitor's unit (1 ms at speed 1); the steps in them are
-    slower by speed^-0.5: k = 0.5. Fewer than five intervals with three steps: 1 (no evidence)."""
-    monitor = SpeedMonitor()
-    speeds = [0.8, 1.25, 1.0, 0.9, 1.1, 0.8, 1.25, 1.0, 0.9, 1.1]
-    monitor.samples = [(i * 0.5 + j * 0.1, 0.001 / s) for i, s in enumerate(speeds) for j in range(5)]
-    steps = [(i * 0.5 + 0.05 + j * 0.1, -0.5 * math.log(s)) for i, s in enumerate(speeds) for j in range(4)]
-    assert monitor.sensitivity(steps, 0.5, 0.001) == pytest.approx(0.5)
-    assert monitor.sensitivity(steps[:16], 0.5, 0.001) == 1.0
-    assert monitor.sensitivity([(at, 3.0 * math.log(1 / s)) for (at, _), s in zip(steps, [
-        s for s in speeds for _ in range(4)])], 0.5, 0.001) == 2.0  # at most 2
