@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import gc
 import logging
 import os
 import resource
@@ -74,12 +75,25 @@ def child_main_args(name: str) -> ShuttleConfig:
 
 
 def report_ready(config: ShuttleConfig, name: str, **info: int | float | str) -> None:
-    """Tell the launcher this process is up (its control socket; no-op in the launcher's absence)."""
+    """Tell the launcher this process is up (its control socket; no-op in the launcher's absence). Start-up is
+    over then, so its heap is frozen first (freeze_startup_heap)."""
+    freeze_startup_heap()
     ctx = zmq.Context.instance()
     channel = Channel(ctx, zmq.PUSH, config.ipc.control, bind=False)
     channel.socket.setsockopt(zmq.LINGER, 2000)
     channel.send(ProcessReady(name, os.getpid(), dict(info)))
     channel.socket.close(linger=2000)
+
+
+def freeze_startup_heap() -> None:
+    """Collect garbage once, then move every object still alive into the collector's permanent generation
+    (gc.freeze), so that the oldest generation's collections while serving no longer walk the modules, the
+    tokenizer and the model objects built at start-up, which stay alive to the end anyway. Each such collection
+    stops the process: measured here on the frontend serving stories260K at 70 req/s, two of 43 and 74 ms in a
+    20 s run, each stalling every stream and arrival of that moment (vLLM's engine core freezes its start-up heap
+    for the same reason)."""
+    gc.collect()
+    gc.freeze()
 
 
 class HeartbeatSender:
