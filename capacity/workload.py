@@ -73,25 +73,45 @@ def from_trace(path: str, rate: float | None = None, burstiness: float = 1.0, se
     Lines without `arrival` get arrivals at `rate` (all at once if rate is None).
 
     Raises:
-        ValueError: a line is not an object or names no prompt.
+        ValueError: the file cannot be read or holds no request, or a line is not a JSON object, names no prompt,
+            or has a field that is not a number in its range (the message gives the file and line).
     """
     rng = random.Random(seed + 3)
     items = []
-    with open(path) as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
+    try:
+        lines = open(path).read().splitlines()
+    except OSError as exc:
+        raise ValueError(f"cannot read the trace {path!r}: {exc.strerror or exc}") from None
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
             item = json.loads(line)
-            if not isinstance(item, dict):
-                raise ValueError(f"{path}:{number}: not a JSON object")
-            prompt = item.get("prompt")
-            if isinstance(prompt, list):
-                ids = [int(t) for t in prompt]
-            elif "prompt_len" in item:
-                ids = [1] + [rng.randrange(3, vocab_size) for _ in range(int(item["prompt_len"]) - 1)]
-            else:
-                raise ValueError(f"{path}:{number}: needs `prompt` (token ids) or `prompt_len`")
-            items.append((item.get("arrival"), ids, int(item.get("output_len", item.get("max_tokens", 128))),
-                          float(item.get("ttft_slo_ms", 0.0))))
+        except ValueError as exc:
+            raise ValueError(f"{path}:{number}: not JSON ({exc})") from None
+        if not isinstance(item, dict):
+            raise ValueError(f"{path}:{number}: not a JSON object")
+
+        def number_of(field: str, default, kind, least: float):
+            try:
+                value = kind(item.get(field, default))
+            except (TypeError, ValueError):
+                value = None
+            if value is None or not value >= least:
+                raise ValueError(f"{path}:{number}: `{field}` must be a number >= {least}, got {item.get(field)!r}")
+            return value
+
+        prompt = item.get("prompt")
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and t >= 0 for t in prompt):
+            ids = list(prompt)
+        elif "prompt_len" in item:
+            ids = [1] + [rng.randrange(3, vocab_size) for _ in range(number_of("prompt_len", None, int, 1) - 1)]
+        else:
+            raise ValueError(f"{path}:{number}: needs `prompt` (a list of token ids) or `prompt_len`")
+        output_field = "output_len" if "output_len" in item else "max_tokens"
+        items.append((number_of("arrival", 0.0, float, 0.0) if "arrival" in item else None, ids,
+                      number_of(output_field, 128, int, 1), number_of("ttft_slo_ms", 0.0, float, 0.0)))
+    if not items:
+        raise ValueError(f"{path}: no requests in the trace")
     times = arrivals(len(items), rate or float("inf"), burstiness, seed)
-    return [SimRequest(float(a) if a is not None else t, ids, o, slo) for (a, ids, o, slo), t in zip(items, times)]
+    return [SimRequest(a if a is not None else t, ids, o, slo) for (a, ids, o, slo), t in zip(items, times)]

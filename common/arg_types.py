@@ -38,6 +38,28 @@ def count(text: str) -> int:
     return value
 
 
+def positive_number(text: str) -> float:
+    """A finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
+    return value
+
+
+def request_rate(text: str) -> float:
+    """Requests per second > 0, or 'inf' (every request at once)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a rate: {text!r} (requests per second, or inf)") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 requests per second (or inf), got {text}")
+    return value
+
+
 def seconds(text: str) -> float:
     """A number of seconds >= 0."""
     value = float(text)

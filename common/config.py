@@ -332,8 +332,8 @@ class ShuttleConfig:
             from common.step_cost import StepCostModel
             try:
                 StepCostModel.load(args.step_cost_profile)
-            except (OSError, ValueError, KeyError, TypeError) as exc:
-                raise ModelDirError(f"--step-cost-profile {args.step_cost_profile}: {exc}") from None
+            except ValueError as exc:  # the message names the file and what is wrong with it
+                raise ModelDirError(f"--step-cost-profile: {exc}") from None
         if args.step_log:  # likewise: the scheduler opens it for appending
             try:
                 with open(args.step_log, "a"):

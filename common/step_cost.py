@@ -177,6 +177,11 @@ class StepCostModel:
         unknown = set(self.coefficients) - set(FEATURES)
         if unknown:
             raise ValueError(f"unknown cost model features {sorted(unknown)}; known: {FEATURES}")
+        negative = [name for name in _SCALARS if not getattr(self, name) >= 0]
+        negative += [f"coefficient {name}" for name, c in self.coefficients.items() if not c >= 0]
+        negative += [f"cpu weight {name}" for name, w in self.cpu_weights.items() if not w > 0]
+        if negative:  # every one is seconds, a factor, a count of cores or a weight: a negative one is a bad file
+            raise ValueError(f"negative or missing values: {', '.join(negative)}")
         if self.speed_trace and (self.speed_interval_s <= 0 or min(self.speed_trace) <= 0):
             raise ValueError(f"a speed trace needs a positive interval and positive speeds, got "
                              f"{self.speed_interval_s} s and a minimum of {min(self.speed_trace)}")
@@ -293,12 +298,28 @@ class StepCostModel:
 
     @staticmethod
     def load(path: str | Path) -> "StepCostModel":
-        """Read a profile written by `save()`. Raises OSError, ValueError (bad JSON or unknown features)."""
-        data = json.loads(Path(path).read_text())
-        floats = {name: float(data[name]) for name in _SCALARS if name in data}  # older profiles lack some
-        weights = {name: float(w) for name, w in data.get("cpu_weights", {}).items()}
-        return StepCostModel(dict(data["coefficients"]), meta=dict(data.get("meta", {})), cpu_weights=weights,
-                             speed_trace=[float(v) for v in data.get("speed_trace", [])], **floats)
+        """Read a profile written by `save()`.
+
+        Raises:
+            ValueError: the file cannot be read, is not JSON, or is not a valid profile (the message says which
+                and names the file).
+        """
+        try:
+            data = json.loads(Path(path).read_text())
+        except OSError as exc:
+            raise ValueError(f"cannot read the step-cost profile {str(path)!r}: {exc.strerror or exc}") from None
+        except ValueError as exc:
+            raise ValueError(f"{path} is not JSON: {exc}") from None
+        try:
+            if not isinstance(data, dict) or not isinstance(data.get("coefficients"), dict):
+                raise ValueError("it holds no `coefficients` object")
+            floats = {name: float(data[name]) for name in _SCALARS if name in data}  # older profiles lack some
+            weights = {name: float(w) for name, w in dict(data.get("cpu_weights", {})).items()}
+            return StepCostModel({name: float(c) for name, c in data["coefficients"].items()},
+                                 meta=dict(data.get("meta", {})), cpu_weights=weights,
+                                 speed_trace=[float(v) for v in data.get("speed_trace", [])], **floats)
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"{path} is not a step-cost profile (scripts/calibrate.py writes them): {exc}") from None
 
     # ---- fitting ----------------------------------------------------------------------------------------
 

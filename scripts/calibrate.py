@@ -42,6 +42,9 @@ import simulate  # noqa: E402
 from capacity import machine_speed  # noqa: E402
 from capacity.calibrate import Calibrator  # noqa: E402
 from capacity.serving_fit import fit_cpu, fit_cpu_weights, fit_worker_work  # noqa: E402
+from common.arg_types import positive  # noqa: E402
+from common.config import ModelConfig  # noqa: E402
+from common.errors import ModelDirError  # noqa: E402
 from common.step_cost import FEATURES, StepCostModel  # noqa: E402
 from scheduler.step_log import read_step_log  # noqa: E402
 
@@ -185,25 +188,36 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", required=True)
     parser.add_argument("--out", type=Path, required=True, help="where the JSON profile goes")
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="largest chunk measured")
-    parser.add_argument("--max-num-seqs", type=int, default=128, help="largest decode batch measured")
-    parser.add_argument("--repeats", type=int, default=5, help="decode steps per configuration (median kept)")
+    parser.add_argument("--max-model-len", type=positive, default=None)
+    parser.add_argument("--max-num-batched-tokens", type=positive, default=2048, help="largest chunk measured")
+    parser.add_argument("--max-num-seqs", type=positive, default=128, help="largest decode batch measured")
+    parser.add_argument("--repeats", type=positive, default=5, help="decode steps per configuration (median kept)")
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--no-serve", action="store_true", help="skip the real-server stage (factor 1, client 0)")
     parser.add_argument("--serve-only", action="store_true",
                         help="keep the in-process fit already in --out and redo only the real-server stage")
-    parser.add_argument("--serve-concurrency", type=int, nargs=2, default=[8, 128],
+    parser.add_argument("--serve-concurrency", type=positive, nargs=2, default=[8, 128],
                         help="the low and the high concurrency of the two real-server runs")
-    parser.add_argument("--serve-prompts", type=int, default=96)
-    parser.add_argument("--serve-input-len", type=int, default=128,
+    parser.add_argument("--serve-prompts", type=positive, default=96)
+    parser.add_argument("--serve-input-len", type=positive, default=128,
                         help="mean prompt of the two decode-heavy runs (bench_serve.py's default; use your workload's)")
-    parser.add_argument("--serve-output-len", type=int, default=64,
+    parser.add_argument("--serve-output-len", type=positive, default=64,
                         help="mean output of the two decode-heavy runs (bench_serve.py's default; use your workload's)")
-    parser.add_argument("--serve-prefill-len", type=int, default=None,
+    parser.add_argument("--serve-prefill-len", type=positive, default=None,
                         help="mean prompt of the prefill-heavy run (default 4x --serve-input-len, at most 2/3 of "
                              "max_model_len)")
     args = parser.parse_args(argv)
+    try:
+        ModelConfig.from_dir(args.model, args.max_model_len)
+    except ModelDirError as exc:
+        parser.error(str(exc))
+    if args.serve_only and args.no_serve:
+        parser.error("--serve-only and --no-serve exclude each other")
+    if args.serve_only:  # the in-process fit it keeps must be there and readable
+        try:
+            StepCostModel.load(args.out)
+        except ValueError as exc:
+            parser.error(f"--serve-only keeps the in-process fit of an existing --out profile: {exc}")
     start = time.time()
     print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs", flush=True)
     if args.serve_only:

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Set the simulator's prediction next to a real bench_serve.py run of the same workload (issue 12 acceptance 2).
+"""Set the simulator's prediction next to a real bench_serve.py run of the same workload.
 
 Takes bench_serve.py's workload flags and `shuttle serve` flags, simulates the workload with the profile, serves
 the model for real with the same flags (and --step-log), runs bench_serve.py, and prints p50/p99 TTFT and ITL side
@@ -45,6 +45,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_serve  # noqa: E402
 import simulate  # noqa: E402
 from capacity.machine_speed import SPEED_INTERVAL_S, SpeedMonitor, with_speed_trace  # noqa: E402
+from common.arg_types import positive, positive_number  # noqa: E402
+from common.config import ModelConfig  # noqa: E402
+from common.errors import ModelDirError  # noqa: E402
 from common.step_cost import StepCostModel  # noqa: E402
 from scheduler.step_log import read_step_log  # noqa: E402
 
@@ -58,21 +61,26 @@ def main(argv: list[str] | None = None) -> int:
     simulate.add_workload_args(parser)
     parser.add_argument("--model", required=True)
     parser.add_argument("--json", type=Path, default=Path("bench_results/check_simulator.json"))
-    parser.add_argument("--recalibrate", type=int, nargs=2, default=None, metavar=("LOW", "HIGH"),
+    parser.add_argument("--recalibrate", type=positive, nargs=2, default=None, metavar=("LOW", "HIGH"),
                         help="redo the real-server calibration stage at these two concurrencies before each "
                              "real run")
-    parser.add_argument("--repeats", type=int, default=1,
+    parser.add_argument("--repeats", type=positive, default=1,
                         help="real runs, each on a fresh server; the measured value is their median (the p99 of a "
                              "short run is a few requests, and this machine's speed drifts between runs)")
-    parser.add_argument("--sim-repeats", type=int, default=5,
+    parser.add_argument("--sim-repeats", type=positive, default=5,
                         help="simulations with different step-jitter seeds; the prediction is their median")
-    parser.add_argument("--rate-fraction", type=float, default=None,
+    parser.add_argument("--rate-fraction", type=positive_number, default=None,
                         help="instead of --request-rate: this share of the capacity the simulator predicts")
     parser.add_argument("--measure-capacity", action="store_true",
                         help="after each real run, one more on a fresh server with every request sent at once: the "
                              "capacity measured, to set the offered rate against (how near saturation it was)")
     args = parser.parse_args(argv)
-    profile = StepCostModel.load(args.profile)
+    profile = simulate.load_profile(parser, args.profile)
+    simulate.load_workload(parser, args, profile)  # a bad trace or too long a request: said now, not mid-run
+    try:
+        ModelConfig.from_dir(args.model)
+    except ModelDirError as exc:
+        parser.error(str(exc))
     serve_flags = ["--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens",
                    str(args.max_num_batched_tokens), "--block-size", str(args.block_size),
                    "--kv-cache-memory", str(args.kv_cache_memory)]

@@ -32,6 +32,7 @@ import bench_serve  # noqa: E402
 from capacity.simulator import SimResult, Simulator  # noqa: E402
 from capacity.workload import SimRequest, arrivals, from_trace  # noqa: E402
 from common.capacity import kv_blocks_for_memory  # noqa: E402
+from common.arg_types import count, positive, positive_number, request_rate  # noqa: E402
 from common.cli import add_config_options  # noqa: E402
 from common.config import CacheConfig, SchedulerConfig  # noqa: E402
 from common.step_cost import StepCostModel  # noqa: E402
@@ -57,7 +58,7 @@ def bench_serve_workload(num_prompts: int, request_rate: float, input_len: int, 
 def add_config_args(parser: argparse.ArgumentParser) -> None:
     """The serving flags the simulation honours, declared and named as in `shuttle serve`."""
     parser.add_argument("--profile", required=True, help="step-cost profile JSON from scripts/calibrate.py")
-    parser.add_argument("--max-model-len", type=int, default=None, help="default: the profile's")
+    parser.add_argument("--max-model-len", type=positive, default=None, help="default: the profile's")
     add_config_options(parser, SchedulerConfig, ["max_num_seqs", "max_num_batched_tokens", "max_waiting_requests",
                                                  "scheduling_policy", "async_scheduling"])
     add_config_options(parser, CacheConfig, ["block_size", "num_kv_blocks", "kv_cache_memory",
@@ -65,14 +66,15 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_workload_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--num-prompts", type=int, default=200)
-    parser.add_argument("--request-rate", type=float, default=float("inf"))
-    parser.add_argument("--burstiness", type=float, default=1.0, help="1: Poisson; < 1 burstier (gamma gaps)")
-    parser.add_argument("--max-concurrency", type=int, default=None)
-    parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--range-ratio", type=float, default=0.5)
-    parser.add_argument("--shared-prefix-len", type=int, default=0)
+    parser.add_argument("--num-prompts", type=positive, default=200)
+    parser.add_argument("--request-rate", type=request_rate, default=float("inf"), help="requests per second, or inf")
+    parser.add_argument("--burstiness", type=positive_number, default=1.0,
+                        help="1: Poisson; < 1 burstier (gamma gaps)")
+    parser.add_argument("--max-concurrency", type=positive, default=None)
+    parser.add_argument("--input-len", type=positive, default=128)
+    parser.add_argument("--output-len", type=positive, default=64)
+    parser.add_argument("--range-ratio", type=float, default=0.5, help="lengths uniform in len*(1 +- r), r in [0, 1)")
+    parser.add_argument("--shared-prefix-len", type=count, default=0)
     parser.add_argument("--trace", default=None, help="JSONL trace instead of random prompts (capacity/workload.py)")
     parser.add_argument("--seed", type=int, default=0)
 
@@ -105,6 +107,38 @@ def build_workload(args: argparse.Namespace, cost: StepCostModel, request_rate: 
                                 args.shared_prefix_len, cost.meta.get("vocab_size", 32000), args.seed, args.burstiness)
 
 
+def load_profile(parser: argparse.ArgumentParser, path: str) -> StepCostModel:
+    """The --profile, or a one-line usage error (exit 2) naming what is wrong with it."""
+    try:
+        cost = StepCostModel.load(path)
+    except ValueError as exc:
+        parser.error(str(exc))
+    missing = [key for key in ("max_model_len", "kv_bytes_per_token") if key not in cost.meta]
+    if missing:
+        parser.error(f"{path}: its meta lacks {', '.join(missing)}, which the simulation needs (calibrate.py "
+                     f"writes them)")
+    return cost
+
+
+def load_workload(parser: argparse.ArgumentParser, args: argparse.Namespace, cost: StepCostModel,
+                  request_rate: float | None = None) -> list[SimRequest]:
+    """build_workload, or a one-line usage error (exit 2): a bad --range-ratio or trace, or a request longer than
+    max_model_len (which a real server would refuse with 400, and the simulated scheduler could never place)."""
+    if not 0 <= args.range_ratio < 1:
+        parser.error(f"--range-ratio must be in [0, 1), got {args.range_ratio}")
+    try:
+        workload = build_workload(args, cost, request_rate)
+    except ValueError as exc:
+        parser.error(str(exc))
+    max_model_len = args.max_model_len or cost.meta["max_model_len"]
+    longest = max(workload, key=lambda w: len(w.prompt_token_ids) + w.output_len)
+    if len(longest.prompt_token_ids) + longest.output_len > max_model_len:
+        parser.error(f"the workload's longest request ({len(longest.prompt_token_ids)} prompt + {longest.output_len} "
+                     f"output tokens) exceeds max_model_len {max_model_len}: shorten --input-len, --output-len or "
+                     f"--range-ratio (or the trace)")
+    return workload
+
+
 def print_summary(summary: dict) -> None:
     bench_serve.print_table({**summary, "failed": summary["failed"] + summary["refused"], "errors": []})
     print(f"{'steps':<28}{summary['num_steps']:>12}   preemptions {summary['num_preemptions']}, "
@@ -123,14 +157,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_args(parser)
     add_workload_args(parser)
-    parser.add_argument("--ttft-slo-ms", type=float, default=None,
+    parser.add_argument("--ttft-slo-ms", type=positive_number, default=None,
                         help="goodput objective; with --slo-admission also the server's --ttft-slo-ms")
-    parser.add_argument("--tpot-slo-ms", "--itl-slo-ms", dest="tpot_slo_ms", type=float, default=None)
+    parser.add_argument("--tpot-slo-ms", "--itl-slo-ms", dest="tpot_slo_ms", type=positive_number, default=None)
     parser.add_argument("--slo-admission", action="store_true", help="simulate `shuttle serve --ttft-slo-ms`")
     parser.add_argument("--result-json", default="bench_results/simulate.json")
     args = parser.parse_args(argv)
-    cost = StepCostModel.load(args.profile)
-    workload = build_workload(args, cost)
+    cost = load_profile(parser, args.profile)
+    workload = load_workload(parser, args, cost)
     simulator = build_simulator(args, cost, args.ttft_slo_ms if args.slo_admission and args.ttft_slo_ms else 0.0)
     start = time.perf_counter()
     result = simulator.run(workload)

@@ -37,6 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_serve  # noqa: E402
 import simulate  # noqa: E402
+from common.arg_types import count, positive, positive_number, unit_fraction  # noqa: E402
+from common.config import ModelConfig  # noqa: E402
+from common.errors import ModelDirError  # noqa: E402
 from common.step_cost import StepCostModel  # noqa: E402
 
 
@@ -170,34 +173,59 @@ def verify(args: argparse.Namespace, point: Point) -> dict:
         server.stop()
 
 
+def limit_warnings(args, points: list, choice: dict, capacity: float | None) -> list[str]:
+    """What makes the recommended rate doubtful: the setting met the objectives at the highest rate swept (its
+    limit was not found), or the rate is above the capacity the simulator predicts (a run too short for a queue
+    to build: every request is served before the overload shows)."""
+    warnings = []
+    key = (choice["max_num_batched_tokens"], choice["max_num_seqs"])
+    top = max(args.rates)
+    if any((p.max_num_batched_tokens, p.max_num_seqs) == key and p.rate == top and p.attainment >= args.attainment
+           for p in points):
+        warnings.append(f"this setting met the objectives at the highest rate swept ({top} req/s): its limit lies "
+                        f"above; sweep higher --rates to find it")
+    if capacity is not None and choice["request_rate"] > capacity:
+        warnings.append(f"{choice['request_rate']} req/s is above the predicted capacity ({capacity:.1f} req/s): "
+                        f"with {args.num_prompts} prompts the queue has no time to build; use more --num-prompts")
+    return warnings
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     simulate.add_config_args(parser)
     simulate.add_workload_args(parser)
     parser.add_argument("--model", required=True, help="model directory (for the real verification runs)")
-    parser.add_argument("--budgets", type=int, nargs="+", default=[128, 256, 512, 1024, 2048],
+    parser.add_argument("--budgets", type=positive, nargs="+", default=[128, 256, 512, 1024, 2048],
                         help="max_num_batched_tokens values")
-    parser.add_argument("--seqs", type=int, nargs="+", default=[8, 16, 32, 64, 128], help="max_num_seqs values")
-    parser.add_argument("--rates", type=float, nargs="+", default=None,
-                        help="request rates (req/s); default: 10 steps up to 1.5x the predicted capacity")
-    parser.add_argument("--ttft-slo-ms", type=float, required=True)
-    parser.add_argument("--itl-slo-ms", type=float, required=True, help="objective on each request's mean ITL (TPOT)")
-    parser.add_argument("--attainment", type=float, default=0.9, help="share of good requests a setting must reach")
-    parser.add_argument("--verify", type=int, default=2, help="candidates measured with real bench_serve.py runs")
-    parser.add_argument("--headroom", type=float, default=0.8,
+    parser.add_argument("--seqs", type=positive, nargs="+", default=[8, 16, 32, 64, 128], help="max_num_seqs values")
+    parser.add_argument("--rates", type=positive_number, nargs="+", default=None,
+                        help="request rates (req/s); default: 15 steps of a tenth of the predicted capacity, up to "
+                             "1.5x it")
+    parser.add_argument("--ttft-slo-ms", type=positive_number, required=True)
+    parser.add_argument("--itl-slo-ms", type=positive_number, required=True, help="objective on each request's mean ITL (TPOT)")
+    parser.add_argument("--attainment", type=unit_fraction, default=0.9, help="share of good requests a setting must reach")
+    parser.add_argument("--verify", type=count, default=2, help="candidates measured with real bench_serve.py runs")
+    parser.add_argument("--headroom", type=unit_fraction, default=0.8,
                         help="operate at most at this share of the highest rate that meets the objectives")
-    parser.add_argument("--recalibrate", type=int, nargs=2, default=None, metavar=("LOW", "HIGH"),
+    parser.add_argument("--recalibrate", type=positive, nargs=2, default=None, metavar=("LOW", "HIGH"),
                         help="redo calibrate.py's real-server stage at these concurrencies before the sweep")
     parser.add_argument("--out", default="bench_results/tune")
     args = parser.parse_args(argv)
+    cost = simulate.load_profile(parser, args.profile)
+    simulate.load_workload(parser, args, cost)  # a bad trace or too long a request: said now, not after the sweep
+    if args.verify or args.recalibrate:  # the real runs need the model: a wrong directory is said now
+        try:
+            ModelConfig.from_dir(args.model)
+        except ModelDirError as exc:
+            parser.error(str(exc))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    cost = StepCostModel.load(args.profile)
     if args.recalibrate:
         import calibrate
         cost = calibrate.serve_check(args.model, cost.in_process(), args.recalibrate)
     started = time.perf_counter()
     print(f"load average {os.getloadavg()[0]:.2f}", flush=True)
+    capacity = None
     if args.rates is None:  # capacity: everything at once on the default budgets
         saturated = simulate.build_simulator(args, cost).run(simulate.build_workload(args, cost, float("inf")))
         capacity = saturated.summary()["request_throughput"]
@@ -258,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
           f"--max-num-seqs {choice['max_num_seqs']} at up to {choice['request_rate']} req/s "
           f"(TTFT objective {args.ttft_slo_ms} ms, ITL objective {args.itl_slo_ms} ms, attainment "
           f"{args.attainment:.0%})")
+    for warning in limit_warnings(args, points, choice, capacity):
+        print(f"warning: {warning}")
     (out / "tune.json").write_text(json.dumps({
         "points": [p.row() for p in points], "recommendation": choice, "verified": verified,
         "objectives": {"ttft_slo_ms": args.ttft_slo_ms, "itl_slo_ms": args.itl_slo_ms,
