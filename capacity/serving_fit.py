@@ -8,7 +8,8 @@ import dataclasses
 import math
 import os
 
-from common.step_cost import StepCostModel, nonnegative_least_squares
+from common.cost_fitting import nonnegative_least_squares
+from common.step_cost import StepCostModel
 
 WEIGHT_GRID = (1.0, 1.5, 2.0, 3.0)
 

@@ -7,7 +7,9 @@ one-line usage error.
 from __future__ import annotations
 
 import argparse
+import math
 import re
+import sys
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
@@ -38,26 +40,24 @@ def count(text: str) -> int:
     return value
 
 
-def positive_number(text: str) -> float:
-    """A finite number > 0."""
+def _number_above_zero(text: str, what: str, infinite: bool) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
+        value = math.nan
+    if not 0 < value <= (math.inf if infinite else sys.float_info.max):
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
     return value
+
+
+def positive_number(text: str) -> float:
+    """A finite number > 0."""
+    return _number_above_zero(text, "a number > 0", infinite=False)
 
 
 def request_rate(text: str) -> float:
     """Requests per second > 0, or 'inf' (every request at once)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a rate: {text!r} (requests per second, or inf)") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0 requests per second (or inf), got {text}")
-    return value
+    return _number_above_zero(text, "a rate > 0 (requests per second) or inf", infinite=True)
 
 
 def seconds(text: str) -> float:

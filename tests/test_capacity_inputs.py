@@ -72,8 +72,9 @@ def test_a_bad_trace_is_named_with_its_line(profile, tmp_path, capsys, lines, sa
 
 
 @pytest.mark.parametrize("flags, says", [
-    (["--request-rate", "0"], "--request-rate: must be > 0"),
-    (["--request-rate", "-5"], "--request-rate: must be > 0"),
+    (["--request-rate", "0"], "--request-rate: must be a rate > 0 (requests per second) or inf, got '0'"),
+    (["--request-rate", "-5"], "--request-rate: must be a rate > 0"),
+    (["--request-rate", "soon"], "--request-rate: must be a rate > 0"),
     (["--num-prompts", "0"], "--num-prompts: must be at least 1"),
     (["--max-concurrency", "0"], "--max-concurrency: must be at least 1"),
     (["--burstiness", "0"], "--burstiness: must be a number > 0"),

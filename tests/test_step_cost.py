@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from common.step_cost import (FEATURES, StepCostModel, StepShape, jitter_persistence, nonnegative_least_squares,
-                               shape_of)
+from common.cost_fitting import jitter_persistence, nonnegative_least_squares
+from common.step_cost import FEATURES, StepCostModel, StepShape, shape_of
 
 TRUE = {"step": 2e-3, "token": 3e-5, "prefill_seq": 4e-4, "decode_seq": 1e-4, "prefill_attention": 2e-9,
         "decode_attention": 5e-8, "sampled": 6e-5, "token_squared": 1e-9}
