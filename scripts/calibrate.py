@@ -43,11 +43,8 @@ from capacity import machine_speed  # noqa: E402
 from capacity.calibrate import Calibrator  # noqa: E402
 from capacity.serving_fit import fit_cpu, fit_cpu_weights, fit_worker_work  # noqa: E402
 from common.arg_types import positive  # noqa: E402
-from common.config import ModelConfig  # noqa: E402
-from common.errors import ModelDirError  # noqa: E402
 from common.step_cost import FEATURES, StepCostModel  # noqa: E402
 from scheduler.step_log import read_step_log  # noqa: E402
-
 
 
 def serve_check(model_dir: str, model: StepCostModel, concurrencies: list[int], num_prompts: int = 32,
@@ -207,10 +204,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="mean prompt of the prefill-heavy run (default 4x --serve-input-len, at most 2/3 of "
                              "max_model_len)")
     args = parser.parse_args(argv)
-    try:
-        ModelConfig.from_dir(args.model, args.max_model_len)
-    except ModelDirError as exc:
-        parser.error(str(exc))
+    simulate.require_model_dir(parser, args.model, args.max_model_len)
     if args.serve_only and args.no_serve:
         parser.error("--serve-only and --no-serve exclude each other")
     if args.serve_only:  # the in-process fit it keeps must be there and readable

@@ -31,6 +31,7 @@ the machine did differently between calibration and run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -46,8 +47,6 @@ import bench_serve  # noqa: E402
 import simulate  # noqa: E402
 from capacity.machine_speed import SPEED_INTERVAL_S, SpeedMonitor, with_speed_trace  # noqa: E402
 from common.arg_types import positive, positive_number  # noqa: E402
-from common.config import ModelConfig  # noqa: E402
-from common.errors import ModelDirError  # noqa: E402
 from common.step_cost import StepCostModel  # noqa: E402
 from scheduler.step_log import read_step_log  # noqa: E402
 
@@ -77,10 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     profile = simulate.load_profile(parser, args.profile)
     simulate.load_workload(parser, args, profile)  # a bad trace or too long a request: said now, not mid-run
-    try:
-        ModelConfig.from_dir(args.model)
-    except ModelDirError as exc:
-        parser.error(str(exc))
+    simulate.require_model_dir(parser, args.model)
     serve_flags = ["--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens",
                    str(args.max_num_batched_tokens), "--block-size", str(args.block_size),
                    "--kv-cache-memory", str(args.kv_cache_memory)]
@@ -199,13 +195,14 @@ def measure(args, serve_flags: list[str], bench_argv: list[str], out: Path,
         server = ShuttleServer(*serve_flags, "--step-log", str(log_path), model_dir=Path(args.model),
                                start_timeout=600)
         try:
-            with SpeedMonitor() as monitor:
+            # without a reference there is nothing to trace against: no monitor (a process and its CPU) then
+            with SpeedMonitor() if reference_cpu_s else contextlib.nullcontext() as monitor:
                 start = time.monotonic()
                 bench_serve.main(["--url", server.url, *bench_argv, "--result-json", str(out)])
                 end = time.monotonic()
         finally:
             server.stop()
-        speeds = monitor.trace(start, end, SPEED_INTERVAL_S, reference_cpu_s) if reference_cpu_s else []
+        speeds = monitor.trace(start, end, SPEED_INTERVAL_S, reference_cpu_s) if monitor else []
         return json.loads(out.read_text()), read_step_log(log_path), speeds
 
 

@@ -34,7 +34,8 @@ from capacity.workload import SimRequest, arrivals, from_trace  # noqa: E402
 from common.capacity import kv_blocks_for_memory  # noqa: E402
 from common.arg_types import count, positive, positive_number, request_rate  # noqa: E402
 from common.cli import add_config_options  # noqa: E402
-from common.config import CacheConfig, SchedulerConfig  # noqa: E402
+from common.config import CacheConfig, ModelConfig, SchedulerConfig  # noqa: E402
+from common.errors import ModelDirError  # noqa: E402
 from common.step_cost import StepCostModel  # noqa: E402
 
 
@@ -118,6 +119,15 @@ def load_profile(parser: argparse.ArgumentParser, path: str) -> StepCostModel:
         parser.error(f"{path}: its meta lacks {', '.join(missing)}, which the simulation needs (calibrate.py "
                      f"writes them)")
     return cost
+
+
+def require_model_dir(parser: argparse.ArgumentParser, model_dir: str, max_model_len: int | None = None) -> None:
+    """The model directory a script serves for real (`shuttle serve`'s check), or a one-line usage error (exit 2)
+    before any work."""
+    try:
+        ModelConfig.from_dir(model_dir, max_model_len)
+    except ModelDirError as exc:
+        parser.error(str(exc))
 
 
 def load_workload(parser: argparse.ArgumentParser, args: argparse.Namespace, cost: StepCostModel,

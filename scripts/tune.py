@@ -38,8 +38,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_serve  # noqa: E402
 import simulate  # noqa: E402
 from common.arg_types import count, positive, positive_number, unit_fraction  # noqa: E402
-from common.config import ModelConfig  # noqa: E402
-from common.errors import ModelDirError  # noqa: E402
 from common.step_cost import StepCostModel  # noqa: E402
 
 
@@ -214,10 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     cost = simulate.load_profile(parser, args.profile)
     simulate.load_workload(parser, args, cost)  # a bad trace or too long a request: said now, not after the sweep
     if args.verify or args.recalibrate:  # the real runs need the model: a wrong directory is said now
-        try:
-            ModelConfig.from_dir(args.model)
-        except ModelDirError as exc:
-            parser.error(str(exc))
+        simulate.require_model_dir(parser, args.model)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.recalibrate:
