@@ -136,3 +136,38 @@ def test_randomized_submits_aborts_and_finishes_never_leak():
         terminal[o.request_id] = terminal.get(o.request_id, 0) + 1
     assert s.kv.pool.num_free == 24 and not s.has_work and s.num_preemptions > 0
     assert set(terminal.values()) == {1} and len(terminal) == next(ids)  # exactly one terminal output each
+
+
+def _order_of_first_tokens(s: Scheduler, steps: int) -> list[str]:
+    """Request ids in the order their first token came out, over `steps` fabricated steps."""
+    order: list[str] = []
+    for _ in range(steps):
+        _, outputs = run_step(s)
+        for o in outputs.get(b"c", []):
+            if o.request_id not in order:
+                order.append(o.request_id)
+    return order
+
+
+def _submit_at(s: Scheduler, rid: str, arrival: float, priority: int) -> None:
+    s.add_request(b"c", Submit(rid, [10, 11], SamplingParams(max_tokens=1), arrival, priority=priority))
+
+
+def test_priority_aging_lets_an_old_low_priority_request_overtake_a_stream_of_urgent_ones():
+    # Fabricated arrival times: "low" (priority 5) at t=0, then urgent (priority 0) requests at t=10, 20, ..., 100.
+    # With 10 s of waiting worth one level, "low" ranks 5 + 0/10 = 5, the urgent one from t ranks t/10: it runs
+    # after those that arrived before t=50 and before the rest (the tie with t=50 goes to the older request).
+    s = make_scheduler(max_num_seqs=1, scheduling_policy="priority", priority_aging_seconds=10.0)
+    _submit_at(s, "low", 0.0, priority=5)
+    for t in range(10, 101, 10):
+        _submit_at(s, f"urgent@{t}", float(t), priority=0)
+    order = _order_of_first_tokens(s, 11)
+    assert order == [f"urgent@{t}" for t in range(10, 41, 10)] + ["low"] + [f"urgent@{t}" for t in range(50, 101, 10)]
+
+
+def test_priority_without_aging_runs_every_urgent_request_first():
+    s = make_scheduler(max_num_seqs=1, scheduling_policy="priority", priority_aging_seconds=0.0)
+    _submit_at(s, "low", 0.0, priority=5)
+    for t in range(10, 101, 10):
+        _submit_at(s, f"urgent@{t}", float(t), priority=0)
+    assert _order_of_first_tokens(s, 11) == [f"urgent@{t}" for t in range(10, 101, 10)] + ["low"]
