@@ -293,7 +293,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("names", nargs="*", help="model types or variant names (default: all)")
     parser.add_argument("--json", type=Path, default=Path("bench_results/architectures.json"))
-    parser.add_argument("--update-readme", action="store_true", help="rewrite the table in README.md")
+    parser.add_argument("--update-readme", action="store_true", help="rewrite the table in docs/architectures.md")
     parser.add_argument("--jobs", type=int, default=2, help="checks run at once, each in its own process")
     parser.add_argument("--fresh-interpreters", action="store_true",
                         help="run each check in a new Python process instead of a fork of this one (slower)")
@@ -320,7 +320,7 @@ def main() -> int:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps([r.__dict__ for r in results], indent=2))
     if args.update_readme:
-        readme = REPO / "README.md"
+        readme = REPO / "docs" / "architectures.md"
         text = readme.read_text()
         table = f"{README_START}\n{markdown(results)}\n{README_END}"
         text = re.sub(re.escape(README_START) + ".*?" + re.escape(README_END), lambda _: table, text, flags=re.S)

@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q torch==2.13.0
-.venv/bin/python -m pip install -q -e '.[test,tune]'
+.venv/bin/python -m pip install -q -e '.[test,tune,docs]'
 # The dashboard's browser test drives Debian's chromium through playwright (no browser download); without it the test
 # is skipped. Installed system-wide once, where this runs as root with apt (CI, the project's machines).
 if ! command -v chromium >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
