@@ -7,6 +7,19 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from tests.server import MODEL_DIR, ShuttleServer
 
 
+def pytest_collection_modifyitems(items):
+    """Every test that starts real shuttle processes is `slow` (`pytest -m "not slow"` runs the lower rungs only):
+    those using the `server` fixture or living in a module that starts its own ShuttleServer."""
+    for item in items:
+        module = getattr(item, "module", None)
+        if "server" in getattr(item, "fixturenames", ()) or (module is not None and "ShuttleServer" in vars(module)):
+            item.add_marker(pytest.mark.slow)
+
+
+def pytest_terminal_summary(terminalreporter):
+    terminalreporter.write_line(f"shuttle servers launched: {ShuttleServer.launches}")
+
+
 torch.set_num_threads(1)  # the transformers reference: see tests/server.py on OpenMP threads on a shared machine
 
 

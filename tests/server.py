@@ -47,8 +47,11 @@ class ShuttleServer:
         "worker.0", "scheduler.1", ...), updated when the launcher restarts a unit. output: launcher stdout lines.
     """
 
+    launches = 0  # servers started in this test run (the suite's budget is about 20: conftest reports the count)
+
     def __init__(self, *args: str, model_dir: Path = MODEL_DIR, start_timeout: float = 120.0,
                  env: dict[str, str] | None = None, preexec=None, command: str = "serve"):
+        ShuttleServer.launches += 1
         port = ["--port", "0"] if command == "serve" else []
         cmd = [sys.executable, "-m", "common.cli", command, str(model_dir), *port, *args]
 
