@@ -23,7 +23,8 @@ from common.messages import PlanMessage, Submit, WorkerMessage
 from common.sampling import SamplingParams
 from common.step_cost import StepCostModel, StepShape, shape_of
 from scheduler.kv_cache import KVCacheManager
-from scheduler.scheduler import ScheduledStep, Scheduler
+from scheduler.scheduled_step import ScheduledStep
+from scheduler.scheduler import Scheduler
 from worker.worker import ModelRunner
 
 

@@ -27,7 +27,6 @@ seed drives the optional step-time jitter of the cost model and where the speed 
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import random
 from collections import deque
@@ -41,7 +40,8 @@ from capacity.shared_cores import SharedCores
 from capacity.workload import SimRequest
 from scheduler.admission import SloAdmission
 from scheduler.kv_cache import KVCacheManager
-from scheduler.scheduler import ScheduledStep, Scheduler
+from scheduler.scheduled_step import ScheduledStep
+from scheduler.scheduler import Scheduler
 
 CLIENT = b"sim"
 FILLER_TOKEN = 5  # the fabricated sampled token; never an end-of-sequence id in the simulation
@@ -213,13 +213,11 @@ class Simulator:
         self.cores: SharedCores | None = None  # the last run's processes; their clock is the simulation's
         self._noise = random.Random(seed)  # step-time jitter (cost.jitter), seeded: runs repeat exactly
         self._slow: float | None = None  # the persistent part of the jitter's log, carried from step to step
-        # the scheduler never sees the profile path: admission gets the model and the virtual clock directly
-        plain = dataclasses.replace(config, step_cost_profile="")
-        self.scheduler = Scheduler(plain, KVCacheManager(num_blocks, block_size, enable_prefix_caching),
-                                   max_model_len, eos_token_ids=())
-        self.scheduler.admission = SloAdmission(config.ttft_slo_ms,
-                                                None if use_online_admission else (admission_cost or cost),
-                                                clock=lambda: self.now)
+        # admission gets the cost model and the virtual clock directly (the server's loop loads them from a file)
+        admission = SloAdmission(config.ttft_slo_ms, None if use_online_admission else (admission_cost or cost),
+                                 clock=lambda: self.now)
+        self.scheduler = Scheduler(config, KVCacheManager(num_blocks, block_size, enable_prefix_caching),
+                                   max_model_len, (), admission)
 
     @property
     def now(self) -> float:

@@ -25,19 +25,38 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 from common.step_cost import StepCostModel, StepShape, shape_of
-
-if TYPE_CHECKING:  # the scheduler calls in; no import cycle at run time
-    from scheduler.request import Request
-    from scheduler.scheduler import ScheduledStep, Scheduler
+from scheduler.request import Request
+from scheduler.scheduled_step import ScheduledStep
 
 MIN_ONLINE_STEPS = 32  # steps measured before the online model predicts anything
 ONLINE_WINDOW = 512  # most recent measured steps the online model is fitted to
 REFIT_EVERY = 64  # steps between online refits
 HEADROOM = 0.95  # admit when the prediction is within this share of the objective: room for its own error
 MAX_ITERATIONS = 4000  # bound on one prediction's work; past it the rest is extrapolated
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionView:
+    """The read-only part of the scheduler's state that a prediction replays: budgets, cache size, requests.
+
+    Attributes:
+        max_num_batched_tokens: the per-step token budget.
+        max_num_seqs: most sequences in one step.
+        block_size: tokens per KV block.
+        num_blocks: KV blocks in the whole cache.
+        running: running requests in rank order.
+        waiting: waiting requests in any order (the prediction sorts those ahead by rank).
+    """
+
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    block_size: int
+    num_blocks: int
+    running: Sequence[Request]
+    waiting: Iterable[Request]
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,14 +105,14 @@ class SloAdmission:
 
     # ---- hooks the scheduler calls ------------------------------------------------------------------
 
-    def on_planned(self, step: "ScheduledStep") -> None:
+    def on_planned(self, step: ScheduledStep) -> None:
         if not self.armed:
             return
         if len(self._planned) >= 4:  # a step that failed is never settled: forget it
             del self._planned[next(iter(self._planned))]
         self._planned[step.plan.step_id] = (self.clock(), self.cost.predict(_shape(step)) if self.cost else 0.0)
 
-    def on_settled(self, step: "ScheduledStep") -> None:
+    def on_settled(self, step: ScheduledStep) -> None:
         """Measure the step (from when it could start: planned, or the previous step's end) for the online fit."""
         if not self.armed:
             return
@@ -106,12 +125,12 @@ class SloAdmission:
             if len(self._observed) >= MIN_ONLINE_STEPS and (self.cost is None or self._since_fit >= REFIT_EVERY):
                 self._refit()
 
-    def on_finished(self, request: "Request") -> None:
+    def on_finished(self, request: Request) -> None:
         if self.armed and request.sampling.max_tokens > 0 and request.output_token_ids:
             ratio = min(1.0, len(request.output_token_ids) / request.sampling.max_tokens)
             self.output_ratio += 0.05 * (ratio - self.output_ratio)
 
-    def check(self, scheduler: "Scheduler", request: "Request", slo_ms: float) -> Verdict | None:
+    def check(self, view: AdmissionView, request: Request, slo_ms: float) -> Verdict | None:
         """A Verdict when `request` (not yet queued) would miss its objective, else None (admit).
         `slo_ms` is the request's own objective (0: the server's default)."""
         slo_ms = slo_ms or self.default_slo_ms
@@ -121,7 +140,7 @@ class SloAdmission:
         if self.cost is None:
             return None
         slo_s = slo_ms / 1000
-        predicted = self.predict_ttft(scheduler, request, horizon_s=max(2 * slo_s, slo_s + 1.0))
+        predicted = self.predict_ttft(view, request, horizon_s=max(2 * slo_s, slo_s + 1.0))
         if predicted <= slo_s * HEADROOM:
             return None
         self.num_refused += 1
@@ -129,15 +148,14 @@ class SloAdmission:
 
     # ---- the prediction -------------------------------------------------------------------------------
 
-    def predict_ttft(self, scheduler: "Scheduler", request: "Request", horizon_s: float = math.inf) -> float:
+    def predict_ttft(self, view: AdmissionView, request: Request, horizon_s: float = math.inf) -> float:
         """Predicted seconds from now until `request`'s first token reaches its client, if it were queued now
         behind the requests that rank before it. Past `horizon_s` the remaining queue is extrapolated at the
         admission rate seen so far."""
         cost = self.cost
-        config = scheduler.config
-        block_size, total_blocks = scheduler.kv.block_size, scheduler.kv.pool.num_blocks
-        running = [self._seq(r) for r in scheduler.running]
-        ahead = sorted((r for r in scheduler.waiting if r.rank < request.rank), key=_rank)
+        block_size, total_blocks = view.block_size, view.num_blocks
+        running = [self._seq(r) for r in view.running]
+        ahead = sorted((r for r in view.waiting if r.rank < request.rank), key=_rank)
         queue = deque(self._seq(r) for r in ahead)
         target = self._seq(request)
         target.target = True
@@ -153,9 +171,9 @@ class SloAdmission:
         # Those whose last token is booked already (in a step in flight) run no more but hold their slot a step.
         lingering = [seq for seq in running if seq.outputs <= 0 and seq.prefill == 0]
         running = [seq for seq in running if seq.outputs > 0 or seq.prefill > 0]
-        now = self._in_flight_remaining(scheduler)
+        now = self._in_flight_remaining()
         for _ in range(MAX_ITERATIONS):
-            budget = config.max_num_batched_tokens
+            budget = view.max_num_batched_tokens
             chunks: list[tuple[int, int, bool]] = []
             prefilling: list[tuple[_Seq, int]] = []
             for seq in running:
@@ -165,7 +183,7 @@ class SloAdmission:
                 chunks.append((seq.context, num_new, seq.prefill <= num_new))
                 prefilling.append((seq, num_new))
                 budget -= num_new
-            while queue and budget > 0 and len(running) + len(lingering) < config.max_num_seqs:
+            while queue and budget > 0 and len(running) + len(lingering) < view.max_num_seqs:
                 head = queue[0]
                 if blocks_used + reserve(head) > total_blocks and running:
                     break
@@ -179,7 +197,7 @@ class SloAdmission:
             if not chunks:
                 break  # nothing can run: the prediction cannot go on (a request larger than the cache)
             if not lingering and all(seq.prefill == 0 for seq in running) and not _can_admit(
-                    queue, running, blocks_used, reserve, config.max_num_seqs, total_blocks):
+                    queue, running, blocks_used, reserve, view.max_num_seqs, total_blocks):
                 # only decodes until the next request finishes: sum that stretch in closed form
                 steps = max(1, math.ceil(min(seq.outputs for seq in running)))
                 now += cost.decode_run(len(running), sum(s.context for s in running), steps)
@@ -211,7 +229,7 @@ class SloAdmission:
             return math.inf if now <= 0 else now * (queue_len + 1)
         return now * queue_len / admitted + cost.client_s  # the rest of the queue at the rate seen so far
 
-    def _seq(self, request: "Request") -> _Seq:
+    def _seq(self, request: Request) -> _Seq:
         """A request as the prediction sees it: tokens booked but not computed are prefill (prompt chunks or a
         recompute after preemption); expected outputs still to sample."""
         to_compute = request.num_tokens_booked - request.num_computed_tokens
@@ -222,7 +240,7 @@ class SloAdmission:
             return _Seq(to_compute, remaining, request.num_computed_tokens)
         return _Seq(0, remaining, request.num_computed_tokens)  # decoding: one token per step
 
-    def _in_flight_remaining(self, scheduler: "Scheduler") -> float:
+    def _in_flight_remaining(self) -> float:
         """Predicted seconds until the steps already sent are done (their tokens are booked already)."""
         if not self._planned:
             return 0.0
@@ -244,16 +262,16 @@ def _can_admit(queue, running, blocks_used, reserve, max_num_seqs: int, total_bl
     return bool(queue) and len(running) < max_num_seqs and blocks_used + reserve(queue[0]) <= total_blocks
 
 
-def _rank(request: "Request"):
+def _rank(request: Request):
     return request.rank
 
 
-def _shape(step: "ScheduledStep") -> StepShape:
+def _shape(step: ScheduledStep) -> StepShape:
     return shape_of((e.start, e.num_new, e.samples) for e in step.scheduled.values())
 
 
 def make_admission(slo_ms: float, profile: str, clock: Callable[[], float] = time.monotonic) -> SloAdmission:
-    """The admission controller for a server: with a calibrated profile when given.
+    """The admission controller for a server process: with the calibrated profile at `profile` when given.
 
     Raises:
         OSError, ValueError: the profile cannot be read.
@@ -261,4 +279,4 @@ def make_admission(slo_ms: float, profile: str, clock: Callable[[], float] = tim
     return SloAdmission(slo_ms, StepCostModel.load(profile) if profile else None, clock)
 
 
-__all__: Iterable[str] = ("SloAdmission", "Verdict", "make_admission")
+__all__: Iterable[str] = ("AdmissionView", "SloAdmission", "Verdict", "make_admission")

@@ -23,7 +23,9 @@ from common.messages import (
 from common.process import HeartbeatSender
 from scheduler.kv_cache import KVCacheManager
 from scheduler.liveness import FrontendWatch, StepWatchdog
-from scheduler.scheduler import ScheduledStep, Scheduler
+from scheduler.admission import make_admission
+from scheduler.scheduled_step import ScheduledStep
+from scheduler.scheduler import Scheduler
 from scheduler.stats import StepStats
 from scheduler.step_log import StepLog
 
@@ -84,7 +86,9 @@ class SchedulerLoop:
         cache = self.config.cache
         kv = KVCacheManager(msg.num_kv_blocks, cache.block_size, cache.enable_prefix_caching)
         model = self.config.model
-        self.scheduler = Scheduler(self.config.scheduler, kv, model.max_model_len, model.eos_token_ids)
+        config = self.config.scheduler
+        self.scheduler = Scheduler(config, kv, model.max_model_len, model.eos_token_ids,
+                                   make_admission(config.ttft_slo_ms, config.step_cost_profile))
         return msg
 
     def run(self) -> None:

@@ -21,7 +21,6 @@ import heapq
 import itertools
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
 from operator import attrgetter
 
 from common.config import SchedulerConfig
@@ -29,54 +28,14 @@ from common.messages import (
     CachedRequestData, FinishReason, NewRequestData, RequestOutput, SchedulerStats, StepPlan, StepResult, Submit,
     TokenLogprobs,
 )
-from scheduler.admission import make_admission
+from scheduler.admission import AdmissionView, SloAdmission
 from scheduler.fairness import GroupShares
 from scheduler.kv_cache import KVCacheManager
 from scheduler.queue import WaitingQueue
 from scheduler.request import Request, RequestStatus
+from scheduler.scheduled_step import ScheduledRequest, ScheduledStep
 
 _RANK = attrgetter("rank")
-
-
-@dataclass(slots=True)
-class ScheduledRequest:
-    """One request's share of a planned step: tokens [start, start + num_new) are computed, and the request
-    samples a token when `samples` (its chunk reaches the end of its booked tokens)."""
-
-    request: Request
-    epoch: int
-    start: int
-    num_new: int
-    samples: bool
-
-
-@dataclass
-class ScheduledStep:
-    """What the scheduler remembers of a planned step, to settle its result."""
-
-    plan: StepPlan
-    scheduled: dict[str, ScheduledRequest] = field(default_factory=dict)
-    num_prompt_tokens: int = 0  # of the scheduled tokens, how many are prompt (prefill) tokens
-    num_decode_tokens: int = 0  # of the scheduled tokens, how many are decodes (one sampled token's successor)
-    sent_at: float = 0.0  # time.monotonic() when the loop sent its plan (the step watchdog times it)
-
-    @property
-    def num_scheduled(self) -> dict[str, int]:
-        """request id -> tokens computed in this step."""
-        return {rid: s.num_new for rid, s in self.scheduled.items()}
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new for s in self.scheduled.values())
-
-    @property
-    def sampling_ids(self) -> list[str]:
-        """Ids of the requests that sample a token in this step, in plan order."""
-        return [rid for rid, s in self.scheduled.items() if s.samples]
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled and not self.plan.finished_ids
 
 
 class Scheduler:
@@ -90,7 +49,8 @@ class Scheduler:
         eos_token_ids: model end-of-sequence ids.
     """
 
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int, eos_token_ids: tuple[int, ...]):
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int, eos_token_ids: tuple[int, ...],
+                 admission: SloAdmission | None = None):
         self.config = config
         self.kv = kv
         self.max_model_len = max_model_len
@@ -112,7 +72,13 @@ class Scheduler:
         self._deadlines: list[tuple[float, int, Request]] = []
         self._deadline_seq = itertools.count()
         self._pending_outputs: dict[bytes, list[RequestOutput]] = defaultdict(list)
-        self.admission = make_admission(config.ttft_slo_ms, config.step_cost_profile)  # scheduler/admission.py
+        # SLO admission (scheduler/admission.py); the process that owns the scheduler loads any profile, not this class
+        self.admission = admission if admission is not None else SloAdmission(config.ttft_slo_ms)
+
+    def _admission_view(self) -> AdmissionView:
+        """What SLO admission may read: the budgets, the cache's size, the running set and the waiting queue."""
+        return AdmissionView(self.config.max_num_batched_tokens, self.config.max_num_seqs, self.kv.block_size,
+                             self.kv.pool.num_blocks, self.running, self.waiting)
 
     # ---- arrivals and departures ------------------------------------------------------------------------
 
@@ -131,7 +97,7 @@ class Scheduler:
         request.rank = self.waiting.rank(request)
         if self.num_waiting >= self.config.max_waiting_requests and not self._make_room_for(request):
             return self._reject(client, submit.request_id, 503, "the server is at capacity: waiting queue is full")
-        verdict = self.admission.check(self, request, submit.ttft_slo_ms)
+        verdict = self.admission.check(self._admission_view(), request, submit.ttft_slo_ms)
         if verdict is not None:  # its first token would come too late even if it waited: say so now
             return self._reject(client, submit.request_id, 503,
                                 f"the server cannot meet the TTFT objective now: predicted time to first token "
