@@ -154,11 +154,6 @@ class Scheduler:
             if entry.request.is_live:
                 self._finish(entry.request, FinishReason.ERROR, status, message)
 
-    def fail_all(self, status: int, message: str) -> None:
-        """End every request with an error output (the worker is gone)."""
-        for request in list(self.requests.values()):
-            self._finish(request, FinishReason.ERROR, status, message)
-
     def abort_client(self, client: bytes) -> list[str]:
         """End every request of a frontend that is gone, freeing their blocks; their outputs are dropped.
         Returns the ids (the loop calls this for frontends that stopped heartbeating)."""
