@@ -10,12 +10,18 @@
   connection is probed with an interim `100 Continue` (every HTTP/1.1 client must accept unsolicited 1xx
   responses) every PROBE_INTERVAL_S: a client that has really gone answers with a reset, which ends the
   connection and so aborts its request.
+- Request body encodings: aiohttp's own decompression is off; frontend/content_coding.py decodes a body after
+  authentication, under the same limit (400 for a body that is not validly encoded, 413 over the limit once
+  decoded, 415 for a coding not supported), and `request_body()` gives a handler the decoded bytes.
+- WebSocket frames from a client must be masked (RFC 6455, section 5.1): aiohttp's frame reader serves clients
+  too and does not check, so frontend/ws_frames.py screens the bytes before it (close code 1002 otherwise).
 - Malformed HTTP is one WARNING line naming the peer and the parser's complaint, never a traceback; a client
   that leaves while its answer is being written is not a server error (DEBUG).
 
 aiohttp has no public hook for these, so `ShuttleRequestHandler` subclasses its RequestHandler and reads a few
-of its private attributes (`_waiter`, `_messages`, `_current_request`, `_upgraded`); tests/test_http_edges.py
-exercises every one of them.
+of its private attributes (`_waiter`, `_messages`, `_current_request`, `_upgraded`) and overrides its `set_parser`
+(where a WebSocket hands over its frame reader); tests/test_http_edges.py and tests/test_ws_batch_edges.py exercise
+every one of them.
 """
 
 from __future__ import annotations
@@ -24,18 +30,21 @@ import asyncio
 import logging
 import socket
 
-from aiohttp import web
+from aiohttp import hdrs, web
 from aiohttp.http_exceptions import HttpProcessingError
-from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 
 from common.config import OpsConfig
+from frontend.content_coding import BodyRefused, content_coding, decode
 from frontend.protocol import error_body
+from frontend.ws_frames import MaskedFramesOnly
 
 log = logging.getLogger("shuttle.frontend")
 
 PROBE_INTERVAL_S = 0.5
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 LISTEN_BACKLOG = 4096  # a burst of thousands of clients connecting at once should queue, not be refused
+BODY = web.RequestKey("shuttle_body", bytes)  # the request body, decoded from its Content-Encoding
 
 
 class ShuttleRequestHandler(RequestHandler):
@@ -60,6 +69,17 @@ class ShuttleRequestHandler(RequestHandler):
         elif not idle and self._header_timer is not None:
             self._header_timer.cancel()
             self._header_timer = None
+
+    def set_parser(self, parser, data_received_cb=None) -> None:
+        """A WebSocket's frame reader takes over the connection: screen its bytes for unmasked frames first."""
+        super().set_parser(MaskedFramesOnly(parser, self._refuse_unmasked), data_received_cb)
+
+    def _refuse_unmasked(self, close_frame: bytes) -> None:
+        if self.transport is not None:
+            log.info("closing a websocket from %s: it sent an unmasked frame (RFC 6455, section 5.1)",
+                     self.transport.get_extra_info("peername"))
+            self.transport.write(close_frame)
+        self.force_close()
 
     def _head_overdue(self) -> None:
         self._header_timer = None
@@ -116,15 +136,17 @@ async def listen(runner: web.AppRunner, host: str, port: int, ops: OpsConfig) ->
     manager = runner.server
 
     def protocol() -> ShuttleRequestHandler:
+        # auto_decompress off: request_limits decodes bodies, after the API key check (see content_coding.py)
         return ShuttleRequestHandler(manager, loop=loop, keepalive_timeout=ops.keep_alive_timeout,
-                                     header_timeout=ops.header_timeout, access_log=None)
+                                     header_timeout=ops.header_timeout, access_log=None, auto_decompress=False)
 
     return await loop.create_server(protocol, host, port, reuse_address=True, backlog=LISTEN_BACKLOG,
                                     family=socket.AF_UNSPEC)
 
 
 def request_limits(max_body_bytes: int, body_timeout: float):
-    """Middleware: 413 from Content-Length before reading, and the body read under `body_timeout` (408)."""
+    """Middleware: 413 from Content-Length before reading, 415 for a Content-Encoding not supported, the body read
+    under `body_timeout` (408) and decoded under the limit (400, 413); the handler finds it with request_body()."""
 
     @web.middleware
     async def limits(request: web.Request, handler) -> web.StreamResponse:
@@ -135,13 +157,34 @@ def request_limits(max_body_bytes: int, body_timeout: float):
                 return web.json_response(error_body(413, f"request body of {request.content_length} bytes is over "
                                                          f"the limit of {max_body_bytes}"), status=413)
             try:
+                coding = content_coding(request.headers.get(hdrs.CONTENT_ENCODING, ""))
+            except BodyRefused as exc:
+                return web.json_response(error_body(exc.status, str(exc)), status=exc.status)
+            try:
                 async with asyncio.timeout(body_timeout if body_timeout > 0 else None):
-                    await request.read()  # kept by aiohttp: the handler's own read() returns it
+                    raw = await request.read()
             except TimeoutError:
                 return await _answer_and_close(request, 408, f"request body not received within {body_timeout:g} s")
+            except RequestPayloadError as exc:
+                # the parser could not read the body (a listener that decompresses, as aiohttp's test server):
+                # the connection cannot go on, and closing it skips aiohttp's lingering read, which would log
+                detail = getattr(exc.__cause__, "message", None) or "it is not validly encoded"
+                return await _answer_and_close(request, 400, f"request body could not be read: {detail}")
+            if request.content.total_compressed_bytes is not None:
+                coding = None  # that parser has decoded it already
+            try:
+                request[BODY] = decode(raw, coding, max_body_bytes)
+            except BodyRefused as exc:
+                return web.json_response(error_body(exc.status, str(exc)), status=exc.status)
         return await handler(request)
 
     return limits
+
+
+async def request_body(request: web.Request) -> bytes:
+    """The request's body, decoded from its Content-Encoding by request_limits (read as sent without it)."""
+    body = request.get(BODY)
+    return body if body is not None else await request.read()
 
 
 async def _answer_and_close(request: web.Request, status: int, message: str) -> web.Response:

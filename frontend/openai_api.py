@@ -7,6 +7,7 @@ import json
 from aiohttp import web
 
 from common.errors import GenerationError
+from frontend.http_server import request_body
 from frontend.protocol import ChatCompletionRequest, CompletionRequest, decode_body, error_body
 from frontend.serving import Prepared, check_model, prepare_chat, prepare_completion
 from frontend.state import RESPONSE_ID, STATE, FrontendState
@@ -16,14 +17,14 @@ from frontend.state import RESPONSE_ID, STATE, FrontendState
 
 async def create_completion(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    body = decode_body(await request.read(), CompletionRequest)
+    body = decode_body(await request_body(request), CompletionRequest)
     prepared = prepare_completion(state, body, on_request_id=lambda rid: request.__setitem__(RESPONSE_ID, rid))
     return await _respond(request, prepared)
 
 
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    body = decode_body(await request.read(), ChatCompletionRequest)
+    body = decode_body(await request_body(request), ChatCompletionRequest)
     prepared = prepare_chat(state, body, on_request_id=lambda rid: request.__setitem__(RESPONSE_ID, rid))
     return await _respond(request, prepared)
 

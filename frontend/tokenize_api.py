@@ -5,6 +5,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from common.errors import InvalidRequestError
+from frontend.http_server import request_body
 from frontend.protocol import DetokenizeRequest, TokenizeRequest, decode_body
 from frontend.serving import chat_prompt_ids, check_model
 from frontend.state import STATE
@@ -14,7 +15,7 @@ async def tokenize(request: web.Request) -> web.Response:
     """{"prompt": str} or {"messages": [...], ...chat prompt fields} -> {"tokens": [...], "count": n, "max_model_len": m}.
     The same tokens a completion or chat completion with these fields would be given."""
     state = request.app[STATE]
-    body = decode_body(await request.read(), TokenizeRequest)
+    body = decode_body(await request_body(request), TokenizeRequest)
     check_model(state, body.model)
     max_model_len = state.config.model.max_model_len
     if (body.prompt is None) == (body.messages is None):
@@ -29,7 +30,7 @@ async def tokenize(request: web.Request) -> web.Response:
 async def detokenize(request: web.Request) -> web.Response:
     """{"tokens": [...]} -> {"prompt": text}."""
     state = request.app[STATE]
-    body = decode_body(await request.read(), DetokenizeRequest)
+    body = decode_body(await request_body(request), DetokenizeRequest)
     check_model(state, body.model)
     if not all(0 <= t < state.tokenizer.vocab_size for t in body.tokens):
         raise InvalidRequestError(f"tokens must be ids in [0, {state.tokenizer.vocab_size})", param="tokens")

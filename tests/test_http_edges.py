@@ -5,10 +5,13 @@ Every wait here is a bound that only a hang exceeds; none measures speed.
 """
 
 import asyncio
+import gzip
 import json
 import logging
 import socket
+import zlib
 
+import aiohttp
 import pytest
 
 from tests.inprocess import SCRIPT, start_app
@@ -134,3 +137,93 @@ async def wait_for(condition, within: float = HANG) -> None:
     while not condition():
         assert asyncio.get_running_loop().time() < deadline, "condition not met"
         await asyncio.sleep(0.02)
+
+
+# ---- request body encodings (issue 24): decoded after the key check, every failure an OpenAI 4xx, never a trace ---
+
+KEY = "sk-edges"
+POSTS = {"/v1/completions": {"prompt": "Hi", "max_tokens": 2},
+         "/v1/chat/completions": {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2},
+         "/tokenize": {"prompt": "Hi"}, "/detokenize": {"tokens": [1, 403]}}
+PLAIN = json.dumps({"prompt": "Once upon a time"}).encode()  # for /tokenize
+NOT_ENCODED = [("gzip", PLAIN), ("deflate", PLAIN), ("x-gzip", PLAIN), ("gzip", gzip.compress(PLAIN)[:-6]),
+               ("deflate", zlib.compress(PLAIN)[:-3]), ("gzip", gzip.compress(PLAIN) + b"tail"),
+               ("gzip", b"\x1f\x8b" + bytes(range(256)) * 4)]
+
+
+@pytest.fixture(scope="module")
+async def keyed_app():
+    app = await start_app(api_key=KEY)
+    yield app
+    await app.close()
+
+
+async def post_encoded(session: aiohttp.ClientSession, url: str, data: bytes, encoding: str, **headers
+                       ) -> tuple[int, dict]:
+    headers = {"Content-Type": "application/json", "Content-Encoding": encoding, **headers}
+    async with session.post(url, data=data, headers=headers) as response:
+        return response.status, json.loads(await response.text())
+
+
+def log_lines(caplog) -> list[str]:
+    assert all(r.exc_info is None for r in caplog.records), caplog.text
+    return caplog.text.splitlines()
+
+
+@pytest.mark.parametrize("path", POSTS)
+async def test_body_that_is_not_validly_encoded_is_400_with_at_most_one_log_line(app, caplog, path):
+    caplog.set_level(logging.INFO)
+    async with aiohttp.ClientSession() as session:  # one connection: it stays usable after each refusal
+        for encoding, data in NOT_ENCODED:
+            caplog.clear()
+            status, body = await post_encoded(session, f"{app.url}{path}", data, encoding)
+            assert status == 400 and body["error"]["code"] == 400, (encoding, data[:20], body)
+            assert encoding.removeprefix("x-") in body["error"]["message"]
+            assert len(log_lines(caplog)) <= 1, caplog.text
+        async with session.post(f"{app.url}{path}", json=POSTS[path]) as response:
+            assert response.status == 200
+
+
+async def test_encoded_bodies_are_decoded(app):
+    raw_deflate = zlib.compressobj(wbits=-zlib.MAX_WBITS)
+    raw_deflate = raw_deflate.compress(PLAIN) + raw_deflate.flush()
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{app.url}/tokenize", data=PLAIN, headers={"Content-Type": "application/json"}) as r:
+            expected = await r.json()
+        for encoding, data in [("gzip", gzip.compress(PLAIN)), ("x-gzip", gzip.compress(PLAIN)),
+                               ("deflate", zlib.compress(PLAIN)), ("deflate", raw_deflate), ("identity", PLAIN),
+                               ("GZIP, identity", gzip.compress(PLAIN)), ("", PLAIN)]:
+            status, body = await post_encoded(session, f"{app.url}/tokenize", data, encoding)
+            assert (status, body) == (200, expected), encoding
+
+
+@pytest.mark.parametrize("encoding", ["br", "zstd", "compress", "x-unheard-of", "gzip, gzip", "deflate, gzip"])
+async def test_unsupported_content_encoding_is_415_naming_it(app, caplog, encoding):
+    caplog.set_level(logging.INFO)
+    async with aiohttp.ClientSession() as session:
+        for path in POSTS:
+            status, body = await post_encoded(session, f"{app.url}{path}", PLAIN, encoding)
+            assert status == 415 and body["error"]["code"] == 415, body
+            assert repr(encoding) in body["error"]["message"]
+    assert log_lines(caplog) == []
+
+
+async def test_body_over_the_limit_once_decoded_is_413(app):
+    bomb = gzip.compress(b'{"prompt": "' + b"a" * (64 * 2**20) + b'"}')  # 64 MiB in about 64 KiB
+    async with aiohttp.ClientSession() as session:
+        status, body = await post_encoded(session, f"{app.url}/v1/completions", bomb, "gzip")
+    assert status == 413 and "once decoded" in body["error"]["message"]
+
+
+async def test_unauthenticated_request_is_refused_before_its_body_is_decoded(keyed_app, caplog):
+    caplog.set_level(logging.DEBUG)
+    async with aiohttp.ClientSession() as session:
+        for path in POSTS:
+            for encoding, data in NOT_ENCODED + [("br", PLAIN)]:
+                caplog.clear()
+                status, body = await post_encoded(session, f"{keyed_app.url}{path}", data, encoding)
+                assert status == 401 and body["error"]["code"] == 401
+                assert log_lines(caplog) == []
+        status, body = await post_encoded(session, f"{keyed_app.url}/tokenize", PLAIN, "gzip",
+                                          Authorization=f"Bearer {KEY}")
+        assert status == 400 and "gzip" in body["error"]["message"]  # with the key, it gets to be decoded

@@ -18,6 +18,7 @@ import zmq.asyncio
 from common.cli import build_parser
 from common.config import ShuttleConfig
 from common.messages import BatchHeartbeat, BatchRequest, BatchResponse, BatchServerMessage
+from frontend.ws_frames import CLOSE_FRAME, MaskedFramesOnly
 from tests.inprocess import SCRIPT, start_app
 from tests.server import MODEL_DIR
 
@@ -95,7 +96,8 @@ def ws_frame(text: str) -> bytes:
     """A masked client text frame (RFC 6455)."""
     payload, mask = text.encode(), os.urandom(4)
     length = len(payload)
-    header = bytes([0x81]) + (bytes([0x80 | length]) if length < 126 else bytes([0x80 | 126]) + struct.pack(">H", length))
+    header = bytes([0x81]) + (bytes([0x80 | length]) if length < 126 else bytes([0x80 | 126]) + struct.pack(">H", length)
+                              if length < 2**16 else bytes([0x80 | 127]) + struct.pack(">Q", length))
     return header + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
 
 
@@ -188,3 +190,78 @@ def test_batch_endpoint_is_loopback_even_when_http_listens_everywhere():
     args = build_parser().parse_args(["serve", str(MODEL_DIR), "--host", "0.0.0.0", "--batch-endpoint",
                                       "tcp://0.0.0.0:7000"])
     assert ShuttleConfig.from_args(args, None).batch_endpoint == "tcp://0.0.0.0:7000"
+
+
+# ---- unmasked client frames close the connection (RFC 6455, section 5.1; issue 24) ------------------------------
+
+def unmasked_frame(text: str) -> bytes:
+    payload = text.encode()
+    assert len(payload) < 126
+    return bytes([0x81, len(payload)]) + payload
+
+
+def server_frames(data: bytes) -> list[tuple[int, bytes]]:
+    """(opcode, payload) of each frame in `data`, a server's (unmasked) frames."""
+    frames, pos = [], 0
+    while pos + 2 <= len(data):
+        opcode, length, pos = data[pos] & 0x0F, data[pos + 1] & 0x7F, pos + 2
+        if length == 126:
+            length, pos = struct.unpack_from(">H", data, pos)[0], pos + 2
+        elif length == 127:
+            length, pos = struct.unpack_from(">Q", data, pos)[0], pos + 8
+        frames.append((opcode, data[pos:pos + length]))
+        pos += length
+    return frames
+
+
+async def raw_websocket(app) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A handshaken WebSocket connection over a plain socket (the client library always masks)."""
+    host, port = app.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    key = base64.b64encode(os.urandom(16)).decode()
+    writer.write((f"GET /v1/ws HTTP/1.1\r\nHost: {host}:{port}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                  f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\nAuthorization: Bearer {KEY}\r\n\r\n"
+                  ).encode())
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HANG)
+    assert head.startswith(b"HTTP/1.1 101"), head
+    return reader, writer
+
+
+async def test_unmasked_client_frame_closes_the_connection_with_1002(app, caplog):
+    caplog.set_level(logging.INFO)
+    reader, writer = await raw_websocket(app)
+    generate = json.dumps({"type": "generate", "id": "masked", "prompt": "Hi", "max_tokens": 2})
+    writer.write(ws_frame(generate))
+    received = b""
+    while not any(op == 1 and json.loads(p)["type"] == "done" for op, p in server_frames(received)):
+        received += await asyncio.wait_for(reader.read(65536), HANG)  # the masked frame is served
+    writer.write(unmasked_frame(json.dumps({"type": "generate", "id": "bare", "prompt": "Hi", "max_tokens": 2})))
+    rest = await asyncio.wait_for(reader.read(), HANG)  # until the server closes the connection
+    writer.close()
+    [(opcode, payload)] = server_frames(rest)
+    assert opcode == 0x8 and struct.unpack(">H", payload[:2])[0] == 1002, rest  # a close frame, protocol error
+    assert not any(r.exc_info or r.levelno >= logging.WARNING for r in caplog.records), caplog.text
+    async with aiohttp.ClientSession(headers=auth()) as session, session.ws_connect(f"{app.url}/v1/ws") as ws:
+        await ws.send_str(generate)  # the server goes on
+        assert (await collect_frames(ws, {"masked"}))[-1]["type"] == "done"
+
+
+def test_mask_screen_follows_frame_boundaries_across_any_chunking():
+    class Reader:
+        def __init__(self):
+            self.fed = bytearray()
+
+        def feed_data(self, data):
+            self.fed += data
+            return False, b""
+
+    masked = [ws_frame("x" * n) for n in (0, 5, 125, 126, 300, 70_000)]  # 7-bit, 16-bit and 64-bit lengths
+    good = b"".join(masked)
+    stream = good + unmasked_frame("bare") + ws_frame("never read")
+    for chunk in (1, 2, 7, 131, 65536, len(stream)):
+        reader, refusals = Reader(), []
+        screen = MaskedFramesOnly(reader, refusals.append)
+        for start in range(0, len(stream), chunk):
+            screen.feed_data(stream[start:start + chunk])
+        assert refusals == [CLOSE_FRAME], chunk
+        assert bytes(reader.fed[:len(good)]) == good and len(reader.fed) <= len(good) + 1, chunk
