@@ -10,6 +10,7 @@ import msgspec
 
 from common.errors import GenerationError, InvalidRequestError, ModelNotFoundError
 from common.sampling import MAX_LOGPROBS, SamplingParams
+from frontend.integral_floats import integral_floats_as_ints
 
 MAX_N = 16  # most choices per request
 MAX_PROMPTS = 64  # most prompts in one completions request
@@ -150,7 +151,8 @@ def convert_body(data: Any, request_type: type) -> Any:
 
     An explicit `null` for a top-level field means the same as leaving the field out: OpenAI's schema makes its
     optional fields nullable, and clients send null for "default" (the official Python client with
-    `temperature=None`). So every default lives in one place, the Struct's field declaration.
+    `temperature=None`). So every default lives in one place, the Struct's field declaration. A field typed as an
+    integer takes an integral float (`"n": 1.0`, as OpenAI does; frontend/integral_floats.py), never 1.5 or "1".
 
     Raises:
         InvalidRequestError: not an object, or a field of the wrong type (named in `param`).
@@ -158,7 +160,7 @@ def convert_body(data: Any, request_type: type) -> Any:
     try:
         if isinstance(data, dict):
             data = {name: value for name, value in data.items() if value is not None}
-        return msgspec.convert(data, type=request_type)
+        return msgspec.convert(integral_floats_as_ints(data, request_type), type=request_type)
     except msgspec.ValidationError as exc:
         match = _DECODE_PATH.search(str(exc)) or _MISSING_FIELD.search(str(exc))
         raise InvalidRequestError(f"invalid request body: {exc}", param=match.group(1) if match else None) from None
@@ -170,6 +172,19 @@ def _is_token_list(value: Any) -> bool:
     return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
 
 
+def _integral_ids(prompt: Any) -> Any:
+    """A prompt of token ids (or of lists of them, the two shapes that hold ids) with integral floats made ints,
+    as every integer field takes them; deeper lists are left for completion_prompts to refuse."""
+    def ints(values: list) -> list:
+        if float not in map(type, values):
+            return values  # the common case: one pass at C speed, no copy
+        return [int(v) if type(v) is float and v.is_integer() else v for v in values]
+
+    if not isinstance(prompt, list):
+        return prompt
+    return [ints(p) if isinstance(p, list) else p for p in ints(prompt)]
+
+
 def completion_prompts(prompt: Any, tokenizer, max_model_len: int, add_special_tokens: bool = True) -> list[list[int]]:
     """Token ids of each prompt of a completions request (`add_special_tokens` applies to text prompts only).
 
@@ -178,6 +193,7 @@ def completion_prompts(prompt: Any, tokenizer, max_model_len: int, add_special_t
     """
     if prompt is None:
         raise InvalidRequestError("prompt is required", param="prompt")
+    prompt = _integral_ids(prompt)
     if isinstance(prompt, str) or _is_token_list(prompt):
         prompts = [prompt]
     elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or _is_token_list(p) for p in prompt):

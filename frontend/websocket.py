@@ -12,7 +12,9 @@ Every generate gets exactly one "done" or "error". A cancel for an id that is no
 or never started) is ignored. Closing the socket aborts all its generations. Any failure is an error frame,
 never an HTTP answer on the upgraded socket; frames are JSON text, escaped to ASCII when a client-chosen id
 holds something UTF-8 cannot carry (a lone surrogate such as "\ud800"). A browser's Origin must be the
-server's own or one of --allowed-origins (else 403 before the upgrade).
+server's own or one of --allowed-origins (else 403 before the upgrade). A GET without a WebSocket handshake gets
+426 (400 for a malformed handshake). Frames from the client must be masked (RFC 6455): an unmasked one closes the
+connection with status 1002 (frontend/ws_frames.py, installed by the listener, frontend/http_server.py).
 """
 
 from __future__ import annotations
@@ -184,13 +186,26 @@ def origin_allowed(request: web.Request, allowed: tuple[str, ...]) -> bool:
         return False
 
 
+def _not_a_handshake(request: web.Request, problem: str) -> web.Response:
+    """426 (with `Upgrade: websocket`, RFC 9110 section 15.5.22) for a plain GET, since the endpoint speaks only the
+    WebSocket protocol; 400 naming the problem for a handshake that is malformed."""
+    if "websocket" not in request.headers.get("Upgrade", "").lower():
+        return web.json_response(error_body(426, "GET /v1/ws is a WebSocket endpoint: open it with a WebSocket "
+                                                 "handshake (Upgrade: websocket, RFC 6455)"),
+                                 status=426, headers={"Upgrade": "websocket"})
+    return web.json_response(error_body(400, f"invalid WebSocket handshake: {problem}"), status=400)
+
+
 async def websocket_handler(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     if not origin_allowed(request, state.config.allowed_origins):
         return web.json_response(error_body(403, f"WebSocket connections from origin "
                                                  f"{request.headers['Origin']!r} are not allowed"), status=403)
     ws = web.WebSocketResponse(heartbeat=30, max_msg_size=4 * 2**20)
-    await ws.prepare(request)
+    try:
+        await ws.prepare(request)
+    except web.HTTPBadRequest as exc:  # raised before anything is sent
+        return _not_a_handshake(request, exc.text or "")
     session = _Session(ws, state, request.remote)
     state.websockets.add(ws)
     try:

@@ -440,3 +440,92 @@ async def test_choices_of_one_request_share_a_group():
         status, body = await post(client, "/v1/completions", {"prompt": ["a", "b"], "n": 3, "max_tokens": 2})
     assert status == 200 and len(engine.submitted) == 6
     assert {s.group_id for s in engine.submitted} == {body["id"]}
+
+
+# ---- integral floats are integers where the schema says integer (JSON does not tell 1 from 1.0; issue 24) ---------
+
+async def test_integral_floats_are_taken_where_the_schema_says_integer():
+    async with served() as (client, engine):
+        status, body = await post(client, "/v1/completions", {
+            "prompt": [1.0, 403.0], "n": 2.0, "max_tokens": 3.0, "seed": 7.0, "top_k": 5.0, "logprobs": 1.0,
+            "stop_token_ids": [2.0], "min_tokens": 1.0, "priority": 0.0, "temperature": 1})
+        assert status == 200, body
+        first = engine.submitted[0]
+        assert first.prompt_token_ids == [1, 403] and len(body["choices"]) == 2
+        sampling = first.sampling
+        assert (sampling.max_tokens, sampling.seed, sampling.top_k, sampling.logprobs, sampling.min_tokens) == (
+            3, 7, 5, 1, 1)
+        assert all(type(v) is int for v in (sampling.max_tokens, sampling.seed, sampling.top_k, sampling.logprobs,
+                                            *sampling.stop_token_ids))
+        status, body = await post(client, "/v1/completions", {"prompt": [[1.0, 403.0], [1, 407.0]], "max_tokens": 1})
+        assert status == 200 and [s.prompt_token_ids for s in engine.submitted[-2:]] == [[1, 403], [1, 407]]
+        status, body = await post(client, "/v1/chat/completions", {
+            "messages": USER, "max_completion_tokens": 2.0, "logprobs": True, "top_logprobs": 1.0, "n": 1.0})
+        assert status == 200 and engine.submitted[-1].sampling.max_tokens == 2, body
+        status, body = await post(client, "/detokenize", {"tokens": [403.0, 407.0]})
+        assert status == 200 and body["prompt"] == TOK.decode([403, 407], skip_special_tokens=False)
+
+
+@pytest.mark.parametrize("path, field, value", [
+    ("/v1/completions", "n", 1.5), ("/v1/completions", "n", "1"), ("/v1/completions", "max_tokens", 2.5),
+    ("/v1/completions", "seed", 1e-3), ("/v1/completions", "top_k", "5"), ("/v1/completions", "logprobs", 0.5),
+    ("/v1/completions", "prompt", [1, 403.5]), ("/v1/completions", "prompt", [[1, 403.5]]),
+    ("/v1/completions", "prompt", [1, "403"]), ("/v1/completions", "stop_token_ids", [2.5]),
+    ("/v1/completions", "stream", 1.0), ("/v1/chat/completions", "top_logprobs", 1.5),
+    ("/v1/chat/completions", "max_completion_tokens", "2"), ("/detokenize", "tokens", [403.5]),
+    ("/detokenize", "tokens", ["403"])])
+async def test_non_integral_values_are_refused_naming_the_field(path, field, value):
+    body = {"/v1/completions": {"prompt": PROMPT, "max_tokens": 2}, "/detokenize": {},
+            "/v1/chat/completions": {"messages": USER, "logprobs": True}}[path]
+    async with served() as (client, engine):
+        status, answer = await post(client, path, {**body, field: value})
+    assert status == 400 and answer["error"]["param"] == field, answer
+    assert engine.submitted == []
+
+
+# ---- every status a route answers is listed in /openapi.json (issue 24) ------------------------------------------
+
+KEY = "Secret-Key"
+WITH_KEY = {"Authorization": f"Bearer {KEY}"}
+# (method, path as requested, path in the document, JSON body, headers, status)
+PROBES = [
+    ("POST", "/tokenize", "/tokenize", {"prompt": None, "messages": None}, WITH_KEY, 400),
+    ("POST", "/tokenize", "/tokenize", {}, WITH_KEY, 400),
+    ("POST", "/detokenize", "/detokenize", {"tokens": [10**6]}, WITH_KEY, 400),
+    ("POST", "/detokenize", "/detokenize", {"tokens": [1]}, {}, 401),
+    ("POST", "/v1/completions", "/v1/completions", {"prompt": PROMPT, "model": "gpt-4"}, WITH_KEY, 404),
+    ("GET", "/v1/ws", "/v1/ws", None, WITH_KEY, 426),
+    ("GET", "/v1/ws", "/v1/ws", None, {**WITH_KEY, "Upgrade": "websocket", "Connection": "Upgrade"}, 400),
+    ("GET", "/v1/ws", "/v1/ws", None, {}, 401),
+    ("GET", "/v1/ws", "/v1/ws", None, {**WITH_KEY, "Origin": "https://evil.example"}, 403),
+    ("GET", "/v1/models", "/v1/models", None, {}, 401),
+    ("GET", "/v1/models/gpt-4", "/v1/models/{model_id}", None, WITH_KEY, 404),
+    ("GET", f"/v1/models/{SERVED}", "/v1/models/{model_id}", None, WITH_KEY, 200),
+    ("GET", "/openapi.json", "/openapi.json", None, {}, 401),
+    ("GET", "/metrics", "/metrics", None, {}, 200),
+]
+
+
+async def test_every_status_answered_is_in_the_openapi_document():
+    async with served(api_key=KEY) as (client, _):
+        async with client.get("/openapi.json", headers=WITH_KEY) as response:
+            document = await response.json()
+        for method, path, documented, body, headers, expected in PROBES:
+            async with client.request(method, path, json=body, headers=headers) as response:
+                assert response.status == expected, (method, path, await response.text())
+                answer = await response.json() if "json" in response.content_type else None
+            responses = document["paths"][documented][method.lower()]["responses"]
+            assert str(expected) in responses, (method, path, expected, list(responses))
+            if expected >= 400:
+                assert answer["error"]["code"] == expected
+        dashboard = {"/dashboard", "/v1/stats/stream"}  # the dashboard's page and private feed (README, Dashboard)
+        routes = {(route.method.lower(), route.resource.canonical) for route in client.app.router.routes()
+                  if route.method != "HEAD" and route.resource.canonical not in dashboard}
+        assert routes == {(method, path) for path, ops in document["paths"].items() for method in ops}
+
+
+async def test_websocket_endpoint_without_a_handshake_is_426_with_upgrade():
+    async with served() as (client, _):
+        async with client.get("/v1/ws") as response:
+            assert response.status == 426 and response.headers["Upgrade"] == "websocket"
+            assert "WebSocket" in (await response.json())["error"]["message"]
