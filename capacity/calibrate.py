@@ -157,8 +157,7 @@ class Calibrator:
                 "max_model_len": self.model_config.max_model_len, "vocab_size": self.vocab,
                 "kv_bytes_per_token": self.runner.kv_cache.bytes_per_token,
                 "block_size": self.block_size, "attention_backend": self.runner.backend.name,
-                "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count(),
-                "load_average_at_start": os.getloadavg()[0], "created": time.strftime("%Y-%m-%d %H:%M:%S")}
+                "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count()}
 
 
 def _median(label: str, rows: list[tuple[StepShape, float, float]]) -> Measurement:

@@ -11,20 +11,6 @@ A step's wall time on the worker is modelled as a non-negative linear combinatio
             + c_sampled   * sampled rows               LM head at sampling positions + the sampler
             + c_token_squared * tokens * prompt tokens  larger prefill steps cost more per token
 
-A served step also shares the machine with the frontend, the scheduler and the clients. calibrate.py's serving stage
-measures how much that changes each kind of work, and the model keeps the in-process fit and those corrections
-apart:
-
-    served seconds = decode_factor  x (c_step + decode terms + c_sampled x sampled rows)
-                   + prefill_factor x (c_token x prompt tokens + c_prefill x prefill sequences + prefill attention
-                                       + c_token_squared x tokens x prompt tokens)
-                   + serving_step_s + serving_token_s x sampled rows
-
-(decode terms: (c_token + c_decode) per decode sequence and the decode attention). Decode steps read every weight
-for a few rows and are memory-bound; prefill chunks are compute-bound: beside a busy frontend they slow down by
-different amounts, so one factor for both mispredicts one of them. And every sampled token is then streamed by the
-frontend to its client, work that competes with the worker for the cores while the next steps run.
-
 This is the roofline-free form of the models in the literature on LLM serving simulators (Vidur, Agrawal et al.
 2024; DistServe's latency model, Zhong et al. 2024): linear in tokens, with an attention term quadratic in the
 chunk. Coefficients are fitted by non-negative least squares on relative error (a 1 ms decode step matters as
@@ -34,14 +20,12 @@ server's own steps (scheduler/admission.py). No torch here: the scheduler proces
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from common.cost_fitting import jitter_persistence, nonnegative_least_squares
 
 FEATURES = ("step", "token", "prefill_seq", "decode_seq", "prefill_attention", "decode_attention", "sampled",
             "token_squared")
@@ -102,78 +86,20 @@ class StepCostModel:
     """Seconds per step from its StepShape, plus the fixed latencies around steps that clients feel.
 
     Attributes:
-        coefficients: seconds per unit of each of FEATURES (all >= 0), as the worker takes them alone.
-        scheduler_s: scheduler CPU seconds per step (plan + settle + encode), spent while the worker runs the
-            step before (hidden with two steps in flight unless it exceeds the step).
-        client_s: seconds a token spends between the worker and the client (IPC, detokenize, HTTP), added to
-            each token time; TTFT also pays what the request's way in costs beyond ingress_s.
-        ingress_s: frontend seconds per arriving request (HTTP, tokenization, submit), one request at a time:
-            requests sent together reach the scheduler ingress_s apart.
-        egress_s: frontend seconds per output token (detokenize, stream), in the same queue as the ingress.
-        jitter: sigma of the log-normal factor (mean 1) by which the simulator scales each step: a shared
-            machine's steps spread around their prediction (served stories260K steps at 0.9x capacity: measured /
-            predicted 0.6 at p10, 1.2 at p90, 1.6-2.0 at p99, alike for decode and prefill steps of every size);
-            0 gives every step its predicted time.
-        jitter_slow_share: the share of that spread (of the variance of its log) that persists from one step to
-            the next: the machine's speed drifting as its other tenants come and go, which makes a run of slow
-            steps and queues near saturation; 0 draws each step's factor afresh. Served stories260K steps: lag-1
-            correlation 0.63, still 0.56 ten steps on.
-        jitter_memory_s: how long the persistent part lasts: its correlation between steps t seconds apart is
-            exp(-t / jitter_memory_s).
-        meta: where and how it was measured (model, machine, load average, threads, rmse).
-        decode_factor: served / in-process time of a step's fixed and decode work (dimensionless).
-        prefill_factor: served / in-process time of its prefill work: prompt tokens, prefill sequences and their
-            attention (dimensionless).
-        serving_step_s: seconds a served step costs on top of its work (sockets, the other processes' turns).
-        serving_token_s: seconds each sampled token adds to a served step (the frontend and the clients streaming
-            it, on the cores the worker shares).
-        cores: the cores the worker, the scheduler, the frontend and the client share; 0: each has its own. With
-            cores, the simulator runs each process's CPU seconds (worker_seconds, scheduler_s, ingress_s, egress_s,
-            egress_step_s, client_cpu_*) on them shared (capacity/shared_cores.py), so that a step is slowed while
-            the frontend and the client stream the tokens of the step before, as far as the cores are oversubscribed.
-        cpu_decode_factor: with cores, the share of a served step's fixed and decode time (decode_factor,
-            serving_step_s, serving_token_s) that is the worker's own work, the rest having been waits for a core
-            at the calibration's load (dimensionless, about 0.9).
-        cpu_prefill_factor: the same for its prefill time.
-        egress_step_s: frontend CPU seconds per step's results (receiving, decoding and dispatching them), before
-            its egress_s per token.
-        client_cpu_request_s: CPU seconds the benchmark client spends per request (with cores: it shares them).
-        client_cpu_token_s: CPU seconds the benchmark client spends per token it reads.
-        cpu_weights: with cores, each process's weight when more of them have work than there are cores
-            ("worker", "scheduler", "frontend", "client"; 1 where absent): the OS does not share the cores
-            equally (stories260K served at 40 req/s on 2 cores: the worker waited for a core 0.13 s per second,
-            the frontend 0.32 s, the client 0.11 s, from /proc/PID/task/*/schedstat); fitted so that the simulated
-            waits match the measured ones.
-        speed_trace: the machine's speed measured over time (capacity/machine_speed.py), relative to its mean,
-            one value per speed_interval_s: a shared host slows every process alike for seconds at a time (a
-            Python-bound probe on this machine: about 0.55-0.7x for 2-8 s, every 15-30 s), which at 0.9x of the
-            mean capacity makes the queues of the real runs' tails. The simulator replays it, from a point its seed
-            draws, scaling every process's work on the shared cores; empty: constant speed.
-        speed_interval_s: seconds each value of speed_trace lasts.
+        coefficients: seconds per unit of each of FEATURES (all >= 0), as the worker takes them.
+        scheduler_s: scheduler CPU seconds per step (plan + settle), spent while the worker runs the step before
+            (hidden with two steps in flight unless it exceeds the step).
+        client_s: seconds a token spends between the worker and its client, added to each token time.
+        meta: where and how it was measured (model, dtype, threads, rmse).
+
+    Raises:
+        ValueError: an unknown feature, or a negative coefficient or latency.
     """
 
     coefficients: dict[str, float]
     scheduler_s: float = 0.0
     client_s: float = 0.0
     meta: dict = field(default_factory=dict)
-    jitter: float = 0.0
-    decode_factor: float = 1.0
-    prefill_factor: float = 1.0
-    serving_step_s: float = 0.0
-    serving_token_s: float = 0.0
-    ingress_s: float = 0.0
-    egress_s: float = 0.0
-    jitter_slow_share: float = 0.0
-    jitter_memory_s: float = 0.0
-    cores: float = 0.0
-    cpu_decode_factor: float = 1.0
-    cpu_prefill_factor: float = 1.0
-    egress_step_s: float = 0.0
-    client_cpu_request_s: float = 0.0
-    client_cpu_token_s: float = 0.0
-    cpu_weights: dict = field(default_factory=dict)
-    speed_trace: list = field(default_factory=list)
-    speed_interval_s: float = 0.0
 
     def __post_init__(self):
         unknown = set(self.coefficients) - set(FEATURES)
@@ -181,103 +107,15 @@ class StepCostModel:
             raise ValueError(f"unknown cost model features {sorted(unknown)}; known: {FEATURES}")
         negative = [name for name in _SCALARS if not getattr(self, name) >= 0]
         negative += [f"coefficient {name}" for name, c in self.coefficients.items() if not c >= 0]
-        negative += [f"cpu weight {name}" for name, w in self.cpu_weights.items() if not w > 0]
-        if negative:  # every one is seconds, a factor, a count of cores or a weight: a negative one is a bad file
+        if negative:  # every one is seconds: a negative one is a bad file
             raise ValueError(f"negative or missing values: {', '.join(negative)}")
-        if self.speed_trace and (self.speed_interval_s <= 0 or min(self.speed_trace) <= 0):
-            raise ValueError(f"a speed trace needs a positive interval and positive speeds, got "
-                             f"{self.speed_interval_s} s and a minimum of {min(self.speed_trace)}")
-        c = {name: float(self.coefficients.get(name, 0.0)) for name in FEATURES}
-        # The split of the module docstring, one in-process weight per feature for each part: num_tokens counts
-        # prompt tokens and decode tokens alike, so a decode sequence's c_token moves to the decode part.
-        self._decode_weights = (c["step"], 0.0, 0.0, c["decode_seq"] + c["token"], 0.0, c["decode_attention"],
-                                c["sampled"], 0.0)
-        self._prefill_weights = (0.0, c["token"], c["prefill_seq"], -c["token"], c["prefill_attention"], 0.0, 0.0,
-                                 c["token_squared"])
-        serving = (self.serving_step_s, 0.0, 0.0, 0.0, 0.0, 0.0, self.serving_token_s, 0.0)
-        self._weights = tuple(self.decode_factor * d + self.prefill_factor * p + s
-                              for d, p, s in zip(self._decode_weights, self._prefill_weights, serving))
-        # with shared cores, the worker's own share of each part of the served prediction (worker_seconds)
-        self._worker_weights = tuple(self.cpu_decode_factor * (self.decode_factor * d + s)
-                                     + self.cpu_prefill_factor * self.prefill_factor * p
-                                     for d, p, s in zip(self._decode_weights, self._prefill_weights, serving))
-
-    def in_process(self) -> "StepCostModel":
-        """The worker alone: the same coefficients and scheduler time, without the serving corrections, the
-        client latency or the jitter (what calibrate.py's serving stage starts from)."""
-        return StepCostModel(dict(self.coefficients), self.scheduler_s, 0.0, dict(self.meta))
-
-    def parts(self, shape: StepShape) -> tuple[float, float]:
-        """In-process seconds of a step split as the serving factors see it: (fixed + decode work, prefill work)."""
-        x = shape.features()
-        return (sum(w * v for w, v in zip(self._decode_weights, x)),
-                sum(w * v for w, v in zip(self._prefill_weights, x)))
-
-    def fit_serving(self, shapes: Sequence[StepShape], seconds: Sequence[float]) -> "StepCostModel":
-        """This model with its serving corrections fitted to served steps (scheduler/step_log.py).
-
-        served seconds ~ decode_factor x decode part + prefill_factor x prefill part + serving_step_s
-        + serving_token_s x sampled rows, by non-negative least squares on error relative to the prediction (each
-        step counts alike; reweighted four times); a part that no step has keeps factor 1. Decode sequences all
-        sample, so the decode factor and the per-token term can trade against each other; their sum over a step,
-        the prediction, is what the fit pins down. The jitter is the spread of what remains: half the distance
-        between the 16th and 84th percentiles of log(served / fitted), the standard deviation for a log-normal
-        factor (served stories260K steps: p99 1.7x the fit, as sigma 0.26 gives), robust to a few
-        outliers; how much of it persists from step to step, and how long, is jitter_persistence's (the steps in
-        the order they ran). Steps without tokens are left out. meta gains the fit's relative RMS error
-        ("serving_rel_rmse") and the step count.
-
-        Raises:
-            ValueError: fewer than 3 steps, or a non-positive duration.
-        """
-        import numpy as np
-
-        if len(shapes) != len(seconds):
-            raise ValueError("need one duration per step")
-        # a plan with no tokens only tells the worker which requests ended: not a step the model predicts
-        shapes, seconds = zip(*[(s, t) for s, t in zip(shapes, seconds) if s.num_tokens]) or ((), ())
-        y = np.asarray(seconds, dtype=np.float64)
-        if len(y) < 3 or (y <= 0).any():
-            raise ValueError("need at least 3 served steps with positive durations")
-        base = self.in_process()
-        x = np.asarray([(*base.parts(s), 1.0, s.num_sampled) for s in shapes], dtype=np.float64)
-        weights = 1.0 / y
-        for _ in range(4):
-            fd, fp, per_step, per_token = nonnegative_least_squares(x * weights[:, None], y * weights)
-            # Relative to the prediction, not to the noisy observation: dividing by y pulls the fit down by
-            # about 2 sigma^2 (17% at sigma 0.3); weights from the last fit leave the mean unbiased.
-            weights = 1.0 / np.maximum(x @ np.array([fd, fp, per_step, per_token]), 1e-9)
-        if not x[:, 0].any():
-            fd = 1.0
-        if not x[:, 1].any():
-            fp = 1.0
-        fitted = dataclasses.replace(self, decode_factor=float(fd), prefill_factor=float(fp),
-                                     serving_step_s=float(per_step), serving_token_s=float(per_token))
-        predicted = np.asarray([fitted.predict(s) for s in shapes])
-        log_ratio = np.log(y / np.maximum(predicted, 1e-9))
-        q16, q84 = np.percentile(log_ratio, [16, 84])
-        fitted.jitter = float(max(q84 - q16, 0.0) / 2)
-        fitted.jitter_slow_share, fitted.jitter_memory_s = jitter_persistence(log_ratio, y)
-        fitted.meta = {**fitted.meta, "num_served_steps": len(y),
-                       "serving_rel_rmse": float(math.sqrt(float(np.mean(((predicted - y) / y) ** 2))))}
-        return fitted
+        self._weights = tuple(float(self.coefficients.get(name, 0.0)) for name in FEATURES)
 
     def predict(self, shape: StepShape) -> float:
         """Seconds the worker takes for a step of this shape (0 for an empty step)."""
         if shape.num_tokens == 0:
             return 0.0
         return sum(w * x for w, x in zip(self._weights, shape.features()))
-
-    def worker_seconds(self, shape: StepShape) -> float:
-        """What the simulator runs on the worker for a step: with shared `cores`, the served prediction's decode
-        part (with serving_step_s and serving_token_s) times cpu_decode_factor plus its prefill part times
-        cpu_prefill_factor (the waits for a core that the served fit averages over are then the sharing's to add);
-        else predict(shape)."""
-        if not self.cores:
-            return self.predict(shape)
-        if shape.num_tokens == 0:
-            return 0.0
-        return sum(w * x for w, x in zip(self._worker_weights, shape.features()))
 
     def decode_run(self, num_seqs: int, context_sum: int, num_steps: int) -> float:
         """Seconds for `num_steps` consecutive decode steps of `num_seqs` sequences whose contexts sum to
@@ -292,7 +130,7 @@ class StepCostModel:
 
     def to_json(self) -> dict:
         return {"coefficients": dict(self.coefficients), **{name: getattr(self, name) for name in _SCALARS},
-                "cpu_weights": dict(self.cpu_weights), "speed_trace": list(self.speed_trace), "meta": self.meta}
+                "meta": self.meta}
 
     def save(self, path: str | Path) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -315,11 +153,9 @@ class StepCostModel:
         try:
             if not isinstance(data, dict) or not isinstance(data.get("coefficients"), dict):
                 raise ValueError("it holds no `coefficients` object")
-            floats = {name: float(data[name]) for name in _SCALARS if name in data}  # older profiles lack some
-            weights = {name: float(w) for name, w in dict(data.get("cpu_weights", {})).items()}
+            floats = {name: float(data[name]) for name in _SCALARS if name in data}
             return StepCostModel({name: float(c) for name, c in data["coefficients"].items()},
-                                 meta=dict(data.get("meta", {})), cpu_weights=weights,
-                                 speed_trace=[float(v) for v in data.get("speed_trace", [])], **floats)
+                                 meta=dict(data.get("meta", {})), **floats)
         except (ValueError, TypeError) as exc:
             raise ValueError(f"{path} is not a step-cost profile (scripts/calibrate.py writes them): {exc}") from None
 
@@ -335,7 +171,8 @@ class StepCostModel:
         Raises:
             ValueError: fewer measurements than features, or a non-positive duration.
         """
-        import numpy as np  # only the fit needs it
+        import numpy as np  # only the fit needs them
+        from scipy.optimize import nnls
 
         if len(shapes) != len(seconds) or len(shapes) < len(FEATURES):
             raise ValueError(f"need at least {len(FEATURES)} (shape, seconds) pairs, got {len(shapes)}")
@@ -343,7 +180,10 @@ class StepCostModel:
         if (y <= 0).any():
             raise ValueError("step durations must be positive")
         x = np.asarray([s.features() for s in shapes], dtype=np.float64) / y[:, None]  # relative-error rows
-        coef = nonnegative_least_squares(x, np.ones_like(y))
+        # columns scaled to unit norm: features of very different magnitudes (tokens vs token pairs) alike
+        scale = np.linalg.norm(x, axis=0)
+        scale[scale == 0] = 1.0
+        coef = nnls(x / scale, np.ones_like(y))[0] / scale
         model = StepCostModel(dict(zip(FEATURES, (float(c) for c in coef))), **kwargs)
         predicted = np.asarray([model.predict(s) for s in shapes])
         model.meta = {**model.meta, "rel_rmse": float(math.sqrt(float(np.mean(((predicted - y) / y) ** 2)))),
@@ -351,5 +191,4 @@ class StepCostModel:
         return model
 
 
-_SCALARS = tuple(f.name for f in dataclasses.fields(StepCostModel)
-                 if f.name not in ("coefficients", "meta", "cpu_weights", "speed_trace"))
+_SCALARS = ("scheduler_s", "client_s")

@@ -81,10 +81,8 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
 
 
 def build_simulator(args: argparse.Namespace, cost: StepCostModel, ttft_slo_ms: float = 0.0,
-                    max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
-                    seed: int = 0, speed_start: int | None = None) -> Simulator:
-    """A Simulator for the flags (budgets overridable for sweeps); KV blocks as the worker would size them; `seed`
-    draws the step jitter (and, without speed_start, where the machine's speed trace starts)."""
+                    max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None) -> Simulator:
+    """A Simulator for the flags (budgets overridable for sweeps); KV blocks as the worker would size them."""
     meta = cost.meta
     max_model_len = args.max_model_len or meta["max_model_len"]
     blocks = args.num_kv_blocks or kv_blocks_for_memory(args.kv_cache_memory, meta["kv_bytes_per_token"],
@@ -95,8 +93,7 @@ def build_simulator(args: argparse.Namespace, cost: StepCostModel, ttft_slo_ms: 
                              scheduling_policy=args.scheduling_policy, async_scheduling=args.async_scheduling,
                              ttft_slo_ms=ttft_slo_ms)
     return Simulator(config, blocks, args.block_size, max_model_len, cost,
-                     enable_prefix_caching=args.enable_prefix_caching, max_concurrency=args.max_concurrency,
-                     seed=seed, speed_start=speed_start)
+                     enable_prefix_caching=args.enable_prefix_caching, max_concurrency=args.max_concurrency)
 
 
 def build_workload(args: argparse.Namespace, cost: StepCostModel, request_rate: float | None = None) -> list[SimRequest]:

@@ -10,8 +10,6 @@ settings are ranked by their most goodput at any rate where they meet the object
 operating rate with headroom (the highest swept rate within --headroom of that rate where it still meets them),
 since a machine's speed drifts and latency near saturation is steep. The best --verify candidates are then served
 for real (`shuttle serve` with those flags) and measured with bench_serve.py on the same workload at that rate.
---recalibrate first redoes calibrate.py's real-server stage, so that the sweep and the verification share one
-window of the machine's load.
 
 Plots (PNG, in --out): pareto.png (throughput vs p99 TTFT and vs p99 ITL for each token budget; lines join each
 budget's Pareto-optimal points), timeline.png (queue length and KV usage over time for the recommendation, and at
@@ -205,19 +203,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--verify", type=count, default=2, help="candidates measured with real bench_serve.py runs")
     parser.add_argument("--headroom", type=unit_fraction, default=0.8,
                         help="operate at most at this share of the highest rate that meets the objectives")
-    parser.add_argument("--recalibrate", type=positive, nargs=2, default=None, metavar=("LOW", "HIGH"),
-                        help="redo calibrate.py's real-server stage at these concurrencies before the sweep")
     parser.add_argument("--out", default="bench_results/tune")
     args = parser.parse_args(argv)
     cost = simulate.load_profile(parser, args.profile)
     simulate.load_workload(parser, args, cost)  # a bad trace or too long a request: said now, not after the sweep
-    if args.verify or args.recalibrate:  # the real runs need the model: a wrong directory is said now
+    if args.verify:  # the real runs need the model: a wrong directory is said now
         simulate.require_model_dir(parser, args.model)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    if args.recalibrate:
-        import calibrate
-        cost = calibrate.serve_check(args.model, cost.in_process(), args.recalibrate)
     started = time.perf_counter()
     print(f"load average {os.getloadavg()[0]:.2f}", flush=True)
     capacity = None
