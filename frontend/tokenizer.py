@@ -155,6 +155,12 @@ def _trailing_run(token_ids: list[int], table: list[bytes], byte_ids: frozenset[
     return b"".join(reversed(run))
 
 
+def _completes_text(pending: bytearray) -> bool:
+    """Whether the open bytes of a run, none of whose shorter prefixes was valid UTF-8, now are. More than 4 such
+    bytes never are (the first character would have been valid on its own), which keeps each check O(1)."""
+    return len(pending) <= 4 and _valid_utf8(pending)
+
+
 def _valid_utf8(data: bytes | bytearray) -> bool:
     try:
         data.decode()
@@ -178,10 +184,13 @@ class IncrementalDetokenizer:
 
     With a byte table (`TextTokenizer.token_bytes`) it decodes the tokens' bytes the way the tokenizer's decoder
     does:
-    - SentencePiece-style byte fallback (tokenizers' ByteFallback decoder): a run of consecutive byte tokens
-      (<0xE2> ...) is decoded as a whole once it ends, at the next ordinary token or at the end: valid UTF-8 gives
-      its text, anything else one U+FFFD per byte of the run. So the text of a run waits for its end; ordinary
-      tokens go out at once.
+    - SentencePiece-style byte fallback (tokenizers' ByteFallback decoder): the bytes of a run of consecutive byte
+      tokens (<0xE2> ...) go out as text as soon as they are valid UTF-8, that is with the token that completes a
+      character; bytes that are no character yet wait, and when the run ends (at the next ordinary token or at the
+      end) they are one U+FFFD each. Ordinary tokens go out at once. Text that is out is final, so a stop string is
+      found with the token that completes it whatever follows. This is tokenizers' decode except where a run that
+      it would judge invalid as a whole begins with complete characters: tokenizers' decode replaces those too
+      (it sees the whole run), a stream cannot take back what it has shown.
     - GPT-2 style ByteLevel (decoded with Rust's from_utf8_lossy): an incremental UTF-8 decode; a complete character
       goes out at once, an incomplete one waits, an invalid sequence becomes one U+FFFD per maximal invalid part.
     A character whose first bytes end a token-id prompt and whose last bytes the output brings is the output's: it
@@ -206,11 +215,13 @@ class IncrementalDetokenizer:
             return
         self._strip_space = tokenizer.strips_leading_space and not any(table[t] for t in prompt_token_ids)
         if self._byte_ids is not None:
-            # The run of byte tokens that ends the prompt: if it is not valid UTF-8 by itself, the output may
-            # complete its last character, so it stays open (its bytes count as the prompt's if it never does).
-            self._run = bytearray(_trailing_run(prompt_token_ids, table, self._byte_ids))
-            if _valid_utf8(self._run):
-                self._run.clear()
+            # The bytes that end the prompt without being a character yet: the output may complete it, so they stay
+            # open (they count as the prompt's if it never does).
+            self._run = bytearray()
+            for byte in _trailing_run(prompt_token_ids, table, self._byte_ids):
+                self._run.append(byte)
+                if _completes_text(self._run):
+                    self._run.clear()
             self._prompt_bytes = len(self._run)
         else:
             self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -227,14 +238,15 @@ class IncrementalDetokenizer:
         for token_id in new_token_ids:
             if token_id in self._byte_ids:
                 self._run += self._table[token_id]
+                if _completes_text(self._run):
+                    pieces.append(self._end_run())
             elif self._table[token_id]:  # a special token has no text and does not end a run (decode skips it)
                 pieces.append(self._end_run())
                 pieces.append(self._table[token_id].decode())
         return self._strip("".join(pieces))
 
     def flush(self) -> str:
-        """Text still held back at the end: an open run of byte tokens, or an incomplete character (U+FFFD, as the
-        model really made it)."""
+        """Text still held back at the end: bytes that are no character (U+FFFD, as the model really made them)."""
         if self._table is None:
             return self._window_delta(force=True)
         if self._byte_ids is None:

@@ -356,6 +356,19 @@ async def test_stop_string_trims_token_ids_and_logprobs_with_the_text(include_st
         assert len(chat["choices"][0]["logprobs"]["content"]) == kept
 
 
+@pytest.mark.parametrize("max_tokens", [1, 2])
+async def test_a_stop_string_completed_by_a_byte_token_stops_whatever_follows(max_tokens):
+    """Issue 24: "😀" whose last byte (<0x80>, id 131) the output brings stopped only when no token followed."""
+    body = {"prompt": [1, 403, 243, 162, 155], "max_tokens": max_tokens, "stop": ["😀"], "return_token_ids": True}
+    async with served(FakeEngine(script=[131, 131])) as (client, _):
+        status, result = await post(client, "/v1/completions", body)
+        [choice] = result["choices"]
+        assert status == 200 and (choice["text"], choice["finish_reason"], choice["token_ids"]) == ("", "stop", [])
+        events = await stream(client, "/v1/completions", body)
+        assert "".join(e["choices"][0]["text"] for e in events) == ""
+        assert events[-1]["choices"][0]["finish_reason"] == "stop"
+
+
 async def test_echo_logprobs_describe_the_echoed_text():
     async with served(FakeEngine(script=STORY[:2])) as (client, _):
         for prompt in (PROMPT, PROMPT_IDS):

@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from frontend.tokenizer import IncrementalDetokenizer, TextTokenizer
+from tests.byte_runs import cut_at_characters, streamed_text
 from tests.server import MODEL_DIR
 
 
@@ -43,12 +44,12 @@ def test_deltas_concatenate_to_decoded_continuation():
     assert "".join(deltas).startswith(" there")
 
 
-def test_byte_tokens_are_held_until_their_run_ends():
+def test_byte_tokens_are_held_until_they_complete_a_character():
     tok = TextTokenizer(str(MODEL_DIR))
     euro = [tok._tokenizer.token_to_id(f"<0x{b:02X}>") for b in "€".encode()]
     detok = IncrementalDetokenizer(tok, tok.encode("Price"))
     assert [detok.add([t]) for t in euro] + [detok.add([403]), detok.add(euro), detok.flush()] == [
-        "", "", "", "€ Once", "", "€"]
+        "", "", "€", " Once", "€", ""]
 
 
 def test_invalid_bytes_at_the_end_are_flushed():
@@ -63,25 +64,59 @@ def test_an_invalid_run_of_byte_tokens_is_one_replacement_per_byte_as_the_tokeni
     assert tok.decode([230, 142]) == "\ufffd\ufffd"  # <0xE3> <0x8B>: a character cut short
     detok = IncrementalDetokenizer(tok, tok.encode("Hi"))
     assert "".join(detok.add([t]) for t in [230, 142]) + detok.flush() == "\ufffd\ufffd"
-    # The byte-fallback decoder judges a whole run of byte tokens: one invalid byte spoils the run's valid
-    # characters too; a run that ends before the invalid byte keeps them.
-    c3, a9 = (tok._tokenizer.token_to_id(f"<0x{b:02X}>") for b in "é".encode())
-    dog = tok._tokenizer.token_to_id("▁Once")
-    for output in ([c3, a9, c3, c3, a9, c3], [c3, a9, dog, c3], [c3, a9, 2, c3, dog], [c3, a9, c3, 2, a9, dog]):
-        prompt = tok.encode("Hi")
-        detok = IncrementalDetokenizer(tok, prompt)
-        text = "".join(detok.add([t]) for t in output) + detok.flush()
-        assert text == tok.decode(prompt + output)[len("Hi"):], output
+
+
+C3, A9 = (3 + b for b in "é".encode())
+ONCE = 403  # "▁Once"
+
+
+@pytest.mark.parametrize("output, text", [
+    # The byte-fallback decoder judges a whole run of byte tokens, so one invalid byte would spoil the valid
+    # characters before it in tokenizers' decode ("\ufffd" * 6 here); but a character a run completes goes out at
+    # once and stays (the bytes that follow cannot take it back), and only the rest of the run is judged whole.
+    ([C3, A9, C3, C3, A9, C3], "é" + "\ufffd" * 4),
+    ([C3, C3, A9], "\ufffd" * 3),  # as tokenizers' decode: no prefix of the run is a character
+    ([C3, A9, ONCE, C3], "é Once\ufffd"),
+    ([C3, A9, 2, C3, ONCE], "é\ufffd Once"),  # a special token (</s>) shows nothing and does not end a run
+    ([C3, A9, C3, 2, A9, ONCE], "éé Once"),
+])
+def test_a_run_of_byte_tokens_is_text_once_it_completes_a_character(output, text):
+    tok = _tokenizer()
+    detok = IncrementalDetokenizer(tok, tok.encode("Hi"))
+    assert "".join(detok.add([t]) for t in output) + detok.flush() == text, output
+
+
+def test_a_character_completed_by_a_byte_token_goes_out_with_that_token():
+    """What a stop string is matched against: the text is out (and final) with the token that completes it,
+    whatever follows (issue 24: a stop string "😀" stopped only when nothing followed its last byte)."""
+    tok = _tokenizer()
+    detok = IncrementalDetokenizer(tok, [1, 403, 243, 162, 155])  # "Once" and the first three bytes of U+1F600
+    assert detok.add([131]) == "😀"
+    assert detok.add([131]) == "" and detok.flush() == "\ufffd"  # a lone <0x80> after it is one U+FFFD
 
 
 def test_a_character_split_between_prompt_and_output_is_reassembled():
     tok = TextTokenizer(str(MODEL_DIR))
     prompt = [1, 403, 243, 162, 155]  # "Once" and the first three bytes of U+1F600
     assert tok.decode(prompt + [131]) == "Once😀"
-    for output, text in (([131], "😀"), ([131, 407], "😀 upon"), ([407], " upon"), ([131, 131], "\ufffd" * 2),
+    for output, text in (([131], "😀"), ([131, 407], "😀 upon"), ([407], " upon"), ([131, 131], "😀\ufffd"),
                          ([68], "\ufffd")):  # the prompt's own bytes are U+FFFD in the prompt's text, not again
         detok = IncrementalDetokenizer(tok, prompt)
         assert "".join(detok.add([t]) for t in output) + detok.flush() == text, output
+
+
+def _text(tok: TextTokenizer, ids: list[int]) -> str:
+    return streamed_text(ids, tok.decode, tok._tokenizer.id_to_token, tok.special_ids)
+
+
+def _open_tail(tok: TextTokenizer, ids: list[int]) -> int:
+    """How many tokens end `ids` after its last ordinary token or completed character: byte tokens that are no
+    character yet (and special tokens among them)."""
+    *_, last = cut_at_characters(ids, tok._tokenizer.id_to_token, tok.special_ids)
+    tail = 0
+    while tail < len(last) and (_is_byte(tok, last[-1 - tail]) or not tok.token_bytes[last[-1 - tail]]):
+        tail += 1
+    return tail
 
 
 @settings(max_examples=300, deadline=None)
@@ -89,28 +124,43 @@ def test_a_character_split_between_prompt_and_output_is_reassembled():
        st.data())
 def test_streamed_text_equals_the_tokenizers_decode(prompt_tail, output, data):
     """Any split of the output into deltas gives the tokenizer's own decode of prompt + output after the prompt's
-    text. Where the prompt ends in a run of byte tokens that the output continues, the run's text belongs to the
-    output when the output makes an invalid run valid (a character split between them); otherwise the prompt keeps
-    its own text and the output's bytes are U+FFFD."""
+    text, a run of byte tokens decoded in pieces that end where it completes a character. Where the prompt ends in
+    bytes that are no character yet, the character is the output's if the output completes it; otherwise they stay
+    the prompt's and only the output's bytes are U+FFFD."""
     tok = _tokenizer()
     prompt = [1, 403] + prompt_tail
-    head = len(prompt)  # the prompt up to its trailing run of byte tokens (special tokens skipped)
-    while not tok.token_bytes[prompt[head - 1]] or _is_byte(tok, prompt[head - 1]):
-        head -= 1
-    run = b"".join(tok.token_bytes[t] for t in prompt[head:])
-    whole = tok.decode(prompt + output)
-    run_and_output = whole[len(tok.decode(prompt[:head])):]
-    if whole.startswith(tok.decode(prompt)):
-        expected = whole[len(tok.decode(prompt)):]
-    elif _valid(run):  # the output's bytes spoil the prompt's valid run: the prompt keeps its text
-        expected = run_and_output[len(run):]
-    else:  # the output completed the prompt's run: its text is the output's
-        expected = run_and_output
+    tail = _open_tail(tok, prompt)
+    closed, open_bytes = prompt[:len(prompt) - tail], b"".join(tok.token_bytes[t] for t in prompt[len(prompt) - tail:])
+    rest = _text(tok, prompt + output)[len(_text(tok, closed)):]
+    run, completed = open_bytes, False  # does the output's first run of byte tokens complete the prompt's bytes?
+    for token_id in output:
+        if _is_byte(tok, token_id):
+            run += tok.token_bytes[token_id]
+            completed = completed or _valid(run)
+        elif tok.token_bytes[token_id]:
+            break
+    expected = rest if completed else rest[len(open_bytes):]
     detok = IncrementalDetokenizer(tok, prompt)
     cuts = sorted(data.draw(st.sets(st.integers(1, len(output)), max_size=len(output))))
     pieces = [output[a:b] for a, b in zip([0] + cuts, cuts + [len(output)])]
     deltas = [detok.add(piece) for piece in pieces] + [detok.flush()]
-    assert "".join(deltas) == expected, (run, run_and_output)
+    assert "".join(deltas) == expected, (open_bytes, rest)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(_POOL), max_size=6), st.lists(st.sampled_from(_POOL), max_size=12),
+       st.lists(st.sampled_from(_POOL), min_size=1, max_size=6))
+def test_text_given_out_never_depends_on_the_tokens_that_follow(prompt_tail, output, more):
+    """What `add` has returned is a prefix of the text of any longer output, and what it holds back is only bytes
+    that are no character yet (U+FFFD if the output ends there): so a stop string is found, or not, with the token
+    that completes it."""
+    tok = _tokenizer()
+    prompt = [1, 403] + prompt_tail
+    detok = IncrementalDetokenizer(tok, prompt)
+    given_out = "".join(detok.add([t]) for t in output)
+    assert set(detok.flush()) <= {"\ufffd"}
+    longer = IncrementalDetokenizer(tok, prompt)
+    assert ("".join(longer.add([t]) for t in output + more) + longer.flush()).startswith(given_out)
 
 
 @functools.cache

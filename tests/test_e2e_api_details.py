@@ -1,5 +1,6 @@
 """Issue 8 API items that need the real engine's output: a character split between a token-id prompt and the first
-output token, and min_tokens holding back a stop string in greedy output."""
+output token (and, issue 24, a stop string that such a character completes), and min_tokens holding back a stop
+string in greedy output."""
 
 import aiohttp
 
@@ -15,6 +16,18 @@ async def test_character_split_between_prompt_and_output_is_reassembled(server):
         events = await stream_completion(session, server.url, **body)
     assert status == 200 and result["choices"][0]["token_ids"] == [131]
     assert result["choices"][0]["text"] == "😀" == "".join(e["choices"][0]["text"] for e in events)
+
+
+async def test_a_stop_string_completed_by_a_byte_token_stops_whatever_follows(server):
+    # issue 24: with max_tokens 2 the second <0x80> used to spoil the emoji's run, so "😀" never stopped the output
+    body = {"prompt": [1, 403, 243, 162, 155], "max_tokens": 2, "logit_bias": {"131": 100}, "temperature": 0,
+            "stop": ["😀"]}
+    async with aiohttp.ClientSession() as session:
+        status, result = await post_completion(session, server.url, **body)
+        events = await stream_completion(session, server.url, **body)
+    assert status == 200 and (result["choices"][0]["text"], result["choices"][0]["finish_reason"]) == ("", "stop")
+    assert "".join(e["choices"][0]["text"] for e in events) == ""
+    assert [e["choices"][0]["finish_reason"] for e in events if e["choices"][0]["finish_reason"]] == ["stop"]
 
 
 async def test_min_tokens_holds_back_stop_strings(server):
