@@ -334,12 +334,14 @@ WORKER_BYTES_PER_TOKEN = 36
 def main(args) -> int:
     """`shuttle plan` (arguments from common/cli.py). Prints the plan (or JSON) and returns 0; 2 on bad input."""
     from common.errors import ModelDirError
+    from common.model_dir import check_model_dir
     from worker.model_loader import UnsupportedModelError
 
     if args.model_dir is None:
         print("shuttle: no MODEL_DIR given and the default ../shared/models/stories260K is missing", file=sys.stderr)
         return 2
     try:
+        check_model_dir(args.model_dir)  # one line for a bad directory, as `shuttle serve` refuses it
         plan = build_plan(args.model_dir, args.max_model_len, args.dtype, args.kv_cache_memory,
                           args.gpu_memory_utilization, args.num_kv_blocks, args.block_size, args.max_num_seqs,
                           args.max_num_batched_tokens, args.max_waiting_requests, args.attention_backend,

@@ -7,7 +7,6 @@ ids) once, then hands the same `ShuttleConfig` to each child as JSON, so no two 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -16,6 +15,7 @@ import msgspec
 
 from common.arg_types import count, parse_bytes, positive, seconds
 from common.errors import ModelDirError
+from common.model_dir import read_json_object
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent.parent / "shared" / "models" / "stories260K"
 
@@ -97,15 +97,7 @@ def _batch_endpoint(args: argparse.Namespace) -> str:
 
 
 def _read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ModelDirError(f"{path} is missing") from None
-    except (OSError, ValueError) as exc:
-        raise ModelDirError(f"{path} is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise ModelDirError(f"{path} does not hold a JSON object")
-    return data
+    return read_json_object(path)  # common/model_dir.py: ModelDirError when missing, unreadable or not an object
 
 
 def option(default, help: str, **argparse_kwargs):

@@ -38,6 +38,8 @@ from common.config import IpcConfig, ShuttleConfig
 from common.errors import ModelDirError
 from common.ipc import CURVE_ENV, Channel, CurveKeys
 from common.messages import ControlMessage, EngineDown
+from common.model_dir import check_model_dir
+from common.ports import Listen, PortError, check_ports, tcp_listen
 from common.process import raise_fd_limit
 from common.supervised_unit import FRONTEND, RESTART_RESET_S, Unit, describe_exit, engine_roles, free_tcp_endpoints
 
@@ -102,12 +104,12 @@ def serve(args: argparse.Namespace) -> int:
         ipc = dataclasses.replace(base, curve=curve, group_requests=tuple(g.requests for g in groups),
                                   remote_groups=remote)
         try:
+            check_model_dir(args.model_dir)
             config = ShuttleConfig.from_args(args, ipc)
-            if not os.path.isfile(os.path.join(config.model.model_dir, "tokenizer.json")):
-                raise ModelDirError(f"{config.model.model_dir} has no tokenizer.json")
             if config.chat_template and not os.path.isfile(config.chat_template):
                 raise ModelDirError(f"--chat-template {config.chat_template} is not a readable file")
-        except ModelDirError as exc:
+            check_ports(_frontend_listens(args, config) + _rendezvous_listens(config, len(groups)))
+        except (ModelDirError, PortError) as exc:
             print(f"shuttle: error: {exc}", file=sys.stderr)
             return 2
         return Launcher(config, api_key, groups).run()
@@ -139,13 +141,35 @@ def engine(args: argparse.Namespace) -> int:
                                            supervisor="")
         ipc = dataclasses.replace(internal, requests=args.listen, curve=tcp or internal.curve)
         try:
+            check_model_dir(args.model_dir, tokenizer=False)  # the frontend, on another host, tokenizes
             config = ShuttleConfig.from_args(args, ipc)
-        except ModelDirError as exc:
+            listen = tcp_listen(args.listen, "where frontends reach this engine, --listen")
+            check_ports(([listen] if listen else []) + _rendezvous_listens(config, 1))
+        except (ModelDirError, PortError) as exc:
             print(f"shuttle: error: {exc}", file=sys.stderr)
             return 2
         return Launcher(config, None, [ipc], with_frontend=False).run()
     finally:
         shutil.rmtree(runtime_dir, ignore_errors=True)
+
+
+def _frontend_listens(args: argparse.Namespace, config: ShuttleConfig) -> list[Listen]:
+    """The frontend's TCP ports: HTTP (unless --port 0) and the batch endpoint (PORT+1 unless --batch-endpoint)."""
+    listens = [Listen(config.host, config.port, "the HTTP server, --port")] if config.port else []
+    flag = "--batch-endpoint" if args.batch_endpoint else "PORT+1 unless --batch-endpoint says otherwise ('none' " \
+                                                          "turns it off)"
+    batch = tcp_listen(config.batch_endpoint, f"the batch endpoint, {flag}")
+    return listens + ([batch] if batch else [])
+
+
+def _rendezvous_listens(config: ShuttleConfig, groups: int) -> list[Listen]:
+    """A given --master-port (tensor parallel): rank 0 of group g listens on it + g (common/supervised_unit.py)."""
+    parallel = config.parallel
+    if parallel.tensor_parallel_size == 1 or not parallel.master_port:
+        return []
+    return [Listen(parallel.master_addr, parallel.master_port + g,
+                   "the tensor-parallel rendezvous, --master-port" + (f" + {g} for group {g}" if g else ""))
+            for g in range(groups)]
 
 
 def _api_key(args: argparse.Namespace) -> str | None:

@@ -36,6 +36,7 @@ from common.arg_types import count, positive, positive_number, request_rate  # n
 from common.cli import add_config_options  # noqa: E402
 from common.config import CacheConfig, ModelConfig, SchedulerConfig  # noqa: E402
 from common.errors import ModelDirError  # noqa: E402
+from common.model_dir import check_model_dir  # noqa: E402
 from common.step_cost import StepCostModel  # noqa: E402
 
 
@@ -122,6 +123,7 @@ def require_model_dir(parser: argparse.ArgumentParser, model_dir: str, max_model
     """The model directory a script serves for real (`shuttle serve`'s check), or a one-line usage error (exit 2)
     before any work."""
     try:
+        check_model_dir(model_dir)
         ModelConfig.from_dir(model_dir, max_model_len)
     except ModelDirError as exc:
         parser.error(str(exc))

@@ -12,6 +12,7 @@ from pathlib import Path
 import zmq
 
 from common.config import TP_RANK_ENV
+from common.errors import ModelDirError
 from common.ipc import Channel
 from common.messages import PlanMessage, Shutdown, WorkerFailed, WorkerReady
 from common.process import HeartbeatSender, child_main_args, report_ready
@@ -33,7 +34,7 @@ def main() -> None:
         hf_config = json.loads((Path(config.model.model_dir) / "config.json").read_text())
         parallel = join_group(config.parallel, rank, config.model.model_dir, hf_config)
         runner = ModelRunner(config, parallel=parallel)
-    except UnsupportedModelError as exc:  # a clear refusal, not a traceback; the launcher exits with status 2
+    except (UnsupportedModelError, ModelDirError) as exc:  # a clear refusal, not a traceback; the launcher exits 2
         log.error("cannot serve this model: %s", exc)
         sys.exit(2)
     kv = runner.kv_cache

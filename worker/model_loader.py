@@ -11,8 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from safetensors import SafetensorError
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
 
+from common.errors import ModelDirError
 from worker import attention
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -39,20 +41,28 @@ def load_model(model_dir: str, dtype: str, device: torch.device, **load_kwargs) 
     Raises:
         ValueError: unknown dtype.
         UnsupportedModelError: transformers cannot load it as a causal LM with a pluggable attention function.
+        ModelDirError: a weight file is missing, unreadable or corrupt (the launcher's check, common/model_dir.py,
+            finds these before any process starts; this is for files changed since).
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     try:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype],
                                                      attn_implementation=attention.register(), **load_kwargs)
+    except (OSError, SafetensorError) as exc:
+        raise ModelDirError(f"cannot load the weights in {model_dir}: {_first_line(exc)}") from None
     except (ValueError, KeyError, NotImplementedError, TypeError) as exc:  # unknown type, no attention interface
         name = _declared_architecture(model_dir)
         if isinstance(exc, KeyError) and attention.ATTENTION_NAME in str(exc):
             raise UnsupportedModelError(f"{name}: its transformers implementation does not support pluggable "
                                         f"attention functions (transformers' attention interface)") from None
         raise UnsupportedModelError(f"{name}: transformers cannot load it as a causal LM with pluggable attention "
-                                    f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
+                                    f"({type(exc).__name__}: {_first_line(exc)})") from None
     return model.to(device).eval()
+
+
+def _first_line(exc: Exception) -> str:
+    return str(exc).splitlines()[0] if str(exc) else ""
 
 
 def _declared_architecture(model_dir: str) -> str:
