@@ -5,7 +5,8 @@ are prefilled in chunks, then decode steps run; every step goes through the work
 server (plan decoded from msgpack, applied, packed, forward, sample, result encoded) and is timed whole, so the
 engine's per-step overhead is part of what is fitted. The scheduler's own time per step (plan + settle) is
 measured alongside and saved as `scheduler_s`. Per configuration the median step is kept (a loaded machine
-throws outliers), then the coefficients are fitted by non-negative least squares on relative error.
+throws outliers). The device's peaks are measured first (capacity/hardware.py), and the roofline's corrections are
+fitted by non-negative least squares on relative error.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ from common.config import CacheConfig, IpcConfig, ModelConfig, SchedulerConfig, 
 from common.messages import PlanMessage, Submit, WorkerMessage
 from common.sampling import SamplingParams
 from common.step_cost import StepCostModel, StepShape, shape_of
+from capacity import hardware
+from capacity.simulator import RequestRecord, SimResult
+from capacity.workload import SimRequest
 from scheduler.kv_cache import KVCacheManager
 from scheduler.scheduled_step import ScheduledStep
 from scheduler.scheduler import Scheduler
@@ -29,6 +33,14 @@ from worker.worker import ModelRunner
 
 
 MAX_PREFILL_TOKENS = 16384  # a decode configuration first prefills batch x context tokens: keep that affordable
+
+
+@dataclass
+class InProcessRun:
+    """A workload served in process: what each request saw, and each step's shape and measured seconds."""
+
+    result: SimResult
+    steps: list[tuple[StepShape, float]]
 
 
 @dataclass
@@ -94,7 +106,6 @@ class Calibrator:
         result = self._result_decoder.decode(self._encoder.encode(result))
         t2 = time.perf_counter()
         scheduler.update_from_output(step, result)
-        scheduler.take_outputs()
         t3 = time.perf_counter()
         return step, t2 - t1, (t1 - t0) + (t3 - t2)
 
@@ -115,6 +126,7 @@ class Calibrator:
         prefill, decode = [], []
         while scheduler.has_work and len(decode) < repeats:
             step, seconds, sched = self.step(scheduler)
+            scheduler.take_outputs()
             chunks = [(e.start, e.num_new, e.samples) for e in step.scheduled.values()]
             is_decode = all(n == 1 for _, n, _ in chunks)
             (decode if is_decode else prefill).append((shape_of(chunks), seconds, sched))
@@ -146,10 +158,57 @@ class Calibrator:
             measurements.extend(found)
             for m in found:
                 progress(f"[{i + 1}/{len(configs)}] {m.label}: {m.seconds * 1e3:.2f} ms")
+        device = hardware.measure(self.model_config.dtype)
+        progress(f"{device.name}: {device.peak_flops / 1e9:.1f} GFLOP/s, {device.bandwidth / 1e9:.1f} GB/s "
+                 f"({device.source})")
+        roofline = hardware.roofline_for(self.model_config.model_dir, self.model_config.dtype, device)
         model = StepCostModel.fit([m.shape for m in measurements], [m.seconds for m in measurements],
+                                  roofline=roofline,
                                   scheduler_s=statistics.median(m.scheduler_seconds for m in measurements),
                                   meta=self.meta())
         return model, measurements
+
+    def serve(self, workload: list[SimRequest], config: SchedulerConfig, num_blocks: int) -> InProcessRun:
+        """Serve `workload` with the in-process engine: the real Scheduler and this ModelRunner in one loop in real
+        time (one step in flight, each through the worker's critical path as in step()), requests taken in when
+        their arrival time has come. What the simulator is judged against (scripts/compare_inprocess.py).
+
+        Raises:
+            ValueError: num_blocks exceeds the runner's KV cache.
+        """
+        if num_blocks > self.runner.kv_cache.num_blocks:
+            raise ValueError(f"{num_blocks} KV blocks asked, the runner holds {self.runner.kv_cache.num_blocks}")
+        scheduler = Scheduler(config, KVCacheManager(num_blocks, self.block_size, enable_caching=False),
+                              self.model_config.max_model_len, ())
+        order = sorted(range(len(workload)), key=lambda i: workload[i].arrival)
+        records = [RequestRecord(w.arrival, len(w.prompt_token_ids), w.output_len) for w in workload]
+        steps: list[tuple[StepShape, float]] = []
+        start, sent = time.perf_counter(), 0
+        with torch.inference_mode():
+            while sent < len(order) or scheduler.has_work:
+                now = time.perf_counter() - start
+                while sent < len(order) and workload[order[sent]].arrival <= now:
+                    w = workload[order[sent]]
+                    scheduler.add_request(b"run", Submit(str(order[sent]), w.prompt_token_ids, SamplingParams(
+                        max_tokens=w.output_len, temperature=0.0, ignore_eos=True), start + w.arrival))
+                    sent += 1
+                if not scheduler.has_work:
+                    time.sleep(max(0.0, workload[order[sent]].arrival - now))
+                    continue
+                step, seconds, _ = self.step(scheduler)
+                if step.is_empty:
+                    continue
+                steps.append((shape_of((e.start, e.num_new, e.samples) for e in step.scheduled.values()), seconds))
+                now = time.perf_counter() - start
+                for output in scheduler.take_outputs().get(b"run", []):
+                    record = records[int(output.request_id)]
+                    record.token_times.extend([now] * len(output.new_token_ids))
+                    if output.finish_reason is not None:
+                        record.finish = now
+        self.runner.batch.apply(scheduler.schedule().plan)
+        first = min(r.arrival for r in records)
+        last = max(r.finish for r in records)
+        return InProcessRun(SimResult(records, [], len(steps), scheduler.num_preemptions, last - first), steps)
 
     def meta(self) -> dict:
         """What the simulator needs besides the coefficients, and how the measurement was made."""

@@ -120,6 +120,8 @@ def _add_plan_parser(commands, default_model: str | None) -> None:
     plan.add_argument("--no-measure-processes", action="store_true",
                       help="skip measuring the frontend and scheduler processes (two short subprocesses)")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    plan.add_argument("--device", default=None, help="plan for a device that is not present, from its datasheet "
+                      "(h100, h200, a100, l40s, l4, a10; capacity/hardware.py): nothing is measured")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -135,7 +137,10 @@ def main(argv: list[str] | None = None) -> int:
         print(CurveKeys.generate().to_env())
         return 0
     if args.command == "plan":
-        from capacity.memory_plan import main as plan
+        if args.device:  # a device that is not here: its datasheet, nothing measured
+            from capacity.device_plan import main as plan
+        else:
+            from capacity.memory_plan import main as plan
         return plan(args)
     if args.command == "batch":
         from common.batch_file import run as batch

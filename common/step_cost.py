@@ -1,21 +1,28 @@
-"""How long one step takes, as a function of its shape: the cost model behind the simulator and SLO admission.
+"""How long one step takes, as a function of its shape and the hardware: the cost model behind the simulator and
+SLO admission.
 
-A step's wall time on the worker is modelled as a non-negative linear combination of what it computes:
+A step's wall time on the worker is a roofline (Williams, Waterman and Patterson, "Roofline: an insightful visual
+performance model for multicore architectures", CACM 52(4), 2009) plus fixed costs, combined with non-negative
+coefficients fitted on the serving machine:
 
-    seconds = c_step                                   fixed cost per step (launch, packing, messaging, Python)
-            + c_token     * tokens                     linear layers, norms, RoPE: every scheduled token
-            + c_prefill   * prefill sequences          per-sequence attention set-up of a prefill chunk
-            + c_decode    * decode sequences           per-sequence cost of a decode (paged kernel, bookkeeping)
-            + c_prefill_attention * sum(q_i * k_i)     prefill attention: chunk length q times context k
-            + c_decode_attention  * sum(k_i)           decode attention reads the whole context once
-            + c_sampled   * sampled rows               LM head at sampling positions + the sampler
-            + c_token_squared * tokens * prompt tokens  larger prefill steps cost more per token
+    seconds = c_step                                  fixed cost per step (launch, packing, messaging, Python)
+            + c_sequence * sequences                  per-sequence bookkeeping (metadata, block tables)
+            + c_token    * tokens                     per-token work that is neither FLOPs nor weight reads
+            + c_dense    * max(dense FLOPs / peak FLOP/s, dense bytes / bandwidth)
+            + c_prefill_attention * prefill attention FLOPs / peak FLOP/s
+            + c_decode_attention  * max(decode attention FLOPs / peak, KV bytes read / bandwidth)
 
-This is the roofline-free form of the models in the literature on LLM serving simulators (Vidur, Agrawal et al.
-2024; DistServe's latency model, Zhong et al. 2024): linear in tokens, with an attention term quadratic in the
-chunk. Coefficients are fitted by non-negative least squares on relative error (a 1 ms decode step matters as
-much as a 500 ms prefill) from measurements of the real ModelRunner (scripts/calibrate.py) or, online, from the
-server's own steps (scheduler/admission.py). No torch here: the scheduler process uses it.
+The dense part is every linear layer for every token (weights read once per step, so a step of decodes is
+memory-bound and a long prefill compute-bound) and the LM head at the sampled rows; the attention parts count token
+pairs (a prefill chunk of q tokens over a context of k: q x k pairs; a decode reads its whole context once). The
+FLOPs and bytes come from the model's shape (Roofline: hidden size, layers, heads, KV heads, head dim, MLP width,
+vocabulary, dtype) and the device's peak FLOP/s and memory bandwidth (measured on the serving machine, or a
+datasheet's: capacity/hardware.py), so the three c_ of the roofline terms are dimensionless (1 / the efficiency
+reached) and carry over between devices of a kind, while the fixed costs are the host's. Without a Roofline (an
+online fit of a server that was given no profile) each roofline term is its raw count instead: tokens, token pairs,
+context tokens, at one second per unit. Coefficients are fitted by non-negative least squares on relative error (a
+1 ms decode step matters as much as a 500 ms prefill) from the real ModelRunner (scripts/calibrate.py) or, online,
+from the server's own steps (scheduler/admission.py). No torch here: the scheduler process uses it.
 """
 
 from __future__ import annotations
@@ -27,8 +34,7 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 
-FEATURES = ("step", "token", "prefill_seq", "decode_seq", "prefill_attention", "decode_attention", "sampled",
-            "token_squared")
+FEATURES = ("step", "sequence", "token", "dense", "prefill_attention", "decode_attention")
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,17 +57,91 @@ class StepShape:
     decode_attention: int = 0
     num_sampled: int = 0
 
-    def features(self) -> tuple[float, ...]:
-        """The regressors in FEATURES order (the first is the constant 1).
 
-        The last, tokens x prompt tokens (0 for a step of decodes, tokens squared for a step of prompts), is why a
-        step of prompts costs more per token the larger it is: its activations (tokens x the MLP's width) outgrow
-        the CPU's caches. Measured in process on the 110M shape here: 2.7 ms per token in a step of 1,016 tokens,
-        3.0 in one of 2,048, with about the same attention pairs (1.0M); the served first steps of a burst ran
-        25-36% over a model without it."""
-        prompt_tokens = self.num_tokens - self.num_decode_seqs
-        return (1.0, self.num_tokens, self.num_prefill_seqs, self.num_decode_seqs, self.prefill_attention,
-                self.decode_attention, self.num_sampled, float(self.num_tokens * prompt_tokens))
+@dataclass(frozen=True, slots=True)
+class Roofline:
+    """A model's shape on a device: what turns a StepShape into FLOPs, bytes and roofline seconds.
+
+    Attributes:
+        hidden, layers, heads, kv_heads, head_dim, intermediate, vocab: the model's dimensions (a gated MLP of
+            width `intermediate`, as Llama's).
+        dtype_bytes: bytes per weight and per KV element.
+        peak_flops: the device's dense FLOP/s in that dtype.
+        bandwidth: the device's memory bandwidth in bytes/s.
+        device: the device's name (what measured or specified the two peaks).
+    """
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    dtype_bytes: int
+    peak_flops: float
+    bandwidth: float
+    device: str = ""
+
+    def __post_init__(self):
+        bad = [f"{name} {getattr(self, name)!r}" for name in _ROOFLINE_NUMBERS if not getattr(self, name) > 0]
+        if bad:
+            raise ValueError(f"a roofline needs positive dimensions and peaks, got {', '.join(bad)}")
+
+    @property
+    def layer_params(self) -> int:
+        """Weights of one decoder layer's linear maps (q, k, v, o and the gated MLP's three)."""
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return self.hidden * (q + 2 * kv) + q * self.hidden + 3 * self.hidden * self.intermediate
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+
+    def dense_flops(self, shape: StepShape) -> float:
+        """2 FLOPs per weight per token, and the LM head at the sampled rows."""
+        return 2.0 * (shape.num_tokens * self.layers * self.layer_params + shape.num_sampled * self.hidden * self.vocab)
+
+    def dense_bytes(self, shape: StepShape) -> float:
+        """Every weight read once per step, the step's K and V written, and the logits of the sampled rows."""
+        weights = (self.layers * self.layer_params + self.hidden * self.vocab) * self.dtype_bytes
+        return float(weights + shape.num_tokens * self.kv_bytes_per_token + 4 * shape.num_sampled * self.vocab)
+
+    def attention_flops(self, pairs: int) -> float:
+        """Q K^T and P V: 2 x 2 FLOPs per (query, key) pair per head dimension, over all heads and layers."""
+        return 4.0 * self.layers * self.heads * self.head_dim * pairs
+
+    def seconds(self, shape: StepShape) -> tuple[float, float, float]:
+        """Roofline seconds of the (dense, prefill attention, decode attention) parts of a step."""
+        dense = max(self.dense_flops(shape) / self.peak_flops, self.dense_bytes(shape) / self.bandwidth)
+        prefill = self.attention_flops(shape.prefill_attention) / self.peak_flops
+        decode = max(self.attention_flops(shape.decode_attention) / self.peak_flops,
+                     shape.decode_attention * self.kv_bytes_per_token / self.bandwidth)
+        return dense, prefill, decode
+
+    def to_json(self) -> dict:
+        return {name: getattr(self, name) for name in (*_ROOFLINE_NUMBERS, "device")}
+
+    @staticmethod
+    def from_json(data: dict) -> "Roofline":
+        """Raises ValueError or TypeError on a missing or bad entry."""
+        return Roofline(**{name: (int if name in _ROOFLINE_INTS else float)(data[name]) for name in _ROOFLINE_NUMBERS},
+                        device=str(data.get("device", "")))
+
+
+_ROOFLINE_INTS = ("hidden", "layers", "heads", "kv_heads", "head_dim", "intermediate", "vocab", "dtype_bytes")
+_ROOFLINE_NUMBERS = (*_ROOFLINE_INTS, "peak_flops", "bandwidth")
+
+
+def features(shape: StepShape, roofline: Roofline | None) -> tuple[float, ...]:
+    """The regressors in FEATURES order (the first is the constant 1); without a roofline its three terms are the
+    raw counts (tokens, prefill pairs, decode context tokens)."""
+    if roofline is None:
+        dense, prefill, decode = float(shape.num_tokens), float(shape.prefill_attention), float(shape.decode_attention)
+    else:
+        dense, prefill, decode = roofline.seconds(shape)
+    return (1.0, float(shape.num_prefill_seqs + shape.num_decode_seqs), float(shape.num_tokens), dense, prefill,
+            decode)
 
 
 def shape_of(chunks: Iterable[tuple[int, int, bool]]) -> StepShape:
@@ -86,7 +166,9 @@ class StepCostModel:
     """Seconds per step from its StepShape, plus the fixed latencies around steps that clients feel.
 
     Attributes:
-        coefficients: seconds per unit of each of FEATURES (all >= 0), as the worker takes them.
+        coefficients: each of FEATURES' coefficient (all >= 0): seconds per step, sequence and token; the roofline
+            terms' multipliers (or, without a roofline, seconds per token, pair and context token).
+        roofline: the model on the device (None: raw counts, as an online fit without a profile has).
         scheduler_s: scheduler CPU seconds per step (plan + settle), spent while the worker runs the step before
             (hidden with two steps in flight unless it exceeds the step).
         client_s: seconds a token spends between the worker and its client, added to each token time.
@@ -97,6 +179,7 @@ class StepCostModel:
     """
 
     coefficients: dict[str, float]
+    roofline: Roofline | None = None
     scheduler_s: float = 0.0
     client_s: float = 0.0
     meta: dict = field(default_factory=dict)
@@ -115,7 +198,7 @@ class StepCostModel:
         """Seconds the worker takes for a step of this shape (0 for an empty step)."""
         if shape.num_tokens == 0:
             return 0.0
-        return sum(w * x for w, x in zip(self._weights, shape.features()))
+        return sum(w * x for w, x in zip(self._weights, features(shape, self.roofline)))
 
     def decode_run(self, num_seqs: int, context_sum: int, num_steps: int) -> float:
         """Seconds for `num_steps` consecutive decode steps of `num_seqs` sequences whose contexts sum to
@@ -123,14 +206,15 @@ class StepCostModel:
         if num_steps <= 0 or num_seqs <= 0:
             return 0.0
         first = self.predict(StepShape(num_seqs, 0, num_seqs, 0, context_sum, num_seqs))
-        growth = self._weights[FEATURES.index("decode_attention")] * num_seqs  # per step, from longer contexts
+        # per step, from longer contexts: the decode attention term is linear in the context
+        growth = self.predict(StepShape(num_seqs, 0, num_seqs, 0, context_sum + num_seqs, num_seqs)) - first
         return num_steps * first + growth * num_steps * (num_steps - 1) / 2
 
     # ---- persistence ------------------------------------------------------------------------------------
 
     def to_json(self) -> dict:
         return {"coefficients": dict(self.coefficients), **{name: getattr(self, name) for name in _SCALARS},
-                "meta": self.meta}
+                "roofline": self.roofline.to_json() if self.roofline else None, "meta": self.meta}
 
     def save(self, path: str | Path) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -154,9 +238,10 @@ class StepCostModel:
             if not isinstance(data, dict) or not isinstance(data.get("coefficients"), dict):
                 raise ValueError("it holds no `coefficients` object")
             floats = {name: float(data[name]) for name in _SCALARS if name in data}
-            return StepCostModel({name: float(c) for name, c in data["coefficients"].items()},
+            roofline = Roofline.from_json(data["roofline"]) if data.get("roofline") is not None else None
+            return StepCostModel({name: float(c) for name, c in data["coefficients"].items()}, roofline,
                                  meta=dict(data.get("meta", {})), **floats)
-        except (ValueError, TypeError) as exc:
+        except (ValueError, TypeError, KeyError) as exc:
             raise ValueError(f"{path} is not a step-cost profile (scripts/calibrate.py writes them): {exc}") from None
 
     # ---- fitting ----------------------------------------------------------------------------------------
@@ -166,7 +251,7 @@ class StepCostModel:
         """Non-negative least squares on relative error: minimise sum(((x_i . c) - y_i) / y_i)^2 with c >= 0.
 
         Features that never vary in the data (all zero) get coefficient 0. Other keyword arguments go to the
-        model (scheduler_s, client_s, meta); meta gains the fit's relative RMS error ("rel_rmse").
+        model (roofline, scheduler_s, client_s, meta); meta gains the fit's relative RMS error ("rel_rmse").
 
         Raises:
             ValueError: fewer measurements than features, or a non-positive duration.
@@ -179,7 +264,8 @@ class StepCostModel:
         y = np.asarray(seconds, dtype=np.float64)
         if (y <= 0).any():
             raise ValueError("step durations must be positive")
-        x = np.asarray([s.features() for s in shapes], dtype=np.float64) / y[:, None]  # relative-error rows
+        roofline = kwargs.get("roofline")
+        x = np.asarray([features(s, roofline) for s in shapes], dtype=np.float64) / y[:, None]  # relative-error rows
         # columns scaled to unit norm: features of very different magnitudes (tokens vs token pairs) alike
         scale = np.linalg.norm(x, axis=0)
         scale[scale == 0] = 1.0

@@ -22,7 +22,7 @@ MODEL = Path(__file__).resolve().parent.parent.parent / "shared" / "models" / "s
 @pytest.fixture
 def profile(tmp_path) -> Path:
     path = tmp_path / "profile.json"
-    StepCostModel({"step": 0.003, "token": 2e-5, "decode_seq": 1e-4}, client_s=0.001,
+    StepCostModel({"step": 0.003, "token": 2e-5, "sequence": 1e-4}, client_s=0.001,
                   meta={"max_model_len": 512, "vocab_size": 512, "kv_bytes_per_token": 1280}).save(path)
     return path
 

@@ -81,7 +81,7 @@ def test_preemption_is_the_real_schedulers():
 
 
 def test_deterministic_for_a_workload():
-    cost = StepCostModel({"step": 0.002, "token": 1e-5, "decode_seq": 1e-4, "prefill_attention": 1e-9})
+    cost = StepCostModel({"step": 0.002, "token": 1e-5, "sequence": 1e-4, "prefill_attention": 1e-9})
 
     def run(seed):
         workload = synthetic(300, rate=200.0, input_len=40, output_len=20, vocab_size=500, seed=seed)

@@ -20,7 +20,7 @@ import tune  # noqa: E402
 @pytest.fixture
 def profile(tmp_path) -> Path:
     path = tmp_path / "profile.json"
-    StepCostModel({"step": 0.003, "token": 2e-5, "decode_seq": 1e-4, "prefill_attention": 1e-9}, client_s=0.001,
+    StepCostModel({"step": 0.003, "token": 2e-5, "sequence": 1e-4, "prefill_attention": 1e-9}, client_s=0.001,
                   meta={"max_model_len": 512, "vocab_size": 512, "kv_bytes_per_token": 1280}).save(path)
     return path
 
