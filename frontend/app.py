@@ -75,8 +75,10 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def openapi(request: web.Request) -> web.Response:
-    """The OpenAPI 3.1 document of the HTTP API, its request bodies generated from the request Structs."""
-    return web.json_response(openapi_document(request.app[STATE].model_name))
+    """The OpenAPI 3.1 document of the HTTP API, its request bodies generated from the request Structs (and bounded
+    by the served model's name and vocabulary)."""
+    state = request.app[STATE]
+    return web.json_response(openapi_document(state.model_name, state.tokenizer.vocab_size))
 
 
 def build_app(state: FrontendState, api_key: str | None = None) -> web.Application:

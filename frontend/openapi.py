@@ -1,7 +1,8 @@
 """GET /openapi.json: an OpenAPI 3.1 document whose request bodies are generated from the request Structs
-(msgspec's JSON Schema), so it cannot drift from what the server decodes. Each route lists every status it can
-answer (scripts/fuzz_schema.py checks the running server against it); success bodies are described by their top-level
-shape, the details being OpenAI's and documented in the README."""
+(msgspec's JSON Schema), so it cannot drift from what the server decodes, then narrowed by what the code checks
+beyond the types (frontend/schema_constraints.py). Each route lists every status it can answer (scripts/fuzz_schema.py
+checks the running server against it); success bodies are described by their top-level shape, the details being
+OpenAI's and documented in the README."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import msgspec
 from common.messages import BatchRequest, BatchResponse
 from frontend.middleware import OPEN_PATHS
 from frontend.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from frontend.schema_constraints import constrain
 
 ERROR = {
     "type": "object",
@@ -89,16 +91,17 @@ def _get(path: str, summary: str, status: str, content: dict | None, errors: tup
 
 
 @functools.cache
-def openapi_document(model_name: str) -> dict:
-    """The whole document (built once per served model name)."""
+def openapi_document(model_name: str, vocab_size: int) -> dict:
+    """The whole document (built once per served model name and vocabulary size, which bound request fields)."""
     structs = [struct for struct, *_ in POSTS.values()] + [BatchRequest, BatchResponse]
     refs, components = msgspec.json.schema_components(structs, ref_template="#/components/schemas/{name}")
+    constrain(components, model_name, vocab_size)
     components["Error"] = ERROR
     paths: dict[str, dict] = {}
     for (path, (_, summary, success, streams, errors)), ref in zip(POSTS.items(), refs):
         content = {"application/json": {"schema": success}}
-        if streams:
-            content["text/event-stream"] = {"schema": _STR}
+        if streams:  # each event: a chunk object as JSON text, the last one "[DONE]"
+            content["text/event-stream"] = {"schema": _object({"data": _STR})}
         paths[path] = {"post": {
             "summary": summary,
             "requestBody": {"required": True, "content": {"application/json": {"schema": ref}}},

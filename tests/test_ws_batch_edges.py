@@ -235,11 +235,21 @@ async def test_unmasked_client_frame_closes_the_connection_with_1002(app, caplog
     received = b""
     while not any(op == 1 and json.loads(p)["type"] == "done" for op, p in server_frames(received)):
         received += await asyncio.wait_for(reader.read(65536), HANG)  # the masked frame is served
-    writer.write(unmasked_frame(json.dumps({"type": "generate", "id": "bare", "prompt": "Hi", "max_tokens": 2})))
-    rest = await asyncio.wait_for(reader.read(), HANG)  # until the server closes the connection
-    writer.close()
-    [(opcode, payload)] = server_frames(rest)
+    app.engine.step_delay = 0.05
+    try:  # a masked generate, then an unmasked frame in the same segment: the first is read, then the close
+        writer.write(ws_frame(json.dumps({"type": "generate", "id": "long", "prompt": "Hi", "max_tokens": 8})) +
+                     unmasked_frame(json.dumps({"type": "generate", "id": "bare", "prompt": "Hi", "max_tokens": 2})))
+        rest = await asyncio.wait_for(reader.read(), HANG)  # until the server closes the connection
+        writer.close()
+        deadline = asyncio.get_running_loop().time() + HANG
+        while app.engine.num_in_flight:  # the generation on the closed socket is aborted
+            assert asyncio.get_running_loop().time() < deadline
+            await asyncio.sleep(0.02)
+    finally:
+        app.engine.step_delay = 0.0
+    opcode, payload = server_frames(rest)[-1]
     assert opcode == 0x8 and struct.unpack(">H", payload[:2])[0] == 1002, rest  # a close frame, protocol error
+    assert not any(op == 1 and json.loads(p)["id"] == "bare" for op, p in server_frames(rest))
     assert not any(r.exc_info or r.levelno >= logging.WARNING for r in caplog.records), caplog.text
     async with aiohttp.ClientSession(headers=auth()) as session, session.ws_connect(f"{app.url}/v1/ws") as ws:
         await ws.send_str(generate)  # the server goes on
