@@ -2,6 +2,12 @@
 
 Every payload is msgspec msgpack of a declared Struct; no generic Python object serialization. A ROUTER prefixes each message with the peer's
 identity frame, which is how the scheduler knows which frontend a request's outputs go back to.
+
+No bytes a peer sends end a reader (issue 24): a message that is not one well-formed message of the socket's type
+(any frame count, any decoding failure, too deep) is counted in the channel's `faults`, warned about at most once
+per peer per minute (common/wire_guard.py), and `recv()` returns None for it while `recv_from()` (a ROUTER, which
+can answer) raises MalformedMessage. A socket that anyone can reach also bounds its frames' size (zmq.MAXMSGSIZE:
+libzmq drops the connection of a peer that announces a larger frame, before buffering it) and its nesting depth.
 """
 
 from __future__ import annotations
@@ -15,6 +21,8 @@ from typing import Any, Generic, TypeVar
 import msgspec
 import zmq
 import zmq.asyncio
+
+from common.wire_guard import FaultLog, GuardedDecoder, Malformed
 
 T = TypeVar("T")
 
@@ -85,9 +93,12 @@ def _secure(ctx: zmq.Context, sock: zmq.Socket, bind: bool, keys: CurveKeys) -> 
         sock.curve_secretkey = keys.client_secret.encode()
 
 
-def _open(ctx: zmq.Context, kind: int, endpoint: str, bind: bool, curve: bool = False) -> zmq.Socket:
+def _open(ctx: zmq.Context, kind: int, endpoint: str, bind: bool, curve: bool = False,
+          max_message_bytes: int = 0) -> zmq.Socket:
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
+    if max_message_bytes:  # per frame; a many-frame message is still buffered whole by libzmq before delivery
+        sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
     # Unbounded queues: the scheduler's flow control is its own (step budgets), never a dropped message.
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
@@ -102,19 +113,67 @@ def _open(ctx: zmq.Context, kind: int, endpoint: str, bind: bool, curve: bool = 
     return sock
 
 
-class Channel(Generic[T]):
+class MalformedMessage(Exception):
+    """A peer sent something that is not one well-formed message; `identity` is who sent it, `kind` what was wrong
+    (see wire_guard.Malformed), `payload` the one payload frame when there was exactly one and it passed the
+    channel's depth check (so the caller can still read what it can of it)."""
+
+    def __init__(self, identity: bytes, reason: str, payload: bytes | None = None, kind: str = "decode"):
+        super().__init__(reason)
+        self.identity = identity
+        self.payload = payload
+        self.kind = kind
+
+
+class _Reader(Generic[T]):
+    """What both channel kinds do with the frames they received: decode, or count, warn and refuse."""
+
+    def __init__(self, socket: zmq.Socket, recv_type: Any, max_depth: int, name: str):
+        self.socket = socket
+        self._decoder = GuardedDecoder(recv_type, max_depth) if recv_type is not None else None
+        self.faults = FaultLog(name or socket.getsockopt_string(zmq.LAST_ENDPOINT) or "a socket")
+
+    @property
+    def num_malformed(self) -> int:
+        """Messages received that were not one well-formed message (all kinds)."""
+        return self.faults.total
+
+    def _one(self, frames: list[zmq.Frame]) -> T | None:
+        try:
+            if len(frames) != 1:
+                raise Malformed("frames", f"expected 1 frame, got {len(frames)}")
+            return self._decoder.decode(frames[0].buffer)
+        except Malformed as fault:
+            self.faults.record(b"", fault)
+            return None
+
+    def _routed(self, frames: list[zmq.Frame]) -> tuple[bytes, T]:
+        identity = frames[0].bytes
+        try:
+            if len(frames) != 2:
+                raise Malformed("frames", f"expected 1 payload frame, got {len(frames) - 1}")
+            return identity, self._decoder.decode(frames[1].buffer)
+        except Malformed as fault:
+            self.faults.record(identity, fault)
+            payload = frames[1].bytes if fault.kind == "decode" else None  # within the depth limit: safe to read
+            raise MalformedMessage(identity, str(fault), payload, fault.kind) from None
+
+
+class Channel(_Reader[T]):
     """A synchronous socket that sends any wire Struct and decodes what it receives as `recv_type`.
 
     Args:
         kind: zmq.PUSH, zmq.PULL, zmq.ROUTER, zmq.DEALER.
         recv_type: the tagged union this end receives (None for a send-only socket).
         curve: authenticate a tcp:// endpoint with the launch's CURVE keys (see CurveKeys); ipc:// ignores it.
+        max_message_bytes: the largest frame a peer may send (zmq.MAXMSGSIZE; 0: no limit).
+        max_depth: refuse payloads nested deeper than this before decoding (0: no scan; see wire_guard).
+        name: how warnings name the socket (default: its endpoint).
     """
 
     def __init__(self, ctx: zmq.Context, kind: int, endpoint: str, *, bind: bool, recv_type: Any = None,
-                 curve: bool = False):
-        self.socket = _open(ctx, kind, endpoint, bind, curve)
-        self._decoder = msgspec.msgpack.Decoder(recv_type) if recv_type is not None else None
+                 curve: bool = False, max_message_bytes: int = 0, max_depth: int = 0, name: str = ""):
+        super().__init__(_open(ctx, kind, endpoint, bind, curve, max_message_bytes), recv_type, max_depth, name)
 
     def send(self, msg: msgspec.Struct, identity: bytes | None = None) -> None:
         """Send one message; a ROUTER must name the peer's `identity`."""
@@ -132,14 +191,18 @@ class Channel(Generic[T]):
         except zmq.Again:
             return False
 
-    def recv(self) -> T:
-        """Block until one message arrives (DEALER/PULL)."""
-        return self._decoder.decode(self.socket.recv(copy=False).buffer)
+    def recv(self) -> T | None:
+        """Block until one message arrives (DEALER/PULL); None when it was malformed (counted and logged)."""
+        return self._one(self.socket.recv_multipart(copy=False))
 
     def recv_from(self) -> tuple[bytes, T]:
-        """Block until one message arrives on a ROUTER; returns (peer identity, message)."""
-        identity, payload = self.socket.recv_multipart(copy=False)
-        return identity.bytes, self._decoder.decode(payload.buffer)
+        """Block until one message arrives on a ROUTER; returns (peer identity, message).
+
+        Raises:
+            MalformedMessage: not exactly one payload frame, or a payload that does not decode (counted and
+                logged already); carries the peer's identity so the caller can answer it.
+        """
+        return self._routed(self.socket.recv_multipart(copy=False))
 
     def poll(self, timeout_ms: int) -> bool:
         """True when a message is waiting (waits up to timeout_ms milliseconds)."""
@@ -149,23 +212,12 @@ class Channel(Generic[T]):
         self.socket.close(linger=0)
 
 
-class MalformedMessage(Exception):
-    """A peer sent something that is not one well-formed message; `identity` is who sent it, `payload` the one
-    payload frame when there was exactly one (so the caller can still read what it can of it)."""
-
-    def __init__(self, identity: bytes, reason: str, payload: bytes | None = None):
-        super().__init__(reason)
-        self.identity = identity
-        self.payload = payload
-
-
-class AsyncChannel(Generic[T]):
-    """The asyncio twin of Channel, for the frontend's event loop."""
+class AsyncChannel(_Reader[T]):
+    """The asyncio twin of Channel (same arguments), for the frontend's event loop."""
 
     def __init__(self, ctx: zmq.asyncio.Context, kind: int, endpoint: str, *, bind: bool, recv_type: Any = None,
-                 curve: bool = False):
-        self.socket = _open(ctx, kind, endpoint, bind, curve)
-        self._decoder = msgspec.msgpack.Decoder(recv_type) if recv_type is not None else None
+                 curve: bool = False, max_message_bytes: int = 0, max_depth: int = 0, name: str = ""):
+        super().__init__(_open(ctx, kind, endpoint, bind, curve, max_message_bytes), recv_type, max_depth, name)
 
     async def send(self, msg: msgspec.Struct, identity: bytes | None = None) -> None:
         payload = _ENCODER.encode(msg)
@@ -174,25 +226,17 @@ class AsyncChannel(Generic[T]):
         else:
             await self.socket.send_multipart((identity, payload), copy=False)
 
-    async def recv(self) -> T:
-        frame = await self.socket.recv(copy=False)
-        return self._decoder.decode(frame.buffer)
+    async def recv(self) -> T | None:
+        """The next message (DEALER/PULL); None when it was malformed (counted and logged)."""
+        return self._one(await self.socket.recv_multipart(copy=False))
 
     async def recv_from(self) -> tuple[bytes, T]:
         """(peer identity, message) from a ROUTER.
 
         Raises:
-            MalformedMessage: not exactly one payload frame, or a payload that does not decode; carries the
-                peer's identity so the caller can answer it.
+            MalformedMessage: as Channel.recv_from.
         """
-        frames = await self.socket.recv_multipart(copy=False)
-        identity = frames[0].bytes
-        if len(frames) != 2:
-            raise MalformedMessage(identity, f"expected 1 payload frame, got {len(frames) - 1}")
-        try:
-            return identity, self._decoder.decode(frames[1].buffer)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            raise MalformedMessage(identity, str(exc), frames[1].bytes) from None
+        return self._routed(await self.socket.recv_multipart(copy=False))
 
     def close(self) -> None:
         self.socket.close(linger=0)
