@@ -224,6 +224,10 @@ class OpsConfig:
                                    type=seconds)
     body_timeout: float = option(30.0, "seconds a client has to send the request body after its head (else HTTP "
                                        "408)", type=seconds)
+    max_batch_message_bytes: int = option(4 * 2**20, "largest frame a client may send to the ZeroMQ batch "
+                                                     "endpoint, e.g. 16MiB (default: the HTTP body limit); a client "
+                                                     "that sends a larger one loses its connection before the frame "
+                                                     "is buffered (0: no limit)", type=parse_bytes)
 
 
 # whose fields are `shuttle serve` flags

@@ -102,6 +102,10 @@ class Metrics:
                                 ["finished_reason"], registry=r)
         self.rejected = Counter("shuttle:request_rejected", "Requests refused: queue full (503), TTFT objective "
                                 "out of reach (slo, 503), never fits or invalid (400).", ["reason"], registry=r)
+        self.batch_malformed = Counter("shuttle:batch_malformed_messages", "Messages to the batch endpoint that were "
+                                       "not one well-formed message, refused with 400: frames (not one payload "
+                                       "frame), depth (nested too deep), decode (bad msgpack or types).", ["reason"],
+                                       registry=r)
         self.step_batch = Histogram("shuttle:iteration_batch_size", "Sequences scheduled per step.", buckets=_COUNTS,
                                     registry=r)
         self.step_tokens = Histogram("shuttle:iteration_tokens_total", "Tokens scheduled per step.", buckets=_COUNTS,

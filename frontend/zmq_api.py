@@ -5,8 +5,12 @@ A batch client (common/batch_client.py, `shuttle batch`) sends BatchRequest mess
 status code and body that HTTP call would have got (the serving core, frontend/serving.py, does the work).
 
 - Every job gets exactly one response. A message that is not one well-formed BatchRequest (extra frames, bad
-  msgpack, a missing or wrongly typed field) is answered with status 400 naming the field, under the job's id when
-  it can be read, else under "". A second job with the id of one still running from the same client gets 400.
+  msgpack, a missing or wrongly typed field, nesting deeper than MAX_DEPTH) is answered with status 400 naming the
+  field, under the job's id when it can be read, else under ""; it is counted (stats(), the
+  shuttle:batch_malformed_messages counter) and warned about at most once per client per minute. A second job with
+  the id of one still running from the same client gets 400.
+- A frame larger than --max-batch-message-bytes (default: the HTTP body limit) is never buffered: libzmq drops
+  that client's connection as soon as the frame's header announces it (no answer can be sent on it).
 - With an API key, every job must carry it (else 401 and no work is done).
 - Heartbeats both ways: the server sends each client it has heard from within CLIENT_TIMEOUT_S a BatchHeartbeat
   every HEARTBEAT_S; a client silent for CLIENT_TIMEOUT_S (no job, no BatchPing) is taken as gone (killed,
@@ -38,6 +42,7 @@ log = logging.getLogger("shuttle.frontend")
 
 HEARTBEAT_S = 1.0  # the server's heartbeat period to each live client
 CLIENT_TIMEOUT_S = 3.0  # a client silent this long is gone: its jobs are aborted
+MAX_DEPTH = 128  # nesting levels a message may have (HTTP bodies of the same jobs need well under 20)
 _FIELD = re.compile(r"at `\$\.([A-Za-z_]\w*)`|missing required field `([A-Za-z_]\w*)`")
 
 
@@ -63,7 +68,8 @@ class BatchEndpoint:
                  client_timeout: float = CLIENT_TIMEOUT_S, heartbeat: float = HEARTBEAT_S):
         self.state = state
         self.channel: AsyncChannel[BatchClientMessage] = AsyncChannel(
-            zmq.asyncio.Context.instance(), zmq.ROUTER, endpoint, bind=True, recv_type=BatchClientMessage)
+            zmq.asyncio.Context.instance(), zmq.ROUTER, endpoint, bind=True, recv_type=BatchClientMessage,
+            max_message_bytes=state.config.ops.max_batch_message_bytes, max_depth=MAX_DEPTH)
         self.endpoint = self.channel.socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self._api_key = api_key.encode() if api_key else None
         self.background = background
@@ -79,10 +85,10 @@ class BatchEndpoint:
         while True:
             try:
                 identity, message = await self.channel.recv_from()
-            except MalformedMessage as exc:
+            except MalformedMessage as exc:  # counted and logged (rate-limited) by the channel
                 self._heard(exc.identity)
+                self.state.metrics.batch_malformed.labels(exc.kind).inc()
                 job_id, param = _salvage(exc.payload, str(exc))
-                log.warning("malformed batch message from %r: %s", exc.identity, exc)
                 self._spawn(self._answer(exc.identity, _error(job_id, 400, f"malformed message: {exc}", param)))
                 continue
             client = self._heard(identity)  # any message (a BatchPing too) proves the client alive
@@ -169,9 +175,10 @@ class BatchEndpoint:
                         task.cancel()
 
     def stats(self) -> dict:
-        """For /health: live clients, their running jobs, and clients taken as gone with jobs running."""
+        """For /health: live clients, their running jobs, clients taken as gone with jobs running, and messages
+        refused as malformed."""
         return {"clients": len(self.clients), "jobs_in_flight": sum(len(c.jobs) for c in self.clients.values()),
-                "clients_lost": self.num_clients_lost}
+                "clients_lost": self.num_clients_lost, "malformed_messages": self.channel.num_malformed}
 
     def close(self) -> None:
         for task in self._tasks:
@@ -187,14 +194,22 @@ def _error(job_id: str, status: int, message: str, param: str | None = None, ret
     return BatchResponse(job_id, status, error_body(status, message, param), request_id, retry_after)
 
 
+class _JobId(msgspec.Struct):
+    """All _salvage reads of a message: its job id, whatever else it holds (other fields are skipped)."""
+
+    job_id: str = ""
+
+
+_JOB_ID = msgspec.msgpack.Decoder(_JobId)
+
+
 def _salvage(payload: bytes | None, reason: str) -> tuple[str, str | None]:
-    """The job id (or "") and the field at fault (or None) of a message that did not decode as a BatchRequest."""
+    """The job id (or "") and the field at fault (or None) of a message that did not decode as a BatchRequest.
+    `payload` is None unless the channel's size and depth checks passed, so this second decoding is bounded too."""
     match = _FIELD.search(reason)
     param = (match.group(1) or match.group(2)) if match else None
     try:
-        data = msgspec.msgpack.decode(payload) if payload is not None else None
-    except (msgspec.DecodeError, RecursionError):
+        return (_JOB_ID.decode(payload).job_id if payload is not None else ""), param
+    except Exception:  # any failure of these bytes (not a map, job_id not a string, ...): no id to answer under
         return "", param
-    job_id = data.get("job_id") if isinstance(data, dict) else None
-    return (job_id if isinstance(job_id, str) else ""), param
 

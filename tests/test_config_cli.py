@@ -18,7 +18,7 @@ NON_DEFAULTS = {
     "attention_backend": ("reference", "reference"),
     "worker_threads": ("1", 1), "step_timeout": ("5", 5.0), "heartbeat_timeout": ("6", 6.0),
     "max_restarts": ("2", 2), "shutdown_timeout": ("3", 3.0), "keep_alive_timeout": ("1", 1.0),
-    "header_timeout": ("2", 2.0), "body_timeout": ("3", 3.0),
+    "header_timeout": ("2", 2.0), "body_timeout": ("3", 3.0), "max_batch_message_bytes": ("1KiB", 1024),
     "tensor_parallel_size": ("2", 2), "master_addr": ("127.0.0.2", "127.0.0.2"), "master_port": ("29500", 29500),
 }
 BOOLEANS = {"enable_prefix_caching", "async_scheduling", "batch_background"}
