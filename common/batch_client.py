@@ -122,6 +122,8 @@ class AsyncBatchClient:
                             f"the shuttle batch endpoint {self.endpoint} sent nothing for {self.server_timeout:g} s "
                             f"(stopped or unreachable); {len(outstanding)} job(s) unanswered") from None
                     continue
+                if message is None:
+                    continue  # malformed (counted and logged by the channel): not a sign of a live server
                 last_heard = time.monotonic()
                 if isinstance(message, BatchHeartbeat):
                     if instance and message.instance != instance:  # a restarted server lost what it held

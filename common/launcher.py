@@ -258,6 +258,8 @@ class Launcher:
             return
         while self.control.poll(0):
             msg = self.control.recv()
+            if msg is None:
+                continue  # malformed: counted and logged by the channel
             for unit in self.units:
                 unit.on_control(msg)
 

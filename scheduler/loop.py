@@ -15,7 +15,7 @@ import msgspec
 import zmq
 
 from common.config import ShuttleConfig
-from common.ipc import Channel
+from common.ipc import Channel, MalformedMessage
 from common.messages import (
     Abort, FrontendMessage, Hello, SchedulerInfo, SchedulerStats, StepOutputs, StepResult, Submit, WorkerFailed,
     WorkerMessage, WorkerReady,
@@ -74,6 +74,8 @@ class SchedulerLoop:
         ready: dict[int, WorkerReady] = {}
         while len(ready) < len(self.plans):
             msg = self.results.recv()
+            if msg is None:
+                continue  # malformed: counted and logged by the channel
             if not isinstance(msg, WorkerReady):
                 raise RuntimeError(f"expected WorkerReady from the worker, got {type(msg).__name__}")
             ready[msg.rank] = msg
@@ -148,6 +150,8 @@ class SchedulerLoop:
                 self._drain_inbox(0)
             if self.results.socket in ready:
                 msg = self.results.recv()
+                if msg is None:
+                    continue  # malformed: counted and logged by the channel
                 if isinstance(msg, (StepResult, WorkerFailed)) and msg.step_id == expected:
                     return msg
                 log.warning("ignoring unexpected worker message %s", type(msg).__name__)
@@ -156,7 +160,10 @@ class SchedulerLoop:
         if not self.frontends.poll(timeout_ms):
             return
         while self.frontends.poll(0):
-            client, msg = self.frontends.recv_from()
+            try:
+                client, msg = self.frontends.recv_from()
+            except MalformedMessage:
+                continue  # counted and logged by the channel; a frontend cannot be answered about it
             self.frontend_watch.seen(client)  # any message (Heartbeat included) proves it alive
             self.clients.add(client)
             if isinstance(msg, Submit):

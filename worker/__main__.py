@@ -43,8 +43,24 @@ def main() -> None:
     # Issue 9: a thread, so a long forward pass does not look like a hang; a frozen process (SIGSTOP) stops it
     # too. A step that never returns is the scheduler's step watchdog's to notice.
     HeartbeatSender(config, name).start_thread()
+    serve_plans(plans, results, runner, parallel, rank, config.debug_step_delay)
+
+
+def serve_plans(plans: Channel[PlanMessage], results: Channel, runner, parallel, rank: int,
+                step_delay: float = 0.0) -> None:
+    """Run each StepPlan that arrives and send its result (rank 0 answers for a tensor-parallel group), until
+    Shutdown. A step that raises fails its requests (WorkerFailed), never the process, unless the rank is part of
+    a group (then it exits 1: the ranks' collectives no longer pair up). A malformed message is skipped.
+
+    Args:
+        runner: has `execute(plan) -> StepResult` (worker.worker.ModelRunner).
+        parallel: has `enabled` and `is_driver` (worker.parallel).
+        step_delay: seconds slept after each step (--debug-step-delay, for tests).
+    """
     while True:
         plan = plans.recv()
+        if plan is None:
+            continue  # malformed: counted and logged by the channel
         if isinstance(plan, Shutdown):
             break
         try:
@@ -58,8 +74,8 @@ def main() -> None:
                 sys.exit(1)
             results.send(WorkerFailed(plan.step_id, f"{type(exc).__name__}: {exc}"))
             continue
-        if config.debug_step_delay:
-            time.sleep(config.debug_step_delay)
+        if step_delay:
+            time.sleep(step_delay)
         if parallel.is_driver:  # rank 0 answers for the group
             results.send(result)
 
