@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from common.messages import BatchHeartbeat, BatchServerMessage
 from tests.client import post_completion
 from tests.conftest import hf_greedy
+from tests.malformed import malformed_batch_frames
 from tests.server import ShuttleServer, pid_alive
 
 HANG = 60.0
@@ -134,9 +135,9 @@ def batch_messages() -> st.SearchStrategy:
                                      "url": st.sampled_from(["/v1/completions", "/v1/chat/completions", "/x"]),
                                      "body": st.one_of(body, json_values)})
     encoded = request.map(lambda r: [_pack(r)])
-    # garbage frames and frame counts too
+    # garbage frames and frame counts too, and every malformed kind of issue 24 (deep nesting, unknown tags, ...)
     return st.one_of(encoded, encoded, st.lists(st.binary(max_size=24), min_size=1, max_size=3),
-                     json_values.map(lambda v: [_pack(v)]))
+                     json_values.map(lambda v: [_pack(v)]), malformed_batch_frames())
 
 
 async def send_http(session, url, case) -> None:
