@@ -464,3 +464,23 @@ def test_the_launcher_reads_on_past_malformed_control_messages(tmp_path):
     finally:
         child.close()
         launcher.control.close()
+
+
+def test_warnings_are_rate_limited_per_peer_and_per_socket(caplog):
+    from common.wire_guard import MAX_WARNINGS_PER_INTERVAL, WARN_INTERVAL_S, FaultLog, Malformed
+    now = [0.0]
+    faults = FaultLog("a socket", clock=lambda: now[0])
+    for _ in range(5):
+        faults.record(b"one", Malformed("decode", "bad"))
+    assert len(warnings_about_malformed(caplog)) == 1
+    now[0] = WARN_INTERVAL_S  # a minute later the same peer is warned about again
+    faults.record(b"one", Malformed("depth", "deep"))
+    assert len(warnings_about_malformed(caplog)) == 2
+    for peer in range(3 * MAX_WARNINGS_PER_INTERVAL):  # a new identity per message: still capped per socket
+        faults.record(str(peer).encode(), Malformed("frames", "two"))
+    assert len(warnings_about_malformed(caplog)) == 1 + MAX_WARNINGS_PER_INTERVAL
+    now[0] = 2 * WARN_INTERVAL_S
+    faults.record(b"late", Malformed("decode", "bad"))
+    last = warnings_about_malformed(caplog)[-1]
+    assert f"{2 * MAX_WARNINGS_PER_INTERVAL + 1} not logged" in last and "from peer b'late'" in last
+    assert faults.counts == {"decode": 6, "depth": 1, "frames": 3 * MAX_WARNINGS_PER_INTERVAL}
