@@ -144,7 +144,10 @@ class Calibrator:
                   progress=print) -> tuple[StepCostModel, list[Measurement]]:
         """Measure the grid and fit. Returns the model and the measurements it was fitted to."""
         with torch.inference_mode():
-            self.measure("decode", 1, 16, 0, repeats=2)  # warm-up: first calls pay lazy initialisation
+            # warm-up: first calls pay lazy initialisation (kernels compiled, allocator pools, caches); the first
+            # grid points ran 30-40% slow after a two-step warm-up
+            self.measure("decode", 8, 64, 0, repeats=20)
+            self.measure("prefill", 1, 256, 64)
         measurements: list[Measurement] = []
         configs = grid(self.model_config.max_model_len, max_num_batched_tokens, max_num_seqs)
         for i, (kind, batch, prompt_len, chunk) in enumerate(configs):
@@ -158,7 +161,7 @@ class Calibrator:
             measurements.extend(found)
             for m in found:
                 progress(f"[{i + 1}/{len(configs)}] {m.label}: {m.seconds * 1e3:.2f} ms")
-        device = hardware.measure(self.model_config.dtype)
+        device = hardware.measure(self.model_config.dtype, self.runner.device.type)
         progress(f"{device.name}: {device.peak_flops / 1e9:.1f} GFLOP/s, {device.bandwidth / 1e9:.1f} GB/s "
                  f"({device.source})")
         roofline = hardware.roofline_for(self.model_config.model_dir, self.model_config.dtype, device)

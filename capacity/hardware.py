@@ -52,16 +52,15 @@ def spec(name: str) -> Device:
         raise ValueError(f"unknown device {name!r}; known: {', '.join(sorted(SPECS))}") from None
 
 
-def measure(dtype: str = "float32", matmul_size: int = 1024, copy_bytes: int = 256 * 2 ** 20,
+def measure(dtype: str = "float32", device: str = "cpu", matmul_size: int = 1024, copy_bytes: int = 256 * 2 ** 20,
             repeats: int = 5) -> Device:
-    """This machine's peaks, measured: the best of `repeats` square matmuls of `matmul_size` in `dtype` (2 n^3
-    FLOPs) and of copies of a `copy_bytes` buffer (each byte read once and written once), on the first CUDA
-    device if there is one, else on the CPU with torch's current thread count (the worker's). Best, not median:
-    a peak is what the device can do, a loaded host's slow runs are not. Takes about a second on a CPU."""
+    """The peaks of the device the worker runs on ("cpu", with torch's current thread count: the worker's; or
+    "cuda"), measured: the best of `repeats` square matmuls of `matmul_size` in `dtype` (2 n^3 FLOPs) and of
+    copies of a `copy_bytes` buffer (each byte read once and written once). Best, not median: a peak is what the
+    device can do, a loaded host's slow runs are not. Takes about a second on a CPU."""
     import torch
 
-    cuda = torch.cuda.is_available()
-    device = "cuda" if cuda else "cpu"
+    cuda = device.startswith("cuda")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     torch_dtype = getattr(torch, dtype)
     a = torch.randn(matmul_size, matmul_size, dtype=torch_dtype, device=device)

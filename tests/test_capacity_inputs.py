@@ -13,6 +13,7 @@ from common.step_cost import StepCostModel
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 
 import calibrate  # noqa: E402
+import compare_inprocess  # noqa: E402
 import simulate  # noqa: E402
 import tune  # noqa: E402
 
@@ -91,6 +92,10 @@ def test_the_other_tools_refuse_before_any_work(profile, tmp_path, capsys):
         tune.main, ["--profile", str(profile), "--model", str(MODEL), "--budgets", "0", *slos], capsys)
     assert "--repeats: must be at least 1" in refused(
         calibrate.main, ["--model", str(MODEL), "--out", str(tmp_path / "p.json"), "--repeats", "0"], capsys)
+    assert "does not exist" in refused(
+        compare_inprocess.main, ["--profile", str(profile), "--model", "/no/model"], capsys)
+    assert "--load: must be a number > 0" in refused(
+        compare_inprocess.main, ["--profile", str(profile), "--model", str(MODEL), "--load", "0"], capsys)
 
 
 def test_tune_warns_when_the_recommended_rate_is_not_a_found_limit():

@@ -52,5 +52,5 @@ def test_shuttle_plan_device_prints_a_plan_for_a_device_that_is_not_here(capsys)
 
 
 def test_the_microbenchmark_measures_positive_peaks():
-    device = hardware.measure("float32", matmul_size=128, copy_bytes=2 ** 20, repeats=2)
+    device = hardware.measure("float32", "cpu", matmul_size=128, copy_bytes=2 ** 20, repeats=2)
     assert device.peak_flops > 0 and device.bandwidth > 0 and device.source.startswith("measured")

@@ -1,0 +1,115 @@
+#!/usr/bin/env python3
+"""Judge a step-cost profile and the simulator against the in-process engine on this machine.
+
+Serves a workload (bench_serve.py's, as scripts/simulate.py builds it) with the in-process engine: the real
+Scheduler and ModelRunner in one loop, in real time, one step in flight, no HTTP (capacity/calibrate.py's
+Calibrator.serve). Then it simulates the same workload with the profile, and prints
+
+- each step's predicted time against its measured one, for decode steps and for steps with prefill apart: the
+  median and p90 of |predicted / measured - 1| and the median ratio;
+- TTFT and ITL p50 and p99, measured and simulated, and the gap.
+
+Nothing is fitted to the run. On a shared machine whose speed drifts, --recalibrate first measures the grid
+(scripts/calibrate.py's) in the same process and uses that profile, so that both see the same load; --load sets the
+request rate to that share of the simulator's saturated throughput (everything sent at once). For example, near
+saturation of stories260K:
+
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/compare_inprocess.py --model ../shared/models/stories260K \\
+        --profile profiles/stories260K.json --recalibrate /tmp/stories260K.json --load 0.8 --num-prompts 300 \\
+        --num-kv-blocks 4096
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import simulate  # noqa: E402
+from capacity.calibrate import Calibrator  # noqa: E402
+from common.arg_types import positive_number  # noqa: E402
+from common.step_cost import StepCostModel, StepShape  # noqa: E402
+
+
+def step_errors(cost: StepCostModel, steps: list[tuple[StepShape, float]]) -> dict[str, dict]:
+    """For decode-only steps and steps with prefill: count, median and p90 of |predicted / measured - 1|, and the
+    median of predicted / measured."""
+    report = {}
+    for kind, chosen in (("decode", [s for s in steps if s[0].num_prefill_seqs == 0]),
+                         ("prefill", [s for s in steps if s[0].num_prefill_seqs > 0])):
+        ratios = sorted(cost.predict(shape) / seconds for shape, seconds in chosen)
+        errors = sorted(abs(r - 1) for r in ratios)
+        report[kind] = {"steps": len(ratios),
+                        "median_abs_error": statistics.median(errors) if errors else None,
+                        "p90_abs_error": errors[int(0.9 * (len(errors) - 1))] if errors else None,
+                        "median_ratio": statistics.median(ratios) if ratios else None}
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    simulate.add_config_args(parser)
+    simulate.add_workload_args(parser)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--dtype", default=None, help="default: the profile's")
+    parser.add_argument("--recalibrate", type=Path, default=None, metavar="OUT",
+                        help="measure the grid first and use (and write) that profile instead of --profile's fit")
+    parser.add_argument("--load", type=positive_number, default=None,
+                        help="request rate as this share of the simulated saturated throughput (overrides "
+                             "--request-rate)")
+    parser.add_argument("--result-json", default="bench_results/compare_inprocess.json")
+    args = parser.parse_args(argv)
+    cost = simulate.load_profile(parser, args.profile)
+    simulate.require_model_dir(parser, args.model, args.max_model_len)
+    simulate.load_workload(parser, args, cost)  # a bad workload is said before any work
+    args.async_scheduling = False  # the in-process loop has one step in flight
+    blocks = simulate.build_simulator(args, cost).scheduler.kv.pool.num_blocks
+    max_model_len = args.max_model_len or cost.meta["max_model_len"]
+    grid_blocks = 128 * -(-min(max_model_len, 2048) // args.block_size) + 16  # what the grid needs (Calibrator)
+    calibrator = Calibrator(args.model, args.dtype or cost.meta.get("dtype", "float32"), max_model_len,
+                            args.block_size, num_kv_blocks=max(blocks, grid_blocks if args.recalibrate else 0))
+    if args.recalibrate:
+        cost, _ = calibrator.calibrate(2048, 128, progress=lambda line: None)
+        cost.save(args.recalibrate)
+        print(f"recalibrated: relative RMS error {cost.meta['rel_rmse']:.3f} over the grid; wrote "
+              f"{args.recalibrate}", flush=True)
+    if args.load:
+        saturated = simulate.build_simulator(args, cost).run(simulate.build_workload(args, cost, float("inf")))
+        args.request_rate = args.load * saturated.summary()["request_throughput"]
+        print(f"request rate {args.request_rate:.2f} req/s: {args.load} x the simulated saturated throughput")
+    workload = simulate.build_workload(args, cost)
+    simulator = simulate.build_simulator(args, cost)
+    config = simulator.config
+    print(f"serving {len(workload)} requests in process ({blocks} KV blocks)", flush=True)
+    measured = calibrator.serve(workload, config, blocks)
+    simulated = simulator.run(workload).summary()
+    real = measured.result.summary()
+    steps = step_errors(cost, measured.steps)
+    for kind, row in steps.items():
+        if row["steps"]:
+            print(f"{kind} steps: {row['steps']}, |predicted / measured - 1| median {row['median_abs_error']:.3f}, "
+                  f"p90 {row['p90_abs_error']:.3f}; median ratio {row['median_ratio']:.3f}")
+    gaps = {}
+    print(f"{'':<10}{'measured ms':>14}{'simulated ms':>14}{'gap':>8}")
+    for metric in ("ttft", "itl"):
+        for stat in ("median", "p99"):
+            a, b = real[f"{metric}_ms"][stat], simulated[f"{metric}_ms"][stat]
+            gaps[f"{metric}_{stat}"] = b / a - 1 if a else None
+            print(f"{metric + ' ' + stat:<10}{a:14.2f}{b:14.2f}{100 * (b / a - 1) if a else 0:7.1f}%")
+    print(f"throughput {real['request_throughput']:.2f} req/s measured, {simulated['request_throughput']:.2f} "
+          f"simulated; {real['num_steps']} / {simulated['num_steps']} steps")
+    if args.result_json:
+        Path(args.result_json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.result_json).write_text(json.dumps(
+            {"measured": real, "simulated": simulated, "gaps": gaps, "steps": steps}, indent=2) + "\n")
+        print(f"wrote {args.result_json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

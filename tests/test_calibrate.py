@@ -1,0 +1,42 @@
+"""The in-process engine that the simulator is judged against (capacity/calibrate.py's Calibrator.serve), and the
+report of step predictions against measured steps (scripts/compare_inprocess.py)."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from capacity.calibrate import Calibrator
+from capacity.workload import SimRequest
+from common.config import SchedulerConfig
+from common.step_cost import StepCostModel, StepShape
+from tests.server import MODEL_DIR
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+
+import compare_inprocess  # noqa: E402
+
+
+def test_the_in_process_engine_serves_every_request_its_tokens():
+    """Three requests, the last arriving later: each gets its output_len tokens, in time order, after it arrived;
+    every step is recorded with its shape, and the steps sum to the tokens computed (prompts + outputs but the
+    last, which is sampled, not fed back)."""
+    calibrator = Calibrator(str(MODEL_DIR), num_kv_blocks=64)
+    workload = [SimRequest(0.0, list(range(10, 30)), 4), SimRequest(0.0, list(range(40, 45)), 3),
+                SimRequest(0.05, list(range(50, 58)), 2)]
+    run = calibrator.serve(workload, SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), 64)
+    records = run.result.records
+    assert [len(r.token_times) for r in records] == [4, 3, 2]
+    for record in records:
+        assert record.token_times == sorted(record.token_times) and record.token_times[0] >= record.arrival
+    assert sum(shape.num_tokens for shape, _ in run.steps) == (20 + 3) + (5 + 2) + (8 + 1)
+    assert all(seconds > 0 for _, seconds in run.steps) and run.result.summary()["completed"] == 3
+
+
+def test_step_errors_by_kind():
+    cost = StepCostModel({"step": 0.010})
+    decode, prefill = StepShape(2, 0, 2, 0, 20, 2), StepShape(30, 1, 0, 900, 0, 1)
+    report = compare_inprocess.step_errors(cost, [(decode, 0.008), (decode, 0.0125), (prefill, 0.020)])
+    assert report["decode"]["steps"] == 2 and report["decode"]["median_abs_error"] == pytest.approx(0.225)  # 1.25 and 0.8: errors 0.25 and 0.2
+    assert report["prefill"] == {"steps": 1, "median_abs_error": pytest.approx(0.5), "p90_abs_error": pytest.approx(0.5),
+                                 "median_ratio": pytest.approx(0.5)}
