@@ -10,7 +10,7 @@ import signal
 from aiohttp import web
 
 from common.config import ShuttleConfig
-from frontend.backpressure import header_value
+from frontend.backpressure import refusal_headers
 from frontend.chat import ChatTemplate
 from frontend.engine_client import EngineClient
 from frontend.http_server import listen, request_limits
@@ -58,7 +58,10 @@ async def health(request: web.Request) -> web.Response:
     body["status"] = "draining" if engine.draining else "engine_down"
     if engine.down_reason:
         body["reason"] = engine.down_reason
-    return web.json_response(body, status=503, headers={"Retry-After": header_value(refusal.retry_after)})
+    response = web.json_response(body, status=503, headers=refusal_headers(refusal.retry_after, engine.draining))
+    if engine.draining:
+        response.force_close()  # going away: no promise (frontend/backpressure.py)
+    return response
 
 
 def _stats_dict(stats) -> dict:
@@ -110,7 +113,8 @@ async def serve(config: ShuttleConfig, on_ready) -> None:
     `on_ready(url, batch_endpoint)`, serve until SIGTERM, then drain."""
     tokenizer = TextTokenizer(config.model.model_dir)
     local = len(config.ipc.all_groups) - len(config.ipc.remote_groups)  # the launcher's; remote ones join later
-    engine = Router([EngineClient(endpoint, config.ipc.curve, remote=endpoint in config.ipc.remote_groups)
+    engine = Router([EngineClient(endpoint, config.ipc.curve, remote=endpoint in config.ipc.remote_groups,
+                                  max_waiting_requests=config.scheduler.max_waiting_requests)
                      for endpoint in config.ipc.all_groups], config.scheduler.max_num_seqs, wait_for=local)
     registry = Metrics(lambda: engine.stats, engine.group_states)
     engine.on_stats = registry.observe_steps

@@ -1,7 +1,8 @@
 """The frontend's link to the scheduler: submit, one listener fanning outputs to per-request queues, abort.
 
 It also carries the frontend's side of supervision (issue 9): while the engine is down (the launcher said so)
-or the server drains, `generate` refuses at once with a 503 and a Retry-After; when the engine goes down every
+`generate` refuses at once with a 503 and the expected restart time as Retry-After, while the server drains with
+a 503 and no promise (it is going away: frontend/backpressure.py); when the engine goes down every
 in-flight request gets one terminal error and the link starts over with a fresh socket, which is up again as
 soon as the new scheduler answers its Hello.
 """
@@ -26,12 +27,12 @@ from common.messages import (
     StepOutputs, Submit,
 )
 from common.sampling import SamplingParams
-from frontend.backpressure import RetryAfterEstimator
+from frontend.backpressure import RestartClock, RetryAfterEstimator
 
 log = logging.getLogger("shuttle.frontend")
 
 HEARTBEAT_INTERVAL_S = 1.0  # the scheduler takes a frontend silent for 10 s as gone (scheduler/liveness.py)
-REMOTE_RESTART_GUESS_S = 10.0  # Retry-After while a remote group is away: about one engine start-up on a CPU
+REMOTE_RESTART_GUESS_S = 10.0  # a remote group away for the first time: about one engine start-up on a CPU
 
 
 @dataclass
@@ -67,7 +68,8 @@ class EngineClient:
         draining: set by the shutdown drain; new requests are refused.
     """
 
-    def __init__(self, endpoint: str, curve: bool = False, remote: bool = False):
+    def __init__(self, endpoint: str, curve: bool = False, remote: bool = False,
+                 max_waiting_requests: int | None = None):
         self._endpoint = endpoint
         self._curve = curve
         # A remote group (another host's `shuttle engine`) has no launcher here to say it died: a dropped
@@ -86,11 +88,10 @@ class EngineClient:
         self.stats = SchedulerStats()
         self.on_stats = None  # called with every SchedulerStats message (the metrics' per-step histograms)
         self.down_reason: str | None = None
-        self._down_since = 0.0
-        self._down_until = 0.0
+        self.restart = RestartClock()
         self.draining = False
         self.drain_deadline = 0.0
-        self.retry_after = RetryAfterEstimator()
+        self.retry_after = RetryAfterEstimator(max_waiting_requests)
 
     @property
     def endpoint(self) -> str:
@@ -111,8 +112,9 @@ class EngineClient:
             await monitor.recv_multipart()
         finally:
             monitor.close(linger=0)
-        if channel is self._channel:
-            self.engine_down(f"lost the connection to {self._endpoint}", REMOTE_RESTART_GUESS_S)
+        if channel is self._channel:  # no launcher here to estimate its restart: the last one measured, if any
+            self.engine_down(f"lost the connection to {self._endpoint}",
+                             self.restart.last_restart_s or REMOTE_RESTART_GUESS_S)
 
     async def start(self, timeout: float = 120.0, wait: bool = True) -> SchedulerInfo | None:
         """Say Hello and wait for the scheduler's cache geometry; outputs and stats flow from then on.
@@ -161,7 +163,8 @@ class EngineClient:
             elif isinstance(msg, SchedulerInfo):
                 self.info = msg
                 if self.down_reason is not None:
-                    log.info("the engine is serving again")
+                    self.restart.up(time.monotonic())
+                    log.info("the engine is serving again (%.1f s after it stopped)", self.restart.last_restart_s)
                 self.down_reason = None
                 self._up.set()
 
@@ -190,21 +193,19 @@ class EngineClient:
         return f"{prefix}-{uuid.uuid4().hex}"
 
     def admission_error(self) -> GenerationError | None:
-        """The 503 a new request gets now (draining, or engine down), with its Retry-After; None: admit."""
-        now = time.monotonic()
+        """The 503 a new request gets now, or None: admit. Draining: no Retry-After (the server is going away);
+        engine down: the time until it is expected back (frontend/backpressure.py's RestartClock)."""
         if self.draining:
-            return GenerationError(503, "the server is shutting down", retry_after=max(self.drain_deadline - now, 1))
+            return GenerationError(503, "the server is shutting down", retry_after=None)
         if self.down_reason is not None or not self._up.is_set():
             reason = f" ({self.down_reason})" if self.down_reason else ""
-            # the launcher's estimate while it holds; a restart that overruns it is guessed to need half again
-            # as long as it has taken so far
-            retry_after = max(self._down_until - now, 0.5 * (now - self._down_since), 1.0)
-            return GenerationError(503, f"the engine is restarting{reason}; retry shortly", retry_after=retry_after)
+            return GenerationError(503, f"the engine is restarting{reason}; retry shortly",
+                                   retry_after=self.restart.retry_after(time.monotonic()))
         return None
 
-    def refusal_retry_after(self) -> float:
-        """Seconds a client whose request ended with a 503 should wait: until the engine is back, or the
-        drain ends, or else (a full waiting queue) its place in frontend/backpressure.py's virtual queue."""
+    def refusal_retry_after(self) -> float | None:
+        """Seconds a client whose request ended with a 503 should wait: until the engine is back, or else (a full
+        waiting queue) its place in frontend/backpressure.py's line of promises; None while draining."""
         error = self.admission_error()
         if error is not None:
             return error.retry_after
@@ -262,8 +263,7 @@ class EngineClient:
                     reason, len(self._queues), retry_after)
         self.down_reason = reason
         self.times_down += 1
-        self._down_since = time.monotonic()
-        self._down_until = self._down_since + retry_after
+        self.restart.down(time.monotonic(), retry_after)
         self._up.clear()
         self.stats = SchedulerStats()  # the dead scheduler's queues are gone; the new one reports its own
         self.fail_all(503, f"the engine stopped ({reason}); it is restarting, retry shortly")

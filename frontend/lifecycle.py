@@ -75,8 +75,9 @@ class Shutdown:
 
 async def drain(engine: Router, timeout: float, hurry: asyncio.Event,
                 websockets: set[web.WebSocketResponse]) -> None:
-    """Stop admitting at once (503 + Retry-After; /health says "draining"), let in-flight requests finish for up
-    to `timeout` seconds, then end the rest with an error and close the WebSockets (1001 going away)."""
+    """Stop admitting at once (503 with no Retry-After and `Connection: close`: the server is going away, see
+    frontend/backpressure.py; /health says "draining"), let in-flight requests finish for up to `timeout` seconds,
+    then end the rest with an error and close the WebSockets (1001 going away)."""
     engine.draining = True
     deadline = time.monotonic() + timeout
     engine.drain_deadline = deadline

@@ -10,7 +10,7 @@ import uuid
 from aiohttp import web
 
 from common.errors import GenerationError, InvalidRequestError, ModelNotFoundError
-from frontend.backpressure import header_value
+from frontend.backpressure import refusal_headers
 from frontend.protocol import client_error, error_body
 from frontend.state import RESPONSE_ID, STATE
 
@@ -20,14 +20,17 @@ _ECHOABLE_ID = re.compile(r"^[\x21-\x7e]{1,256}$")
 
 
 def _error(status: int, message: str, param: str | None = None, headers: dict | None = None,
-           retry_after: float | None = None) -> web.Response:
+           retry_after: float | None = None, going_away: bool = False) -> web.Response:
     headers = dict(headers or {})
-    if status == 503:  # the predicted wait (frontend/backpressure.py), else a second
-        headers["Retry-After"] = header_value(retry_after or 1)
+    if status == 503:  # the predicted wait (frontend/backpressure.py); from a draining server, no promise
+        headers.update(refusal_headers(retry_after, going_away))
     elif status == 408:
         # The server already gave the request its time: the official clients retry a 408 unless told not to
         headers["x-should-retry"] = "false"
-    return web.json_response(error_body(status, message, param), status=status, headers=headers)
+    response = web.json_response(error_body(status, message, param), status=status, headers=headers)
+    if going_away and status == 503:
+        response.force_close()  # what its Connection: close says
+    return response
 
 
 @web.middleware
@@ -39,7 +42,8 @@ async def openai_errors(request: web.Request, handler) -> web.StreamResponse:
         status, param = client_error(exc)
         if isinstance(exc, InvalidRequestError):
             request.app[STATE].metrics.rejected.labels("invalid").inc()
-        return _error(status, str(exc), param, retry_after=getattr(exc, "retry_after", None))
+        return _error(status, str(exc), param, retry_after=getattr(exc, "retry_after", None),
+                      going_away=getattr(request.app[STATE].engine, "draining", False))
     except web.HTTPException as exc:
         if exc.status < 400:
             raise

@@ -18,7 +18,6 @@ request went to (the EngineClient that carries it sends them).
 from __future__ import annotations
 
 import asyncio
-import time
 from collections import OrderedDict
 from typing import AsyncIterator
 
@@ -137,10 +136,10 @@ class Router:
         return [group.group_state(i, self._in_flight[i]) for i, group in enumerate(self.groups)]
 
     def admission_error(self) -> GenerationError | None:
-        """503 while draining or while no group serves (Retry-After: the soonest group back), else None."""
+        """503 while draining (no Retry-After: the server is going away) or while no group serves (Retry-After:
+        the soonest group back), else None."""
         if self.draining:
-            now = time.monotonic()
-            return GenerationError(503, "the server is shutting down", retry_after=max(self.drain_deadline - now, 1))
+            return GenerationError(503, "the server is shutting down", retry_after=None)
         errors = []
         for group in self.groups:
             error = group.admission_error()
@@ -149,7 +148,8 @@ class Router:
             errors.append(error)
         return min(errors, key=lambda e: e.retry_after)
 
-    def refusal_retry_after(self) -> float:
+    def refusal_retry_after(self) -> float | None:
+        """EngineClient.refusal_retry_after of the group a retry would go to (the least loaded that is up)."""
         error = self.admission_error()
         if error is not None:
             return error.retry_after

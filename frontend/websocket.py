@@ -7,7 +7,9 @@ Protocol (JSON text frames; several generations may share one socket, told apart
   server -> {"type": "done", "id": ..., "finish_reason": "stop"|"length"|"abort", "usage": {...}}
   client -> {"type": "cancel", "id": ...}       the generation ends with a "done" whose finish_reason is "abort"
   server -> {"type": "error", "id": ..., "error": {OpenAI error object}}     instead of "done" when it failed
-           (a 503 also carries "retry_after": seconds, like HTTP's Retry-After)
+           (a 503 also carries "retry_after": seconds, like HTTP's Retry-After; from a draining server instead
+           "should_retry": false, like HTTP's x-should-retry, as it is going away: the socket closes with 1001
+           once its other generations have finished or the drain ends)
 Every generate gets exactly one "done" or "error". A cancel for an id that is not generating (already done,
 or never started) is ignored. Closing the socket aborts all its generations. Any failure is an error frame,
 never an HTTP answer on the upgraded socket; frames are JSON text, escaped to ASCII when a client-chosen id
@@ -170,8 +172,10 @@ class _Session:
             status, param = known or (500, None)
             message = str(exc) if known else "internal server error"
             frame = {"type": "error", "id": client_id, "error": error_body(status, message, param)["error"]}
-            if getattr(exc, "retry_after", None):  # a 503: when a retry is expected to be admitted, as in HTTP
-                frame["retry_after"] = round(exc.retry_after, 1)
+            if status == 503 and getattr(self.state.engine, "draining", False):
+                frame["should_retry"] = False  # going away: no promise (frontend/backpressure.py)
+            elif getattr(exc, "retry_after", None):  # a 503: when a retry is expected to be admitted, as in HTTP
+                frame["retry_after"] = round(exc.retry_after, 3)
             await self.end(stream, frame)
 
 

@@ -1,33 +1,13 @@
-"""Issue 9 units without processes: the Retry-After estimator, the step watchdog, silent frontends, and the
-scheduler aborting a gone frontend's requests."""
+"""Issue 9 units without processes: the scheduler's admission counts (which the Retry-After estimate feeds on;
+its own tests are in test_retry_after.py), the step watchdog, silent frontends, and the scheduler aborting a gone
+frontend's requests."""
 
 import time
 
 import pytest
 
-from frontend.backpressure import SAFETY, RetryAfterEstimator, header_value
 from scheduler.liveness import FrontendWatch, StepWatchdog, WorkerHung
 from tests.test_scheduler import make_scheduler, run_step, submit
-
-
-def test_retry_after_is_a_place_in_a_virtual_queue_at_the_measured_admission_rate():
-    estimator = RetryAfterEstimator()
-    assert estimator.refused(0.0) == 1.0  # nothing measured yet
-    for second in range(6):  # saturated (requests waiting), 100 admissions per second
-        estimator.observe(100.0 + second, 100 * second, num_waiting=50)
-    assert estimator.admission_rate() == pytest.approx(100.0)
-    waits = [estimator.refused(105.0) for _ in range(3)]
-    assert waits == pytest.approx([k / (100 * SAFETY) for k in (1, 2, 3)])
-    # promises lapse a second after they were due: a much later refusal is first in line again
-    assert estimator.refused(200.0) == pytest.approx(1 / (100 * SAFETY))
-    assert header_value(0.01) == "1" and header_value(2.2) == "3"
-
-
-def test_admission_rate_ignores_unsaturated_intervals():
-    estimator = RetryAfterEstimator()
-    for second in range(6):  # requests admitted as they arrive: the rate says nothing about capacity
-        estimator.observe(float(second), 7 * second, num_waiting=0)
-    assert estimator.admission_rate() is None
 
 
 def test_scheduler_stats_count_admissions_resumptions_and_tokens():

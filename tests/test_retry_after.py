@@ -1,0 +1,130 @@
+"""Retry-After tells the truth (issue 24): the full-queue promise is a place in line over the rate at which the
+waiting queue frees slots, a restart's is the measured restart time, and a draining server promises nothing.
+Clocks are fabricated; the HTTP and WebSocket answers come from the real app over an in-process fake engine."""
+
+import json
+
+import aiohttp
+import pytest
+
+from common.supervised_unit import Unit
+from frontend.backpressure import RestartClock, RetryAfterEstimator, header_value, refusal_headers
+from tests.inprocess import start_app
+
+
+def saturated(estimator: RetryAfterEstimator, per_second: int, seconds: int = 6, start: float = 100.0,
+              waiting: int = 50, admitted_before: int = 0) -> float:
+    """Feed one stats sample a second with `waiting` requests waiting and `per_second` admissions; returns the
+    last sample's time."""
+    for second in range(seconds + 1):
+        estimator.observe(start + second, admitted_before + per_second * second, num_waiting=waiting)
+    return start + seconds
+
+
+def test_full_queue_promise_is_the_place_in_line_over_the_rate_of_freed_slots():
+    estimator = RetryAfterEstimator(max_waiting=50)
+    assert estimator.refused(0.0) == 1.0  # nothing measured yet: a second
+    now = saturated(estimator, 100)
+    assert estimator.admission_rate() == pytest.approx(100.0)
+    # the queue is full (50 of 50): the k-th refused client needs the k-th slot to open, k / 100 s from now
+    assert [estimator.refused(now) for _ in range(3)] == pytest.approx([0.01, 0.02, 0.03])
+
+
+def test_free_slots_count_as_already_open():
+    estimator = RetryAfterEstimator(max_waiting=50)
+    now = saturated(estimator, 100, waiting=47)  # three slots free (stats lag behind the refusal)
+    waits = [estimator.refused(now) for _ in range(5)]
+    assert waits[:3] == [estimator.min_wait] * 3  # a slot is free already: come back at once
+    assert waits[3:] == pytest.approx([0.01, 0.02])  # then the line: slots 4 and 5 open 1 and 2 hundredths on
+
+
+def test_a_promise_stops_counting_when_it_falls_due():
+    estimator = RetryAfterEstimator(max_waiting=50)
+    now = saturated(estimator, 100)
+    assert estimator.refused(now) == pytest.approx(0.01)
+    # 20 ms later that client has come back (in, or refused with a new promise): the next one is first in line
+    assert estimator.refused(now + 0.02) == pytest.approx(0.01)
+
+
+def test_a_slower_rate_continues_the_line_instead_of_opening_a_gap_in_it():
+    estimator = RetryAfterEstimator(max_waiting=50)
+    now = saturated(estimator, 100)  # t = 106
+    for _ in range(3000):  # at 100 slots a second: due back over the next 30 s
+        estimator.refused(now)
+    now = saturated(estimator, 50, seconds=12, start=now, admitted_before=600)  # t = 118, and half the speed
+    assert estimator.admission_rate() == pytest.approx(50.0)
+    # 1,800 promises are still pending, until t = 136. Counted again at the new rate they would say 36 s, and
+    # nobody would come back in the 18 s after t = 136 while the queue drains; the line goes on from its end
+    # (those of them refused again for want of a slot get new promises behind it)
+    assert estimator.refused(now) == pytest.approx(136 - 118 + 1 / 50)
+
+
+def test_rate_counts_only_intervals_with_requests_waiting():
+    estimator = RetryAfterEstimator(max_waiting=50)
+    for second in range(6):  # admitted as they arrive: the rate says nothing about capacity
+        estimator.observe(float(second), 7 * second, num_waiting=0)
+    assert estimator.admission_rate() is None
+
+
+def test_restart_promise_is_the_measured_restart_time_less_the_time_down():
+    clock = RestartClock()
+    clock.down(10.0, expected=6.0)  # the launcher's estimate: its backoff plus the measured start-up
+    assert clock.retry_after(12.0) == pytest.approx(4.0)
+    # overrun: no wild guess (it said half again the time down), a retry a second later, refused at no cost
+    assert clock.retry_after(17.0) == pytest.approx(1.0)
+    clock.up(15.0)  # this restart took 5 s
+    clock.down(100.0)  # a remote group, with no launcher to estimate: the restart measured before
+    assert clock.retry_after(101.0) == pytest.approx(4.0)
+    clock.up(103.0)
+    clock.down(200.0, expected=8.0)  # the launcher's estimate, when it gives one, knows this restart's backoff
+    assert clock.retry_after(201.0) == pytest.approx(7.0)
+
+
+def test_launcher_expects_the_last_measured_start_not_half_again_the_slowest():
+    unit = Unit("engine", ("worker", "scheduler"))
+    unit.start_durations = [9.0, 5.5]  # the first start (cold caches), then a restart
+    assert unit.expected_start_s() == pytest.approx(5.5)
+
+
+def test_refusal_headers():
+    assert refusal_headers(2.2) == {"Retry-After": "3", "retry-after-ms": "2200"}
+    assert refusal_headers(0.004) == {"Retry-After": "1", "retry-after-ms": "4"}
+    assert refusal_headers(None) == {"Retry-After": "1", "retry-after-ms": "1000"}  # unknown: a second
+    assert refusal_headers(5.0, going_away=True) == {"Connection": "close", "x-should-retry": "false"}
+    assert header_value(0.01) == "1" and header_value(2.2) == "3"
+
+
+async def test_a_draining_server_promises_nothing_and_closes_the_connection():
+    app = await start_app()
+    try:
+        app.engine.draining = True
+        async with aiohttp.ClientSession() as session:
+            async with session.post(f"{app.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}) as response:
+                assert response.status == 503 and "shutting down" in (await response.json())["error"]["message"]
+                assert "Retry-After" not in response.headers and "retry-after-ms" not in response.headers
+                assert response.headers["Connection"] == "close" and response.headers["x-should-retry"] == "false"
+            async with session.get(f"{app.url}/health") as response:
+                assert response.status == 503 and (await response.json())["status"] == "draining"
+                assert "Retry-After" not in response.headers and response.headers["Connection"] == "close"
+            async with session.ws_connect(f"{app.url}/v1/ws") as ws:
+                await ws.send_str(json.dumps({"type": "generate", "id": 1, "prompt": "Hi", "max_tokens": 2}))
+                frame = json.loads((await ws.receive()).data)
+        assert frame["type"] == "error" and frame["error"]["code"] == 503
+        assert "retry_after" not in frame and frame["should_retry"] is False
+    finally:
+        await app.close()
+
+
+async def test_a_restarting_engine_promises_its_restart_time_in_seconds_and_milliseconds():
+    app = await start_app()
+    try:
+        app.engine.engine_down("worker died", 30.0)
+        async with aiohttp.ClientSession() as session:
+            async with session.post(f"{app.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}) as response:
+                assert response.status == 503 and response.headers.get("Connection") != "close"
+                milliseconds = int(response.headers["retry-after-ms"])  # 30 s less the time since, in ms
+                assert 1000 < milliseconds <= 30_000
+                assert response.headers["Retry-After"] == str(-(-milliseconds // 1000))  # whole seconds, rounded up
+                assert "x-should-retry" not in response.headers
+    finally:
+        await app.close()
