@@ -225,8 +225,10 @@ class SloAdmission:
             if now > horizon_s:
                 break
         admitted = queue_len - len(queue)
-        if admitted <= 0 or now <= 0:
-            return math.inf if now <= 0 else now * (queue_len + 1)
+        if now <= 0:  # the model predicts no time for any of it: it knows nothing about waiting here
+            return 0.0
+        if admitted <= 0:
+            return now * (queue_len + 1)
         return now * queue_len / admitted + cost.client_s  # the rest of the queue at the rate seen so far
 
     def _seq(self, request: Request) -> _Seq:

@@ -106,3 +106,15 @@ def test_the_refusal_output():
     assert out.request_id == "late" and out.finish_reason == FinishReason.ERROR and out.error_status == 503
     assert out.rejection == "slo" and out.retry_after_s >= 1 and "TTFT objective" in out.error_message
     assert sorted(s.requests) == ["busy", "mine"] and s.num_rejected == 1
+
+
+def test_a_cost_model_that_predicts_no_time_admits_instead_of_crashing():
+    # An online fit can come out all zeros (its steps measured ~0 s); the prediction then says nothing about
+    # waiting, so the request is admitted. It used to be refused with an infinite Retry-After, and the scheduler
+    # died on math.ceil(inf).
+    s = make_scheduler(max_num_seqs=1, ttft_slo_ms=50.0)
+    s.admission = SloAdmission(50.0, StepCostModel({"step": 0.0}))
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    s.add_request(b"c", Submit("busy", list(range(10, 14)), params, 0.0))
+    s.add_request(b"c", Submit("next", list(range(10, 14)), params, 1.0, ttft_slo_ms=1.0))
+    assert s.take_outputs() == {} and sorted(s.requests) == ["busy", "next"]
