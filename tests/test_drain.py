@@ -1,6 +1,6 @@
-"""Issue 9 acceptance 2: SIGTERM drains. Admission stops at once (503 + Retry-After, /health 503 "draining"),
-running streams finish up to --shutdown-timeout, the rest end with an error event, and the exit status is 0.
-Waits are bounds that only a hang exceeds."""
+"""Issue 9 acceptance 2: SIGTERM drains. Admission stops at once (503 with Connection: close and no Retry-After,
+/health 503 "draining"), running streams finish up to --shutdown-timeout, the rest end with an error event, and
+the exit status is 0. Waits are bounds that only a hang exceeds."""
 
 import asyncio
 import json
@@ -49,7 +49,9 @@ async def test_sigterm_lets_20_streams_finish_and_refuses_newcomers_at_once():
                         break
                 await asyncio.sleep(0.01)
             async with session.post(f"{srv.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 3}) as response:
-                assert response.status == 503 and int(response.headers["Retry-After"]) >= 1
+                # going away for good: no promise to come back, and the official clients are told not to retry
+                assert response.status == 503 and "Retry-After" not in response.headers
+                assert response.headers["Connection"] == "close" and response.headers["x-should-retry"] == "false"
                 assert "shutting down" in (await response.json())["error"]["message"]
             results = await asyncio.wait_for(asyncio.gather(*tasks), HANG)
         for events in results:
