@@ -3,9 +3,9 @@
 A step's served seconds run from when the worker could start it (its plan sent, or the previous step's result
 back, whichever is later: with two plans in flight the worker queues the second) to when its result is back in
 the scheduler: the worker's own time plus what serving adds (the plan's and the result's way through the
-sockets, the frontend and clients taking their turns on the cores). scripts/calibrate.py fits the serving
-corrections of the step-cost model (common/step_cost.py) to these lines; an operator can do the same with the
-steps of real traffic.
+sockets, the frontend and clients taking their turns on the cores). Set against the step-cost model's prediction
+(common/step_cost.py), these lines show what serving adds to the worker's steps on a given machine; nothing fits
+the model to them.
 """
 
 from __future__ import annotations
