@@ -3,7 +3,11 @@
 A 503 has one of three causes, each with its own prediction:
 1. The waiting queue is full (RetryAfterEstimator). A retry gets in once a slot of the waiting queue is free for
    it. Slots open as requests leave the queue, at a rate measured from the scheduler's cumulative `num_admitted`
-   while requests were waiting, and F of them may be free already (the queue's bound less `num_waiting`). The
+   while requests were waiting, less the admissions that only filled free room in the running set (a burst on an
+   idle engine admits a whole batch at once, a pace that does not last: slots keep opening only as running
+   requests finish). F slots may be free already (the queue's bound less `num_waiting`). Until a rate is
+   measured, nothing has finished since the running set last grew: the rate is at most num_running over that
+   time, which makes the waits below lower bounds (at least a second each). The
    refused clients form a line of promises. With P promises pending (clients told to come back later than now),
    the client just refused is the (P + 1)-th to claim a slot: it is told (P + 1 - F) / rate, or to come right
    after the line's last promise (its due time plus 1 / rate) when that is sooner. The second form matters when
@@ -32,7 +36,7 @@ from collections import deque
 
 WINDOW_S = 10.0  # admission rate measured over this much recent time
 MIN_SATURATED_S = 0.5  # of it with requests waiting at both ends of an interval, before the rate is trusted
-UNMEASURED_WAIT_S = 1.0  # the wait told before any rate is measured
+UNMEASURED_WAIT_S = 1.0  # the shortest wait told before any rate is measured (the wait when nothing runs)
 MIN_WAIT_S = 0.001  # a slot is free already: come back at once (retry-after-ms counts whole milliseconds)
 MAX_RETRY_AFTER_S = 3600.0
 OVERRUN_POLL_S = 1.0  # a restart that takes longer than expected: look again after this long
@@ -64,27 +68,32 @@ class RetryAfterEstimator:
 
     def __init__(self, max_waiting: int | None = None):
         self._max_waiting = max_waiting
-        self._samples: deque[tuple[float, int, bool]] = deque()  # (time, num_admitted, requests waiting)
-        self._num_waiting = 0
+        self._samples: deque[tuple[float, int, bool, int]] = deque()  # (time, admitted, any waiting, running)
+        self._num_waiting = self._num_running = 0
+        self._running_grew_at = 0.0  # the last time the running set grew into free room
         self._promises: list[float] = []  # heap of the times refused clients are due back
         self._line_end = 0.0  # the latest promise given
         self._last_rate: float | None = None
 
-    def observe(self, now: float, num_admitted: int, num_waiting: int) -> None:
-        """One stats message: at monotonic time `now`, `num_admitted` so far, `num_waiting` in the queue."""
-        self._samples.append((now, num_admitted, num_waiting > 0))
-        self._num_waiting = num_waiting
+    def observe(self, now: float, num_admitted: int, num_waiting: int, num_running: int = 0) -> None:
+        """One stats message: at monotonic time `now`, `num_admitted` so far, `num_waiting` in the queue,
+        `num_running` in the running set."""
+        if num_running > self._num_running:
+            self._running_grew_at = now
+        self._samples.append((now, num_admitted, num_waiting > 0, num_running))
+        self._num_waiting, self._num_running = num_waiting, num_running
         while self._samples and self._samples[0][0] < now - WINDOW_S:
             self._samples.popleft()
 
     def admission_rate(self) -> float | None:
-        """Slots opening in the waiting queue per second (requests leaving it) over the window's saturated
-        intervals (both ends with requests waiting), or the last such measurement; None before any."""
+        """Slots opening in the waiting queue per second over the window's saturated intervals (both ends with
+        requests waiting): requests leaving it, less those that filled free room in the running set; or the
+        last such measurement; None before any."""
         admitted, seconds = 0, 0.0
         previous = None
         for sample in self._samples:
             if previous is not None and previous[2] and sample[2] and sample[1] >= previous[1]:
-                admitted += sample[1] - previous[1]
+                admitted += sample[1] - previous[1] - max(sample[3] - previous[3], 0)
                 seconds += sample[0] - previous[0]
             previous = sample
         if seconds >= MIN_SATURATED_S and admitted > 0:
@@ -101,13 +110,17 @@ class RetryAfterEstimator:
         """Seconds the client just refused (at monotonic time `now`) should wait; it takes the next place in line."""
         while self._promises and self._promises[0] <= now:
             heapq.heappop(self._promises)
-        rate = self.admission_rate()
+        rate, shortest = self.admission_rate(), self.min_wait
+        if rate is None:  # an upper bound: nothing has finished since the running set last grew
+            running_for = now - self._running_grew_at
+            rate = self._num_running / running_for if self._num_running and running_for > 0 else None
+            shortest = UNMEASURED_WAIT_S
         if rate is None:
             wait = UNMEASURED_WAIT_S
         else:
             by_count = (len(self._promises) + 1 - self.free_slots()) / rate
             after_line = max(self._line_end - now, 0.0) + 1 / rate
-            wait = min(max(min(by_count, after_line), self.min_wait), MAX_RETRY_AFTER_S)
+            wait = min(max(min(by_count, after_line), shortest), MAX_RETRY_AFTER_S)
         heapq.heappush(self._promises, now + wait)
         self._line_end = max(self._line_end, now + wait)
         return wait

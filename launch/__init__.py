@@ -1,0 +1,1 @@
+"""The launcher: `shuttle` subcommands, start-up checks, process supervision."""
