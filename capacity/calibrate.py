@@ -1,4 +1,4 @@
-"""Measure the real ModelRunner on a grid of step shapes and fit the step-cost model (common/step_cost.py).
+"""Measure the real ModelRunner on a grid of step shapes and fit the step-cost model (scheduler/step_cost.py).
 
 Each configuration is driven by a real Scheduler (no prefix caching) exactly as bench_overhead.py does: requests
 are prefilled in chunks, then decode steps run; every step goes through the worker's critical path as in the
@@ -22,7 +22,7 @@ import torch
 from common.config import CacheConfig, IpcConfig, ModelConfig, SchedulerConfig, ShuttleConfig, WorkerConfig
 from common.messages import PlanMessage, Submit, WorkerMessage
 from common.sampling import SamplingParams
-from common.step_cost import StepCostModel, StepShape, shape_of
+from scheduler.step_cost import StepCostModel, StepShape, shape_of
 from capacity import hardware
 from capacity.simulator import RequestRecord, SimResult
 from capacity.workload import SimRequest

@@ -3,7 +3,7 @@
 Nothing runs the model: the weights, the KV bytes per token and the step times come from the model's config.json
 and the device's published peaks (capacity/hardware.py). The KV budget is --gpu-memory-utilization (default 0.9)
 of the device's memory, less the weights and an activation allowance for the largest step (its tokens' hidden
-states, their MLP activations and the sampled rows' logits). The step times are the roofline of common/step_cost.py
+states, their MLP activations and the sampled rows' logits). The step times are the roofline of scheduler/step_cost.py
 at full efficiency: lower bounds, which a calibration on the device (scripts/calibrate.py) turns into predictions.
 """
 
@@ -18,7 +18,7 @@ from capacity import hardware
 from capacity.memory_plan import MiB, concurrency_table
 from common.capacity import kv_blocks_for_memory
 from common.config import ModelConfig
-from common.step_cost import Roofline, StepShape
+from scheduler.step_cost import Roofline, StepShape
 
 DEFAULT_UTILIZATION = 0.9
 
@@ -116,7 +116,7 @@ def build(model_dir: str, device_name: str, dtype: str = "bfloat16", max_model_l
 
 
 def main(args) -> int:
-    """`shuttle plan --device` (arguments from common/cli.py). Prints the plan (or JSON); 2 on bad input."""
+    """`shuttle plan --device` (arguments from launch/cli.py). Prints the plan (or JSON); 2 on bad input."""
     from common.errors import ModelDirError
 
     if args.model_dir is None:

@@ -1,4 +1,4 @@
-"""The device side of the step-cost roofline (common/step_cost.py): peak FLOP/s and memory bandwidth, measured by a
+"""The device side of the step-cost roofline (scheduler/step_cost.py): peak FLOP/s and memory bandwidth, measured by a
 short microbenchmark on the serving machine or taken from a datasheet for a device that is not present, and the
 model side: its dimensions from a Hugging Face config.json."""
 
@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.step_cost import Roofline
+from scheduler.step_cost import Roofline
 
 GB = 1e9
 TB = 1e12

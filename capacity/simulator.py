@@ -3,7 +3,7 @@ virtual clock and a step-cost model instead of a worker.
 
 It models the in-process engine (scheduler and worker in one loop, no HTTP; capacity/calibrate.py's
 `run_inprocess`), which is what carries over to other hardware: the worker runs each step for the cost model's
-prediction of its shape (common/step_cost.py), the scheduler plans and settles it (scheduler_s per step, half
+prediction of its shape (scheduler/step_cost.py), the scheduler plans and settles it (scheduler_s per step, half
 each), and every token reaches its client client_s after the step that sampled it. What a full server adds on a
 given machine (HTTP, tokenization, the frontend's and the clients' CPU) is measured and reported by
 scripts/calibrate.py --serve-report, not modelled.
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from common.config import SchedulerConfig
 from common.messages import FinishReason, StepResult, Submit
 from common.sampling import SamplingParams
-from common.step_cost import StepCostModel, StepShape, shape_of
+from scheduler.step_cost import StepCostModel, StepShape, shape_of
 from capacity.workload import SimRequest
 from scheduler.admission import SloAdmission
 from scheduler.kv_cache import KVCacheManager

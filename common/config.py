@@ -103,7 +103,7 @@ def _read_json(path: Path) -> dict:
 def option(default, help: str, **argparse_kwargs):
     """A config field declared once: its default, its help text and how `shuttle serve` parses it.
 
-    common/cli.py derives the flag `--field-name` from it (booleans get `--no-field-name` too), and
+    launch/cli.py derives the flag `--field-name` from it (booleans get `--no-field-name` too), and
     ShuttleConfig.from_args reads it back by name, so a new field needs no other edit to be settable.
     `argparse_kwargs`: type, choices, metavar, as argparse takes them.
     """
@@ -316,7 +316,7 @@ class ShuttleConfig:
 
     @staticmethod
     def from_args(args: argparse.Namespace, ipc: IpcConfig) -> "ShuttleConfig":
-        """Build from `shuttle serve` arguments (see common/cli.py). Raises ModelDirError."""
+        """Build from `shuttle serve` arguments (see launch/cli.py). Raises ModelDirError."""
         model = ModelConfig.from_dir(args.model_dir, args.max_model_len, args.served_model_name, args.dtype)
         tp = args.tensor_parallel_size
         refusal = tensor_parallel_error(_read_json(Path(model.model_dir) / "config.json"), tp)
@@ -324,18 +324,6 @@ class ShuttleConfig:
             raise ModelDirError(refusal)
         if ipc is not None and len(ipc.rank_plans) != tp - 1:
             raise ValueError(f"{tp} tensor-parallel ranks need {tp - 1} rank plan endpoints, got {len(ipc.rank_plans)}")
-        if args.step_cost_profile:  # a bad profile is a one-line error now, not a scheduler traceback later
-            from common.step_cost import StepCostModel
-            try:
-                StepCostModel.load(args.step_cost_profile)
-            except ValueError as exc:  # the message names the file and what is wrong with it
-                raise ModelDirError(f"--step-cost-profile: {exc}") from None
-        if args.step_log:  # likewise: the scheduler opens it for appending
-            try:
-                with open(args.step_log, "a"):
-                    pass
-            except OSError as exc:
-                raise ModelDirError(f"--step-log {args.step_log}: {exc.strerror or exc}") from None
         return ShuttleConfig(
             model=model,
             ipc=ipc,

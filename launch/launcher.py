@@ -39,9 +39,10 @@ from common.errors import ModelDirError
 from common.ipc import CURVE_ENV, Channel, CurveKeys
 from common.messages import ControlMessage, EngineDown
 from common.model_dir import check_model_dir
-from common.ports import Listen, PortError, check_ports, tcp_listen
+from launch.ports import Listen, PortError, check_ports, tcp_listen
+from launch.scheduler_files import check_scheduler_files
 from common.process import raise_fd_limit
-from common.supervised_unit import FRONTEND, RESTART_RESET_S, Unit, describe_exit, engine_roles, free_tcp_endpoints
+from launch.supervised_unit import FRONTEND, RESTART_RESET_S, Unit, describe_exit, engine_roles, free_tcp_endpoints
 
 STOP_TIMEOUT_S = 4.0  # SIGTERM to SIGKILL for the engine's processes at shutdown
 DRAIN_EXIT_GRACE_S = 5.0  # beyond --shutdown-timeout, for the frontend to write its last answers and exit
@@ -106,6 +107,7 @@ def serve(args: argparse.Namespace) -> int:
         try:
             check_model_dir(args.model_dir)
             config = ShuttleConfig.from_args(args, ipc)
+            check_scheduler_files(config.scheduler)
             if config.chat_template and not os.path.isfile(config.chat_template):
                 raise ModelDirError(f"--chat-template {config.chat_template} is not a readable file")
             check_ports(_frontend_listens(args, config) + _rendezvous_listens(config, len(groups)))
@@ -143,6 +145,7 @@ def engine(args: argparse.Namespace) -> int:
         try:
             check_model_dir(args.model_dir, tokenizer=False)  # the frontend, on another host, tokenizes
             config = ShuttleConfig.from_args(args, ipc)
+            check_scheduler_files(config.scheduler)
             listen = tcp_listen(args.listen, "where frontends reach this engine, --listen")
             check_ports(([listen] if listen else []) + _rendezvous_listens(config, 1))
         except (ModelDirError, PortError) as exc:
@@ -163,7 +166,7 @@ def _frontend_listens(args: argparse.Namespace, config: ShuttleConfig) -> list[L
 
 
 def _rendezvous_listens(config: ShuttleConfig, groups: int) -> list[Listen]:
-    """A given --master-port (tensor parallel): rank 0 of group g listens on it + g (common/supervised_unit.py)."""
+    """A given --master-port (tensor parallel): rank 0 of group g listens on it + g (launch/supervised_unit.py)."""
     parallel = config.parallel
     if parallel.tensor_parallel_size == 1 or not parallel.master_port:
         return []

@@ -2,7 +2,7 @@
 
 With `--ttft-slo-ms` (or a request's own `ttft_slo_ms`), each arriving request gets a predicted time to first
 token: the steps needed before it has a running slot and its prompt is prefilled, each step's duration from the
-step-cost model (common/step_cost.py). When that prediction already exceeds the objective, waiting cannot help:
+step-cost model (scheduler/step_cost.py). When that prediction already exceeds the objective, waiting cannot help:
 the request is answered at once with 503 and a Retry-After of the predicted time until a newcomer would meet the
 objective again (the queue ahead has drained that much), instead of waiting in vain and making everyone behind it
 late too. Without an objective nothing is refused here.
@@ -27,7 +27,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
-from common.step_cost import StepCostModel, StepShape, shape_of
+from scheduler.step_cost import StepCostModel, StepShape, shape_of
 from scheduler.request import Request
 from scheduler.scheduled_step import ScheduledStep
 

@@ -4,7 +4,7 @@ A step's served seconds run from when the worker could start it (its plan sent, 
 back, whichever is later: with two plans in flight the worker queues the second) to when its result is back in
 the scheduler: the worker's own time plus what serving adds (the plan's and the result's way through the
 sockets, the frontend and clients taking their turns on the cores). Set against the step-cost model's prediction
-(common/step_cost.py), these lines show what serving adds to the worker's steps on a given machine; nothing fits
+(scheduler/step_cost.py), these lines show what serving adds to the worker's steps on a given machine; nothing fits
 the model to them.
 """
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import msgspec
 
-from common.step_cost import StepShape, shape_of
+from scheduler.step_cost import StepShape, shape_of
 
 
 class ServedStep(msgspec.Struct, array_like=True):

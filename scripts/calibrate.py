@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import simulate  # noqa: E402
 from capacity.calibrate import Calibrator  # noqa: E402
 from common.arg_types import positive  # noqa: E402
-from common.step_cost import FEATURES  # noqa: E402
+from scheduler.step_cost import FEATURES  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import simulate  # noqa: E402
 from capacity.calibrate import Calibrator  # noqa: E402
 from common.arg_types import positive_number  # noqa: E402
-from common.step_cost import StepCostModel, StepShape  # noqa: E402
+from scheduler.step_cost import StepCostModel, StepShape  # noqa: E402
 
 
 def step_errors(cost: StepCostModel, steps: list[tuple[StepShape, float]]) -> dict[str, dict]:

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_serve  # noqa: E402
 import simulate  # noqa: E402
 from common.arg_types import count, positive, positive_number, unit_fraction  # noqa: E402
-from common.step_cost import StepCostModel  # noqa: E402
+from scheduler.step_cost import StepCostModel  # noqa: E402
 
 
 @dataclass

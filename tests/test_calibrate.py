@@ -9,7 +9,7 @@ import pytest
 from capacity.calibrate import Calibrator
 from capacity.workload import SimRequest
 from common.config import SchedulerConfig
-from common.step_cost import StepCostModel, StepShape
+from scheduler.step_cost import StepCostModel, StepShape
 from tests.server import MODEL_DIR
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))

@@ -5,7 +5,7 @@ import pytest
 from capacity.simulator import Simulator, percentiles
 from capacity.workload import SimRequest, arrivals, synthetic
 from common.config import SchedulerConfig
-from common.step_cost import StepCostModel
+from scheduler.step_cost import StepCostModel
 
 TEN_MS = StepCostModel({"step": 0.010})  # every step takes 10 ms, whatever it computes
 

@@ -9,7 +9,7 @@ from capacity.workload import synthetic
 from common.config import SchedulerConfig
 from common.messages import FinishReason, Submit
 from common.sampling import SamplingParams
-from common.step_cost import StepCostModel
+from scheduler.step_cost import StepCostModel
 from scheduler.admission import SloAdmission
 from tests.test_scheduler import make_scheduler
 

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from common.step_cost import FEATURES, Roofline, StepCostModel, StepShape, features, shape_of
+from scheduler.step_cost import FEATURES, Roofline, StepCostModel, StepShape, features, shape_of
 
 TRUE = {"step": 2e-3, "sequence": 1e-4, "token": 3e-5, "dense": 1.5, "prefill_attention": 4.0,
         "decode_attention": 9.0}

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from common.step_cost import StepCostModel
+from scheduler.step_cost import StepCostModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 
