@@ -2,12 +2,13 @@
 
 A 503 has one of three causes, each with its own prediction:
 1. The waiting queue is full (RetryAfterEstimator). A retry gets in once a slot of the waiting queue is free for
-   it. Slots open as requests leave the queue, at a rate measured from the scheduler's cumulative `num_admitted`
-   while requests were waiting, less the admissions that only filled free room in the running set (a burst on an
-   idle engine admits a whole batch at once, a pace that does not last: slots keep opening only as running
-   requests finish). F slots may be free already (the queue's bound less `num_waiting`). Until a rate is
-   measured, nothing has finished since the running set last grew: the rate is at most num_running over that
-   time, which makes the waits below lower bounds (at least a second each). The
+   it. While requests wait, a slot opens each time a running request finishes (and a waiting one takes its
+   place), so the rate is that of requests finishing, measured over intervals with requests waiting at both ends
+   from the scheduler's cumulative counters: admitted, less the growth of the running set, less preempted. Not
+   the admissions alone: a burst on an idle engine admits a whole batch at once, a pace that does not last. F
+   slots may be free already (the queue's bound less `num_waiting`). Until a request has finished, none has for
+   as long as the running set has had its present size: the rate is at most num_running over that time, which
+   makes the waits below lower bounds (at least a second each). The
    refused clients form a line of promises. With P promises pending (clients told to come back later than now),
    the client just refused is the (P + 1)-th to claim a slot: it is told (P + 1 - F) / rate, or to come right
    after the line's last promise (its due time plus 1 / rate) when that is sooner. The second form matters when
@@ -68,36 +69,38 @@ class RetryAfterEstimator:
 
     def __init__(self, max_waiting: int | None = None):
         self._max_waiting = max_waiting
-        self._samples: deque[tuple[float, int, bool, int]] = deque()  # (time, admitted, any waiting, running)
+        # (time, requests finished so far (admitted - running - preempted), requests waiting)
+        self._samples: deque[tuple[float, int, bool]] = deque()
         self._num_waiting = self._num_running = 0
         self._running_grew_at = 0.0  # the last time the running set grew into free room
         self._promises: list[float] = []  # heap of the times refused clients are due back
         self._line_end = 0.0  # the latest promise given
         self._last_rate: float | None = None
 
-    def observe(self, now: float, num_admitted: int, num_waiting: int, num_running: int = 0) -> None:
-        """One stats message: at monotonic time `now`, `num_admitted` so far, `num_waiting` in the queue,
-        `num_running` in the running set."""
+    def observe(self, now: float, num_admitted: int, num_waiting: int, num_running: int = 0,
+                num_preemptions: int = 0) -> None:
+        """One stats message: at monotonic time `now`, `num_admitted` and `num_preemptions` so far (cumulative),
+        `num_waiting` in the queue, `num_running` in the running set."""
         if num_running > self._num_running:
             self._running_grew_at = now
-        self._samples.append((now, num_admitted, num_waiting > 0, num_running))
+        self._samples.append((now, num_admitted - num_running - num_preemptions, num_waiting > 0))
         self._num_waiting, self._num_running = num_waiting, num_running
         while self._samples and self._samples[0][0] < now - WINDOW_S:
             self._samples.popleft()
 
     def admission_rate(self) -> float | None:
-        """Slots opening in the waiting queue per second over the window's saturated intervals (both ends with
-        requests waiting): requests leaving it, less those that filled free room in the running set; or the
-        last such measurement; None before any."""
-        admitted, seconds = 0, 0.0
+        """Slots opening in the waiting queue per second: requests finishing, over the window's saturated
+        intervals (both ends with requests waiting); or the last such measurement; None before any."""
+        finished, seconds = 0, 0.0
         previous = None
         for sample in self._samples:
+            # a count that went down belongs to a new scheduler (the engine restarted): no interval across it
             if previous is not None and previous[2] and sample[2] and sample[1] >= previous[1]:
-                admitted += sample[1] - previous[1] - max(sample[3] - previous[3], 0)
+                finished += sample[1] - previous[1]
                 seconds += sample[0] - previous[0]
             previous = sample
-        if seconds >= MIN_SATURATED_S and admitted > 0:
-            self._last_rate = admitted / seconds
+        if seconds >= MIN_SATURATED_S and finished > 0:
+            self._last_rate = finished / seconds
         return self._last_rate
 
     def free_slots(self) -> int:
@@ -111,7 +114,7 @@ class RetryAfterEstimator:
         while self._promises and self._promises[0] <= now:
             heapq.heappop(self._promises)
         rate, shortest = self.admission_rate(), self.min_wait
-        if rate is None:  # an upper bound: nothing has finished since the running set last grew
+        if rate is None:  # an upper bound: nothing has finished while the running set had its present size
             running_for = now - self._running_grew_at
             rate = self._num_running / running_for if self._num_running and running_for > 0 else None
             shortest = UNMEASURED_WAIT_S

@@ -170,7 +170,8 @@ class EngineClient:
 
     def _on_stats(self, stats: SchedulerStats) -> None:
         self.stats = stats
-        self.retry_after.observe(time.monotonic(), stats.num_admitted, stats.num_waiting, stats.num_running)
+        self.retry_after.observe(time.monotonic(), stats.num_admitted, stats.num_waiting, stats.num_running,
+                                 stats.num_preemptions)
         if self.on_stats is not None:
             self.on_stats(stats)
 

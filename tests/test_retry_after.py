@@ -59,7 +59,7 @@ def test_a_slower_rate_continues_the_line_instead_of_opening_a_gap_in_it():
     assert estimator.refused(now) == pytest.approx(136 - 118 + 1 / 50)
 
 
-def test_filling_an_empty_running_set_is_no_rate_and_bounds_the_wait_until_requests_finish():
+def test_filling_an_idle_running_set_is_no_rate_and_bounds_the_wait_until_requests_finish():
     estimator = RetryAfterEstimator(max_waiting=200)
     estimator.observe(100.0, 0, num_waiting=200, num_running=0)  # a burst on an idle engine
     estimator.observe(100.1, 128, num_waiting=200, num_running=128)  # 128 admitted at once into free capacity
@@ -70,8 +70,16 @@ def test_filling_an_empty_running_set_is_no_rate_and_bounds_the_wait_until_reque
     # 200th in line waits at least 200 / (128 / 1.9) s (and never less than a second while nothing is measured)
     waits = [estimator.refused(102.0) for _ in range(200)]
     assert waits[0] == 1.0 and waits[-1] == pytest.approx(200 * 1.9 / 128)
-    estimator.observe(103.0, 256, num_waiting=200, num_running=128)  # the first 128 finish, 128 more admitted
-    assert estimator.admission_rate() == pytest.approx(128 / 3.0)  # 128 freed in the 3 s since the burst
+    estimator.observe(103.0, 128, num_waiting=200, num_running=0)  # the first 128 finish together
+    estimator.observe(103.1, 256, num_waiting=200, num_running=128)  # 128 more admitted in their place
+    assert estimator.admission_rate() == pytest.approx(128 / 3.1)  # 128 slots in the 3.1 s since the burst
+
+
+def test_preempted_requests_open_no_slot():
+    estimator = RetryAfterEstimator(max_waiting=50)
+    for second in range(7):  # 10 finish a second; 5 more a second are preempted (back to the queue) and resumed
+        estimator.observe(100.0 + second, 15 * second, num_waiting=50, num_running=100, num_preemptions=5 * second)
+    assert estimator.admission_rate() == pytest.approx(10.0)
 
 
 def test_rate_counts_only_intervals_with_requests_waiting():
