@@ -2,21 +2,23 @@
 
 A 503 has one of three causes, each with its own prediction:
 1. The waiting queue is full (RetryAfterEstimator). A retry gets in once a slot of the waiting queue is free for
-   it. While requests wait, a slot opens each time a running request finishes (and a waiting one takes its
-   place), so the rate is that of requests finishing, measured over intervals with requests waiting at both ends
-   from the scheduler's cumulative counters: admitted, less the growth of the running set, less preempted. Not
-   the admissions alone: a burst on an idle engine admits a whole batch at once, a pace that does not last. F
-   slots may be free already (the queue's bound less `num_waiting`). Until a request has finished, none has for
-   as long as the running set has had its present size: the rate is at most num_running over that time, which
-   makes the waits below lower bounds (at least a second each). The
-   refused clients form a line of promises. With P promises pending (clients told to come back later than now),
-   the client just refused is the (P + 1)-th to claim a slot: it is told (P + 1 - F) / rate, or to come right
-   after the line's last promise (its due time plus 1 / rate) when that is sooner. The second form matters when
-   the measured rate fell since the earlier promises were made: counting them again at the new rate would put
-   the newcomer behind a stretch of time in which no promise falls due, and the queue would drain into it empty.
-   A promise stops counting when it falls due: its client has come back by then (and got in, or was refused
-   again and holds a new promise) or has given up. No safety margin: a retry that comes early costs one more
-   503 with a fresher estimate, one that comes late leaves a slot idle.
+   it. While requests wait, a slot opens each time a running request finishes and a waiting one takes its place,
+   so the rate is that of requests finishing (SlotRate): from the scheduler's cumulative counters (admitted, less
+   the running set, less preempted), over the recent intervals with requests waiting at both ends, and over at
+   least MIN_FINISHED of them, going further back when they are fewer (a slow engine). Not the admissions alone: a
+   burst on an idle engine admits a whole batch at once, a pace that does not last. Until enough requests have
+   finished, none has for as long as the running set has had its present size: the rate is at most num_running
+   over that time, which makes the waits below lower bounds (at least a second each). F slots may be free already
+   (the queue's bound less `num_waiting`).
+   The refused clients form a line of promises, each due back at a time; the newcomer is placed at the first time
+   t from which the slots opened by then (F + rate x (t - now)) cover the promises due by then and itself, found
+   by counting the promises due before the candidate time until it settles. Where earlier promises are too
+   dense for the present rate (it fell since they were made) the newcomer goes right after the line's last
+   promise instead: those of them that find no slot are refused again and go behind it. So the line has neither
+   gaps in which the queue drains while clients sleep nor promises counted twice. A promise stops counting when
+   it falls due: its client has come back by then (and got in, or was refused again and holds a new promise) or
+   has given up. No safety margin: a retry that comes early costs one more 503 with a fresher estimate, one that
+   comes late leaves a slot idle.
 2. The engine restarts (RestartClock): the launcher's estimate (its backoff plus the unit's last measured
    start-up, launch/supervised_unit.py), or the restart measured last time where the launcher cannot say (a
    remote group), less the time the engine has been down; once overrun, a retry a second later, which the
@@ -31,15 +33,17 @@ openai 3.x and give up at once on a longer one).
 
 from __future__ import annotations
 
-import heapq
+import bisect
 import math
-from collections import deque
 
-WINDOW_S = 10.0  # admission rate measured over this much recent time
-MIN_SATURATED_S = 0.5  # of it with requests waiting at both ends of an interval, before the rate is trusted
+WINDOW_S = 10.0  # the rate of freed slots is measured over at least this much recent time
+MIN_FINISHED = 16  # and over at least this many finished requests (further back when needed, up to HISTORY_S)
+HISTORY_S = 300.0
+MIN_SATURATED_S = 0.5  # of time with requests waiting at both ends of an interval, before a rate is trusted
 UNMEASURED_WAIT_S = 1.0  # the shortest wait told before any rate is measured (the wait when nothing runs)
 MIN_WAIT_S = 0.001  # a slot is free already: come back at once (retry-after-ms counts whole milliseconds)
 MAX_RETRY_AFTER_S = 3600.0
+MAX_SETTLE_STEPS = 64  # counting the promises due before a candidate time settles within this many rounds
 OVERRUN_POLL_S = 1.0  # a restart that takes longer than expected: look again after this long
 
 
@@ -57,6 +61,55 @@ def refusal_headers(retry_after: float | None, going_away: bool = False) -> dict
     return {"Retry-After": header_value(seconds), "retry-after-ms": str(max(1, math.ceil(seconds * 1000)))}
 
 
+class SlotRate:
+    """Requests finishing per second while requests wait: the rate at which a full waiting queue frees slots.
+
+    Kept as cumulative sums (finished requests, saturated seconds) per stats message, so a rate over any recent
+    stretch is two bisections, however many messages arrive.
+    """
+
+    def __init__(self):
+        self._times: list[float] = []
+        self._finished: list[int] = []  # cumulative finished requests over saturated intervals
+        self._seconds: list[float] = []  # cumulative saturated seconds
+        self._first = 0  # entries before it are older than HISTORY_S
+        self._previous: tuple[float, int, bool] | None = None  # (time, scheduler's finished count, any waiting)
+        self._last_rate: float | None = None
+
+    def observe(self, now: float, finished_count: int, waiting: bool) -> None:
+        """`finished_count`: the scheduler's admitted - running - preempted, at monotonic time `now`."""
+        finished, seconds = (self._finished[-1], self._seconds[-1]) if self._times else (0, 0.0)
+        previous = self._previous
+        # a count that went down belongs to a new scheduler (the engine restarted): no interval across it
+        if previous is not None and previous[2] and waiting and finished_count >= previous[1]:
+            finished += finished_count - previous[1]
+            seconds += now - previous[0]
+        self._previous = (now, finished_count, waiting)
+        self._times.append(now)
+        self._finished.append(finished)
+        self._seconds.append(seconds)
+        self._first = bisect.bisect_left(self._times, now - HISTORY_S, self._first)
+        if self._first > 1024 and self._first > len(self._times) // 2:
+            del self._times[:self._first], self._finished[:self._first], self._seconds[:self._first]
+            self._first = 0
+
+    def rate(self) -> float | None:
+        """Over the last WINDOW_S seconds, or as far back as it takes for MIN_FINISHED finished requests; the
+        last trusted measurement when there is none now; None before any."""
+        if not self._times:
+            return self._last_rate
+        newest = len(self._times) - 1
+        start = max(bisect.bisect_right(self._times, self._times[newest] - WINDOW_S, self._first) - 1, self._first)
+        if self._finished[newest] - self._finished[start] < MIN_FINISHED:  # too few: further back
+            wanted = self._finished[newest] - MIN_FINISHED
+            start = max(bisect.bisect_right(self._finished, wanted, self._first, start) - 1, self._first)
+        finished = self._finished[newest] - self._finished[start]
+        seconds = self._seconds[newest] - self._seconds[start]
+        if finished >= MIN_FINISHED and seconds >= MIN_SATURATED_S:
+            self._last_rate = finished / seconds
+        return self._last_rate
+
+
 class RetryAfterEstimator:
     """Feeds on the scheduler's stats (`observe`) and answers each full-queue refusal (`refused`) with seconds
     to wait (module docstring, point 1).
@@ -69,13 +122,11 @@ class RetryAfterEstimator:
 
     def __init__(self, max_waiting: int | None = None):
         self._max_waiting = max_waiting
-        # (time, requests finished so far (admitted - running - preempted), requests waiting)
-        self._samples: deque[tuple[float, int, bool]] = deque()
+        self.slots = SlotRate()
         self._num_waiting = self._num_running = 0
-        self._running_grew_at = 0.0  # the last time the running set grew into free room
-        self._promises: list[float] = []  # heap of the times refused clients are due back
-        self._line_end = 0.0  # the latest promise given
-        self._last_rate: float | None = None
+        self._running_grew_at = 0.0  # the last time the running set grew
+        self._dues: list[float] = []  # sorted times refused clients are due back; those before _first have passed
+        self._first = 0
 
     def observe(self, now: float, num_admitted: int, num_waiting: int, num_running: int = 0,
                 num_preemptions: int = 0) -> None:
@@ -83,25 +134,12 @@ class RetryAfterEstimator:
         `num_waiting` in the queue, `num_running` in the running set."""
         if num_running > self._num_running:
             self._running_grew_at = now
-        self._samples.append((now, num_admitted - num_running - num_preemptions, num_waiting > 0))
+        self.slots.observe(now, num_admitted - num_running - num_preemptions, num_waiting > 0)
         self._num_waiting, self._num_running = num_waiting, num_running
-        while self._samples and self._samples[0][0] < now - WINDOW_S:
-            self._samples.popleft()
 
     def admission_rate(self) -> float | None:
-        """Slots opening in the waiting queue per second: requests finishing, over the window's saturated
-        intervals (both ends with requests waiting); or the last such measurement; None before any."""
-        finished, seconds = 0, 0.0
-        previous = None
-        for sample in self._samples:
-            # a count that went down belongs to a new scheduler (the engine restarted): no interval across it
-            if previous is not None and previous[2] and sample[2] and sample[1] >= previous[1]:
-                finished += sample[1] - previous[1]
-                seconds += sample[0] - previous[0]
-            previous = sample
-        if seconds >= MIN_SATURATED_S and finished > 0:
-            self._last_rate = finished / seconds
-        return self._last_rate
+        """Slots opening in the waiting queue per second (SlotRate), None before any is measured."""
+        return self.slots.rate()
 
     def free_slots(self) -> int:
         """Slots of the waiting queue free in the latest stats (0 when its bound is unknown)."""
@@ -109,10 +147,16 @@ class RetryAfterEstimator:
             return 0
         return max(self._max_waiting - self._num_waiting, 0)
 
+    def _due_by(self, t: float) -> int:
+        """Pending promises due at or before `t`."""
+        return bisect.bisect_right(self._dues, t, self._first) - self._first
+
     def refused(self, now: float) -> float:
-        """Seconds the client just refused (at monotonic time `now`) should wait; it takes the next place in line."""
-        while self._promises and self._promises[0] <= now:
-            heapq.heappop(self._promises)
+        """Seconds the client just refused (at monotonic time `now`) should wait; it takes its place in line."""
+        self._first = bisect.bisect_right(self._dues, now, self._first)
+        if self._first > 1024 and self._first > len(self._dues) // 2:
+            del self._dues[:self._first]
+            self._first = 0
         rate, shortest = self.admission_rate(), self.min_wait
         if rate is None:  # an upper bound: nothing has finished while the running set had its present size
             running_for = now - self._running_grew_at
@@ -121,12 +165,23 @@ class RetryAfterEstimator:
         if rate is None:
             wait = UNMEASURED_WAIT_S
         else:
-            by_count = (len(self._promises) + 1 - self.free_slots()) / rate
-            after_line = max(self._line_end - now, 0.0) + 1 / rate
-            wait = min(max(min(by_count, after_line), shortest), MAX_RETRY_AFTER_S)
-        heapq.heappush(self._promises, now + wait)
-        self._line_end = max(self._line_end, now + wait)
+            wait = min(self._place(now, rate, shortest), MAX_RETRY_AFTER_S)
+        bisect.insort(self._dues, now + wait, self._first)
         return wait
+
+    def _place(self, now: float, rate: float, shortest: float) -> float:
+        """Seconds from `now` to the newcomer's place in line (module docstring, point 1), at least `shortest`."""
+        free, pending = self.free_slots(), len(self._dues) - self._first
+        after_line = max((self._dues[-1] - now if pending else 0.0) + 1 / rate, shortest)
+        ahead = 0
+        for _ in range(MAX_SETTLE_STEPS):
+            wait = max((ahead + 1 - free) / rate, shortest)
+            due = self._due_by(now + wait)
+            if due == ahead:
+                return min(wait, after_line)
+            ahead = due
+        # not settled: every pending promise counts as ahead
+        return min(max((pending + 1 - free) / rate, shortest), after_line)
 
 
 class RestartClock:

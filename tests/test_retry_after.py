@@ -63,16 +63,29 @@ def test_filling_an_idle_running_set_is_no_rate_and_bounds_the_wait_until_reques
     estimator = RetryAfterEstimator(max_waiting=200)
     estimator.observe(100.0, 0, num_waiting=200, num_running=0)  # a burst on an idle engine
     estimator.observe(100.1, 128, num_waiting=200, num_running=128)  # 128 admitted at once into free capacity
-    for t in (100.6, 101.1, 101.6, 102.0):
-        estimator.observe(t, 128, num_waiting=200, num_running=128)  # none of them has finished yet
+    estimator.observe(100.6, 128, num_waiting=200, num_running=128)
+    for t in (101.1, 101.6, 102.0):  # two finish early (two more take their places): too few to tell a pace
+        estimator.observe(t, 130, num_waiting=200, num_running=128)
     assert estimator.admission_rate() is None  # the fill opened 128 slots once; it says nothing about the pace
     # nothing finished in the 1.9 s since the running set filled: the rate is at most 128 / 1.9 a second, so the
     # 200th in line waits at least 200 / (128 / 1.9) s (and never less than a second while nothing is measured)
     waits = [estimator.refused(102.0) for _ in range(200)]
     assert waits[0] == 1.0 and waits[-1] == pytest.approx(200 * 1.9 / 128)
-    estimator.observe(103.0, 128, num_waiting=200, num_running=0)  # the first 128 finish together
+    estimator.observe(103.0, 130, num_waiting=200, num_running=2)  # the other 126 finish together
     estimator.observe(103.1, 256, num_waiting=200, num_running=128)  # 128 more admitted in their place
     assert estimator.admission_rate() == pytest.approx(128 / 3.1)  # 128 slots in the 3.1 s since the burst
+
+
+def test_a_newcomer_takes_a_slot_between_sparse_promises():
+    estimator = RetryAfterEstimator(max_waiting=50)
+    now = saturated(estimator, 2, seconds=11)  # t = 111, two slots a second
+    for _ in range(100):
+        estimator.refused(now)  # due back every half second until t = 161
+    now = saturated(estimator, 100, seconds=11, start=now, admitted_before=22)  # t = 122: now 100 a second
+    # the 78 clients still asleep come back every half second; a slot opens every hundredth of a second: the
+    # newcomer takes the first, ahead of none of them (counting them all as ahead would say 0.79 s, the line's
+    # end 39 s, while the queue drains)
+    assert estimator.refused(now) == pytest.approx(0.01)
 
 
 def test_preempted_requests_open_no_slot():
