@@ -116,7 +116,7 @@ def build(model_dir: str, device_name: str, dtype: str = "bfloat16", max_model_l
 
 
 def main(args) -> int:
-    """`shuttle plan --device` (arguments from launch/cli.py). Prints the plan (or JSON); 2 on bad input."""
+    """`shuttle plan --device` (arguments from launcher/cli.py). Prints the plan (or JSON); 2 on bad input."""
     from common.errors import ModelDirError
 
     if args.model_dir is None:

@@ -332,7 +332,7 @@ WORKER_BYTES_PER_TOKEN = 36
 
 
 def main(args) -> int:
-    """`shuttle plan` (arguments from launch/cli.py). Prints the plan (or JSON) and returns 0; 2 on bad input."""
+    """`shuttle plan` (arguments from launcher/cli.py). Prints the plan (or JSON) and returns 0; 2 on bad input."""
     from common.errors import ModelDirError
     from common.model_dir import check_model_dir
     from worker.model_loader import UnsupportedModelError

@@ -103,7 +103,7 @@ def _read_json(path: Path) -> dict:
 def option(default, help: str, **argparse_kwargs):
     """A config field declared once: its default, its help text and how `shuttle serve` parses it.
 
-    launch/cli.py derives the flag `--field-name` from it (booleans get `--no-field-name` too), and
+    launcher/cli.py derives the flag `--field-name` from it (booleans get `--no-field-name` too), and
     ShuttleConfig.from_args reads it back by name, so a new field needs no other edit to be settable.
     `argparse_kwargs`: type, choices, metavar, as argparse takes them.
     """
@@ -316,7 +316,7 @@ class ShuttleConfig:
 
     @staticmethod
     def from_args(args: argparse.Namespace, ipc: IpcConfig) -> "ShuttleConfig":
-        """Build from `shuttle serve` arguments (see launch/cli.py). Raises ModelDirError."""
+        """Build from `shuttle serve` arguments (see launcher/cli.py). Raises ModelDirError."""
         model = ModelConfig.from_dir(args.model_dir, args.max_model_len, args.served_model_name, args.dtype)
         tp = args.tensor_parallel_size
         refusal = tensor_parallel_error(_read_json(Path(model.model_dir) / "config.json"), tp)

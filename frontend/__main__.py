@@ -14,7 +14,7 @@ def main() -> None:
     config = child_main_args("frontend")
     try:
         uvloop.run(serve(config, lambda url, batch: report_ready(config, "frontend", url=url, batch_endpoint=batch)))
-    except (OSError, zmq.ZMQError) as exc:  # e.g. a port taken since the launcher checked it (launch/ports.py):
+    except (OSError, zmq.ZMQError) as exc:  # e.g. a port taken since the launcher checked it (launcher/ports.py):
         # one line naming both listening addresses, not a traceback
         logging.getLogger("shuttle.frontend").error("cannot serve HTTP on %s:%d (--host, --port) with the batch "
                                                     "endpoint %s (--batch-endpoint): %s", config.host, config.port,

@@ -20,7 +20,7 @@ A 503 has one of three causes, each with its own prediction:
    has given up. No safety margin: a retry that comes early costs one more 503 with a fresher estimate, one that
    comes late leaves a slot idle.
 2. The engine restarts (RestartClock): the launcher's estimate (its backoff plus the unit's last measured
-   start-up, launch/supervised_unit.py), or the restart measured last time where the launcher cannot say (a
+   start-up, launcher/supervised_unit.py), or the restart measured last time where the launcher cannot say (a
    remote group), less the time the engine has been down; once overrun, a retry a second later, which the
    frontend refuses at once at no cost to the engine.
 3. The server drains: it is going away and will not come back, so there is no promise at all (HTTP: no

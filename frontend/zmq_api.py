@@ -1,6 +1,6 @@
 """The frontend's ZeroMQ endpoint for batch jobs: a ROUTER in the same event loop as the HTTP server.
 
-A batch client (batch_client/client.py, `shuttle batch`) sends BatchRequest messages, each the body of a
+A batch client (batch_jobs/client.py, `shuttle batch`) sends BatchRequest messages, each the body of a
 /v1/completions or /v1/chat/completions call addressed by `url`, and receives one BatchResponse per job with the
 status code and body that HTTP call would have got (the serving core, frontend/serving.py, does the work).
 

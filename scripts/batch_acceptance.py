@@ -89,7 +89,7 @@ def health(url: str) -> dict:
 
 
 def shuttle_batch(inp: Path, out: Path, endpoint: str, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "launch.cli", "batch", str(inp), str(out), "--endpoint", endpoint,
+    return subprocess.Popen([sys.executable, "-m", "launcher.cli", "batch", str(inp), str(out), "--endpoint", endpoint,
                              *extra], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

@@ -70,7 +70,7 @@ class ShuttleServer:
     records the worker and scheduler during the rounds with --profile."""
 
     def __init__(self, model: str, requests, serve_args: list[str], profile_out: Path | None):
-        cmd = [sys.executable, "-m", "launch.cli", "serve", model, "--port", "0", *serve_args]
+        cmd = [sys.executable, "-m", "launcher.cli", "serve", model, "--port", "0", *serve_args]
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, text=True, start_new_session=True)
         self.profilers = []
         info = None

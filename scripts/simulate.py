@@ -33,7 +33,7 @@ from capacity.simulator import SimResult, Simulator  # noqa: E402
 from capacity.workload import SimRequest, arrivals, from_trace  # noqa: E402
 from common.capacity import kv_blocks_for_memory  # noqa: E402
 from common.arg_types import count, positive, positive_number, request_rate  # noqa: E402
-from launch.cli import add_config_options  # noqa: E402
+from launcher.cli import add_config_options  # noqa: E402
 from common.config import CacheConfig, ModelConfig, SchedulerConfig  # noqa: E402
 from common.errors import ModelDirError  # noqa: E402
 from common.model_dir import check_model_dir  # noqa: E402

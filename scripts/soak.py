@@ -76,7 +76,7 @@ class Server:
         self.url, self.batch = args.url, args.batch_endpoint
         if args.url:
             return
-        cmd = [sys.executable, "-m", "launch.cli", "serve", args.model, "--port", "0", *args.server_args.split()]
+        cmd = [sys.executable, "-m", "launcher.cli", "serve", args.model, "--port", "0", *args.server_args.split()]
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=open(args.server_log, "w"),
                                      text=True, preexec_fn=die_with_parent)
         for line in self.proc.stdout:

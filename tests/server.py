@@ -53,7 +53,7 @@ class ShuttleServer:
                  env: dict[str, str] | None = None, preexec=None, command: str = "serve"):
         ShuttleServer.launches += 1
         port = ["--port", "0"] if command == "serve" else []
-        cmd = [sys.executable, "-m", "launch.cli", command, str(model_dir), *port, *args]
+        cmd = [sys.executable, "-m", "launcher.cli", command, str(model_dir), *port, *args]
 
         def before_exec() -> None:
             die_with_parent()

@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from launch.cli import build_parser
+from launcher.cli import build_parser
 from common.config import SERVE_SECTIONS, CacheConfig, IpcConfig, SchedulerConfig, ShuttleConfig, WorkerConfig
 from tests.server import MODEL_DIR
 
@@ -59,7 +59,7 @@ def test_bad_values_are_usage_errors(flag, value, capsys):
 def test_an_unwritable_step_log_is_refused_before_any_process_starts(tmp_path):
     from common.errors import ModelDirError
 
-    from launch.scheduler_files import check_scheduler_files
+    from launcher.scheduler_files import check_scheduler_files
 
     args = build_parser().parse_args(["serve", str(MODEL_DIR), "--step-log", str(tmp_path / "missing" / "steps.jsonl")])
     config = ShuttleConfig.from_args(args, IpcConfig.in_directory("/x"))  # config does no I/O of its own

@@ -5,7 +5,7 @@ checked by hand against stories260K's config.json (hidden 64, 5 layers, 8 heads,
 import pytest
 
 from capacity import device_plan, hardware
-from launch.cli import main as shuttle
+from launcher.cli import main as shuttle
 from tests.server import MODEL_DIR
 
 

@@ -5,7 +5,7 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-PACKAGES = ("common", "frontend", "scheduler", "worker", "capacity", "launch", "batch_client")
+PACKAGES = ("common", "frontend", "scheduler", "worker", "capacity", "launcher", "batch_jobs")
 
 
 def _module_name(path: Path) -> str:

@@ -39,7 +39,7 @@ def test_killed_launcher_takes_its_children_along():
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "launch.cli", "serve", *args, "--port", "0"], cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "launcher.cli", "serve", *args, "--port", "0"], cwd=REPO,
                           capture_output=True, text=True, timeout=60)
 
 
@@ -91,7 +91,7 @@ async def test_tcp_transport_is_authenticated_and_the_api_key_stays_off_command_
 
     import zmq
 
-    from batch_client.client import BatchClient
+    from batch_jobs.client import BatchClient
 
     srv = hardened
     strays = []

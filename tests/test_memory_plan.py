@@ -7,9 +7,9 @@ import torch
 
 from capacity.memory_plan import build_plan, concurrency_table
 from common.capacity import blocks_per_request, kv_blocks_for_memory, kv_cache_bytes, requests_that_fit
-from launch.cli import build_parser
+from launcher.cli import build_parser
 from common.config import CacheConfig, IpcConfig, ModelConfig, ShuttleConfig
-from launch.launcher import capacity_lines
+from launcher.launcher import capacity_lines
 from tests.server import MODEL_DIR
 from worker.kv_cache import KVCache
 from worker.model_loader import LayerGeometry

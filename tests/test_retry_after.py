@@ -7,7 +7,7 @@ import json
 import aiohttp
 import pytest
 
-from launch.supervised_unit import Unit
+from launcher.supervised_unit import Unit
 from frontend.backpressure import RestartClock, RetryAfterEstimator, header_value, refusal_headers
 from tests.inprocess import start_app
 

@@ -1,6 +1,6 @@
 """`shuttle serve` and `shuttle engine` refuse bad start-up input before any process starts: one line on stderr and
 exit status 2, for a bad model directory (common/model_dir.py) and for a port the launch would listen on that is
-taken, naming the port and the flag that chose it (launch/ports.py)."""
+taken, naming the port and the flag that chose it (launcher/ports.py)."""
 
 import shutil
 import socket
@@ -9,15 +9,15 @@ import sys
 
 import pytest
 
-import launch.launcher
-from launch.cli import build_parser
+import launcher.launcher
+from launcher.cli import build_parser
 from common.ipc import CURVE_ENV, CurveKeys
-from launch.ports import Listen, PortError, check_ports
+from launcher.ports import Listen, PortError, check_ports
 from tests.server import MODEL_DIR, REPO
 
 
 def shuttle(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "launch.cli", *args], cwd=REPO, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "launcher.cli", *args], cwd=REPO, capture_output=True, text=True,
                           timeout=60)
 
 
@@ -75,12 +75,12 @@ def no_launch(monkeypatch):
     """serve() and engine() in process, failing the test if they get as far as starting the processes."""
     def launcher(*args, **kwargs):
         raise AssertionError("the launcher started processes")
-    monkeypatch.setattr(launch.launcher, "Launcher", launcher)
+    monkeypatch.setattr(launcher.launcher, "Launcher", launcher)
 
 
 def refusal(capsys, *argv: str) -> str:
     args = build_parser().parse_args(argv)
-    status = (launch.launcher.serve if args.command == "serve" else launch.launcher.engine)(args)
+    status = (launcher.launcher.serve if args.command == "serve" else launcher.launcher.engine)(args)
     err = capsys.readouterr().err
     assert status == 2 and err.count("\n") == 1, err
     return err

@@ -24,7 +24,7 @@ from common.config import (
     CacheConfig, IpcConfig, ModelConfig, ParallelConfig, ShuttleConfig, tensor_parallel_error,
 )
 from common.ipc import Channel
-from launch.supervised_unit import engine_roles, worker_rank
+from launcher.supervised_unit import engine_roles, worker_rank
 from common.messages import PlanMessage, StepPlan, Submit, WorkerReady
 from common.sampling import SamplingParams
 from scheduler.loop import SchedulerLoop
@@ -89,7 +89,7 @@ def test_each_rank_holds_half_the_kv_heads(tp_server):
 
 
 def test_heads_not_divisible_are_refused_before_start():
-    result = subprocess.run([sys.executable, "-m", "launch.cli", "serve", str(MODEL_DIR), "--port", "0",
+    result = subprocess.run([sys.executable, "-m", "launcher.cli", "serve", str(MODEL_DIR), "--port", "0",
                              "--tensor-parallel-size", "3"], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert ("--tensor-parallel-size 3 does not divide the model's 8 attention heads (each rank must hold the same "

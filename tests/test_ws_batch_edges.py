@@ -15,7 +15,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from launch.cli import build_parser
+from launcher.cli import build_parser
 from common.config import ShuttleConfig
 from common.messages import BatchHeartbeat, BatchRequest, BatchResponse, BatchServerMessage
 from frontend.ws_frames import CLOSE_FRAME, MaskedFramesOnly

@@ -24,8 +24,8 @@ import zmq.asyncio
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
-from batch_client.client import AsyncBatchClient
-from launch.cli import build_parser
+from batch_jobs.client import AsyncBatchClient
+from launcher.cli import build_parser
 from common.config import CacheConfig, IpcConfig, ModelConfig, OpsConfig, ShuttleConfig
 from common.ipc import AsyncChannel, Channel, MalformedMessage
 from common.messages import (
@@ -445,7 +445,7 @@ async def test_the_frontend_reads_on_past_malformed_scheduler_and_launcher_messa
 
 
 def test_the_launcher_reads_on_past_malformed_control_messages(tmp_path):
-    from launch.launcher import Launcher
+    from launcher.launcher import Launcher
     ipc = IpcConfig.in_directory(str(tmp_path))
     launcher = Launcher(ShuttleConfig(ModelConfig.from_dir(MODEL_DIR), ipc), None)
     child = zmq.Context.instance().socket(zmq.PUSH)

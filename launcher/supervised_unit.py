@@ -1,6 +1,6 @@
 """One supervised unit of processes: the frontend, or one serving group's engine (scheduler + worker ranks).
 
-A unit's processes start, fail and restart together; launch/launcher.py owns the units and the policy around them
+A unit's processes start, fail and restart together; launcher/launcher.py owns the units and the policy around them
 (backoff, bounded restarts, telling the frontend), this module only what one unit is and how it starts and stops.
 """
 

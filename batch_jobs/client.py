@@ -1,7 +1,7 @@
 """Clients for shuttle's ZeroMQ batch endpoint: the same bodies as /v1/completions and /v1/chat/completions in,
 the same response bodies out (see frontend/zmq_api.py).
 
-    from batch_client.client import BatchClient
+    from batch_jobs.client import BatchClient
     with BatchClient("tcp://127.0.0.1:8001") as client:
         for r in client.run([{"custom_id": "a", "url": "/v1/completions", "body": {"prompt": "Hi", "max_tokens": 8}}]):
             print(r.job_id, r.status_code, r.body)

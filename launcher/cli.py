@@ -1,7 +1,7 @@
 """The `shuttle` command. `shuttle serve [MODEL_DIR]` starts a frontend and its serving groups (see
-launch/launcher.py); `shuttle engine --listen ENDPOINT` one serving group for a frontend on another host;
+launcher/launcher.py); `shuttle engine --listen ENDPOINT` one serving group for a frontend on another host;
 `shuttle plan` prints the memory plan without starting one (capacity/memory_plan.py); `shuttle batch INPUT OUTPUT`
-runs an OpenAI batch file against a server (batch_client/batch_file.py).
+runs an OpenAI batch file against a server (batch_jobs/batch_file.py).
 
 The engine's flags are derived from the config sections' field declarations (common/config.py `option`), so a
 flag's default and help live in one place.
@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plan_parser(commands, default_model)
     commands.add_parser("curve-keys", help="print a new set of ZeroMQ CURVE keys for $SHUTTLE_CURVE_KEYS "
                                            "(the same on a frontend's host and its engines' hosts)")
-    from batch_client.batch_file import add_parser as add_batch_parser
+    from batch_jobs.batch_file import add_parser as add_batch_parser
     add_batch_parser(commands)
     return parser
 
@@ -127,10 +127,10 @@ def _add_plan_parser(commands, default_model: str | None) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
-        from launch.launcher import serve
+        from launcher.launcher import serve
         return serve(args)
     if args.command == "engine":
-        from launch.launcher import engine
+        from launcher.launcher import engine
         return engine(args)
     if args.command == "curve-keys":
         from common.ipc import CurveKeys
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
             from capacity.memory_plan import main as plan
         return plan(args)
     if args.command == "batch":
-        from batch_client.batch_file import run as batch
+        from batch_jobs.batch_file import run as batch
         return batch(args)
     return 2
 

@@ -39,10 +39,10 @@ from common.errors import ModelDirError
 from common.ipc import CURVE_ENV, Channel, CurveKeys
 from common.messages import ControlMessage, EngineDown
 from common.model_dir import check_model_dir
-from launch.ports import Listen, PortError, check_ports, tcp_listen
-from launch.scheduler_files import check_scheduler_files
+from launcher.ports import Listen, PortError, check_ports, tcp_listen
+from launcher.scheduler_files import check_scheduler_files
 from common.process import raise_fd_limit
-from launch.supervised_unit import FRONTEND, RESTART_RESET_S, Unit, describe_exit, engine_roles, free_tcp_endpoints
+from launcher.supervised_unit import FRONTEND, RESTART_RESET_S, Unit, describe_exit, engine_roles, free_tcp_endpoints
 
 STOP_TIMEOUT_S = 4.0  # SIGTERM to SIGKILL for the engine's processes at shutdown
 DRAIN_EXIT_GRACE_S = 5.0  # beyond --shutdown-timeout, for the frontend to write its last answers and exit
@@ -166,7 +166,7 @@ def _frontend_listens(args: argparse.Namespace, config: ShuttleConfig) -> list[L
 
 
 def _rendezvous_listens(config: ShuttleConfig, groups: int) -> list[Listen]:
-    """A given --master-port (tensor parallel): rank 0 of group g listens on it + g (launch/supervised_unit.py)."""
+    """A given --master-port (tensor parallel): rank 0 of group g listens on it + g (launcher/supervised_unit.py)."""
     parallel = config.parallel
     if parallel.tensor_parallel_size == 1 or not parallel.master_port:
         return []

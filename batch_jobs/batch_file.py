@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from batch_client.client import BatchClient, BatchServerGone
+from batch_jobs.client import BatchClient, BatchServerGone
 
 
 @dataclass
