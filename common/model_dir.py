@@ -147,14 +147,15 @@ def _shards(weights: Path) -> list[Path]:
 
 
 def _check_readable(path: Path) -> None:
-    """A PyTorch checkpoint (.bin): a zip archive (torch.save's format) or a legacy pickle, readable."""
+    """A PyTorch checkpoint (.bin), readable: a zip archive (torch.save's format) or a legacy (pre-zip) torch.save
+    file."""
     try:
         with open(path, "rb") as f:
             head = f.read(4)
     except OSError as exc:
         raise ModelDirError(f"cannot read {path}: {exc.strerror or exc}") from None
     if not (head.startswith(b"PK\x03\x04") or head[:1] == b"\x80"):
-        raise ModelDirError(f"{path} is not a PyTorch checkpoint (neither a zip archive nor a pickle)")
+        raise ModelDirError(f"{path} is not a PyTorch checkpoint (neither a zip archive nor a legacy torch.save file)")
 
 
 def _index(value) -> bool:
