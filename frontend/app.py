@@ -113,8 +113,7 @@ async def serve(config: ShuttleConfig, on_ready) -> None:
     `on_ready(url, batch_endpoint)`, serve until SIGTERM, then drain."""
     tokenizer = TextTokenizer(config.model.model_dir)
     local = len(config.ipc.all_groups) - len(config.ipc.remote_groups)  # the launcher's; remote ones join later
-    engine = Router([EngineClient(endpoint, config.ipc.curve, remote=endpoint in config.ipc.remote_groups,
-                                  max_waiting_requests=config.scheduler.max_waiting_requests)
+    engine = Router([EngineClient(endpoint, config.ipc.curve, remote=endpoint in config.ipc.remote_groups)
                      for endpoint in config.ipc.all_groups], config.scheduler.max_num_seqs, wait_for=local)
     registry = Metrics(lambda: engine.stats, engine.group_states)
     engine.on_stats = registry.observe_steps

@@ -8,10 +8,11 @@ A 503 has one of three causes, each with its own prediction:
    least MIN_FINISHED of them, going further back when they are fewer (a slow engine). Not the admissions alone: a
    burst on an idle engine admits a whole batch at once, a pace that does not last. Until enough requests have
    finished, none has for as long as the running set has had its present size: the rate is at most num_running
-   over that time, which makes the waits below lower bounds (at least a second each). F slots may be free already
-   (the queue's bound less `num_waiting`).
+   over that time, which makes the waits below lower bounds (at least a second each). No slot counts as open
+   now: the refusal itself says the queue was full, and slots free in the latest stats (which lag) were taken by
+   then, mostly by clients coming back as promised.
    The refused clients form a line of promises, each due back at a time; the newcomer is placed at the first time
-   t from which the slots opened by then (F + rate x (t - now)) cover the promises due by then and itself, found
+   t from which the slots opened by then (rate x (t - now)) cover the promises due by then and itself, found
    by counting the promises due before the candidate time until it settles. Where earlier promises are too
    dense for the present rate (it fell since they were made) the newcomer goes right after the line's last
    promise instead: those of them that find no slot are refused again and go behind it. So the line has neither
@@ -41,7 +42,7 @@ MIN_FINISHED = 16  # and over at least this many finished requests (further back
 HISTORY_S = 300.0
 MIN_SATURATED_S = 0.5  # of time with requests waiting at both ends of an interval, before a rate is trusted
 UNMEASURED_WAIT_S = 1.0  # the shortest wait told before any rate is measured (the wait when nothing runs)
-MIN_WAIT_S = 0.001  # a slot is free already: come back at once (retry-after-ms counts whole milliseconds)
+MIN_WAIT_S = 0.001  # retry-after-ms counts whole milliseconds
 MAX_RETRY_AFTER_S = 3600.0
 MAX_SETTLE_STEPS = 64  # counting the promises due before a candidate time settles within this many rounds
 OVERRUN_POLL_S = 1.0  # a restart that takes longer than expected: look again after this long
@@ -112,18 +113,11 @@ class SlotRate:
 
 class RetryAfterEstimator:
     """Feeds on the scheduler's stats (`observe`) and answers each full-queue refusal (`refused`) with seconds
-    to wait (module docstring, point 1).
+    to wait (module docstring, point 1)."""
 
-    Args:
-        max_waiting: the waiting queue's bound (--max-waiting-requests); None: slots free now are not counted.
-    """
-
-    min_wait = MIN_WAIT_S
-
-    def __init__(self, max_waiting: int | None = None):
-        self._max_waiting = max_waiting
+    def __init__(self):
         self.slots = SlotRate()
-        self._num_waiting = self._num_running = 0
+        self._num_running = 0
         self._running_grew_at = 0.0  # the last time the running set grew
         self._dues: list[float] = []  # sorted times refused clients are due back; those before _first have passed
         self._first = 0
@@ -135,17 +129,11 @@ class RetryAfterEstimator:
         if num_running > self._num_running:
             self._running_grew_at = now
         self.slots.observe(now, num_admitted - num_running - num_preemptions, num_waiting > 0)
-        self._num_waiting, self._num_running = num_waiting, num_running
+        self._num_running = num_running
 
     def admission_rate(self) -> float | None:
         """Slots opening in the waiting queue per second (SlotRate), None before any is measured."""
         return self.slots.rate()
-
-    def free_slots(self) -> int:
-        """Slots of the waiting queue free in the latest stats (0 when its bound is unknown)."""
-        if self._max_waiting is None:
-            return 0
-        return max(self._max_waiting - self._num_waiting, 0)
 
     def _due_by(self, t: float) -> int:
         """Pending promises due at or before `t`."""
@@ -157,7 +145,7 @@ class RetryAfterEstimator:
         if self._first > 1024 and self._first > len(self._dues) // 2:
             del self._dues[:self._first]
             self._first = 0
-        rate, shortest = self.admission_rate(), self.min_wait
+        rate, shortest = self.admission_rate(), MIN_WAIT_S
         if rate is None:  # an upper bound: nothing has finished while the running set had its present size
             running_for = now - self._running_grew_at
             rate = self._num_running / running_for if self._num_running and running_for > 0 else None
@@ -171,17 +159,17 @@ class RetryAfterEstimator:
 
     def _place(self, now: float, rate: float, shortest: float) -> float:
         """Seconds from `now` to the newcomer's place in line (module docstring, point 1), at least `shortest`."""
-        free, pending = self.free_slots(), len(self._dues) - self._first
+        pending = len(self._dues) - self._first
         after_line = max((self._dues[-1] - now if pending else 0.0) + 1 / rate, shortest)
         ahead = 0
         for _ in range(MAX_SETTLE_STEPS):
-            wait = max((ahead + 1 - free) / rate, shortest)
+            wait = max((ahead + 1) / rate, shortest)
             due = self._due_by(now + wait)
             if due == ahead:
                 return min(wait, after_line)
             ahead = due
         # not settled: every pending promise counts as ahead
-        return min(max((pending + 1 - free) / rate, shortest), after_line)
+        return min(max((pending + 1) / rate, shortest), after_line)
 
 
 class RestartClock:

@@ -68,8 +68,7 @@ class EngineClient:
         draining: set by the shutdown drain; new requests are refused.
     """
 
-    def __init__(self, endpoint: str, curve: bool = False, remote: bool = False,
-                 max_waiting_requests: int | None = None):
+    def __init__(self, endpoint: str, curve: bool = False, remote: bool = False):
         self._endpoint = endpoint
         self._curve = curve
         # A remote group (another host's `shuttle engine`) has no launcher here to say it died: a dropped
@@ -91,7 +90,7 @@ class EngineClient:
         self.restart = RestartClock()
         self.draining = False
         self.drain_deadline = 0.0
-        self.retry_after = RetryAfterEstimator(max_waiting_requests)
+        self.retry_after = RetryAfterEstimator()
 
     @property
     def endpoint(self) -> str:

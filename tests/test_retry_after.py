@@ -22,24 +22,23 @@ def saturated(estimator: RetryAfterEstimator, per_second: int, seconds: int = 6,
 
 
 def test_full_queue_promise_is_the_place_in_line_over_the_rate_of_freed_slots():
-    estimator = RetryAfterEstimator(max_waiting=50)
+    estimator = RetryAfterEstimator()
     assert estimator.refused(0.0) == 1.0  # nothing measured yet: a second
     now = saturated(estimator, 100)
     assert estimator.admission_rate() == pytest.approx(100.0)
-    # the queue is full (50 of 50): the k-th refused client needs the k-th slot to open, k / 100 s from now
+    # the queue is full: the k-th refused client needs the k-th slot to open, k / 100 s from now
     assert [estimator.refused(now) for _ in range(3)] == pytest.approx([0.01, 0.02, 0.03])
 
 
-def test_free_slots_count_as_already_open():
-    estimator = RetryAfterEstimator(max_waiting=50)
-    now = saturated(estimator, 100, waiting=47)  # three slots free (stats lag behind the refusal)
-    waits = [estimator.refused(now) for _ in range(5)]
-    assert waits[:3] == [estimator.min_wait] * 3  # a slot is free already: come back at once
-    assert waits[3:] == pytest.approx([0.01, 0.02])  # then the line: slots 4 and 5 open 1 and 2 hundredths on
+def test_free_slots_in_stats_are_not_counted_open_after_a_refusal():
+    estimator = RetryAfterEstimator()
+    now = saturated(estimator, 100, waiting=47)  # three slots free in the latest stats, but the queue refused
+    # the refusal says the queue was full: those slots were taken since (stats lag), the line starts from none
+    assert [estimator.refused(now) for _ in range(2)] == pytest.approx([0.01, 0.02])
 
 
 def test_a_promise_stops_counting_when_it_falls_due():
-    estimator = RetryAfterEstimator(max_waiting=50)
+    estimator = RetryAfterEstimator()
     now = saturated(estimator, 100)
     assert estimator.refused(now) == pytest.approx(0.01)
     # 20 ms later that client has come back (in, or refused with a new promise): the next one is first in line
@@ -47,7 +46,7 @@ def test_a_promise_stops_counting_when_it_falls_due():
 
 
 def test_a_slower_rate_continues_the_line_instead_of_opening_a_gap_in_it():
-    estimator = RetryAfterEstimator(max_waiting=50)
+    estimator = RetryAfterEstimator()
     now = saturated(estimator, 100)  # t = 106
     for _ in range(3000):  # at 100 slots a second: due back over the next 30 s
         estimator.refused(now)
@@ -60,7 +59,7 @@ def test_a_slower_rate_continues_the_line_instead_of_opening_a_gap_in_it():
 
 
 def test_filling_an_idle_running_set_is_no_rate_and_bounds_the_wait_until_requests_finish():
-    estimator = RetryAfterEstimator(max_waiting=200)
+    estimator = RetryAfterEstimator()
     estimator.observe(100.0, 0, num_waiting=200, num_running=0)  # a burst on an idle engine
     estimator.observe(100.1, 128, num_waiting=200, num_running=128)  # 128 admitted at once into free capacity
     estimator.observe(100.6, 128, num_waiting=200, num_running=128)
@@ -77,7 +76,7 @@ def test_filling_an_idle_running_set_is_no_rate_and_bounds_the_wait_until_reques
 
 
 def test_a_newcomer_takes_a_slot_between_sparse_promises():
-    estimator = RetryAfterEstimator(max_waiting=50)
+    estimator = RetryAfterEstimator()
     now = saturated(estimator, 2, seconds=11)  # t = 111, two slots a second
     for _ in range(100):
         estimator.refused(now)  # due back every half second until t = 161
@@ -89,14 +88,14 @@ def test_a_newcomer_takes_a_slot_between_sparse_promises():
 
 
 def test_preempted_requests_open_no_slot():
-    estimator = RetryAfterEstimator(max_waiting=50)
+    estimator = RetryAfterEstimator()
     for second in range(7):  # 10 finish a second; 5 more a second are preempted (back to the queue) and resumed
         estimator.observe(100.0 + second, 15 * second, num_waiting=50, num_running=100, num_preemptions=5 * second)
     assert estimator.admission_rate() == pytest.approx(10.0)
 
 
 def test_rate_counts_only_intervals_with_requests_waiting():
-    estimator = RetryAfterEstimator(max_waiting=50)
+    estimator = RetryAfterEstimator()
     for second in range(6):  # admitted as they arrive: the rate says nothing about capacity
         estimator.observe(float(second), 7 * second, num_waiting=0)
     assert estimator.admission_rate() is None
