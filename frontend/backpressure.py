@@ -7,8 +7,9 @@ A 503 has one of three causes, each with its own prediction:
    the running set, less preempted), over the recent intervals with requests waiting at both ends, and over at
    least MIN_FINISHED of them, going further back when they are fewer (a slow engine). Not the admissions alone: a
    burst on an idle engine admits a whole batch at once, a pace that does not last. Until enough requests have
-   finished, none has for as long as the running set has had its present size: the rate is at most num_running
-   over that time, which makes the waits below lower bounds (at least a second each). No slot counts as open
+   finished, the running set has hardly turned over since requests began to wait: the rate is at most about
+   num_running over that time, which makes the waits below lower bounds (at least a second each, and longer with
+   every second nothing finishes). No slot counts as open
    now: the refusal itself says the queue was full, and slots free in the latest stats (which lag) were taken by
    then, mostly by clients coming back as promised.
    The refused clients form a line of promises, each due back at a time; the newcomer is placed at the first time
@@ -118,7 +119,7 @@ class RetryAfterEstimator:
     def __init__(self):
         self.slots = SlotRate()
         self._num_running = 0
-        self._running_grew_at = 0.0  # the last time the running set grew
+        self._waiting_since: float | None = None  # since when requests have waited without a break
         self._dues: list[float] = []  # sorted times refused clients are due back; those before _first have passed
         self._first = 0
 
@@ -126,8 +127,10 @@ class RetryAfterEstimator:
                 num_preemptions: int = 0) -> None:
         """One stats message: at monotonic time `now`, `num_admitted` and `num_preemptions` so far (cumulative),
         `num_waiting` in the queue, `num_running` in the running set."""
-        if num_running > self._num_running:
-            self._running_grew_at = now
+        if num_waiting == 0:
+            self._waiting_since = None
+        elif self._waiting_since is None:
+            self._waiting_since = now
         self.slots.observe(now, num_admitted - num_running - num_preemptions, num_waiting > 0)
         self._num_running = num_running
 
@@ -146,9 +149,9 @@ class RetryAfterEstimator:
             del self._dues[:self._first]
             self._first = 0
         rate, shortest = self.admission_rate(), MIN_WAIT_S
-        if rate is None:  # an upper bound: nothing has finished while the running set had its present size
-            running_for = now - self._running_grew_at
-            rate = self._num_running / running_for if self._num_running and running_for > 0 else None
+        if rate is None:  # about an upper bound: the running set has hardly turned over since requests waited
+            waited = now - self._waiting_since if self._waiting_since is not None else 0.0
+            rate = self._num_running / waited if self._num_running and waited > 0 else None
             shortest = UNMEASURED_WAIT_S
         if rate is None:
             wait = UNMEASURED_WAIT_S

@@ -66,10 +66,11 @@ def test_filling_an_idle_running_set_is_no_rate_and_bounds_the_wait_until_reques
     for t in (101.1, 101.6, 102.0):  # two finish early (two more take their places): too few to tell a pace
         estimator.observe(t, 130, num_waiting=200, num_running=128)
     assert estimator.admission_rate() is None  # the fill opened 128 slots once; it says nothing about the pace
-    # nothing finished in the 1.9 s since the running set filled: the rate is at most 128 / 1.9 a second, so the
-    # 200th in line waits at least 200 / (128 / 1.9) s (and never less than a second while nothing is measured)
+    # the running set has hardly turned over in the 2 s since requests began to wait: the rate is at most about
+    # 128 / 2 a second, so the 200th in line waits at least 200 / (128 / 2) s (never less than a second while
+    # nothing is measured)
     waits = [estimator.refused(102.0) for _ in range(200)]
-    assert waits[0] == 1.0 and waits[-1] == pytest.approx(200 * 1.9 / 128)
+    assert waits[0] == 1.0 and waits[-1] == pytest.approx(200 * 2.0 / 128)
     estimator.observe(103.0, 130, num_waiting=200, num_running=2)  # the other 126 finish together
     estimator.observe(103.1, 256, num_waiting=200, num_running=128)  # 128 more admitted in their place
     assert estimator.admission_rate() == pytest.approx(128 / 3.1)  # 128 slots in the 3.1 s since the burst
