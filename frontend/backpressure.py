@@ -9,9 +9,8 @@ A 503 has one of three causes, each with its own prediction:
    burst on an idle engine admits a whole batch at once, a pace that does not last. Until enough requests have
    finished, the running set has hardly turned over since requests began to wait: the rate is at most about
    num_running over that time, which makes the waits below lower bounds (at least a second each, and longer with
-   every second nothing finishes). No slot counts as open
-   now: the refusal itself says the queue was full, and slots free in the latest stats (which lag) were taken by
-   then, mostly by clients coming back as promised.
+   every second nothing finishes). No slot counts as open now: the refusal itself says the queue was full, and
+   slots free in the latest stats (which lag) were taken by then, mostly by clients coming back as promised.
    The refused clients form a line of promises, each due back at a time; the newcomer is placed at the first time
    t from which the slots opened by then (rate x (t - now)) cover the promises due by then and itself, found
    by counting the promises due before the candidate time until it settles. Where earlier promises are too
