@@ -73,9 +73,9 @@ def test_the_batch_endpoint_on_port_plus_one_is_named_when_taken():
 @pytest.fixture
 def no_launch(monkeypatch):
     """serve() and engine() in process, failing the test if they get as far as starting the processes."""
-    def launcher(*args, **kwargs):
+    def refuse(*args, **kwargs):
         raise AssertionError("the launcher started processes")
-    monkeypatch.setattr(launcher.launcher, "Launcher", launcher)
+    monkeypatch.setattr(launcher.launcher, "Launcher", refuse)
 
 
 def refusal(capsys, *argv: str) -> str:
