@@ -34,7 +34,7 @@ def check_model_dir(model_dir: str | os.PathLike, tokenizer: bool = True) -> dic
     """
     path = Path(model_dir)
     if path.is_file():
-        raise ModelDirError(f"{path} is a file; pass its directory {path.resolve().parent}")
+        raise ModelDirError(f"{path} is a file; pass its directory {path.absolute().parent}")
     if not path.is_dir():
         raise ModelDirError(f"model directory {str(path)!r} does not exist")
     try:
