@@ -218,7 +218,10 @@ class BatchClient:
                 yield item
         finally:
             if thread.is_alive():
-                holder["loop"].call_soon_threadsafe(holder["task"].cancel)
+                try:
+                    holder["loop"].call_soon_threadsafe(holder["task"].cancel)
+                except RuntimeError:  # the loop closed between the check and the call: the pump has ended
+                    pass
             thread.join()
 
     def close(self) -> None:
