@@ -28,8 +28,10 @@ A 503 has one of three causes, each with its own prediction:
    Retry-After, `Connection: close`, `x-should-retry: false`, which the official OpenAI clients obey).
 
 The HTTP headers carry the wait twice: `Retry-After` in whole seconds (rounded up, as HTTP has it) and
-`retry-after-ms`, which the official OpenAI clients read first (they honour a wait of up to two minutes in
-openai 3.x and give up at once on a longer one).
+`retry-after-ms`, which the official OpenAI clients read first. No wait is longer than MAX_RETRY_AFTER_S: the
+official clients give up at once on a longer one (past 60 s in older versions, 120 s in openai 3.x) instead of
+retrying, and a rate measured over seconds says little about minutes ahead; a client told the cap comes back,
+is refused if its turn has not come, and is told again from a fresher rate, in about the order it first came.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ HISTORY_S = 300.0
 MIN_SATURATED_S = 0.5  # of time with requests waiting at both ends of an interval, before a rate is trusted
 UNMEASURED_WAIT_S = 1.0  # the shortest wait told before any rate is measured (the wait when nothing runs)
 MIN_WAIT_S = 0.001  # retry-after-ms counts whole milliseconds
-MAX_RETRY_AFTER_S = 3600.0
+MAX_RETRY_AFTER_S = 60.0
 MAX_SETTLE_STEPS = 64  # counting the promises due before a candidate time settles within this many rounds
 OVERRUN_POLL_S = 1.0  # a restart that takes longer than expected: look again after this long
 
@@ -199,4 +201,4 @@ class RestartClock:
         if self._down_since is None:
             return OVERRUN_POLL_S
         remaining = self._down_since + self._expected - now
-        return remaining if remaining >= MIN_WAIT_S else OVERRUN_POLL_S
+        return min(remaining, MAX_RETRY_AFTER_S) if remaining >= MIN_WAIT_S else OVERRUN_POLL_S

@@ -88,6 +88,16 @@ def test_a_newcomer_takes_a_slot_between_sparse_promises():
     assert estimator.refused(now) == pytest.approx(0.01)
 
 
+def test_no_promise_is_longer_than_the_official_clients_honour():
+    estimator = RetryAfterEstimator()
+    now = saturated(estimator, 20)  # 20 slots a second
+    waits = [estimator.refused(now) for _ in range(3000)]  # the last in line needs 150 s
+    assert waits[1199] == pytest.approx(60.0) and max(waits) == pytest.approx(60.0)  # they retry, and are told again
+    clock = RestartClock()
+    clock.down(0.0, expected=300.0)
+    assert clock.retry_after(1.0) == pytest.approx(60.0)
+
+
 def test_preempted_requests_open_no_slot():
     estimator = RetryAfterEstimator()
     for second in range(7):  # 10 finish a second; 5 more a second are preempted (back to the queue) and resumed
