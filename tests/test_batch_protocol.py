@@ -18,10 +18,10 @@ import zmq.asyncio
 from batch_jobs.client import AsyncBatchClient, BatchClient, BatchServerGone
 from common.messages import BatchHeartbeat, BatchRequest, BatchServerMessage
 from frontend.zmq_api import BatchEndpoint
-from tests.inprocess import SCRIPT, start_app
+from tests.batch_wire import HANG, dealer, next_response
+from tests.inprocess import start_app
 from tests.server import REPO
 
-HANG = 30.0
 KEY = "sk-batch-protocol"
 
 
@@ -81,7 +81,7 @@ async def test_batch_bodies_get_what_http_gets(app):
 
 
 async def test_health_reports_batch_clients(app):
-    sock = await raw_socket(app.batch.endpoint)
+    sock = await dealer(app.batch.endpoint)
     try:
         await sock.send(job("h", max_tokens=1))
         assert (await next_response(sock)).status_code == 200
@@ -100,20 +100,6 @@ async def test_batch_requests_are_background_work(app):
     assert batch_id in app.engine.background and http_id not in app.engine.background
 
 
-async def raw_socket(endpoint: str) -> zmq.asyncio.Socket:
-    sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(endpoint)
-    return sock
-
-
-async def next_response(sock):
-    while True:
-        message = msgspec.msgpack.decode(await asyncio.wait_for(sock.recv(), HANG), type=BatchServerMessage)
-        if not isinstance(message, BatchHeartbeat):
-            return message
-
-
 def job(job_id: str, max_tokens: int = 8, key: str = KEY) -> bytes:
     return msgspec.msgpack.encode(BatchRequest(job_id, "/v1/completions", {"prompt": "Hi", "max_tokens": max_tokens},
                                                key))
@@ -121,7 +107,7 @@ def job(job_id: str, max_tokens: int = 8, key: str = KEY) -> bytes:
 
 async def test_a_second_job_with_a_running_id_is_refused_and_the_first_goes_on(app):
     app.engine.step_delay = 0.05
-    sock = await raw_socket(app.batch.endpoint)
+    sock = await dealer(app.batch.endpoint)
     try:
         await sock.send(job("same"))
         await sock.send(job("same"))
@@ -145,7 +131,7 @@ async def test_a_silent_client_has_its_jobs_aborted(app):
     endpoint = BatchEndpoint(app.state, "tcp://127.0.0.1:*", KEY, client_timeout=0.5, heartbeat=0.1)
     serving = asyncio.create_task(endpoint.serve())
     app.engine.step_delay = 0.5  # 8 tokens: 4 s per job unless aborted
-    sock = await raw_socket(endpoint.endpoint)
+    sock = await dealer(endpoint.endpoint)
     try:
         for i in range(5):
             await sock.send(job(f"j{i}"))

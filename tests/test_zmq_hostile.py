@@ -35,13 +35,13 @@ from common.messages import (
 from common.sampling import SamplingParams
 from common.wire_guard import nesting_exceeds
 from frontend.app import MAX_BODY_BYTES
+from tests.batch_wire import HANG, dealer, next_response
 from tests.inprocess import start_app
 from tests.malformed import (
     batch_job, batch_kinds, deep_request, internal_kinds, malformed_batch_frames, send_frame_of,
 )
 from tests.server import MODEL_DIR, REPO
 
-HANG = 30.0
 KEY = "sk-hostile"
 
 
@@ -50,20 +50,6 @@ async def app():
     app = await start_app(api_key=KEY, batch=True)
     yield app
     await app.close()
-
-
-async def dealer(endpoint: str) -> zmq.asyncio.Socket:
-    sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(endpoint)
-    return sock
-
-
-async def next_response(sock):
-    while True:
-        message = msgspec.msgpack.decode(await asyncio.wait_for(sock.recv(), HANG), type=BatchServerMessage)
-        if not isinstance(message, BatchHeartbeat):
-            return message
 
 
 async def scrape(app) -> tuple[dict, str]:
