@@ -12,13 +12,12 @@ import struct
 import aiohttp
 import msgspec
 import pytest
-import zmq
-import zmq.asyncio
 
 from launcher.cli import build_parser
 from common.config import ShuttleConfig
-from common.messages import BatchHeartbeat, BatchRequest, BatchResponse, BatchServerMessage
+from common.messages import BatchRequest
 from frontend.ws_frames import CLOSE_FRAME, MaskedFramesOnly
+from tests.batch_wire import dealer, next_response
 from tests.inprocess import SCRIPT, start_app
 from tests.server import MODEL_DIR
 
@@ -105,13 +104,7 @@ async def test_abrupt_close_with_many_generations_is_logged_once(app, caplog):
     caplog.set_level(logging.INFO, logger="shuttle.frontend")
     app.engine.step_delay = 0.02
     try:
-        host, port = app.url.removeprefix("http://").split(":")
-        reader, writer = await asyncio.open_connection(host, int(port))
-        key = base64.b64encode(os.urandom(16)).decode()
-        writer.write((f"GET /v1/ws HTTP/1.1\r\nHost: {host}:{port}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-                      f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\nAuthorization: Bearer {KEY}\r\n\r\n"
-                      ).encode())
-        assert (await asyncio.wait_for(reader.readline(), HANG)).startswith(b"HTTP/1.1 101")
+        reader, writer = await raw_websocket(app)
         writer.write(b"".join(ws_frame(json.dumps({"type": "generate", "id": str(i), "prompt": "Hi",
                                                    "max_tokens": 8})) for i in range(200)))
         while app.engine.num_in_flight < 200:
@@ -130,28 +123,13 @@ async def test_abrupt_close_with_many_generations_is_logged_once(app, caplog):
     assert len(abrupt) <= 1
 
 
-async def batch_socket(app) -> zmq.asyncio.Socket:
-    sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(app.batch.endpoint)
-    return sock
-
-
-async def batch_result(sock) -> BatchResponse:
-    """The next response (heartbeats skipped)."""
-    while True:
-        message = msgspec.msgpack.decode(await asyncio.wait_for(sock.recv(), HANG), type=BatchServerMessage)
-        if not isinstance(message, BatchHeartbeat):
-            return message
-
-
 def completion(job_id: str, key: str = KEY, **body) -> bytes:
     return msgspec.msgpack.encode(BatchRequest(job_id, "/v1/completions", {"prompt": "Hi", "max_tokens": 2, **body},
                                                api_key=key))
 
 
 async def test_batch_endpoint_survives_malformed_messages(app):
-    sock = await batch_socket(app)
+    sock = await dealer(app.batch.endpoint)
     try:
         good = completion("ok")
         for frames, job_id, param in (
@@ -160,23 +138,23 @@ async def test_batch_endpoint_survives_malformed_messages(app):
                 ([msgspec.msgpack.encode({"type": "request", "job_id": "named", "url": 5, "body": {}})], "named", "url"),
                 ([b"", b"", b""], "", None)):
             await sock.send_multipart(frames)
-            result = await batch_result(sock)
+            result = await next_response(sock)
             assert (result.job_id, result.status_code) == (job_id, 400)
             assert "malformed" in result.body["error"]["message"] and result.body["error"]["param"] == param
         await sock.send(good)
-        result = await batch_result(sock)
+        result = await next_response(sock)
         assert result.status_code == 200 and result.body["choices"][0]["finish_reason"] == "length"
     finally:
         sock.close()
 
 
 async def test_batch_jobs_need_the_api_key(app):
-    sock = await batch_socket(app)
+    sock = await dealer(app.batch.endpoint)
     submitted = len(app.engine.submitted)
     try:
         for key in ("", "wrong"):
             await sock.send(completion(f"key-{key}", key=key))
-            result = await batch_result(sock)
+            result = await next_response(sock)
             assert (result.job_id, result.status_code, result.body["error"]["type"]) == (
                 f"key-{key}", 401, "authentication_error")
         assert len(app.engine.submitted) == submitted  # refused before any work
