@@ -368,7 +368,7 @@ def test_the_scheduler_reads_on_past_malformed_messages(tmp_path):
 
 
 def test_the_worker_reads_on_past_malformed_plans(tmp_path):
-    from worker.__main__ import serve_plans
+    from worker.loop import WorkerLoop
     ctx = zmq.Context()
     scheduler, collector = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
     scheduler.bind(f"ipc://{tmp_path}/plans.sock")
@@ -382,7 +382,7 @@ def test_the_worker_reads_on_past_malformed_plans(tmp_path):
             scheduler.send_multipart(frames)
         scheduler.send(encode(StepPlan(7, [], [])))
         scheduler.send(encode(Shutdown()))
-        serve_plans(plans, results, runner, SimpleNamespace(enabled=False, is_driver=True), rank=0)
+        WorkerLoop(plans, results, runner, SimpleNamespace(enabled=False, is_driver=True), rank=0).run()
         assert msgspec.msgpack.decode(collector.recv(), type=WorkerMessage) == StepResult(7, [], [])
         assert plans.num_malformed == len(internal_kinds(b"\x90"))
     finally:
