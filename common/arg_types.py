@@ -1,12 +1,14 @@
-"""Command-line value parsers shared by the config declarations and every script's flags.
+"""Command-line value parsers shared by the config declarations and every command's flags, and the flags derived
+from a config section's field declarations (add_config_options).
 
-Each raises argparse.ArgumentTypeError with a message naming what was expected, which argparse turns into a
+Each parser raises argparse.ArgumentTypeError with a message naming what was expected, which argparse turns into a
 one-line usage error.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import re
 import sys
@@ -83,3 +85,22 @@ def origins(text: str) -> tuple[str, ...]:
         if origin != "*" and not re.match(r"^https?://[^/\s]+$", origin):
             raise argparse.ArgumentTypeError(f"not an origin: {origin!r} (scheme://host[:port], or *)")
     return found
+
+
+def add_config_options(parser, section, names: list[str] | None = None, **overrides) -> None:
+    """Add `--field-name` flags for the fields of config dataclass `section` (all, or those in `names`).
+
+    A field's default, help and parsing come from its declaration (common/config.py `option`); a bool becomes
+    --x / --no-x. `overrides` maps a field name to argparse keywords that differ here (e.g. {"default": None} where a
+    command computes it).
+    """
+    for f in dataclasses.fields(section):
+        if names is not None and f.name not in names:
+            continue
+        meta = dict(f.metadata)
+        kwargs = {"default": f.default, "help": meta.pop("help")}
+        if isinstance(f.default, bool):
+            kwargs["action"] = argparse.BooleanOptionalAction
+        kwargs.update(meta)
+        kwargs.update(overrides.get(f.name, {}))
+        parser.add_argument("--" + f.name.replace("_", "-"), **kwargs)

@@ -103,8 +103,9 @@ def _read_json(path: Path) -> dict:
 def option(default, help: str, **argparse_kwargs):
     """A config field declared once: its default, its help text and how `shuttle serve` parses it.
 
-    launcher/cli.py derives the flag `--field-name` from it (booleans get `--no-field-name` too), and
-    ShuttleConfig.from_args reads it back by name, so a new field needs no other edit to be settable.
+    common/arg_types.py's add_config_options derives the flag `--field-name` from it (booleans get
+    `--no-field-name` too), and ShuttleConfig.from_args reads it back by name, so a new field needs no other edit to
+    be settable.
     `argparse_kwargs`: type, choices, metavar, as argparse takes them.
     """
     return field(default=default, metadata={"help": help, **argparse_kwargs})

@@ -10,31 +10,12 @@ flag's default and help live in one place.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 
-from common.arg_types import count, origins, parse_bytes, positive, unit_fraction
+from common.arg_types import add_config_options, count, origins, parse_bytes, positive, unit_fraction
 from common.config import DEFAULT_MODEL_DIR, SERVE_SECTIONS, CacheConfig, SchedulerConfig, WorkerConfig
 
-__all__ = ["add_config_options", "build_parser", "main", "parse_bytes"]
-
-
-def add_config_options(parser, section, names: list[str] | None = None, **overrides) -> None:
-    """Add `--field-name` flags for the fields of config dataclass `section` (all, or those in `names`).
-
-    A field's default, help and parsing come from its declaration; a bool becomes --x / --no-x. `overrides`
-    maps a field name to argparse keywords that differ here (e.g. {"default": None} where a script computes it).
-    """
-    for f in dataclasses.fields(section):
-        if names is not None and f.name not in names:
-            continue
-        meta = dict(f.metadata)
-        kwargs = {"default": f.default, "help": meta.pop("help")}
-        if isinstance(f.default, bool):
-            kwargs["action"] = argparse.BooleanOptionalAction
-        kwargs.update(meta)
-        kwargs.update(overrides.get(f.name, {}))
-        parser.add_argument("--" + f.name.replace("_", "-"), **kwargs)
+__all__ = ["build_parser", "main", "parse_bytes"]
 
 
 def build_parser() -> argparse.ArgumentParser:
