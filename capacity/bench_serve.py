@@ -1,12 +1,12 @@
-#!/usr/bin/env python3
-"""Serving benchmark: drive a running shuttle (or any OpenAI-compatible) server over streaming HTTP and report
-what users feel: TTFT, TPOT, ITL, end-to-end latency (mean, median, p90, p99), throughput and goodput.
+"""`shuttle bench`: drive a running shuttle (or any OpenAI-compatible) server over streaming HTTP and report what
+users feel: TTFT, TPOT, ITL, end-to-end latency (mean, median, p90, p99), throughput and goodput.
 
 Workload: seeded random token-id prompts (input/output lengths uniform in [len*(1-r), len*(1+r)], optionally
 behind a shared prefix) or a JSONL file of {"prompt": ..., "max_tokens": ...}. Arrivals: Poisson at
---request-rate, or as fast as --max-concurrency allows. Output lengths are fixed with ignore_eos.
+--request-rate, or as fast as --max-concurrency allows. Output lengths are fixed with ignore_eos. `shuttle simulate`
+predicts the same workload (same generator, same seed) and `shuttle tune` verifies its candidates with it.
 
-    .venv/bin/python scripts/bench_serve.py --url http://127.0.0.1:8000 --num-prompts 200 --max-concurrency 32
+    shuttle bench --url http://127.0.0.1:8000 --num-prompts 200 --max-concurrency 32
 """
 
 from __future__ import annotations
@@ -17,10 +17,8 @@ import json
 import os
 import random
 import statistics
-import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import aiohttp
 from tqdm import tqdm
@@ -43,26 +41,6 @@ class RequestResult:
     e2e: float = 0.0
     itls: list[float] = field(default_factory=list)
     error: str = ""
-
-
-def cpu_seconds(pid: int | None) -> float:
-    """User + system CPU seconds of process `pid` so far (0 without a pid), from /proc/PID/stat."""
-    if not pid:
-        return 0.0
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def run_queue_wait_seconds(pid: int) -> float | None:
-    """Seconds the threads of process `pid` have spent runnable but waiting for a core so far (the second field
-    of /proc/PID/task/TID/schedstat, in nanoseconds); None where the kernel does not keep schedstats."""
-    total = 0
-    for path in Path(f"/proc/{pid}/task").glob("*/schedstat"):
-        try:
-            total += int(path.read_text().split()[1])
-        except (OSError, IndexError, ValueError):  # a thread that ended meanwhile
-            continue
-    return total / 1e9 if Path(f"/proc/{pid}/schedstat").exists() else None
 
 
 def random_workload(n: int, input_len: int, output_len: int, range_ratio: float, shared_prefix_len: int,
@@ -226,7 +204,8 @@ def print_table(summary: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="shuttle bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", default="http://127.0.0.1:8000")
     parser.add_argument("--num-prompts", type=int, default=200)
     parser.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second")
@@ -251,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.dataset:
         specs = file_workload(args.dataset, args.num_prompts)
     else:
-        vocab_size = asyncio.run(_vocab_size(args.url, args.api_key))
+        vocab_size = asyncio.run(served_vocab_size(args.url, args.api_key))
         specs = random_workload(args.num_prompts, args.input_len, args.output_len, args.range_ratio,
                                 args.shared_prefix_len, vocab_size, args.seed)
     results, duration = asyncio.run(run_benchmark(args.url, specs, args.request_rate, args.max_concurrency, args.seed,
@@ -271,11 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if summary["failed"] == 0 else 1
 
 
-async def _vocab_size(url: str, api_key: str | None) -> int:
+async def served_vocab_size(url: str, api_key: str | None) -> int:
     async with aiohttp.ClientSession(headers=_headers(api_key)) as session:
         async with session.get(f"{url}/v1/models") as response:
             return (await response.json())["data"][0].get("vocab_size", 32000)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -7,23 +7,34 @@ engine's per-step overhead is part of what is fitted. The scheduler's own time p
 measured alongside and saved as `scheduler_s`. Per configuration the median step is kept (a loaded machine
 throws outliers). The device's peaks are measured first (capacity/hardware.py), and the roofline's corrections are
 fitted by non-negative least squares on relative error.
+
+`shuttle calibrate` (main) runs the grid on the machine it is on, prints each measurement next to its fit and writes
+the JSON profile that `shuttle serve --step-cost-profile`, `shuttle simulate` and `shuttle tune` read:
+
+    shuttle calibrate --model ../shared/models/stories260K --out profiles/stories260K.json
+
+Nothing here is fitted to a full server: the profile describes the worker's steps, which is what carries over to
+the machine a user serves on.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import msgspec
 import torch
 
+from common.arg_types import positive
 from common.config import CacheConfig, IpcConfig, ModelConfig, SchedulerConfig, ShuttleConfig, WorkerConfig
 from common.messages import PlanMessage, Submit, WorkerMessage
 from common.sampling import SamplingParams
-from scheduler.step_cost import StepCostModel, StepShape, shape_of
-from capacity import hardware
+from scheduler.step_cost import FEATURES, StepCostModel, StepShape, shape_of
+from capacity import hardware, simulate
 from capacity.simulator import RequestRecord, SimResult
 from capacity.workload import SimRequest
 from scheduler.kv_cache import KVCacheManager
@@ -174,7 +185,7 @@ class Calibrator:
     def serve(self, workload: list[SimRequest], config: SchedulerConfig, num_blocks: int) -> InProcessRun:
         """Serve `workload` with the in-process engine: the real Scheduler and this ModelRunner in one loop in real
         time (one step in flight, each through the worker's critical path as in step()), requests taken in when
-        their arrival time has come. What the simulator is judged against (scripts/compare_inprocess.py).
+        their arrival time has come. What the simulator is judged against (scripts/dev/compare_inprocess.py).
 
         Raises:
             ValueError: num_blocks exceeds the runner's KV cache.
@@ -226,3 +237,32 @@ def _median(label: str, rows: list[tuple[StepShape, float, float]]) -> Measureme
     ordered = sorted(rows, key=lambda r: r[1])
     shape, seconds, _ = ordered[len(ordered) // 2]
     return Measurement(label, shape, seconds, statistics.median(r[2] for r in rows))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`shuttle calibrate`: measure, fit, print, save the profile."""
+    parser = argparse.ArgumentParser(prog="shuttle calibrate", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="the model directory to serve")
+    parser.add_argument("--out", type=Path, required=True, help="where the JSON profile goes")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--max-model-len", type=positive, default=None)
+    parser.add_argument("--max-num-batched-tokens", type=positive, default=2048, help="largest chunk measured")
+    parser.add_argument("--max-num-seqs", type=positive, default=128, help="largest decode batch measured")
+    parser.add_argument("--repeats", type=positive, default=5, help="decode steps per configuration (median kept)")
+    parser.add_argument("--attention-backend", default="auto")
+    args = parser.parse_args(argv)
+    simulate.require_model_dir(parser, args.model, args.max_model_len)
+    start = time.time()
+    calibrator = Calibrator(args.model, args.dtype, args.max_model_len, attention_backend=args.attention_backend)
+    model, measurements = calibrator.calibrate(args.max_num_batched_tokens, args.max_num_seqs, args.repeats,
+                                               progress=lambda line: print(line, flush=True))
+    print(f"{'measurement':<60}{'ms':>10}{'fit ms':>10}")
+    for m in measurements:
+        print(f"{m.label:<60}{m.seconds * 1e3:10.2f}{model.predict(m.shape) * 1e3:10.2f}")
+    model.meta["seconds"] = round(time.time() - start, 1)
+    print("coefficients: " + ", ".join(f"{name} {model.coefficients[name]:.3g}" for name in FEATURES))
+    print(f"relative RMS error {model.meta['rel_rmse']:.3f}; scheduler {model.scheduler_s * 1e3:.3f} ms/step")
+    model.save(args.out)
+    print(f"wrote {args.out}")
+    return 0

@@ -1,18 +1,18 @@
-#!/usr/bin/env python3
-"""Predict what a workload will feel like on a configuration, without a model: the real Scheduler in virtual time
-with a calibrated step-cost profile (scripts/calibrate.py). Prints bench_serve.py's table (TTFT, TPOT, ITL, e2e
-percentiles, throughput, goodput) plus preemptions and the queue, and writes JSON with queue length and KV usage
-over time.
+"""`shuttle simulate`: predict what a workload will feel like on a configuration, without a model: the real
+Scheduler in virtual time (capacity/simulator.py) with a calibrated step-cost profile (`shuttle calibrate`). Prints
+`shuttle bench`'s table (TTFT, TPOT, ITL, e2e percentiles, throughput, goodput) plus preemptions and the queue, and
+writes JSON with queue length and KV usage over time.
 
-By default the workload is bench_serve.py's own (same generator, same seed, same Poisson arrivals), so a
+By default the workload is `shuttle bench`'s own (same generator, same seed, same Poisson arrivals), so a
 prediction can be set next to a real run flag for flag:
 
-    .venv/bin/python scripts/simulate.py --profile profiles/stories260K.json --num-prompts 10000 --request-rate 40
-    .venv/bin/python scripts/bench_serve.py --num-prompts 10000 --request-rate 40      # the real thing
-    .venv/bin/python scripts/simulate.py --profile profiles/llama-110m.json --max-concurrency 16 --input-len 256 \\
-        --range-ratio 1.0 --num-prompts 64
+    shuttle simulate --profile profiles/stories260K.json --num-prompts 10000 --request-rate 40
+    shuttle bench --num-prompts 10000 --request-rate 40      # the real thing, against a running server
+    shuttle simulate --profile profiles/llama-110m.json --max-concurrency 16 --input-len 256 --range-ratio 1.0 \\
+        --num-prompts 64
 
---burstiness < 1 draws bursty (gamma) arrivals instead; --trace reads a JSONL trace (capacity/workload.py).
+--burstiness < 1 draws bursty (gamma) arrivals instead; --trace reads a JSONL trace (capacity/workload.py). The
+flag and profile helpers here serve `shuttle tune` and scripts/dev/compare_inprocess.py too.
 """
 
 from __future__ import annotations
@@ -21,28 +21,22 @@ import argparse
 import json
 import os
 import random
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import bench_serve  # noqa: E402
-from capacity.simulator import SimResult, Simulator  # noqa: E402
-from capacity.workload import SimRequest, arrivals, from_trace  # noqa: E402
-from common.capacity import kv_blocks_for_memory  # noqa: E402
-from common.arg_types import count, positive, positive_number, request_rate  # noqa: E402
-from launcher.cli import add_config_options  # noqa: E402
-from common.config import CacheConfig, ModelConfig, SchedulerConfig  # noqa: E402
-from common.errors import ModelDirError  # noqa: E402
-from common.model_dir import check_model_dir  # noqa: E402
-from scheduler.step_cost import StepCostModel  # noqa: E402
+from capacity import bench_serve
+from capacity.simulator import SimResult, Simulator
+from capacity.workload import SimRequest, arrivals, from_trace
+from common.arg_types import add_config_options, count, positive, positive_number, request_rate
+from common.capacity import kv_blocks_for_memory
+from common.config import CacheConfig, ModelConfig, SchedulerConfig
+from common.errors import ModelDirError
+from common.model_dir import check_model_dir
+from scheduler.step_cost import StepCostModel
 
 
 def bench_serve_workload(num_prompts: int, request_rate: float, input_len: int, output_len: int, range_ratio: float,
                          shared_prefix_len: int, vocab_size: int, seed: int, burstiness: float = 1.0) -> list[SimRequest]:
-    """bench_serve.py's random workload and its arrivals: request k is sent after k exponential gaps drawn from
+    """`shuttle bench`'s random workload and its arrivals: request k is sent after k exponential gaps drawn from
     random.Random(seed + 1) (gamma gaps with another burstiness)."""
     specs = bench_serve.random_workload(num_prompts, input_len, output_len, range_ratio, shared_prefix_len,
                                         vocab_size, seed)
@@ -59,7 +53,7 @@ def bench_serve_workload(num_prompts: int, request_rate: float, input_len: int, 
 
 def add_config_args(parser: argparse.ArgumentParser) -> None:
     """The serving flags the simulation honours, declared and named as in `shuttle serve`."""
-    parser.add_argument("--profile", required=True, help="step-cost profile JSON from scripts/calibrate.py")
+    parser.add_argument("--profile", required=True, help="step-cost profile JSON from `shuttle calibrate`")
     parser.add_argument("--max-model-len", type=positive, default=None, help="default: the profile's")
     add_config_options(parser, SchedulerConfig, ["max_num_seqs", "max_num_batched_tokens", "max_waiting_requests",
                                                  "scheduling_policy", "async_scheduling"])
@@ -114,13 +108,13 @@ def load_profile(parser: argparse.ArgumentParser, path: str) -> StepCostModel:
         parser.error(str(exc))
     missing = [key for key in ("max_model_len", "kv_bytes_per_token") if key not in cost.meta]
     if missing:
-        parser.error(f"{path}: its meta lacks {', '.join(missing)}, which the simulation needs (calibrate.py "
+        parser.error(f"{path}: its meta lacks {', '.join(missing)}, which the simulation needs (`shuttle calibrate` "
                      f"writes them)")
     return cost
 
 
 def require_model_dir(parser: argparse.ArgumentParser, model_dir: str, max_model_len: int | None = None) -> None:
-    """The model directory a script serves for real (`shuttle serve`'s check), or a one-line usage error (exit 2)
+    """The model directory a command serves for real (`shuttle serve`'s check), or a one-line usage error (exit 2)
     before any work."""
     try:
         check_model_dir(model_dir)
@@ -163,7 +157,8 @@ def timeline(result: SimResult, points: int = 400) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="shuttle simulate", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_args(parser)
     add_workload_args(parser)
     parser.add_argument("--ttft-slo-ms", type=positive_number, default=None,
@@ -189,7 +184,3 @@ def main(argv: list[str] | None = None) -> int:
             json.dump({**summary, "config": config, "timeline": timeline(result)}, f, indent=2)
         print(f"wrote {args.result_json}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,21 +1,21 @@
-#!/usr/bin/env python3
-"""Choose max_num_batched_tokens and max_num_seqs for given objectives: sweep them (and the request rate) with the
-simulator, plot the trade-off, verify the best few with real bench_serve.py runs, and recommend one.
+"""`shuttle tune`: choose max_num_batched_tokens and max_num_seqs for given objectives: sweep them (and the request
+rate) with the simulator, plot the trade-off, verify the best few with real `shuttle bench` runs, and recommend one.
 
-For every (budget, seqs, rate) the simulator (scripts/simulate.py: the real Scheduler, a calibrated step-cost
-profile, bench_serve.py's workload) predicts throughput, p99 TTFT, p99 ITL and goodput: requests per second whose
-TTFT is within --ttft-slo-ms and whose mean inter-token time (TPOT) is within --itl-slo-ms, as bench_serve.py
+For every (budget, seqs, rate) the simulator (`shuttle simulate`: the real Scheduler, a calibrated step-cost
+profile, `shuttle bench`'s workload) predicts throughput, p99 TTFT, p99 ITL and goodput: requests per second whose
+TTFT is within --ttft-slo-ms and whose mean inter-token time (TPOT) is within --itl-slo-ms, as `shuttle bench`
 counts it. A setting "meets the objectives" at a rate when at least --attainment of its requests are good. The
 settings are ranked by their most goodput at any rate where they meet the objectives; each is recommended at an
 operating rate with headroom (the highest swept rate within --headroom of that rate where it still meets them),
 since a machine's speed drifts and latency near saturation is steep. The best --verify candidates are then served
-for real (`shuttle serve` with those flags) and measured with bench_serve.py on the same workload at that rate.
+for real (`shuttle serve` with those flags, on free ports) and measured with `shuttle bench` on the same workload
+at that rate.
 
-Plots (PNG, in --out): pareto.png (throughput vs p99 TTFT and vs p99 ITL for each token budget; lines join each
-budget's Pareto-optimal points), timeline.png (queue length and KV usage over time for the recommendation, and at
-1.5x its rate, where the queue grows).
+Plots (PNG, in --out; matplotlib, the optional extra `tune`): pareto.png (throughput vs p99 TTFT and vs p99 ITL for
+each token budget; lines join each budget's Pareto-optimal points), timeline.png (queue length and KV usage over
+time for the recommendation, and at 1.5x its rate, where the queue grows).
 
-    .venv/bin/python scripts/tune.py --model ../shared/models/stories260K --profile profiles/stories260K.json \\
+    shuttle tune --model ../shared/models/stories260K --profile profiles/stories260K.json \\
         --ttft-slo-ms 500 --itl-slo-ms 50 --num-prompts 400
 """
 
@@ -25,18 +25,14 @@ import argparse
 import itertools
 import json
 import os
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import bench_serve  # noqa: E402
-import simulate  # noqa: E402
-from common.arg_types import count, positive, positive_number, unit_fraction  # noqa: E402
-from scheduler.step_cost import StepCostModel  # noqa: E402
+from capacity import bench_serve, simulate
+from common.arg_types import count, positive, positive_number, unit_fraction
+from launcher.local_server import ShuttleServer
+from scheduler.step_cost import StepCostModel
 
 
 @dataclass
@@ -89,10 +85,19 @@ def pareto(points: list[Point], latency) -> list[Point]:
     return sorted(front, key=lambda p: p.throughput)
 
 
-def plot_pareto(points: list[Point], best: Point, args: argparse.Namespace, path: Path) -> None:
-    import matplotlib
+def _pyplot():
+    """matplotlib's pyplot drawing to files, or SystemExit naming the extra that installs it."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit("shuttle tune: its plots need matplotlib: pip install 'shuttle[tune]'") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    return plt
+
+
+def plot_pareto(points: list[Point], best: Point, args: argparse.Namespace, path: Path) -> None:
+    plt = _pyplot()
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     metrics = (("ttft_ms", "p99 TTFT (ms)", args.ttft_slo_ms), ("itl_ms", "p99 ITL (ms)", args.itl_slo_ms))
@@ -122,9 +127,7 @@ def plot_pareto(points: list[Point], best: Point, args: argparse.Namespace, path
 
 
 def plot_timeline(args: argparse.Namespace, cost: StepCostModel, best: Point, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     fig, axes = plt.subplots(2, 1, figsize=(9, 5), sharex=True)
     for rate, style in ((best.rate, "-"), (1.5 * best.rate, "--")):
@@ -150,12 +153,9 @@ def plot_timeline(args: argparse.Namespace, cost: StepCostModel, best: Point, pa
 
 
 def verify(args: argparse.Namespace, point: Point) -> dict:
-    """Serve the point's flags for real and run bench_serve.py on the same workload; returns its summary."""
-    from tests.server import ShuttleServer
-
-    server = ShuttleServer(*point.flags(), "--kv-cache-memory", str(args.kv_cache_memory),
-                           model_dir=Path(args.model), start_timeout=600)
-    try:
+    """Serve the point's flags for real and run `shuttle bench` on the same workload; returns its summary."""
+    with ShuttleServer(*point.flags(), "--kv-cache-memory", str(args.kv_cache_memory), model_dir=Path(args.model),
+                       start_timeout=600) as server:
         out = Path(args.out) / f"bench_{point.max_num_batched_tokens}_{point.max_num_seqs}.json"
         argv = ["--url", server.url, "--num-prompts", str(args.num_prompts), "--request-rate", str(point.rate),
                 "--input-len", str(args.input_len), "--output-len", str(args.output_len), "--range-ratio",
@@ -165,8 +165,6 @@ def verify(args: argparse.Namespace, point: Point) -> dict:
             argv += ["--max-concurrency", str(args.max_concurrency)]
         bench_serve.main(argv)
         return json.loads(out.read_text())
-    finally:
-        server.stop()
 
 
 def limit_warnings(args, points: list, choice: dict, capacity: float | None) -> list[str]:
@@ -187,7 +185,8 @@ def limit_warnings(args, points: list, choice: dict, capacity: float | None) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="shuttle tune", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     simulate.add_config_args(parser)
     simulate.add_workload_args(parser)
     parser.add_argument("--model", required=True, help="model directory (for the real verification runs)")
@@ -200,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ttft-slo-ms", type=positive_number, required=True)
     parser.add_argument("--itl-slo-ms", type=positive_number, required=True, help="objective on each request's mean ITL (TPOT)")
     parser.add_argument("--attainment", type=unit_fraction, default=0.9, help="share of good requests a setting must reach")
-    parser.add_argument("--verify", type=count, default=2, help="candidates measured with real bench_serve.py runs")
+    parser.add_argument("--verify", type=count, default=2, help="candidates measured with real `shuttle bench` runs")
     parser.add_argument("--headroom", type=unit_fraction, default=0.8,
                         help="operate at most at this share of the highest rate that meets the objectives")
     parser.add_argument("--out", default="bench_results/tune")
@@ -209,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     simulate.load_workload(parser, args, cost)  # a bad trace or too long a request: said now, not after the sweep
     if args.verify:  # the real runs need the model: a wrong directory is said now
         simulate.require_model_dir(parser, args.model)
+    _pyplot()  # and so is a missing matplotlib, before the sweep
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     verified = []
     for p in candidates[:args.verify]:
         print(f"verifying max_num_batched_tokens {p.max_num_batched_tokens}, max_num_seqs {p.max_num_seqs} at "
-              f"{p.rate} req/s with bench_serve.py (load average {os.getloadavg()[0]:.2f})", flush=True)
+              f"{p.rate} req/s with shuttle bench (load average {os.getloadavg()[0]:.2f})", flush=True)
         measured = verify(args, p)
         done = measured["completed"]
         attained = measured["goodput"] * measured["duration_s"] / done if done else 0.0
@@ -282,7 +282,3 @@ def main(argv: list[str] | None = None) -> int:
                        "attainment": args.attainment}, "load_average": os.getloadavg()[0]}, indent=2))
     print(f"wrote {out / 'tune.json'}; load average {os.getloadavg()[0]:.2f}")
     return 0 if confirmed or not verified else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,7 +1,10 @@
 """The `shuttle` command. `shuttle serve [MODEL_DIR]` starts a frontend and its serving groups (see
 launcher/launcher.py); `shuttle engine --listen ENDPOINT` one serving group for a frontend on another host;
 `shuttle plan` prints the memory plan without starting one (capacity/memory_plan.py); `shuttle batch INPUT OUTPUT`
-runs an OpenAI batch file against a server (batch_jobs/batch_file.py).
+runs an OpenAI batch file against a server (batch_jobs/batch_file.py). The capacity tools parse their own flags
+(TOOLS): `shuttle calibrate` writes the step-cost profile that `--step-cost-profile` reads, `shuttle simulate`
+predicts a workload from it, `shuttle tune` chooses the step budgets for objectives, `shuttle bench` measures a
+running server.
 
 The engine's flags are derived from the config sections' field declarations (common/config.py `option`), so a
 flag's default and help live in one place.
@@ -15,7 +18,18 @@ import sys
 from common.arg_types import add_config_options, count, origins, parse_bytes, positive, unit_fraction
 from common.config import DEFAULT_MODEL_DIR, SERVE_SECTIONS, CacheConfig, SchedulerConfig, WorkerConfig
 
-__all__ = ["build_parser", "main", "parse_bytes"]
+__all__ = ["TOOLS", "build_parser", "main", "parse_bytes"]
+
+# Commands with a parser of their own (`shuttle NAME --help`), imported only when run (_run_tool): calibrate loads
+# torch and a model, and `shuttle serve` needs none of them.
+TOOLS = {
+    "calibrate": "measure the model's steps on this machine and write a step-cost profile (for --step-cost-profile, "
+                 "simulate and tune)",
+    "simulate": "predict TTFT, ITL and throughput of a workload from a step-cost profile, without a model",
+    "tune": "choose --max-num-batched-tokens and --max-num-seqs for latency objectives (simulated, then verified "
+            "on real servers)",
+    "bench": "benchmark a running server over streaming HTTP: TTFT, TPOT, ITL, throughput, goodput",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -68,7 +82,22 @@ def build_parser() -> argparse.ArgumentParser:
                                            "(the same on a frontend's host and its engines' hosts)")
     from batch_jobs.batch_file import add_parser as add_batch_parser
     add_batch_parser(commands)
+    for name, summary in TOOLS.items():  # listed in `shuttle --help`; main() hands their arguments over unparsed
+        commands.add_parser(name, help=summary, add_help=False)
     return parser
+
+
+def _run_tool(name: str, argv: list[str]) -> int:
+    """Run TOOLS[name] on its own arguments."""
+    if name == "calibrate":
+        from capacity.calibrate import main
+    elif name == "simulate":
+        from capacity.simulate import main
+    elif name == "tune":
+        from capacity.tune import main
+    else:
+        from capacity.bench_serve import main
+    return main(argv)
 
 
 def _add_engine_parser(commands, serve: argparse.ArgumentParser) -> None:
@@ -106,6 +135,9 @@ def _add_plan_parser(commands, default_model: str | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in TOOLS:
+        return _run_tool(argv[0], argv[1:])
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         from launcher.launcher import serve

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from scripts.check_architectures import VARIANTS, build_model_dir, check
+from scripts.dev.check_architectures import VARIANTS, build_model_dir, check
 from tests.server import MODEL_DIR, REPO
 
 CI_ARCHITECTURES = ["llama-gqa", "qwen3", "mistral-window8", "gemma2-softcap1", "gpt2", "gpt_oss"]

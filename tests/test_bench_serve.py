@@ -1,27 +1,24 @@
 """Issue 5 acceptance 2 (tiny version): bench_serve.py runs against a live server and writes its JSON."""
 
-import importlib.util
 import json
 import subprocess
 import sys
 
+from capacity import bench_serve
 from tests.server import REPO
 
 
 def test_bench_serve_tiny(server, tmp_path):
     out = tmp_path / "bench.json"
-    result = subprocess.run([sys.executable, "scripts/bench_serve.py", "--url", server.url, "--num-prompts", "12",
-                             "--max-concurrency", "4", "--input-len", "32", "--output-len", "8",
+    result = subprocess.run([sys.executable, "-m", "launcher.cli", "bench", "--url", server.url,
+                             "--num-prompts", "12", "--max-concurrency", "4", "--input-len", "32", "--output-len", "8",
                              "--ttft-slo-ms", "10000", "--result-json", str(out), "--no-progress",
                              "--save-requests", str(tmp_path / "requests.jsonl")],
                             cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     summary = json.loads(out.read_text())
     assert summary["completed"] == 12 and summary["failed"] == 0
-    spec = importlib.util.spec_from_file_location("bench_serve", REPO / "scripts" / "bench_serve.py")
-    bench = sys.modules["bench_serve"] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    workload = bench.random_workload(12, 32, 8, 0.5, 0, 512, 0)
+    workload = bench_serve.random_workload(12, 32, 8, 0.5, 0, 512, 0)
     # ignore_eos makes every request produce exactly its max_tokens
     assert summary["total_output_tokens"] == sum(w.max_tokens for w in workload)
     assert summary["total_input_tokens"] == sum(w.prompt_len for w in workload)

@@ -12,7 +12,7 @@ from common.config import SchedulerConfig
 from scheduler.step_cost import StepCostModel, StepShape
 from tests.server import MODEL_DIR
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts" / "dev"))
 
 import compare_inprocess  # noqa: E402
 

@@ -10,12 +10,10 @@ import pytest
 
 from scheduler.step_cost import StepCostModel
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts" / "dev"))
 
-import calibrate  # noqa: E402
 import compare_inprocess  # noqa: E402
-import simulate  # noqa: E402
-import tune  # noqa: E402
+from capacity import calibrate, simulate, tune  # noqa: E402
 
 MODEL = Path(__file__).resolve().parent.parent.parent / "shared" / "models" / "stories260K"
 

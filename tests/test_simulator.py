@@ -105,6 +105,6 @@ def test_arrivals_have_the_asked_rate_and_burstiness():
 
 
 def test_percentiles_are_bench_serves():
-    from scripts.bench_serve import percentiles as bench_percentiles
+    from capacity.bench_serve import percentiles as bench_percentiles
     values = [0.001 * v for v in (5, 1, 9, 3, 7, 2, 8)]
     assert percentiles(values) == pytest.approx(bench_percentiles(values))

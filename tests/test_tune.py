@@ -3,18 +3,12 @@ simulation reproduces bench_serve.py's workload, and the sweep writes its plots 
 
 import json
 import random
-import sys
 from pathlib import Path
 
 import pytest
 
+from capacity import bench_serve, simulate, tune
 from scheduler.step_cost import StepCostModel
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-
-import bench_serve  # noqa: E402
-import simulate  # noqa: E402
-import tune  # noqa: E402
 
 
 @pytest.fixture

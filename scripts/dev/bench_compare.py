@@ -7,11 +7,11 @@ directory three ways: one request at a time (`generate`), static batches with le
 padded batch), and transformers' own continuous batching manager (per-request max_new_tokens). Every request
 produces exactly its output length (ignore_eos / min_new_tokens), so all do the same useful work.
 
-    .venv/bin/python scripts/make_random_model.py --shape 110m
-    .venv/bin/python scripts/bench_compare.py --model /tmp/shuttle-models/llama-110m
-    .venv/bin/python scripts/bench_compare.py --model ../shared/models/stories260K --profile
-    bash scripts/install_llama_cpp.sh        # once, optional: adds llama.cpp (llama-cpp-python) as a peer
-    .venv/bin/python scripts/bench_compare.py --model ../shared/models/stories260K --peers llama.cpp
+    .venv/bin/python scripts/dev/make_random_model.py --shape 110m
+    .venv/bin/python scripts/dev/bench_compare.py --model /tmp/shuttle-models/llama-110m
+    .venv/bin/python scripts/dev/bench_compare.py --model ../shared/models/stories260K --profile
+    bash scripts/dev/install_llama_cpp.sh        # once, optional: adds llama.cpp (llama-cpp-python) as a peer
+    .venv/bin/python scripts/dev/bench_compare.py --model ../shared/models/stories260K --peers llama.cpp
 
 llama.cpp serves one request at a time here (llama-cpp-python's `Llama.generate`, greedy, the model converted to an
 f32 GGUF by the convert_hf_to_gguf.py its source distribution ships), the way its Python binding is used.
@@ -38,7 +38,7 @@ import aiohttp
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 @dataclass
@@ -167,7 +167,7 @@ def convert_to_gguf(model_dir: str) -> Path:
     """The model as an f32 GGUF (cached next to the model under /tmp), by llama.cpp's own converter."""
     converters = sorted(LLAMA_CPP_SRC.glob("llama_cpp_python-*/vendor/llama.cpp/convert_hf_to_gguf.py"))
     if not converters:
-        raise RuntimeError("llama.cpp's converter is missing: run scripts/install_llama_cpp.sh")
+        raise RuntimeError("llama.cpp's converter is missing: run scripts/dev/install_llama_cpp.sh")
     out = Path("/tmp/shuttle-gguf") / f"{Path(model_dir).resolve().name}-f32.gguf"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,21 +1,20 @@
 #!/usr/bin/env python3
 """Throughput with the dashboard watched vs not, on one running server in one run (issue 15 acceptance 2).
 
-Runs scripts/bench_serve.py's benchmark in rounds that alternate "off" (nobody watches) and "on" (the live feed
+Runs `shuttle bench`'s benchmark in rounds that alternate "off" (nobody watches) and "on" (the live feed
 GET /v1/stats/stream is read by --watchers clients for the whole run; with --browser, the real /dashboard page is
 open in headless Chromium instead), swapping the order every round so that drift on a shared machine falls on
 both alike. Prints output throughput per run and the mean of each mode; with --frontend-pid (the launcher's ready
 line names it) also the frontend's CPU time per 1000 output tokens, which a busy shared machine disturbs far less
 than wall-clock throughput.
 
-    .venv/bin/python scripts/bench_dashboard.py --url http://127.0.0.1:8000 --num-prompts 64 --max-concurrency 16
+    .venv/bin/python scripts/dev/bench_dashboard.py --url http://127.0.0.1:8000 --num-prompts 64 --max-concurrency 16
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import json
 import os
 import shutil
@@ -26,12 +25,20 @@ from pathlib import Path
 
 import aiohttp
 
-_spec = importlib.util.spec_from_file_location("bench_serve", Path(__file__).with_name("bench_serve.py"))
-bench_serve = sys.modules["bench_serve"] = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench_serve)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from capacity import bench_serve  # noqa: E402
 
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync"]
+
+
+def cpu_seconds(pid: int | None) -> float:
+    """User + system CPU seconds of process `pid` so far (0 without a pid), from /proc/PID/stat."""
+    if not pid:
+        return 0.0
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class FeedReaders:
@@ -85,7 +92,7 @@ class BrowserPage:
 
 
 async def run(args: argparse.Namespace) -> dict:
-    vocab_size = await bench_serve._vocab_size(args.url, args.api_key)
+    vocab_size = await bench_serve.served_vocab_size(args.url, args.api_key)
     specs = bench_serve.random_workload(args.num_prompts, args.input_len, args.output_len, 0.5, 0, vocab_size, 0)
     runs = []
     for round_ in range(args.rounds):
@@ -94,7 +101,7 @@ async def run(args: argparse.Namespace) -> dict:
             if mode == "on":
                 watcher = (BrowserPage(args.url, args.api_key, args.chromium) if args.browser
                            else FeedReaders(args.url, args.api_key, args.watchers))
-            cpu_before = bench_serve.cpu_seconds(args.frontend_pid)
+            cpu_before = cpu_seconds(args.frontend_pid)
             if watcher is None:
                 results, duration = await bench_serve.run_benchmark(args.url, specs, float("inf"),
                                                                     args.max_concurrency, 0, False, args.api_key)
@@ -105,7 +112,7 @@ async def run(args: argparse.Namespace) -> dict:
                                                                         args.max_concurrency, 0, False, args.api_key)
                 frames = watcher.frames
             summary = bench_serve.summarize(results, duration, None, None)
-            cpu = bench_serve.cpu_seconds(args.frontend_pid) - cpu_before
+            cpu = cpu_seconds(args.frontend_pid) - cpu_before
             cpu_per_k = 1000 * cpu / max(summary["total_output_tokens"], 1) * 1000  # ms per 1000 tokens
             runs.append({"round": round_, "mode": mode, "output_token_throughput": summary["output_token_throughput"],
                          "request_throughput": summary["request_throughput"], "failed": summary["failed"],

@@ -1,13 +1,14 @@
 #!/usr/bin/env python3
-"""Check `shuttle plan` against a real server (issue 12 acceptance 1): the predicted worker peak RSS at full KV use
-next to the measured one, and the concurrency table next to the server's start-up line.
+"""`shuttle plan` against a real server: the predicted worker peak RSS at full KV use next to the measured one, and
+the concurrency table next to the server's start-up line (docs/capacity.md's table).
 
 Runs `shuttle plan --json` with the given flags, starts `shuttle serve` with the same flags, sends long streaming
 requests (random token ids, ignore_eos) until /health shows every KV block in use (preemption keeps it full),
 reads the worker's VmHWM from /proc, and stops the server by PID.
 
-    .venv/bin/python scripts/check_plan.py ../shared/models/stories260K --kv-cache-memory 64MiB --max-num-seqs 256
-    .venv/bin/python scripts/check_plan.py /tmp/shuttle-models/llama-110m --kv-cache-memory 512MiB
+    .venv/bin/python scripts/dev/bench_memory_plan.py ../shared/models/stories260K --kv-cache-memory 64MiB \\
+        --max-num-seqs 256
+    .venv/bin/python scripts/dev/bench_memory_plan.py /tmp/shuttle-models/llama-110m --kv-cache-memory 512MiB
 """
 
 from __future__ import annotations
@@ -25,10 +26,10 @@ from pathlib import Path
 
 import aiohttp
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from tests.server import ShuttleServer  # noqa: E402
+from launcher.local_server import ShuttleServer  # noqa: E402
 
 MiB = 2**20
 STARTUP = re.compile(r"KV cache (\d+) blocks x (\d+) tokens = (\d+) tokens \((\d+) bytes/token\); (\d+) requests of "

@@ -10,8 +10,8 @@ B sequences of --context tokens decoding one token each, the cost of the model w
 "engine overhead" is everything but our forward. With overlapped scheduling, plan and apply run in the scheduler
 process while the worker runs the next step, so the worker's own critical path is prep + forward + sample.
 
-    .venv/bin/python scripts/bench_overhead.py --model ../shared/models/stories260K
-    .venv/bin/python scripts/bench_overhead.py --model /tmp/shuttle-models/llama-110m --batch 1 16 64
+    .venv/bin/python scripts/dev/bench_overhead.py --model ../shared/models/stories260K
+    .venv/bin/python scripts/dev/bench_overhead.py --model /tmp/shuttle-models/llama-110m --batch 1 16 64
 
 Prints a table (milliseconds per step, medians) and writes JSON.
 """
@@ -30,7 +30,7 @@ import msgspec
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from common.config import CacheConfig, IpcConfig, ModelConfig, SchedulerConfig, ShuttleConfig  # noqa: E402
 from common.messages import PlanMessage, StepOutputs, StepResult, Submit, WorkerMessage  # noqa: E402

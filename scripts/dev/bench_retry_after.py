@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Does Retry-After tell the truth? N concurrent streams against a real server whose waiting queue fills.
 
-Starts `shuttle serve` (tests/server.py's ShuttleServer, stopped by PID however the run ends), then fires
+Starts `shuttle serve` (launcher/local_server.py's ShuttleServer, stopped by PID however the run ends), then fires
 --num-requests streaming completions at once over loopback (aiohttp, one connection each). A refused client
 (HTTP 503) sleeps exactly what it was told (`retry-after-ms` when sent, else `Retry-After`, as the official openai
 client reads them) and tries again, at most --max-attempts times. Meanwhile /health is sampled every
@@ -25,8 +25,9 @@ engine serves again) and one client honouring Retry-After measures the restart e
 few long streams run and a new request's 503 headers are shown, and when the server exited.
 No assertions: it prints a table and writes JSON.
 
-    .venv/bin/python scripts/bench_retry_after.py                       # 10,000 streams, the server's defaults
-    .venv/bin/python scripts/bench_retry_after.py --num-requests 2000 --max-waiting-requests 256 --restarts 2 --drain
+    .venv/bin/python scripts/dev/bench_retry_after.py                       # 10,000 streams, the server's defaults
+    .venv/bin/python scripts/dev/bench_retry_after.py --num-requests 2000 --max-waiting-requests 256 --restarts 2 \\
+        --drain
 """
 
 from __future__ import annotations
@@ -44,11 +45,11 @@ from pathlib import Path
 
 import aiohttp
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from common.process import raise_fd_limit  # noqa: E402
-from tests.server import ShuttleServer  # noqa: E402
+from launcher.local_server import ShuttleServer  # noqa: E402
 
 PROMPTS = ["Once upon a time", "Tom had a dog", "Lily saw a big", "The sun was", "A little bird", "Ben and Sue"]
 

@@ -2,8 +2,8 @@
 """How long the scheduler takes to plan and to settle one step, with no model: a real Scheduler driven by
 fabricated sampled tokens, with many requests waiting and a full running set decoding.
 
-    .venv/bin/python scripts/bench_scheduler.py                      # 10,000 waiting, 256 running
-    .venv/bin/python scripts/bench_scheduler.py --waiting 1000 --running 64 --json out.json
+    .venv/bin/python scripts/dev/bench_scheduler.py                      # 10,000 waiting, 256 running
+    .venv/bin/python scripts/dev/bench_scheduler.py --waiting 1000 --running 64 --json out.json
 
 Prints a table (median and p99 over the timed steps, in microseconds) and writes JSON.
 """
@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from common.config import SchedulerConfig  # noqa: E402
 from common.messages import StepResult, Submit  # noqa: E402

@@ -10,9 +10,9 @@ its reason; "WRONG" or "ERROR" would be shuttle bugs (a model that starts and th
 "n/a" when transformers itself cannot build the tiny model. Attention features are exercised where a config
 has them: sliding windows are set to 8 tokens (prompts are longer), Gemma 2's attention soft-cap to 1.
 
-    .venv/bin/python scripts/check_architectures.py                      # all, prints the table, writes JSON
-    .venv/bin/python scripts/check_architectures.py llama mistral gpt2    # some
-    .venv/bin/python scripts/check_architectures.py --update-readme       # rewrite README's table
+    .venv/bin/python scripts/dev/check_architectures.py                      # all, prints the table, writes JSON
+    .venv/bin/python scripts/dev/check_architectures.py llama mistral gpt2    # some
+    .venv/bin/python scripts/dev/check_architectures.py --update-readme       # rewrite README's table
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from common.config import CacheConfig, IpcConfig, ModelConfig, SchedulerConfig, ShuttleConfig  # noqa: E402

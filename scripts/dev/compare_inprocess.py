@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Judge a step-cost profile and the simulator against the in-process engine on this machine.
 
-Serves a workload (bench_serve.py's, as scripts/simulate.py builds it) with the in-process engine: the real
+Serves a workload (`shuttle bench`'s, as `shuttle simulate` builds it) with the in-process engine: the real
 Scheduler and ModelRunner in one loop, in real time, one step in flight, no HTTP (capacity/calibrate.py's
 Calibrator.serve). Then it simulates the same workload with the profile, and prints
 
@@ -10,11 +10,11 @@ Calibrator.serve). Then it simulates the same workload with the profile, and pri
 - TTFT and ITL p50 and p99, measured and simulated, and the gap.
 
 Nothing is fitted to the run. On a shared machine whose speed drifts, --recalibrate first measures the grid
-(scripts/calibrate.py's) in the same process and uses that profile, so that both see the same load; --load sets the
+(`shuttle calibrate`'s) in the same process and uses that profile, so that both see the same load; --load sets the
 request rate to that share of the simulator's saturated throughput (everything sent at once). For example, near
 saturation of stories260K:
 
-    OMP_NUM_THREADS=1 .venv/bin/python scripts/compare_inprocess.py --model ../shared/models/stories260K \\
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/dev/compare_inprocess.py --model ../shared/models/stories260K \\
         --profile profiles/stories260K.json --recalibrate /tmp/stories260K.json --load 0.8 --num-prompts 300 \\
         --num-kv-blocks 4096
 """
@@ -27,10 +27,9 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import simulate  # noqa: E402
+from capacity import simulate  # noqa: E402
 from capacity.calibrate import Calibrator  # noqa: E402
 from common.arg_types import positive_number  # noqa: E402
 from scheduler.step_cost import StepCostModel, StepShape  # noqa: E402

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Screenshot of /dashboard under load (the README's docs/dashboard.png): opens the page in headless Chromium,
-drives scripts/bench_serve.py's workload (with a shared prefix, so the prefix cache hits) against the server,
+drives `shuttle bench`'s workload (with a shared prefix, so the prefix cache hits) against the server,
 and saves the page after --after seconds of load.
 
-    .venv/bin/python scripts/dashboard_screenshot.py --url http://127.0.0.1:8000 --out docs/dashboard.png
+    .venv/bin/python scripts/dev/dashboard_screenshot.py --url http://127.0.0.1:8000 --out docs/dashboard.png
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ bench_serve = bench_dashboard.bench_serve
 
 
 async def run(args: argparse.Namespace) -> None:
-    vocab_size = await bench_serve._vocab_size(args.url, args.api_key)
+    vocab_size = await bench_serve.served_vocab_size(args.url, args.api_key)
     specs = bench_serve.random_workload(args.num_prompts, args.input_len, args.output_len, 0.5, args.shared_prefix_len,
                                         vocab_size, 0)
     browser = bench_dashboard.BrowserPage(args.url, args.api_key, args.chromium, f"?window={args.window}")

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Schema-driven fuzzing of the HTTP API: schemathesis against the server's own /openapi.json (issue 24).
 
-Starts a server (tests/server.py's ShuttleServer on stories260K, or --url for a running one), runs `schemathesis run`
-on its document with the checks that compare behaviour with the document, and reports:
+Starts a server (launcher/local_server.py's ShuttleServer on stories260K, or --url for a running one), runs
+`schemathesis run` on its document with the checks that compare behaviour with the document, and reports:
 
 - cases: requests sent, by operation and status;
 - 5xx: answers with a server error (any is a bug), 503 aside: a documented refusal (an objective that cannot be met,
@@ -17,8 +17,8 @@ on its document with the checks that compare behaviour with the document, and re
 A table on stdout, everything in --json. Not part of CI (a few minutes; schemathesis is the optional extra `fuzz`:
 `.venv/bin/pip install -e '.[fuzz]'`). Bounded by --max-examples per operation and phase, and by --timeout.
 
-    .venv/bin/python scripts/fuzz_schema.py
-    .venv/bin/python scripts/fuzz_schema.py --max-examples 100 --api-key sk-fuzz --json fuzz_schema.json
+    .venv/bin/python scripts/dev/fuzz_schema.py
+    .venv/bin/python scripts/dev/fuzz_schema.py --max-examples 100 --api-key sk-fuzz --json fuzz_schema.json
 """
 
 from __future__ import annotations
@@ -36,10 +36,10 @@ import urllib.request
 from collections import Counter, defaultdict
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from tests.server import ShuttleServer, pid_alive  # noqa: E402
+from launcher.local_server import ShuttleServer, pid_alive  # noqa: E402
 
 CONFORMANCE = ("status_code_conformance", "content_type_conformance", "response_schema_conformance",
                "response_headers_conformance")

@@ -2,7 +2,7 @@
 """Create a randomly initialised Llama model directory of a realistic shape, with the Llama 2 tokenizer, for
 benchmarks that must not download anything.
 
-    .venv/bin/python scripts/make_random_model.py --shape 110m --out /tmp/shuttle-models/llama-110m
+    .venv/bin/python scripts/dev/make_random_model.py --shape 110m --out /tmp/shuttle-models/llama-110m
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ SHAPES = {
     "15m": dict(hidden_size=288, num_hidden_layers=6, num_attention_heads=6, num_key_value_heads=6,
                 intermediate_size=768, max_position_embeddings=256),
 }
-DEFAULT_TOKENIZER = Path(__file__).resolve().parent.parent.parent / "shared" / "tokenizers" / "llama2"
+DEFAULT_TOKENIZER = Path(__file__).resolve().parents[3] / "shared" / "tokenizers" / "llama2"
 
 
 def make_random_model(out: Path, shape: str = "110m", tokenizer_dir: Path = DEFAULT_TOKENIZER, seed: int = 0) -> Path:

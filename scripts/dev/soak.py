@@ -14,8 +14,8 @@ refusals with Retry-After against the needed wait, seconds the waiting queue sat
 still slept (Retry-After too long), KV blocks in use once idle (leaks), RSS of every process over time, TTFT and
 ITL percentiles. Bounded in count and time; stops by itself.
 
-    .venv/bin/python scripts/soak.py --clients 1000 --duration 60 --kill-worker-every 20
-    .venv/bin/python scripts/soak.py --clients 10000 --requests-per-client 1 --rounds 2 --mix stream=5,http=4,ws=1
+    .venv/bin/python scripts/dev/soak.py --clients 1000 --duration 60 --kill-worker-every 20
+    .venv/bin/python scripts/dev/soak.py --clients 10000 --requests-per-client 1 --rounds 2 --mix stream=5,http=4,ws=1
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from common.messages import BatchHeartbeat, BatchPing, BatchRequest, BatchServerMessage  # noqa: E402
