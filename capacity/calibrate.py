@@ -1,8 +1,8 @@
 """Measure the real ModelRunner on a grid of step shapes and fit the step-cost model (scheduler/step_cost.py).
 
-Each configuration is driven by a real Scheduler (no prefix caching) exactly as bench_overhead.py does: requests
-are prefilled in chunks, then decode steps run; every step goes through the worker's critical path as in the
-server (plan decoded from msgpack, applied, packed, forward, sample, result encoded) and is timed whole, so the
+Each configuration is driven by a real Scheduler (no prefix caching) exactly as scripts/dev/bench_overhead.py does:
+requests are prefilled in chunks, then decode steps run; every step goes through the worker's critical path as in
+the server (plan decoded from msgpack, applied, packed, forward, sample, result encoded) and is timed whole, so the
 engine's per-step overhead is part of what is fitted. The scheduler's own time per step (plan + settle) is
 measured alongside and saved as `scheduler_s`. Per configuration the median step is kept (a loaded machine
 throws outliers). The device's peaks are measured first (capacity/hardware.py), and the roofline's corrections are

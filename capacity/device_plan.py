@@ -4,7 +4,7 @@ Nothing runs the model: the weights, the KV bytes per token and the step times c
 and the device's published peaks (capacity/hardware.py). The KV budget is --gpu-memory-utilization (default 0.9)
 of the device's memory, less the weights and an activation allowance for the largest step (its tokens' hidden
 states, their MLP activations and the sampled rows' logits). The step times are the roofline of scheduler/step_cost.py
-at full efficiency: lower bounds, which a calibration on the device (scripts/calibrate.py) turns into predictions.
+at full efficiency: lower bounds, which a calibration on the device (`shuttle calibrate`) turns into predictions.
 """
 
 from __future__ import annotations

@@ -2,16 +2,16 @@
 virtual clock and a step-cost model instead of a worker.
 
 It models the in-process engine (scheduler and worker in one loop, no HTTP; capacity/calibrate.py's
-`run_inprocess`), which is what carries over to other hardware: the worker runs each step for the cost model's
+`Calibrator.serve`), which is what carries over to other hardware: the worker runs each step for the cost model's
 prediction of its shape (scheduler/step_cost.py), the scheduler plans and settles it (scheduler_s per step, half
 each), and every token reaches its client client_s after the step that sampled it. What a full server adds on a
-given machine (HTTP, tokenization, the frontend's and the clients' CPU) is measured and reported by
-scripts/calibrate.py --serve-report, not modelled.
+given machine (HTTP, tokenization, the frontend's and the clients' CPU) is measured and reported
+(docs/capacity.md), not modelled.
 
 The scheduler has the overlapped loop's semantics (scheduler/loop.py): with async scheduling up to two plans are in
 flight, step N+1 is planned as soon as step N was sent, the worker runs plans in order, and the scheduler settles a
 step when its result is back and it is free, taking in requests whenever they arrive. Sampled tokens are fabricated
-(never an end-of-sequence id: outputs have their workload length, as with bench_serve.py's ignore_eos), so
+(never an end-of-sequence id: outputs have their workload length, as with `shuttle bench`'s ignore_eos), so
 everything else (chunked prefill, KV blocks, prefix cache, preemption, admission, SLO refusals) is the real code's
 behaviour.
 
@@ -115,9 +115,9 @@ class SimResult:
         return [r for r in self.records if r.status == 0 and r.token_times]
 
     def summary(self, ttft_slo_ms: float | None = None, itl_slo_ms: float | None = None) -> dict:
-        """bench_serve.py's summary keys: counts, throughput, goodput and mean/median/p90/p99 in ms of TTFT,
-        TPOT, ITL and e2e (nearest-rank percentiles, as bench_serve computes them). Goodput counts, as
-        bench_serve's does, requests whose TTFT and mean inter-token time (TPOT) are within the objectives."""
+        """`shuttle bench`'s summary keys: counts, throughput, goodput and mean/median/p90/p99 in ms of TTFT,
+        TPOT, ITL and e2e (nearest-rank percentiles, as `shuttle bench` computes them). Goodput counts,
+        as `shuttle bench`'s does, requests whose TTFT and mean inter-token time (TPOT) are within the objectives."""
         done = self.completed
         duration = max(self.duration, 1e-9)
         tpots = [(r.token_times[-1] - r.token_times[0]) / (len(r.token_times) - 1) for r in done
@@ -142,7 +142,7 @@ class SimResult:
 
 
 def percentiles(values: list[float]) -> dict[str, float]:
-    """mean, median, p90, p99 in milliseconds of values in seconds (bench_serve.py's nearest-rank rule)."""
+    """mean, median, p90, p99 in milliseconds of values in seconds (`shuttle bench`'s nearest-rank rule)."""
     if not values:
         return {"mean": 0.0, "median": 0.0, "p90": 0.0, "p99": 0.0}
     ordered = sorted(values)

@@ -3,7 +3,7 @@
 Arrivals are Poisson (exponential gaps) or bursty (gamma gaps with shape `burstiness` < 1: the same mean rate,
 more clustered; vLLM's benchmark uses the same parametrisation), or given by a JSONL trace. A closed-loop
 workload (`max_concurrency`) sends a request only while fewer than that many are unfinished, as
-`bench_serve.py --max-concurrency` does.
+`shuttle bench --max-concurrency` does.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def arrivals(n: int, rate: float, burstiness: float = 1.0, seed: int = 0) -> lis
 
 
 def uniform_lengths(n: int, mean: int, range_ratio: float, seed: int) -> list[int]:
-    """Lengths uniform in [mean * (1 - r), mean * (1 + r)], at least 1 (bench_serve.py's distribution)."""
+    """Lengths uniform in [mean * (1 - r), mean * (1 + r)], at least 1 (`shuttle bench`'s distribution)."""
     rng = random.Random(seed)
     return [max(1, rng.randint(int(mean * (1 - range_ratio)), int(mean * (1 + range_ratio)))) for _ in range(n)]
 
