@@ -166,8 +166,10 @@ class WorkerConfig:
     """How the worker executes steps. Each field's help says what it means."""
 
     attention_backend: str = option("auto", "auto: cpu on a CPU; cpu: numba paged decode kernel + per-sequence "
-                                            "prefill; reference: one sequence at a time with torch SDPA",
-                                    choices=["auto", "cpu", "reference"])
+                                            "prefill; reference: one sequence at a time with torch SDPA; flex: "
+                                            "torch FlexAttention over the paged cache (compiled on CUDA, eager on "
+                                            "a CPU)",
+                                    choices=["auto", "cpu", "reference", "flex"])
     worker_threads: int = option(0, "CPU threads of the worker's model and attention (0: torch's default, one per "
                                     "core)", type=count)
 

@@ -10,6 +10,8 @@ attention output; how it loops (or doesn't) is its own business.
   CPU, the kernel beats the per-sequence loop for tiny models (the loop's Python overhead dominates) and for a
   110M Llama (no gather copy of the context), and a padded batched SDPA with a mask loses to both (torch falls
   back to its math path); see scripts/bench_overhead.py.
+- `flex`: torch's FlexAttention over the cache in place, decodes and prefill chunks each in one call per layer
+  (worker/flex_attention.py): compiled on CUDA, eager (unfused, for tests) on the CPU.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from worker.attention import AttentionMetadata, LayerFeatures
+from worker.flex_attention import FlexBackend
 
 
 def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, query_start: int, key_start: int,
@@ -153,7 +156,7 @@ class CpuBackend(ReferenceBackend):
                                          features.sliding_window, features.softcap, features.sinks)
 
 
-BACKENDS = {backend.name: backend for backend in (ReferenceBackend, CpuBackend)}
+BACKENDS = {backend.name: backend for backend in (ReferenceBackend, CpuBackend, FlexBackend)}
 
 
 def make_backend(name: str, block_size: int, device: torch.device):
@@ -168,4 +171,6 @@ def make_backend(name: str, block_size: int, device: torch.device):
         raise ValueError(f"unknown attention backend {name!r}; choose from auto, {', '.join(BACKENDS)}")
     if name == "cpu" and device.type != "cpu":
         raise ValueError("the cpu attention backend runs on the CPU only")
+    if name == "flex":
+        return FlexBackend(block_size, device)
     return BACKENDS[name](block_size)
