@@ -149,11 +149,11 @@ class SchedulerConfig:
     ttft_slo_ms: float = option(0.0, "TTFT objective (ms): a request predicted to miss it is refused at once with 503 "
                                      "and Retry-After (scheduler/admission.py; 0: off; a request's `ttft_slo_ms` field "
                                      "sets its own)", type=float)
-    step_cost_profile: str = option("", "calibrated step-cost profile (scripts/calibrate.py) for --ttft-slo-ms; "
+    step_cost_profile: str = option("", "calibrated step-cost profile (`shuttle calibrate`) for --ttft-slo-ms; "
                                         "without one the cost model is fitted online to the server's own steps",
                                     metavar="JSON")
     step_log: str = option("", "append every step's shape, served seconds and end time to this file as JSON lines "
-                               "(scheduler/step_log.py; scripts/calibrate.py fits its serving corrections from them)",
+                               "(scheduler/step_log.py), to set the served steps against a `shuttle calibrate` profile",
                            metavar="FILE")
     batch_background: bool = option(True, "run batch jobs (the ZeroMQ endpoint) behind every interactive HTTP or "
                                           "WebSocket request under either --scheduling-policy, so a running batch job "
