@@ -54,6 +54,9 @@ from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attent
 from worker.attention import AttentionMetadata, LayerFeatures
 
 QUERY_BLOCK = 16  # packed form's query block (tokens): small, since a block spanning sequences reads all their blocks
+# The decode form's one query per row sits in a query block of this size: inductor skips every kernel config whose
+# BLOCK_M does not divide it, and the decode template's BLOCK_M is the GQA group (up to 128) rounded to a power of 2
+DECODE_QUERY_BLOCK = 128
 MAX_VIEW_ELEMENTS = 2**31 - 1  # flex's Triton kernels compute K/V offsets in int32
 RECOMPILE_LIMIT = 256  # dynamo's default (8) is far below buckets x windows x soft-caps; see configure_dynamo
 _NO_BLOCK = torch.iinfo(torch.int32).max  # sorts after every real block id
@@ -151,12 +154,16 @@ def width_bucket(width: int) -> int:
 
 
 def kernel_options(form: str, block_size: int) -> dict:
-    """Triton tile sizes for the compiled kernels. A KV tile must not span cache blocks (BLOCK_N divides the block
-    size); the packed form's query tile is its query block, and it must not fall to the decode template, which
-    assumes one query block per row. Not yet measured on a GPU."""
+    """Triton tile options for the compiled kernels (not yet measured on a GPU).
+
+    A KV tile must not span cache blocks: BLOCK_N divides the block size (inductor skips configs that do not, and
+    fails when none is left). The packed form's query tile is its query block, and it is kept off the decode
+    template (chosen for short queries), which would treat its few query blocks as one.
+    """
+    block_n = min(block_size & -block_size, 64)  # the largest power of two dividing the block size
     if form == "decode":
-        return {"BLOCK_N": min(block_size, 64)}
-    return {"BLOCK_M": QUERY_BLOCK, "BLOCK_N": min(block_size, 64), "FORCE_USE_FLEX_ATTENTION": True}
+        return {"BLOCK_N": block_n}
+    return {"BLOCK_M": QUERY_BLOCK, "BLOCK_N": block_n, "FORCE_USE_FLEX_ATTENTION": True}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -339,22 +346,26 @@ def packed_block_lists(inputs: FormInputs, block_size: int, window: int | None):
     return (*_compact(partial, keep), *_compact(blocks.flatten(1), full.flatten(1)))
 
 
-def block_mask(lists, mask_mod, num_queries_per_row: int, num_cache_blocks: int, block_size: int) -> BlockMask:
-    """A BlockMask over the whole cache view from four block lists (per query block) and the mask_mod.
+def block_mask(lists, mask_mod, decode: bool, num_queries: int, num_cache_blocks: int, block_size: int) -> BlockMask:
+    """A BlockMask over the whole cache view from four block lists and the mask_mod.
 
     Args:
-        lists: (kv_num_blocks [Z, Qb] or [Z], kv_indices [Z, Qb, C] or [Z, C], and the full pair), int32.
-        num_queries_per_row: the query length of one batch row (1 for decode, the packed tokens otherwise).
+        lists: (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices), int32: per decode row ([rows],
+            [rows, C]) or per packed query block ([Qb], [Qb, C]).
+        decode: the decode form (one batch row per sequence, query length 1) or the packed one (one batch row of
+            num_queries tokens).
     """
     def shaped(counts, indices):
-        if counts.dim() == 1 and num_queries_per_row == 1:  # decode: one query block per batch row
+        if decode:  # [B, H=1, one query block] and [B, 1, 1, C]
             return counts.view(-1, 1, 1), indices.view(indices.shape[0], 1, 1, -1)
-        return counts.view(1, 1, -1), indices.view(1, 1, *indices.shape)  # packed: one batch row of query blocks
+        return counts.view(1, 1, -1), indices.view(1, 1, *indices.shape)  # [1, 1, Qb] and [1, 1, Qb, C]
 
     kv_num, kv_indices = shaped(*lists[:2])
     full_num, full_indices = shaped(*lists[2:])
-    return BlockMask.from_kv_blocks(kv_num, kv_indices, full_num, full_indices, BLOCK_SIZE=(QUERY_BLOCK, block_size),
-                                    mask_mod=mask_mod, seq_lengths=(num_queries_per_row, num_cache_blocks * block_size),
+    q_block = DECODE_QUERY_BLOCK if decode else QUERY_BLOCK
+    return BlockMask.from_kv_blocks(kv_num, kv_indices, full_num, full_indices, BLOCK_SIZE=(q_block, block_size),
+                                    mask_mod=mask_mod, seq_lengths=(1 if decode else num_queries,
+                                                                    num_cache_blocks * block_size),
                                     compute_q_blocks=False)  # q-major lists are for the backward pass only
 
 
@@ -438,11 +449,12 @@ class FlexBackend:
             if step.decode is not None:
                 form = step.decode
                 mod = _mask_mod(form.table, step.p2l, form.row_of, form.qpos_of, True, bs, window)
-                decode = block_mask(decode_block_lists(form, bs, window), mod, 1, num_cache_blocks, bs)
+                decode = block_mask(decode_block_lists(form, bs, window), mod, True, 1, num_cache_blocks, bs)
             if step.packed is not None:
                 form = step.packed
                 mod = _mask_mod(form.table, step.p2l, form.row_of, form.qpos_of, False, bs, window)
-                packed = block_mask(packed_block_lists(form, bs, window), mod, form.num_queries, num_cache_blocks, bs)
+                packed = block_mask(packed_block_lists(form, bs, window), mod, False, form.num_queries,
+                                    num_cache_blocks, bs)
             step.masks[window] = (decode, packed)
         return step.masks[window]
 
