@@ -67,8 +67,8 @@ def run_both(meta, features, block_size, heads=8, kv_heads=2, head_dim=16, v_hea
     contents at its slots (the backends read both)."""
     keys, values = make_cache(num_blocks, block_size, kv_heads, head_dim, v_head_dim, dtype)
     tokens = meta.slot_mapping.shape[0]
-    query = torch.randn(tokens, heads, head_dim, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-    query = query.to(dtype)
+    query = torch.randn(heads, tokens, head_dim, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    query = query.to(dtype).transpose(0, 1)  # [T, H, D] with heads-first strides, as transformers hands it over
     key = keys.view(-1, kv_heads, head_dim)[meta.slot_mapping]
     value = values.view(-1, kv_heads, v_head_dim)[meta.slot_mapping]
     flex = backend or fx.FlexBackend(block_size, check_invariants=True)

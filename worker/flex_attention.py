@@ -481,19 +481,23 @@ class FlexBackend:
         d, t = step.num_decodes, query.shape[0]
         parts = []
         if decode_mask is not None:
-            q = self._pad(query[:d], step.decode.num_queries).unsqueeze(2)  # [B, H, 1, D]
+            q = self._padded(query[:d], step.decode.num_queries, 0).unsqueeze(2)  # [B, H, 1, D]
             parts.append(self._attend(q, keys, values, decode_mask, features, "decode")[:d, :, 0])
         if packed_mask is not None:
-            q = self._pad(query[d:], step.packed.num_queries).transpose(0, 1).unsqueeze(0)  # [1, H, T', D]
+            q = self._padded(query[d:].transpose(0, 1), step.packed.num_queries, 1).unsqueeze(0)  # [1, H, T', D]
             parts.append(self._attend(q, keys, values, packed_mask, features, "packed")[0, :, :t - d].transpose(0, 1))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     @staticmethod
-    def _pad(rows: torch.Tensor, count: int) -> torch.Tensor:
-        """rows [n, ...] padded with zeros to [count, ...] (padded queries attend nothing and are dropped)."""
-        if rows.shape[0] == count:
-            return rows
-        return torch.cat([rows, rows.new_zeros(count - rows.shape[0], *rows.shape[1:])])
+    def _padded(queries: torch.Tensor, count: int, dim: int) -> torch.Tensor:
+        """A contiguous copy of `queries`, padded with zeros to `count` along `dim` (padded queries attend nothing
+        and are dropped). Always a copy: the query transformers hands over has strides that depend on the step's
+        token count, and compiled flex guards on strides, so passing it through would recompile every step."""
+        shape = list(queries.shape)
+        shape[dim] = count
+        out = queries.new_zeros(shape)
+        out.narrow(dim, 0, queries.shape[dim]).copy_(queries)
+        return out
 
     def _attend(self, query, keys, values, mask: BlockMask, features: LayerFeatures, form: str) -> torch.Tensor:
         """One flex call. query [Z, H, L, D] -> [Z, H, L, Dv] in query's dtype."""
