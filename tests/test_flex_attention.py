@@ -266,7 +266,8 @@ def test_engine_greedy_matches_transformers():
     num_blocks, block_size = 40, 16
     model = ModelConfig.from_dir(MODEL_DIR)
     config = ShuttleConfig(model=model, ipc=IpcConfig.in_directory("/nonexistent"),
-                           cache=CacheConfig(block_size, num_blocks), scheduler=SchedulerConfig(max_num_batched_tokens=24),
+                           cache=CacheConfig(block_size, num_blocks),
+                           scheduler=SchedulerConfig(max_num_batched_tokens=24),
                            worker=WorkerConfig(attention_backend="flex"))
     runner = ModelRunner(config)
     assert runner.backend.name == "flex"
