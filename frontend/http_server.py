@@ -18,10 +18,10 @@
 - Malformed HTTP is one WARNING line naming the peer and the parser's complaint, never a traceback; a client
   that leaves while its answer is being written is not a server error (DEBUG).
 
-aiohttp has no public hook for these, so `ShuttleRequestHandler` subclasses its RequestHandler and reads a few
-of its private attributes (`_waiter`, `_messages`, `_current_request`, `_upgraded`) and overrides its `set_parser`
-(where a WebSocket hands over its frame reader); tests/test_http_edges.py and tests/test_ws_batch_edges.py exercise
-every one of them.
+aiohttp has no public hook for these, so `ShuttleRequestHandler` subclasses its RequestHandler, overrides its
+`set_parser` (where a WebSocket hands over its frame reader) and reads the few private attributes named in
+AIOHTTP_PRIVATE, each read marked where it is made. tests/test_aiohttp_internals.py fails when aiohttp no longer has
+one of them; tests/test_http_edges.py and tests/test_ws_batch_edges.py exercise what each is read for.
 """
 
 from __future__ import annotations
@@ -45,6 +45,14 @@ PROBE_INTERVAL_S = 0.5
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 LISTEN_BACKLOG = 4096  # a burst of thousands of clients connecting at once should queue, not be refused
 BODY = web.RequestKey("shuttle_body", bytes)  # the request body, decoded from its Content-Encoding
+# RequestHandler's private attributes read below, checked against aiohttp 3.14.5 (tests/test_aiohttp_internals.py):
+#   _waiter: the future start() awaits for the next request head (None while one is queued or handled)
+#   _messages: request heads parsed and not yet taken by start()
+#   _current_request: the request being handled (None between requests)
+#   _request_count: requests the connection has started (0: a fresh connection)
+#   _upgraded: the connection was handed to a WebSocket (BaseProtocol's)
+AIOHTTP_CHECKED = "3.14.5"
+AIOHTTP_PRIVATE = ("_waiter", "_messages", "_current_request", "_request_count", "_upgraded")
 
 
 class ShuttleRequestHandler(RequestHandler):
@@ -62,10 +70,11 @@ class ShuttleRequestHandler(RequestHandler):
         super().data_received(data)
         # Waiting for a request head: between requests (start() awaits its waiter), or on a fresh connection whose
         # first head is still incomplete, where data can arrive before start() has created its waiter at all.
+        # (private attributes of aiohttp 3.14.5: AIOHTTP_PRIVATE)
         idle = (self._waiter is not None and not self._waiter.done()) or (
             self._request_count == 0 and not self._messages)
         if idle and data and self._header_timer is None and self._header_timeout > 0:
-            self._header_timer = self._loop.call_later(self._header_timeout, self._head_overdue)
+            self._header_timer = asyncio.get_running_loop().call_later(self._header_timeout, self._head_overdue)
         elif not idle and self._header_timer is not None:
             self._header_timer.cancel()
             self._header_timer = None
@@ -83,6 +92,7 @@ class ShuttleRequestHandler(RequestHandler):
 
     def _head_overdue(self) -> None:
         self._header_timer = None
+        # (a private attribute of aiohttp 3.14.5: AIOHTTP_PRIVATE)
         if self._waiter is not None and not self._waiter.done() and self.transport is not None:
             log.info("closing a connection from %s: request head incomplete after %g s",
                      self.transport.get_extra_info("peername"), self._header_timeout)
@@ -92,6 +102,7 @@ class ShuttleRequestHandler(RequestHandler):
         """Keep a half-closed connection open while its request is answered; close an idle one at once."""
         # Idle: waiting for a request head (or never sent a byte). Otherwise a request is queued or being handled
         # (start() may have taken it off the queue without its handler having run yet: _waiter is then None).
+        # (private attributes of aiohttp 3.14.5: AIOHTTP_PRIVATE)
         idle = not self._messages and self._current_request is None and (
             self._waiter is not None or self._request_count == 0)
         if self._upgraded or idle:
@@ -104,12 +115,12 @@ class ShuttleRequestHandler(RequestHandler):
         self._probe = None
         if self.transport is None:
             return
-        request = self._current_request
+        request = self._current_request  # (a private attribute of aiohttp 3.14.5: AIOHTTP_PRIVATE)
         if request is not None and request.writer.output_size > 0:
             return  # answering: the response's own writes detect a client that left
         if request is not None:
             self.transport.write(CONTINUE)  # to a client that closed altogether, this draws a reset
-        self._probe = self._loop.call_later(PROBE_INTERVAL_S, self._probe_peer)
+        self._probe = asyncio.get_running_loop().call_later(PROBE_INTERVAL_S, self._probe_peer)
 
     def connection_lost(self, exc: BaseException | None) -> None:
         for timer in (self._header_timer, self._probe):
