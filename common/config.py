@@ -307,8 +307,6 @@ class ShuttleConfig:
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     host: str = "127.0.0.1"
     port: int = 8000
-    # Test-only: seconds the worker sleeps in every step, to show the frontend never waits on the model.
-    debug_step_delay: float = 0.0
     chat_template: str | None = None  # Jinja file overriding the tokenizer's chat template
     batch_endpoint: str = ""  # ZeroMQ endpoint for batch clients ("" = none)
     # Origins whose browser pages may call the API (CORS) and open the WebSocket; "*" is any origin; empty: no CORS
@@ -335,7 +333,6 @@ class ShuttleConfig:
             worker=section_from_args(WorkerConfig, args),
             host=args.host,
             port=args.port,
-            debug_step_delay=args.debug_step_delay,
             chat_template=args.chat_template,
             batch_endpoint=_batch_endpoint(args),
             allowed_origins=tuple(args.allowed_origins or ()),

@@ -67,7 +67,6 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--zmq-transport", choices=["ipc", "tcp"], default="ipc",
                        help="ipc:// sockets in a private runtime directory, or tcp:// on loopback authenticated "
                             "with ZeroMQ CURVE keys made for each launch")
-    serve.add_argument("--debug-step-delay", type=float, default=0.0, help=argparse.SUPPRESS)
     _add_engine_parser(commands, serve)
     serve.add_argument("--data-parallel-size", type=count, default=1, metavar="M",
                        help="serving groups (each a scheduler + its worker, with its own KV cache) behind the one "

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from common.config import DEFAULT_MODEL_DIR
 from common.process import die_with_parent
+from worker.loop import STEP_DELAY_ENV
 
 __all__ = ["ShuttleServer", "pid_alive"]
 
@@ -56,7 +57,7 @@ class ShuttleServer:
 
     def __init__(self, *args: str, model_dir: str | Path = DEFAULT_MODEL_DIR, start_timeout: float = 120.0,
                  env: dict[str, str] | None = None, preexec=None, command: str = "serve",
-                 cwd: str | Path | None = None):
+                 cwd: str | Path | None = None, step_delay: float = 0.0):
         ShuttleServer.launches += 1
         port = ["--port", "0"] if command == "serve" else []
         cmd = [sys.executable, "-m", "launcher.cli", command, str(model_dir), *port, *args]
@@ -71,6 +72,8 @@ class ShuttleServer:
         # with each other and the client, torch's OpenMP threads spin against them and a step becomes tens of times
         # slower (measured on 2 cores: 38 vs 1,101 tokens/s under a load of 6).
         env = {"OMP_NUM_THREADS": "1", **os.environ, **(env or {})}
+        if step_delay:  # worker/loop.py's test hook: keeps requests in flight on a tiny model
+            env[STEP_DELAY_ENV] = str(step_delay)
         self.proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, text=True, start_new_session=True,
                                      env=env, preexec_fn=before_exec)
         self.output: list[str] = []

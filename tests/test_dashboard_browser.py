@@ -53,7 +53,7 @@ READ_DOM = """() => ({
 
 @pytest.fixture(scope="module")
 def server():
-    srv = ShuttleServer("--debug-step-delay", "0.02", "--max-num-batched-tokens", "64", "--num-kv-blocks", "96",
+    srv = ShuttleServer("--max-num-batched-tokens", "64", "--num-kv-blocks", "96", step_delay=0.02,
                         env={"SHUTTLE_API_KEY": KEY})
     yield srv
     srv.stop()

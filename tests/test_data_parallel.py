@@ -26,7 +26,7 @@ PREFIX = [1] + [(i * 37) % 480 + 20 for i in range(199)]  # 200 tokens: 12 full 
 
 @pytest.fixture(scope="module")
 def srv():
-    srv = ShuttleServer("--data-parallel-size", "2", "--debug-step-delay", "0.02", "--max-restarts", "5")
+    srv = ShuttleServer("--data-parallel-size", "2", "--max-restarts", "5", step_delay=0.02)
     yield srv
     srv.stop()
 

@@ -36,7 +36,7 @@ async def twenty_streams_then_sigterm(srv: ShuttleServer, body: dict):
 
 
 async def test_sigterm_lets_20_streams_finish_and_refuses_newcomers_at_once():
-    srv = ShuttleServer("--shutdown-timeout", "60", "--debug-step-delay", "0.02")
+    srv = ShuttleServer("--shutdown-timeout", "60", step_delay=0.02)
     try:
         body = {"prompt": "Once upon a time", "max_tokens": 150, "ignore_eos": True, "temperature": 0,
                 "return_token_ids": True}
@@ -65,7 +65,7 @@ async def test_sigterm_lets_20_streams_finish_and_refuses_newcomers_at_once():
 
 
 async def test_sigterm_with_a_short_timeout_ends_the_rest_with_an_error_event():
-    srv = ShuttleServer("--shutdown-timeout", "1", "--debug-step-delay", "0.05")
+    srv = ShuttleServer("--shutdown-timeout", "1", step_delay=0.05)
     try:
         body = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "temperature": 0}
         session, tasks = await twenty_streams_then_sigterm(srv, body)

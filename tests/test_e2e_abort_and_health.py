@@ -1,6 +1,6 @@
 """Acceptance: the frontend never waits on model work, and a client that leaves frees its KV blocks at once.
 
-The worker is slowed by the test-only --debug-step-delay so steps are long and requests stay in flight. Waits
+The worker is slowed by the SHUTTLE_DEBUG_STEP_DELAY test hook (ShuttleServer's step_delay) so steps are long and requests stay in flight. Waits
 are bounds that only a hang exceeds.
 """
 
@@ -20,7 +20,7 @@ STEP_DELAY = 0.4
 
 @pytest.fixture(scope="module")
 def slow_server():
-    srv = ShuttleServer("--debug-step-delay", str(STEP_DELAY))
+    srv = ShuttleServer(step_delay=STEP_DELAY)
     yield srv
     srv.stop()
 

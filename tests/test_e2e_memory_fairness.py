@@ -143,7 +143,7 @@ async def stream_first_token_time(session, url, **body) -> tuple[float, float]:
 
 
 async def test_high_priority_requests_start_before_queued_low_priority_ones():
-    srv = ShuttleServer("--scheduling-policy", "priority", "--max-num-seqs", "2", "--debug-step-delay", "0.01")
+    srv = ShuttleServer("--scheduling-policy", "priority", "--max-num-seqs", "2", step_delay=0.01)
     try:
         async with unlimited_session() as session:
             job = {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
@@ -170,8 +170,8 @@ async def test_high_priority_requests_start_before_queued_low_priority_ones():
 async def low_priority_wait_under_steady_high_traffic(aging_seconds: str) -> tuple[float, float]:
     """Keep 3 high-priority requests outstanding for 5 s while one low-priority request waits.
     Returns (low request's finish time, end of the high stream), seconds from the stream's start."""
-    srv = ShuttleServer("--scheduling-policy", "priority", "--max-num-seqs", "1", "--debug-step-delay", "0.01",
-                        "--priority-aging-seconds", aging_seconds)
+    srv = ShuttleServer("--scheduling-policy", "priority", "--max-num-seqs", "1",
+                        "--priority-aging-seconds", aging_seconds, step_delay=0.01)
     job = {"prompt": "Once upon a time", "max_tokens": 10, "temperature": 0, "ignore_eos": True}
     try:
         async with unlimited_session() as session:
@@ -208,7 +208,7 @@ async def test_without_aging_low_priority_starves_until_high_traffic_stops():
 
 @pytest.fixture(scope="module")
 def bounded_server():
-    srv = ShuttleServer("--max-waiting-requests", "8", "--max-num-seqs", "2", "--debug-step-delay", "0.05")
+    srv = ShuttleServer("--max-waiting-requests", "8", "--max-num-seqs", "2", step_delay=0.05)
     yield srv
     srv.stop()
 

@@ -129,7 +129,7 @@ async def test_worker_death_past_max_restarts_errors_requests_and_exits_nonzero(
     import asyncio
     import json
 
-    srv = ShuttleServer("--debug-step-delay", "0.2", "--max-restarts", "0")
+    srv = ShuttleServer("--max-restarts", "0", step_delay=0.2)
     try:
         async with aiohttp.ClientSession() as session:
             long_job = {"prompt": "Hi", "max_tokens": 200, "ignore_eos": True}

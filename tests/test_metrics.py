@@ -21,7 +21,7 @@ def parse(text: str) -> dict[str, float]:
 
 
 async def test_metrics_counts_are_exact():
-    srv = ShuttleServer("--max-waiting-requests", "2", "--max-num-seqs", "1", "--debug-step-delay", "0.02")
+    srv = ShuttleServer("--max-waiting-requests", "2", "--max-num-seqs", "1", step_delay=0.02)
     try:
         async with aiohttp.ClientSession() as session:
             # 3 finished by length (ignore_eos, 6 tokens each), streamed and not

@@ -36,7 +36,7 @@ def test_a_step_runs_from_its_send_or_the_previous_result_whichever_is_later(tmp
 @pytest.fixture(scope="module")
 def logging_server(tmp_path_factory):
     path = tmp_path_factory.mktemp("steps") / "steps.jsonl"
-    srv = ShuttleServer("--step-log", str(path), "--debug-step-delay", str(STEP_DELAY))
+    srv = ShuttleServer("--step-log", str(path), step_delay=STEP_DELAY)
     yield srv, path
     srv.stop()
 
@@ -53,4 +53,4 @@ async def test_the_server_logs_each_step_it_runs(logging_server):
     assert [(s.num_tokens, s.num_prefill_seqs, s.num_decode_seqs, s.num_sampled) for s in steps] == [
         (prompt_len, 1, 0, 1)] + [(1, 0, 1, 1)] * 3
     assert [s.decode_attention for s in steps[1:]] == [prompt_len + 1, prompt_len + 2, prompt_len + 3]
-    assert all(STEP_DELAY <= s.seconds < 5 for s in steps)  # the worker's time is in it (--debug-step-delay)
+    assert all(STEP_DELAY <= s.seconds < 5 for s in steps)  # the worker's time is in it (the step_delay hook)

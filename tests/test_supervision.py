@@ -1,6 +1,6 @@
 """Issue 9 acceptance 1: the engine fails and comes back while the frontend keeps its socket.
 
-One real server for the module, slowed by --debug-step-delay so requests stay in flight. In turn: kill -9 of
+One real server for the module, slowed by the SHUTTLE_DEBUG_STEP_DELAY test hook (ShuttleServer's step_delay) so requests stay in flight. In turn: kill -9 of
 the worker, kill -9 of the scheduler, SIGSTOP of the worker (found by --step-timeout 5), SIGSTOP of the
 scheduler (found by the launcher's heartbeat timeout), kill -9 of the frontend. Each time every open
 request ends with exactly one terminal error, /health answers 503 and then 200 again, and a greedy request is
@@ -26,8 +26,8 @@ LONG = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "te
 
 @pytest.fixture(scope="module")
 def srv():
-    srv = ShuttleServer("--step-timeout", "5", "--heartbeat-timeout", "8", "--debug-step-delay", "0.05",
-                        "--max-restarts", "10")
+    srv = ShuttleServer("--step-timeout", "5", "--heartbeat-timeout", "8",
+                        "--max-restarts", "10", step_delay=0.05)
     yield srv
     srv.stop()
 

@@ -44,7 +44,7 @@ def main() -> None:
     # too. A step that never returns is the scheduler's step watchdog's to notice.
     HeartbeatSender(config, name).start_thread()
     step_delay = float(os.environ.get(STEP_DELAY_ENV, "0"))
-    WorkerLoop(plans, results, runner, parallel, rank, step_delay or config.debug_step_delay).run()
+    WorkerLoop(plans, results, runner, parallel, rank, step_delay).run()
 
 
 if __name__ == "__main__":

@@ -335,6 +335,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--max-waiting-requests", type=int, default=4096, help="the server's flag (its default)")
     parser.add_argument("--server-arg", action="append", default=[], help="more `shuttle serve` arguments")
+    parser.add_argument("--step-delay", type=float, default=0.0,
+                        help="seconds the worker sleeps per step (SHUTTLE_DEBUG_STEP_DELAY)")
     parser.add_argument("--max-attempts", type=int, default=100)
     parser.add_argument("--request-timeout", type=float, default=600.0, help="seconds one attempt may take")
     parser.add_argument("--health-interval", type=float, default=0.1)
@@ -345,7 +347,8 @@ def main() -> None:
     parser.add_argument("--json", default="bench_retry_after.json")
     args = parser.parse_args()
     raise_fd_limit()  # one socket per client; the server's processes inherit the raised limit
-    server = ShuttleServer("--max-waiting-requests", str(args.max_waiting_requests), *args.server_arg)
+    server = ShuttleServer("--max-waiting-requests", str(args.max_waiting_requests), *args.server_arg,
+                           step_delay=args.step_delay)
     try:
         run, duration = asyncio.run(burst(server.url, args))
         result = report(run, duration, args)
