@@ -1,4 +1,5 @@
-"""Running the choices of one request together: collected (non-streaming) or merged into one stream."""
+"""Running the choices of one request together: collected (non-streaming) or, when there are several, merged into
+one stream."""
 
 from __future__ import annotations
 
@@ -20,39 +21,43 @@ class CollectedChoice:
 
 
 async def collect(generations: list[TextGeneration]) -> list[CollectedChoice]:
-    """Run every generation to its end. The first error cancels the others (aborting them) and is raised."""
-
-    async def run(choice: CollectedChoice) -> CollectedChoice:
-        texts = []
-        async with aclosing(choice.generation.deltas()) as deltas:
-            async for delta in deltas:
-                texts.append(delta.text)
-                choice.token_ids.extend(delta.token_ids)
-                choice.logprobs.extend(delta.logprobs)
-        choice.text = "".join(texts)
-        return choice
-
+    """Run every generation to its end: one choice in this task, several in a task each. The first error cancels
+    the others (aborting them) and is raised."""
+    if len(generations) == 1:
+        return [await _collect_one(CollectedChoice(generations[0]))]
     try:
         async with asyncio.TaskGroup() as group:
-            tasks = [group.create_task(run(CollectedChoice(g))) for g in generations]
+            tasks = [group.create_task(_collect_one(CollectedChoice(g))) for g in generations]
     except BaseExceptionGroup as group_error:
         raise group_error.exceptions[0] from None
     return [t.result() for t in tasks]
 
 
-async def merge(generations: list[TextGeneration]) -> AsyncIterator[tuple[TextGeneration, TextDelta]]:
-    """Yield (generation, delta) from all generations as they arrive. An error in any is raised here; leaving
-    early cancels (and so aborts) the rest."""
-    queue: asyncio.Queue = asyncio.Queue()
+async def _collect_one(choice: CollectedChoice) -> CollectedChoice:
+    texts = []
+    async with aclosing(choice.generation.deltas()) as deltas:
+        async for delta in deltas:
+            texts.append(delta.text)
+            choice.token_ids.extend(delta.token_ids)
+            choice.logprobs.extend(delta.logprobs)
+    choice.text = "".join(texts)
+    return choice
+
+
+async def merge(generations: list[TextGeneration]) -> AsyncIterator[TextDelta]:
+    """Several choices' deltas in one stream as they arrive (a task per choice feeding one queue; one choice
+    needs none of this: stream its own deltas). An error in any is raised here; leaving early cancels (and so
+    aborts) the rest."""
+    queue: asyncio.Queue[TextDelta | Exception | None] = asyncio.Queue()
     remaining = len(generations)
 
     async def pump(generation: TextGeneration) -> None:
         try:
             async with aclosing(generation.deltas()) as deltas:
                 async for delta in deltas:
-                    queue.put_nowait((generation, delta))
+                    queue.put_nowait(delta)
         except Exception as exc:  # handed to the consumer, who decides
-            queue.put_nowait((generation, exc))
+            queue.put_nowait(exc)
         finally:
             queue.put_nowait(None)
 
@@ -62,11 +67,10 @@ async def merge(generations: list[TextGeneration]) -> AsyncIterator[tuple[TextGe
             item = await queue.get()
             if item is None:
                 remaining -= 1
-                continue
-            generation, payload = item
-            if isinstance(payload, Exception):
-                raise payload
-            yield generation, payload
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
     finally:
         for task in tasks:
             task.cancel()

@@ -100,7 +100,7 @@ PAGE = web.AppKey("shuttle_dashboard_page", tuple)
 def add_dashboard(app: web.Application, state: FrontendState) -> StatsFeed:
     """Register /dashboard and /v1/stats/stream on `app`, and hook the feed onto the engine's stats."""
     feed = StatsFeed(state.engine, state.metrics, state.config)
-    state.engine.on_stats = feed.chain(getattr(state.engine, "on_stats", None))
+    state.engine.on_stats = feed.chain(state.engine.on_stats)
     app[FEED] = feed
     app[PAGE] = render_page()
 

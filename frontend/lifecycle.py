@@ -14,7 +14,7 @@ from common.config import ShuttleConfig
 from common.ipc import AsyncChannel
 from common.messages import EngineDown, SupervisorMessage
 from common.process import HEARTBEAT_INTERVAL_S, HeartbeatSender
-from frontend.router import Router
+from frontend.engine_api import Engine
 
 log = logging.getLogger("shuttle.frontend")
 
@@ -28,7 +28,7 @@ class SupervisorLink:
     The heartbeat is sent from the event loop, so a wedged loop stops it and the launcher restarts the frontend.
     """
 
-    def __init__(self, config: ShuttleConfig, engine: Router):
+    def __init__(self, config: ShuttleConfig, engine: Engine):
         self.engine = engine
         self.heartbeat = HeartbeatSender(config, "frontend")
         self.channel: AsyncChannel[SupervisorMessage] | None = None
@@ -73,14 +73,13 @@ class Shutdown:
         self.requested.set()
 
 
-async def drain(engine: Router, timeout: float, hurry: asyncio.Event,
+async def drain(engine: Engine, timeout: float, hurry: asyncio.Event,
                 websockets: set[web.WebSocketResponse]) -> None:
     """Stop admitting at once (503 with no Retry-After and `Connection: close`: the server is going away, see
     frontend/backpressure.py; /health says "draining"), let in-flight requests finish for up to `timeout` seconds,
     then end the rest with an error and close the WebSockets (1001 going away)."""
     engine.draining = True
     deadline = time.monotonic() + timeout
-    engine.drain_deadline = deadline
     log.info("draining: %d request(s) in flight, up to %g s", engine.num_in_flight, timeout)
     while engine.num_in_flight and time.monotonic() < deadline and not hurry.is_set():
         try:

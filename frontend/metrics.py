@@ -76,7 +76,7 @@ class Metrics:
 
     Args:
         stats_source: () -> the schedulers' SchedulerStats (summed over serving groups).
-        groups_source: () -> list of frontend.engine_client.GroupState, for the per-group metrics (None: none).
+        groups_source: () -> list of frontend.engine_api.GroupState, for the per-group metrics (None: none).
     """
 
     def __init__(self, stats_source, groups_source=None):

@@ -43,7 +43,7 @@ async def openai_errors(request: web.Request, handler) -> web.StreamResponse:
         if isinstance(exc, InvalidRequestError):
             request.app[STATE].metrics.rejected.labels("invalid").inc()
         return _error(status, str(exc), param, retry_after=getattr(exc, "retry_after", None),
-                      going_away=getattr(request.app[STATE].engine, "draining", False))
+                      going_away=request.app[STATE].engine.draining)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise

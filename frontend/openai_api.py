@@ -3,78 +3,69 @@
 from __future__ import annotations
 
 import json
+from contextlib import aclosing
 
 from aiohttp import web
 
 from common.errors import GenerationError
 from frontend.http_server import request_body
 from frontend.protocol import ChatCompletionRequest, CompletionRequest, decode_body, error_body
-from frontend.serving import Prepared, check_model, prepare_chat, prepare_completion
+from frontend.serving import Call, ChatCall, CompletionCall, check_model
 from frontend.state import RESPONSE_ID, STATE, FrontendState
 
 # The serving core (frontend/serving.py) holds what every transport shares; this module only speaks HTTP.
 
+DONE = b"data: [DONE]\n\n"  # the stream's last event
+
 
 async def create_completion(request: web.Request) -> web.StreamResponse:
-    state = request.app[STATE]
     body = decode_body(await request_body(request), CompletionRequest)
-    prepared = prepare_completion(state, body, on_request_id=lambda rid: request.__setitem__(RESPONSE_ID, rid))
-    return await _respond(request, prepared)
+    return await _respond(request, CompletionCall(request.app[STATE], body))
 
 
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
-    state = request.app[STATE]
     body = decode_body(await request_body(request), ChatCompletionRequest)
-    prepared = prepare_chat(state, body, on_request_id=lambda rid: request.__setitem__(RESPONSE_ID, rid))
-    return await _respond(request, prepared)
+    return await _respond(request, ChatCall(request.app[STATE], body))
 
 
-async def _respond(request: web.Request, prepared: Prepared) -> web.StreamResponse:
-    if prepared.body.stream:
-        return await _stream(request, prepared)
-    return web.json_response(await prepared.collect(), dumps=_dumps)
+async def _respond(request: web.Request, call: Call) -> web.StreamResponse:
+    request[RESPONSE_ID] = call.request_id  # the x-request-id header when the client sent none, errors included
+    if call.body.stream:
+        return await _stream(request, call)
+    return web.json_response(await call.collect(), dumps=_dumps)
 
 
 # ---- streaming --------------------------------------------------------------------------------------------------
 
-async def _stream(request: web.Request, prepared: Prepared) -> web.StreamResponse:
+async def _stream(request: web.Request, call: Call) -> web.StreamResponse:
     """Server-Sent Events: the core's chunks, then [DONE].
 
     The first chunk is awaited before the headers go out, so an admission error is a real HTTP status; an error
     after that arrives as a `data: {"error": ...}` event.
     """
-    chunks = prepared.chunks()
-    try:
-        first = await anext(chunks)
-    except StopAsyncIteration:
-        first = None
-    except BaseException:
-        await chunks.aclose()
-        raise
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    await response.prepare(request)
-
-    async def send(payload: dict | str) -> None:
-        data = payload if isinstance(payload, str) else _dumps(payload)
-        await response.write(f"data: {data}\n\n".encode())
-
-    try:
-        item = first
-        while item is not None:
-            await send(item)
-            item = await anext(chunks, None)
-    except GenerationError as exc:
-        await send(error_body(exc.status, str(exc)))
-    except ConnectionResetError:
-        raise  # the client is gone: closing `chunks` below aborts its requests
-    except Exception:
-        request.app.logger.exception("stream failed")
-        await send(error_body(500, "internal server error"))
-    finally:
-        await chunks.aclose()
-    await send("[DONE]")
+    async with aclosing(call.chunks()) as chunks:  # leaving (the client gone included) aborts the choices
+        first = await anext(chunks, None)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        try:
+            chunk = first
+            while chunk is not None:
+                await response.write(_event(chunk))
+                chunk = await anext(chunks, None)
+        except GenerationError as exc:
+            await response.write(_event(error_body(exc.status, str(exc))))
+        except ConnectionResetError:
+            raise  # the client is gone
+        except Exception:
+            request.app.logger.exception("stream failed")
+            await response.write(_event(error_body(500, "internal server error")))
+    await response.write(DONE)
     await response.write_eof()
     return response
+
+
+def _event(payload: dict) -> bytes:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n".encode()
 
 
 def _dumps(obj) -> str:

@@ -1,7 +1,8 @@
 """Data parallelism in the frontend: one engine client per serving group, and the choice of group per request.
 
-A serving group is a scheduler and its worker(s), with its own KV cache and sockets. The router stands where the
-one EngineClient stood (same interface) and sends each new sequence to one group:
+A serving group is a scheduler and its worker(s), with its own KV cache and sockets. The router implements the
+frontend's one engine interface (frontend/engine_api.py's Engine) over several groups and sends each new sequence to
+one of them:
 1. Prefix affinity: a prompt whose leading full blocks were sent to a group before goes there again, since that
    group's prefix cache probably still holds their KV. Blocks are named by common/block_hash.py's stable chained
    digests (the scheduler's own names), kept in a bounded LRU map digest -> group.
@@ -23,9 +24,9 @@ from typing import AsyncIterator
 
 from common.block_hash import ROOT_HASH, block_hash
 from common.errors import GenerationError
-from common.messages import RequestOutput, SchedulerInfo, SchedulerStats
-from common.sampling import SamplingParams
-from frontend.engine_client import EngineClient, GroupState
+from common.messages import RequestOutput, SchedulerInfo, SchedulerStats, Submit
+from frontend.engine_api import GroupState
+from frontend.engine_client import ServingGroup
 
 PREFIX_MAP_ENTRIES = 65536  # block digests remembered (16 bytes + an int each: a few MiB at most)
 
@@ -49,15 +50,15 @@ def aggregate_stats(stats: list[SchedulerStats]) -> SchedulerStats:
 
 
 class Router:
-    """Several serving groups behind the EngineClient interface (`generate`, `admission_error`, `stats`, ...).
+    """Several serving groups behind frontend.engine_api.Engine.
 
     Args:
-        groups: one EngineClient per serving group; group i is groups[i].
+        groups: one ServingGroup (an EngineClient) per serving group; group i is groups[i].
         max_num_seqs: a group's batch size, the measure of "much busier" for affinity (module docstring).
         wait_for: how many leading groups `start()` waits for (the local ones; remote ones join when they answer).
     """
 
-    def __init__(self, groups: list[EngineClient], max_num_seqs: int = 128, wait_for: int | None = None):
+    def __init__(self, groups: list[ServingGroup], max_num_seqs: int = 128, wait_for: int | None = None):
         if not groups:
             raise ValueError("a router needs at least one serving group")
         self.groups = groups
@@ -66,11 +67,9 @@ class Router:
         # digest -> (group, that group's times_down when it was sent there): a group that went down since has an
         # empty prefix cache, so its old entries no longer attract requests.
         self._prefix: OrderedDict[bytes, tuple[int, int]] = OrderedDict()
-        self._in_flight = [0] * len(groups)
         self._next = 0  # rotation among equal candidates
         self.affinity_hits = 0
         self.draining = False
-        self.drain_deadline = 0.0
 
     async def start(self, timeout: float = 120.0) -> SchedulerInfo | None:
         """Say Hello to every group; wait until one of the first `wait_for` groups (the local ones) answers. The
@@ -128,12 +127,8 @@ class Router:
     def num_in_flight(self) -> int:
         return sum(group.num_in_flight for group in self.groups)
 
-    @staticmethod
-    def new_request_id(prefix: str = "cmpl") -> str:
-        return EngineClient.new_request_id(prefix)
-
     def group_states(self) -> list[GroupState]:
-        return [group.group_state(i, self._in_flight[i]) for i, group in enumerate(self.groups)]
+        return [group.group_state(i) for i, group in enumerate(self.groups)]
 
     def admission_error(self) -> GenerationError | None:
         """503 while draining (no Retry-After: the server is going away) or while no group serves (Retry-After:
@@ -160,7 +155,7 @@ class Router:
 
     def _load(self, i: int) -> int:
         stats = self.groups[i].stats
-        return max(stats.num_waiting + stats.num_running, self._in_flight[i])
+        return max(stats.num_waiting + stats.num_running, self.groups[i].num_in_flight)
 
     def _kv_usage(self, i: int) -> float:
         stats = self.groups[i].stats
@@ -200,10 +195,8 @@ class Router:
         while len(self._prefix) > PREFIX_MAP_ENTRIES:
             self._prefix.popitem(last=False)
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                       priority: int = 0, timeout: float = 0.0, group_id: str = "",
-                       ttft_slo_ms: float = 0.0, background: bool = False) -> AsyncIterator[RequestOutput]:
-        """EngineClient.generate on the chosen group (its outputs, its aborts).
+    def generate(self, request: Submit) -> AsyncIterator[RequestOutput]:
+        """The chosen group's own `generate` (its outputs, its aborts, its count of sequences in flight).
 
         Raises:
             GenerationError: 503 at once while the server drains or no group is up.
@@ -211,19 +204,11 @@ class Router:
         if self.draining:
             raise self.admission_error()
         info = self.info
-        hashes = prompt_block_hashes(prompt_token_ids, info.block_size) if info is not None else []
+        hashes = prompt_block_hashes(request.prompt_token_ids, info.block_size) if info is not None else []
         group = self.choose(hashes)
         self._remember(hashes, group)
-        client = self.groups[group]
-        client.routed += 1
-        self._in_flight[group] += 1
-        try:
-            async for output in client.generate(request_id, prompt_token_ids, sampling, priority=priority,
-                                                timeout=timeout, group_id=group_id, ttft_slo_ms=ttft_slo_ms,
-                                                background=background):
-                yield output
-        finally:
-            self._in_flight[group] -= 1
+        self.groups[group].routed += 1
+        return self.groups[group].generate(request)
 
     # ---- supervision --------------------------------------------------------------------------------------------
 

@@ -1,26 +1,31 @@
 """The transport-neutral serving core: one completion or chat completion from its body to its response bodies.
 
-    validate the body -> tokenize the prompt(s) or render the chat template -> one TextGeneration per (prompt,
-    choice) -> submit, detokenize, stop strings (frontend/generation.py) -> collect one response body, or stream
-    chunk bodies
+    1. CompletionCall or ChatCall(state, body): check the body, tokenize the prompt(s) or render the chat
+       template, name the response (`request_id`)
+    2. `collect()`: the whole response body, or `chunks()`: the stream's chunk bodies. Either first builds one
+       TextGeneration per (prompt, choice) (checking each prompt's sampling parameters), then runs them
+       (frontend/generation.py: submit, detokenize, stop strings): one choice streams straight from its
+       generation, several are merged (frontend/choices.py)
 
 HTTP (frontend/openai_api.py), the WebSocket (frontend/websocket.py) and the ZeroMQ batch endpoint
-(frontend/zmq_api.py) are thin adapters around it: they only read their transport's frames, call `prepare` and
-write `Prepared.collect()` or `Prepared.chunks()` back in their own framing. So every transport has the same
-parameters, the same validation and the same errors (InvalidRequestError, ModelNotFoundError, GenerationError;
+(frontend/zmq_api.py) are thin adapters around it: they only read their transport's frames, make a call and
+write `collect()` or `chunks()` back in their own framing. So every transport has the same parameters, the same
+validation and the same errors (InvalidRequestError, ModelNotFoundError, GenerationError;
 `frontend.protocol.client_error` maps them to HTTP statuses).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable
+import uuid
+from contextlib import aclosing
+from typing import Any, AsyncIterator
 
 import msgspec
 
 from common.errors import InvalidRequestError, ModelNotFoundError
-from frontend.choices import collect, merge, usage
+from common.messages import Submit
+from frontend.choices import CollectedChoice, collect, merge, usage
 from frontend.generation import TextDelta, TextGeneration
 from frontend.protocol import (
     ChatCompletionRequest, CompletionRequest, SamplingFields, TokenizeRequest, check_logprobs, completion_prompts,
@@ -32,6 +37,10 @@ from frontend.state import FrontendState
 COMPLETIONS_URL = "/v1/completions"
 CHAT_COMPLETIONS_URL = "/v1/chat/completions"
 URLS = (COMPLETIONS_URL, CHAT_COMPLETIONS_URL)
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
 
 
 def check_model(state: FrontendState, model: str | None) -> None:
@@ -64,10 +73,11 @@ def build_generations(state: FrontendState, body: SamplingFields, prompts: list[
         for j in range(body.n):
             sampling = base if base.seed is None else msgspec.structs.replace(base, seed=(base.seed + j) % 2**64)
             index = p * body.n + j
-            generations.append(TextGeneration(
-                state.engine, state.tokenizer, f"{request_id}-{index}", ids, sampling, index, body.priority,
-                body.timeout or 0.0, stops, body.include_stop_str_in_output, state.metrics.request(len(ids)),
-                group_id=request_id, ttft_slo_ms=body.ttft_slo_ms or 0.0, background=background))
+            request = Submit(request_id=f"{request_id}-{index}", prompt_token_ids=ids, sampling=sampling,
+                             arrival_time=time.time(), priority=body.priority, timeout=body.timeout or 0.0,
+                             group_id=request_id, ttft_slo_ms=body.ttft_slo_ms or 0.0, background=background)
+            generations.append(TextGeneration(state.engine, state.tokenizer, request, index, stops,
+                                              body.include_stop_str_in_output, state.metrics.request(len(ids))))
     return generations
 
 
@@ -89,186 +99,222 @@ def chat_prompt_ids(state: FrontendState, body: ChatCompletionRequest | Tokenize
     return ids
 
 
-# A choice object from (generation, text, token ids, logprobs, finish_reason, first piece of this choice)
-ChoiceMaker = Callable[[TextGeneration, str, list[int], list, "str | None", bool], dict]
-
-
-@dataclass
-class Prepared:
-    """A validated request whose generations are built but not yet submitted (submitting starts with
-    `collect()` or `chunks()`; leaving either early aborts every choice).
+class Call:
+    """One request's choices, run to one response body (`collect`) or streamed as chunk bodies (`chunks`); leaving
+    either early aborts every choice. A subclass builds the generations and shapes the choices of its endpoint.
 
     Attributes:
-        request_id: the response's `id` (cmpl-..., chatcmpl-...).
-        chat: a chat completion (message/delta choices) rather than a completion (text choices).
-        first_fields: fields of the response that go into the first stream chunk only (return_token_ids).
+        request_id: the response's `id` (cmpl-..., chatcmpl-...). It is named before the sampling parameters are
+            checked (in `collect`/`chunks`), so an error from them is answered under it.
+        generations: one per choice, in choice order; built by the first of collect, chunks or deltas.
+        first_fields: fields of the response that go into the first stream chunk only (chat's prompt_token_ids).
     """
 
-    body: SamplingFields
-    request_id: str
-    generations: list[TextGeneration]
-    envelope: dict
-    final_choice: ChoiceMaker
-    chunk_choice: ChoiceMaker
-    chat: bool
-    first_fields: dict = field(default_factory=dict)
+    response_object: dict = {}  # the response's "object" when the envelope does not name it
+    chunk_object: dict = {}  # ... and a stream chunk's
+
+    def __init__(self, state: FrontendState, body: SamplingFields, request_id: str, envelope: dict):
+        self.state = state
+        self.body = body
+        self.request_id = request_id
+        self.envelope = envelope
+        self.generations: list[TextGeneration] = []
+        self.first_fields: dict = {}
+
+    def build(self) -> list[TextGeneration]:
+        raise NotImplementedError
+
+    def final_choice(self, choice: CollectedChoice) -> dict:
+        raise NotImplementedError
+
+    def chunk_choices(self, delta: TextDelta, first: bool) -> list[dict]:
+        """The choice objects of one delta (`first`: the first of its choice)."""
+        raise NotImplementedError
+
+    def deltas(self) -> AsyncIterator[TextDelta]:
+        """The choices' text deltas as they arrive: a lone choice's own (no task, no queue), or several merged.
+
+        Raises:
+            InvalidRequestError: a sampling parameter out of range (raised here, before anything is submitted).
+        """
+        if not self.generations:
+            self.generations = self.build()
+        if len(self.generations) == 1:
+            return self.generations[0].deltas()
+        return merge(self.generations)
 
     async def collect(self) -> dict:
         """Run every choice to its end; the whole response body.
 
         Raises:
+            InvalidRequestError: a sampling parameter out of range.
             GenerationError: a choice failed (the others are aborted).
         """
-        results = await collect(self.generations)
-        choices = [self.final_choice(r.generation, r.text, r.token_ids, r.logprobs, r.generation.finish_reason, True)
-                   for r in results]
-        obj = {"object": "chat.completion"} if self.chat else {}
-        return {**self.envelope, **obj, "choices": choices, "usage": usage(self.generations), **self.first_fields}
+        if not self.generations:
+            self.generations = self.build()
+        choices = [self.final_choice(c) for c in await collect(self.generations)]
+        return {**self.envelope, **self.response_object, "choices": choices, "usage": usage(self.generations),
+                **self.first_fields}
 
     async def chunks(self) -> AsyncIterator[dict]:
-        """Stream chunk bodies as the choices produce text: for chat, each choice opens with a role-only delta (as
-        OpenAI's streams do); with stream_options.include_usage a last usage chunk. Nothing is yielded before the
-        first text arrives, so an admission error is raised before any chunk (a transport can still answer it
-        with a status).
+        """Stream chunk bodies as the choices produce text; with stream_options.include_usage a last usage chunk.
+        Nothing is yielded before the first text arrives, so an admission error is raised before any chunk (a
+        transport can still answer it with a status).
 
         Raises:
+            InvalidRequestError: a sampling parameter out of range.
             GenerationError: a choice failed (the others are aborted).
         """
-        envelope = {**self.envelope, "object": "chat.completion.chunk"} if self.chat else self.envelope
-        pending = dict(self.first_fields)
+        envelope = {**self.envelope, **self.chunk_object}
+        first_fields = self.first_fields
         started: set[int] = set()
-
-        def chunk(choice: dict) -> dict:
-            payload = {**envelope, "choices": [choice]}
-            if pending:
-                payload.update(pending)
-                pending.clear()
-            return payload
-
-        events = merge(self.generations)
-        try:
-            async for generation, delta in events:
-                is_first = generation.index not in started
-                started.add(generation.index)
-                if self.chat and is_first:
-                    yield chunk({"index": generation.index, "delta": {"role": "assistant", "content": ""},
-                                 "logprobs": None, "finish_reason": None})
-                yield chunk(self._delta_choice(generation, delta, is_first and not self.chat))
-        finally:
-            await events.aclose()
+        async with aclosing(self.deltas()) as deltas:
+            async for delta in deltas:
+                first = delta.index not in started
+                started.add(delta.index)
+                for choice in self.chunk_choices(delta, first):
+                    yield {**envelope, "choices": [choice], **first_fields}
+                    first_fields = {}
         if self.body.stream_options is not None and self.body.stream_options.include_usage:
             yield {**envelope, "choices": [], "usage": usage(self.generations)}
 
-    def _delta_choice(self, generation: TextGeneration, delta: TextDelta, first: bool) -> dict:
-        return self.chunk_choice(generation, delta.text, delta.token_ids, delta.logprobs, delta.finish_reason, first)
 
-
-def prepare_completion(state: FrontendState, body: CompletionRequest, id_prefix: str = "cmpl",
-                       on_request_id: Callable[[str], None] | None = None, background: bool = False,
-                       one_prompt: str | None = None) -> Prepared:
-    """Validate a /v1/completions body and build its generations.
+class CompletionCall(Call):
+    """POST /v1/completions (and a WebSocket generate): text choices, `echo`, `logprobs` as in OpenAI's legacy API.
 
     Args:
-        on_request_id: called with the response id as soon as it exists (HTTP names its x-request-id after it).
         background: batch work (see build_generations).
         one_prompt: when set, a body with several prompts is refused with this message.
 
     Raises:
         InvalidRequestError, ModelNotFoundError: the body is not valid (param names the field).
     """
-    check_model(state, body.model)
-    if body.best_of is not None and body.best_of != body.n:
-        raise InvalidRequestError("best_of is not supported (leave it out or equal to n)", param="best_of")
-    if body.suffix:
-        raise InvalidRequestError("suffix is not supported", param="suffix")
-    logprobs = check_logprobs(body.logprobs, "logprobs")
-    prompts = completion_prompts(body.prompt, state.tokenizer, state.config.model.max_model_len,
-                                 body.add_special_tokens)
-    if one_prompt is not None and len(prompts) != 1:
-        raise InvalidRequestError(one_prompt, param="prompt")
-    request_id = state.engine.new_request_id(id_prefix)
-    if on_request_id is not None:
-        on_request_id(request_id)
-    # echo with logprobs also scores the prompt (how lm-eval-harness computes loglikelihoods)
-    generations = build_generations(state, body, prompts, request_id, body.max_tokens, logprobs,
-                                    prompt_logprobs=logprobs if body.echo else None, background=background)
-    echo_texts = {}
-    if body.echo:
-        several = isinstance(body.prompt, list) and not isinstance(body.prompt[0], int)
-        originals = body.prompt if several else [body.prompt]
-        for g in generations:
-            original = originals[g.index // body.n]
-            echo_texts[g.index] = original if isinstance(original, str) else state.tokenizer.decode(g.prompt_token_ids)
-    envelope = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": state.model_name}
-    emitted: dict[int, int] = {}  # characters of each choice's text sent so far (stream chunks)
 
-    def choice(g: TextGeneration, text: str, token_ids: list[int], lps, finish: str | None, first: bool) -> dict:
-        prefix = echo_texts.get(g.index, "") if first else ""
-        start = emitted.get(g.index, 0) + len(prefix)
-        emitted[g.index] = start + len(text)
+    def __init__(self, state: FrontendState, body: CompletionRequest, id_prefix: str = "cmpl",
+                 background: bool = False, one_prompt: str | None = None):
+        check_model(state, body.model)
+        if body.best_of is not None and body.best_of != body.n:
+            raise InvalidRequestError("best_of is not supported (leave it out or equal to n)", param="best_of")
+        if body.suffix:
+            raise InvalidRequestError("suffix is not supported", param="suffix")
+        self.logprobs = check_logprobs(body.logprobs, "logprobs")
+        self.prompts = completion_prompts(body.prompt, state.tokenizer, state.config.model.max_model_len,
+                                          body.add_special_tokens)
+        if one_prompt is not None and len(self.prompts) != 1:
+            raise InvalidRequestError(one_prompt, param="prompt")
+        request_id = new_request_id(id_prefix)
+        super().__init__(state, body, request_id, {"id": request_id, "object": "text_completion",
+                                                   "created": int(time.time()), "model": state.model_name})
+        self.background = background
+        self.echo_texts: dict[int, str] = {}  # choice index -> the prompt as given, to prepend (echo)
+        self.emitted: dict[int, int] = {}  # choice index -> characters of its text sent so far (stream chunks)
+
+    def build(self) -> list[TextGeneration]:
+        body, state = self.body, self.state
+        # echo with logprobs also scores the prompt (how lm-eval-harness computes loglikelihoods)
+        generations = build_generations(state, body, self.prompts, self.request_id, body.max_tokens, self.logprobs,
+                                        prompt_logprobs=self.logprobs if body.echo else None,
+                                        background=self.background)
+        if body.echo:
+            several = isinstance(body.prompt, list) and not isinstance(body.prompt[0], int)
+            originals = body.prompt if several else [body.prompt]
+            for g in generations:
+                original = originals[g.index // body.n]
+                self.echo_texts[g.index] = original if isinstance(original, str) else \
+                    state.tokenizer.decode(g.prompt_token_ids)
+        return generations
+
+    def final_choice(self, choice: CollectedChoice) -> dict:
+        g = choice.generation
+        return self._choice(g, choice.text, choice.token_ids, choice.logprobs, g.finish_reason, True)
+
+    def chunk_choices(self, delta: TextDelta, first: bool) -> list[dict]:
+        return [self._choice(self.generations[delta.index], delta.text, delta.token_ids, delta.logprobs,
+                             delta.finish_reason, first)]
+
+    def _choice(self, g: TextGeneration, text: str, token_ids: list[int], lps, finish: str | None,
+                first: bool) -> dict:
+        tokenizer = self.state.tokenizer
+        prefix = self.echo_texts.get(g.index, "") if first else ""
+        start = self.emitted.get(g.index, 0) + len(prefix)
+        self.emitted[g.index] = start + len(text)
         lp_object = None
-        if logprobs is not None:
-            lp_object = completion_logprobs(state.tokenizer, token_ids, lps, start, len(text))
-            if first and g.index in echo_texts:
-                lp_object = prompt_logprobs_object(state.tokenizer, g.prompt_token_ids, g.prompt_logprobs, lp_object,
+        if self.logprobs is not None:
+            lp_object = completion_logprobs(tokenizer, token_ids, lps, start, len(text))
+            if first and g.index in self.echo_texts:
+                lp_object = prompt_logprobs_object(tokenizer, g.prompt_token_ids, g.prompt_logprobs, lp_object,
                                                    len(prefix))
         out = {"index": g.index, "text": prefix + text, "logprobs": lp_object, "finish_reason": finish}
-        if body.return_token_ids:
+        if self.body.return_token_ids:
             out["token_ids"] = token_ids
             if first:
                 out["prompt_token_ids"] = g.prompt_token_ids
         return out
 
-    return Prepared(body, request_id, generations, envelope, choice, choice, chat=False)
 
-
-def prepare_chat(state: FrontendState, body: ChatCompletionRequest, id_prefix: str = "chatcmpl",
-                 on_request_id: Callable[[str], None] | None = None, background: bool = False) -> Prepared:
-    """Validate a /v1/chat/completions body, render its prompt and build its generations (see prepare_completion).
+class ChatCall(Call):
+    """POST /v1/chat/completions: message choices; in a stream each choice opens with a role-only delta (as OpenAI's
+    streams do).
 
     Raises:
         InvalidRequestError, ModelNotFoundError: the body is not valid (param names the field).
     """
-    check_model(state, body.model)
-    if body.tools:
-        raise InvalidRequestError("tools are not supported", param="tools")
-    if body.response_format and body.response_format.get("type", "text") != "text":
-        raise InvalidRequestError("only response_format {\"type\": \"text\"} is supported", param="response_format")
-    if body.top_logprobs is not None and not body.logprobs:
-        raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
-    logprobs = check_logprobs(body.top_logprobs or 0, "top_logprobs") if body.logprobs else None
-    ids = chat_prompt_ids(state, body, body.add_special_tokens)
-    request_id = state.engine.new_request_id(id_prefix)
-    if on_request_id is not None:
-        on_request_id(request_id)
-    newer = body.max_completion_tokens is not None
-    generations = build_generations(state, body, [ids], request_id,
-                                    body.max_completion_tokens if newer else body.max_tokens, logprobs,
-                                    prompt_param="messages", background=background,
-                                    max_tokens_param="max_completion_tokens" if newer else "max_tokens")
-    envelope = {"id": request_id, "created": int(time.time()), "model": state.model_name}
 
-    def chat_choice(key: str, g: TextGeneration, message: dict, token_ids: list[int], lps, finish: str | None) -> dict:
-        out = {"index": g.index, key: message,
-               "logprobs": chat_logprobs(state.tokenizer, token_ids, lps) if logprobs is not None else None,
-               "finish_reason": finish}
+    response_object = {"object": "chat.completion"}
+    chunk_object = {"object": "chat.completion.chunk"}
+
+    def __init__(self, state: FrontendState, body: ChatCompletionRequest, id_prefix: str = "chatcmpl",
+                 background: bool = False):
+        check_model(state, body.model)
+        if body.tools:
+            raise InvalidRequestError("tools are not supported", param="tools")
+        if body.response_format and body.response_format.get("type", "text") != "text":
+            raise InvalidRequestError("only response_format {\"type\": \"text\"} is supported",
+                                      param="response_format")
+        if body.top_logprobs is not None and not body.logprobs:
+            raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
+        self.logprobs = check_logprobs(body.top_logprobs or 0, "top_logprobs") if body.logprobs else None
+        self.prompt = chat_prompt_ids(state, body, body.add_special_tokens)
+        request_id = new_request_id(id_prefix)
+        super().__init__(state, body, request_id, {"id": request_id, "created": int(time.time()),
+                                                   "model": state.model_name})
+        self.background = background
+        # vLLM's return_token_ids for chat: the prompt's ids once per response (on the first chunk when streaming)
         if body.return_token_ids:
+            self.first_fields = {"prompt_token_ids": self.prompt}
+
+    def build(self) -> list[TextGeneration]:
+        body = self.body
+        newer = body.max_completion_tokens is not None
+        return build_generations(self.state, body, [self.prompt], self.request_id,
+                                 body.max_completion_tokens if newer else body.max_tokens, self.logprobs,
+                                 prompt_param="messages", background=self.background,
+                                 max_tokens_param="max_completion_tokens" if newer else "max_tokens")
+
+    def final_choice(self, choice: CollectedChoice) -> dict:
+        g = choice.generation
+        return self._choice("message", g.index, {"role": "assistant", "content": choice.text}, choice.token_ids,
+                            choice.logprobs, g.finish_reason)
+
+    def chunk_choices(self, delta: TextDelta, first: bool) -> list[dict]:
+        choice = self._choice("delta", delta.index, {"content": delta.text} if delta.text else {}, delta.token_ids,
+                              delta.logprobs, delta.finish_reason)
+        if not first:
+            return [choice]
+        role = {"index": delta.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                "finish_reason": None}
+        return [role, choice]
+
+    def _choice(self, key: str, index: int, message: dict, token_ids: list[int], lps, finish: str | None) -> dict:
+        out = {"index": index, key: message,
+               "logprobs": chat_logprobs(self.state.tokenizer, token_ids, lps) if self.logprobs is not None else None,
+               "finish_reason": finish}
+        if self.body.return_token_ids:
             out["token_ids"] = token_ids
         return out
 
-    def final(g, text, token_ids, lps, finish, first):
-        return chat_choice("message", g, {"role": "assistant", "content": text}, token_ids, lps, finish)
 
-    def delta(g, text, token_ids, lps, finish, first):
-        return chat_choice("delta", g, {"content": text} if text else {}, token_ids, lps, finish)
-
-    # vLLM's return_token_ids for chat: the prompt's ids once per response (on the first chunk when streaming)
-    prompt_fields = {"prompt_token_ids": ids} if body.return_token_ids else {}
-    return Prepared(body, request_id, generations, envelope, final, delta, chat=True, first_fields=prompt_fields)
-
-
-def prepare(state: FrontendState, url: str, data: Any, background: bool = False,
-            on_request_id: Callable[[str], None] | None = None) -> Prepared:
+def open_call(state: FrontendState, url: str, data: Any, background: bool = False) -> Call:
     """A body addressed by its endpoint path (`url`: /v1/completions or /v1/chat/completions), already parsed
     from JSON or msgpack into plain objects; for transports that carry either kind of request.
 
@@ -277,7 +323,7 @@ def prepare(state: FrontendState, url: str, data: Any, background: bool = False,
         ModelNotFoundError: a model other than the served one.
     """
     if url == COMPLETIONS_URL:
-        return prepare_completion(state, convert_body(data, CompletionRequest), "cmpl", on_request_id, background)
+        return CompletionCall(state, convert_body(data, CompletionRequest), "cmpl", background)
     if url == CHAT_COMPLETIONS_URL:
-        return prepare_chat(state, convert_body(data, ChatCompletionRequest), "chatcmpl", on_request_id, background)
+        return ChatCall(state, convert_body(data, ChatCompletionRequest), "chatcmpl", background)
     raise InvalidRequestError(f"url must be one of {', '.join(URLS)}, got {url!r}", param="url")

@@ -8,7 +8,7 @@ from aiohttp import web
 
 from common.config import ShuttleConfig
 from frontend.chat import ChatTemplate
-from frontend.router import Router
+from frontend.engine_api import Engine
 from frontend.metrics import Metrics
 from frontend.tokenizer import TextTokenizer
 
@@ -16,7 +16,7 @@ from frontend.tokenizer import TextTokenizer
 @dataclass
 class FrontendState:
     config: ShuttleConfig
-    engine: Router  # or a single EngineClient (in-process tests): the same interface
+    engine: Engine  # the Router over every serving group (tests: tests/fake_engine.py's FakeEngine)
     tokenizer: TextTokenizer
     chat_template: ChatTemplate
     metrics: Metrics

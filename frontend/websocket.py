@@ -34,9 +34,8 @@ from yarl import URL
 
 from common.errors import InvalidRequestError
 from frontend.choices import usage
-from frontend.generation import TextGeneration
 from frontend.protocol import CompletionRequest, client_error, decode_body, error_body
-from frontend.serving import prepare_completion
+from frontend.serving import CompletionCall
 from frontend.state import STATE, FrontendState
 
 log = logging.getLogger("shuttle.frontend")
@@ -48,7 +47,7 @@ class _Stream:
 
     client_id: str | int  # echoed exactly as the client sent it (a string or an integer)
     task: asyncio.Task | None = None
-    generation: TextGeneration | None = None
+    call: CompletionCall | None = None
     ended: bool = False
 
 
@@ -139,9 +138,9 @@ class _Session:
         self.streams.pop(stream.client_id, None)
 
     def _done(self, stream: _Stream, finish_reason: str | None) -> dict:
-        generations = [stream.generation] if stream.generation is not None else []
+        started = stream.call is not None and bool(stream.call.generations)
         return {"type": "done", "id": stream.client_id, "finish_reason": finish_reason,
-                "usage": usage(generations) if generations else None}
+                "usage": usage(stream.call.generations) if started else None}
 
     async def run(self, stream: _Stream, frame: dict) -> None:
         client_id = stream.client_id
@@ -153,16 +152,14 @@ class _Session:
                 raise InvalidRequestError(f"not supported on the websocket: {', '.join(unsupported)} (it streams one "
                                           f"choice's text per generate)", param=unsupported[0])
             body = decode_body(json.dumps(fields).encode(), CompletionRequest)
-            prepared = prepare_completion(self.state, body, "ws",
-                                          one_prompt="the websocket takes one prompt per generate")
-            [generation] = prepared.generations
-            stream.generation = generation
-            async with aclosing(generation.deltas()) as deltas:
+            stream.call = CompletionCall(self.state, body, "ws",
+                                         one_prompt="the websocket takes one prompt per generate")
+            async with aclosing(stream.call.deltas()) as deltas:  # one choice: its own deltas
                 async for delta in deltas:
                     if delta.text or delta.token_ids:
                         await self.send({"type": "delta", "id": client_id, "text": delta.text,
                                          "token_ids": delta.token_ids})
-            await self.end(stream, self._done(stream, generation.finish_reason))
+            await self.end(stream, self._done(stream, stream.call.generations[0].finish_reason))
         except asyncio.CancelledError:
             await self.end(stream, self._done(stream, "abort"))
         except Exception as exc:
@@ -172,7 +169,7 @@ class _Session:
             status, param = known or (500, None)
             message = str(exc) if known else "internal server error"
             frame = {"type": "error", "id": client_id, "error": error_body(status, message, param)["error"]}
-            if status == 503 and getattr(self.state.engine, "draining", False):
+            if status == 503 and self.state.engine.draining:
                 frame["should_retry"] = False  # going away: no promise (frontend/backpressure.py)
             elif getattr(exc, "retry_after", None):  # a 503: when a retry is expected to be admitted, as in HTTP
                 frame["retry_after"] = round(exc.retry_after, 3)

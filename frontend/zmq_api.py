@@ -35,7 +35,7 @@ import zmq.asyncio
 from common.ipc import AsyncChannel, MalformedMessage
 from common.messages import BatchClientMessage, BatchHeartbeat, BatchRequest, BatchResponse
 from frontend.protocol import client_error, error_body
-from frontend.serving import prepare
+from frontend.serving import open_call
 from frontend.state import FrontendState
 
 log = logging.getLogger("shuttle.frontend")
@@ -129,29 +129,25 @@ class BatchEndpoint:
         return self._api_key is None or hmac.compare_digest(job.api_key.encode(), self._api_key)
 
     async def _run(self, identity: bytes, client: _Client, job: BatchRequest) -> None:
-        request_id = ""
-
-        def named(rid: str) -> None:
-            nonlocal request_id
-            request_id = rid
-
+        call = None  # once made, errors are answered under its request_id
         try:
-            prepared = prepare(self.state, job.url, job.body, self.background, named)
-            response = BatchResponse(job.job_id, 200, await prepared.collect(), prepared.request_id)
+            call = open_call(self.state, job.url, job.body, self.background)
+            response = BatchResponse(job_id=job.job_id, status_code=200, body=await call.collect(),
+                                     request_id=call.request_id)
         except asyncio.CancelledError:
             if not client.lost:
                 return  # the server closes: the generations were aborted, and nobody waits on this socket any more
             # Still answered, in case the client was only slow (not dead): it gets a terminal error, not silence.
             response = _error(job.job_id, 408, f"job aborted: the batch client was silent for more than "
                                                f"{self.client_timeout:g} s (it must send a BatchPing every second)",
-                              request_id=request_id)
+                              request_id=call.request_id if call else "")
         except Exception as exc:
             known = client_error(exc)
             if known is None:
                 log.exception("batch job %s failed", job.job_id)
             status, param = known or (500, None)
             response = _error(job.job_id, status, str(exc) if known else "internal server error", param,
-                              getattr(exc, "retry_after", None) or 0.0, request_id)
+                              getattr(exc, "retry_after", None) or 0.0, call.request_id if call else "")
         await self._answer(identity, response)
 
     async def _watch(self) -> None:

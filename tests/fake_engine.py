@@ -1,22 +1,25 @@
-"""An in-process frontend over a scripted engine: exact, fast tests of the HTTP API without a scheduler or model.
+"""The one fake of the frontend's engine (frontend.engine_api.Engine), and the real aiohttp app around it.
 
-`FakeEngine` stands in for `frontend.engine_client.EngineClient`: every request "generates" the script's token ids,
-one per step, with made-up logprobs, and ends like the scheduler would (an end-of-sequence id, max_tokens, or the
-script's end: "stop"; or a scripted error). `frontend_app()` builds the real aiohttp application around it.
+`FakeEngine` is a serving group (frontend.engine_client.ServingGroup, as the real EngineClient is) whose scheduler is
+a script: every request "generates" the script's token ids, one per output, `step_delay` seconds apart, with made-up
+logprobs, and ends as the scheduler would (an end-of-sequence id or max_tokens; at the script's end `script_end`;
+or a scripted error). Admission (draining, engine down, Retry-After), failing what is in flight and the counts of
+sequences in flight are the real ServingGroup's. `frontend_app()` builds the real application around it for
+aiohttp's TestClient; tests/inprocess.py serves it on a real loopback port.
 """
 
 from __future__ import annotations
 
-import uuid
-from dataclasses import dataclass, field
+import asyncio
+from typing import AsyncIterator, Iterator
 
 from aiohttp import web
 
 from common.config import IpcConfig, ModelConfig, ShuttleConfig
-from common.messages import FinishReason, RequestOutput, SchedulerStats, TokenLogprobs
-from common.sampling import SamplingParams
+from common.messages import FinishReason, RequestOutput, SchedulerInfo, Submit, TokenLogprobs
 from frontend.app import build_app
 from frontend.chat import ChatTemplate
+from frontend.engine_client import ServingGroup
 from frontend.metrics import Metrics
 from frontend.state import FrontendState
 from frontend.tokenizer import TextTokenizer
@@ -24,6 +27,8 @@ from tests.server import MODEL_DIR, REPO
 
 SERVED = "stories"
 TEMPLATES = REPO / "tests" / "data"
+SCRIPT = [395, 392, 412, 444, 426, 346, 401, 396]  # " named Max. He loved to play with": decodes cleanly
+TOP = [(261, -0.1), (286, -2.5), (298, -3.0)]
 
 
 def sampled_logprob(position: int) -> float:
@@ -31,85 +36,103 @@ def sampled_logprob(position: int) -> float:
     return -0.25 * (position + 1)
 
 
-@dataclass
-class Submitted:
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling: SamplingParams
-    timeout: float
-    group_id: str = ""
+class FakeEngine(ServingGroup):
+    """Scripted engine.
 
-
-@dataclass
-class FakeEngine:
-    """Scripted engine client.
-
-    Attributes:
-        script: token ids every request generates, one per step (cut at max_tokens).
+    Args:
+        script: token ids every request generates, one per output (cut at max_tokens).
+        step_delay: seconds before each output.
+        script_end: the finish reason at the script's end (STOP: the model's end of sequence).
+        error: (status, message) to end every request with instead of tokens; `retry_after_s` and `rejection` go
+            with it (as the scheduler's SLO refusal).
         top: the (token id, logprob) alternatives of every step, most likely first; a request asking for k
             logprobs gets the first k.
-        error: (status, message) to end every request with instead of tokens.
         eos: ids that end a request (unless ignore_eos), as the scheduler's end-of-sequence check.
-        submitted: every request seen; aborted: ids of requests whose consumer left before the end.
+
+    Attributes:
+        submitted: every request that passed admission, as submitted. aborted: ids of requests whose consumer
+            left before their end.
     """
 
-    script: list[int] = field(default_factory=list)
-    top: list[tuple[int, float]] = field(default_factory=lambda: [(261, -0.1), (286, -2.5), (298, -3.0)])
-    error: tuple[int, str] | None = None
-    eos: tuple[int, ...] = (2,)
-    submitted: list[Submitted] = field(default_factory=list)
-    aborted: list[str] = field(default_factory=list)
-    stats: SchedulerStats = field(default_factory=SchedulerStats)
-    info: None = None
+    def __init__(self, script: list[int] = SCRIPT, *, step_delay: float = 0.0,
+                 script_end: FinishReason = FinishReason.STOP, error: tuple[int, str] | None = None,
+                 retry_after_s: float = 0.0, rejection: str = "", top: list[tuple[int, float]] = TOP,
+                 eos: tuple[int, ...] = (2,)):
+        super().__init__("fake://engine")
+        self.script = list(script)
+        self.step_delay = step_delay
+        self.script_end = script_end
+        self.error = error
+        self.retry_after_s = retry_after_s
+        self.rejection = rejection
+        self.top = top
+        self.eos = eos
+        self.submitted: list[Submit] = []
+        self.aborted: list[str] = []
+        self._serving(SchedulerInfo(num_kv_blocks=1000, block_size=16, max_model_len=512))
 
     @property
-    def num_in_flight(self) -> int:
-        return 0
+    def submitted_ids(self) -> list[str]:
+        return [request.request_id for request in self.submitted]
 
-    @staticmethod
-    def new_request_id(prefix: str = "cmpl") -> str:
-        return f"{prefix}-{uuid.uuid4().hex}"
+    async def start(self, timeout: float = 120.0, wait: bool = True) -> SchedulerInfo | None:
+        if wait:
+            await asyncio.wait_for(self._up.wait(), timeout)
+        return self.info
+
+    def close(self) -> None:
+        pass
+
+    async def generate(self, request: Submit) -> AsyncIterator[RequestOutput]:
+        error = self.admission_error()
+        if error is not None:
+            raise error
+        self.submitted.append(request)
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._queues[request.request_id] = queue  # counted in flight; fail_all reaches it
+        finished = False
+        try:
+            for output in self._outputs(request):
+                await asyncio.sleep(self.step_delay)
+                if not queue.empty():  # failed from outside (drain, engine down)
+                    output = queue.get_nowait()
+                finished = output.finish_reason is not None
+                yield output
+                if finished:
+                    return
+        finally:
+            del self._queues[request.request_id]
+            if not finished:
+                self.aborted.append(request.request_id)
+
+    def _outputs(self, request: Submit) -> Iterator[RequestOutput]:
+        sampling = request.sampling
+        if self.error is not None:
+            yield RequestOutput(request.request_id, finish_reason=FinishReason.ERROR, error_status=self.error[0],
+                                error_message=self.error[1], retry_after_s=self.retry_after_s,
+                                rejection=self.rejection)
+            return
+        steps = self.script[:sampling.max_tokens]
+        for position, token_id in enumerate(steps):
+            finish = None
+            if token_id in self.eos and not sampling.ignore_eos and position + 1 >= sampling.min_tokens:
+                finish = FinishReason.STOP
+            elif position + 1 == sampling.max_tokens:
+                finish = FinishReason.LENGTH
+            elif position + 1 == len(steps):
+                finish = self.script_end
+            logprobs = [] if sampling.logprobs is None else [self._logprobs(token_id, position, sampling.logprobs)]
+            prompt_logprobs = []
+            if position == 0 and sampling.prompt_logprobs is not None:
+                prompt_logprobs = [self._logprobs(t, i, sampling.prompt_logprobs)
+                                   for i, t in enumerate(request.prompt_token_ids[1:])]
+            yield RequestOutput(request.request_id, [token_id], finish, logprobs=logprobs,
+                                prompt_logprobs=prompt_logprobs)
 
     def _logprobs(self, token_id: int, position: int, k: int) -> TokenLogprobs:
         top = self.top[:k]
         logprob = dict(self.top).get(token_id, sampled_logprob(position))
         return TokenLogprobs(logprob, [t for t, _ in top], [v for _, v in top])
-
-    async def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                       priority: int = 0, timeout: float = 0.0, group_id: str = "", ttft_slo_ms: float = 0.0,
-                       background: bool = False):
-        self.submitted.append(Submitted(request_id, list(prompt_token_ids), sampling, timeout, group_id))
-        finished = False
-        try:
-            if self.error is not None:
-                finished = True
-                yield RequestOutput(request_id, finish_reason=FinishReason.ERROR, error_status=self.error[0],
-                                    error_message=self.error[1])
-                return
-            steps = self.script[:sampling.max_tokens]
-            for position, token_id in enumerate(steps):
-                finish = None
-                if token_id in self.eos and not sampling.ignore_eos and position + 1 >= sampling.min_tokens:
-                    finish = FinishReason.STOP
-                elif position + 1 == sampling.max_tokens:
-                    finish = FinishReason.LENGTH
-                elif position + 1 == len(steps):
-                    finish = FinishReason.STOP
-                logprobs = [] if sampling.logprobs is None else [self._logprobs(token_id, position, sampling.logprobs)]
-                prompt_logprobs = []
-                if position == 0 and sampling.prompt_logprobs is not None:
-                    prompt_logprobs = [self._logprobs(t, i, sampling.prompt_logprobs)
-                                       for i, t in enumerate(prompt_token_ids[1:])]
-                finished = finish is not None
-                yield RequestOutput(request_id, [token_id], finish, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
-                if finished:
-                    return
-        finally:
-            if not finished:
-                self.aborted.append(request_id)
-
-    def abort(self, request_id: str) -> None:
-        self.aborted.append(request_id)
 
 
 def frontend_app(engine: FakeEngine, template: str | None = "stories_chat.jinja", api_key: str | None = None,

@@ -96,8 +96,8 @@ async def test_batch_requests_are_background_work(app):
     submitted = len(app.engine.submitted)
     await run_jobs(app, [{"url": "/v1/completions", "body": {"prompt": "Hi", "max_tokens": 2}}])
     assert await http(app, "/v1/completions", {"prompt": "Hi", "max_tokens": 2})
-    batch_id, http_id = app.engine.submitted[submitted:]
-    assert batch_id in app.engine.background and http_id not in app.engine.background
+    batch_job, http_job = app.engine.submitted[submitted:]
+    assert batch_job.background and not http_job.background
 
 
 def job(job_id: str, max_tokens: int = 8, key: str = KEY) -> bytes:
@@ -171,7 +171,6 @@ async def test_a_silent_server_raises_naming_the_endpoint():
 async def test_credit_bounds_jobs_in_flight_and_503s_are_retried(app):
     app.engine.step_delay = 0.01
     app.engine.draining = True  # every job is refused with 503 + Retry-After at first
-    app.engine.drain_deadline = time.monotonic()
     peak = 0
 
     async def watch():

@@ -1,4 +1,4 @@
-"""The data-parallel router in process, over scripted serving groups (tests/inprocess.FakeEngine): least load,
+"""The data-parallel router in process, over scripted serving groups (tests/fake_engine.FakeEngine): least load,
 prefix affinity by the scheduler's own block digests, failure of one group, and the per-group /health."""
 
 import asyncio
@@ -6,23 +6,26 @@ import asyncio
 import aiohttp
 import pytest
 
-from common.messages import FinishReason, SchedulerStats
+from common.messages import FinishReason, SchedulerStats, Submit
 from common.sampling import SamplingParams
 from frontend.router import Router, prompt_block_hashes
 from scheduler.kv_cache import KVCacheManager
 from scheduler.request import Request
 from frontend.metrics import Metrics
-from tests.inprocess import FakeEngine, start_app
+from tests.fake_engine import FakeEngine
+from tests.inprocess import start_app
 
 PREFIX = list(range(3, 203))  # 200 tokens: 12 full blocks of 16
 
 
 def make_router(n: int = 2, step_delay: float = 0.01, max_num_seqs: int = 128) -> Router:
-    return Router([FakeEngine(step_delay) for _ in range(n)], max_num_seqs)
+    return Router([FakeEngine(step_delay=step_delay, script_end=FinishReason.LENGTH) for _ in range(n)], max_num_seqs)
 
 
 async def run(router: Router, request_id: str, prompt: list[int], max_tokens: int = 4) -> list:
-    return [o async for o in router.generate(request_id, prompt, SamplingParams(max_tokens=max_tokens))]
+    request = Submit(request_id=request_id, prompt_token_ids=prompt, sampling=SamplingParams(max_tokens=max_tokens),
+                     arrival_time=0.0)
+    return [o async for o in router.generate(request)]
 
 
 def test_router_names_blocks_as_the_scheduler_does():
@@ -46,10 +49,10 @@ async def test_requests_sharing_a_prefix_go_where_it_lives():
     router = make_router()
     await run(router, "other", [1, 2, 3])  # rotation now points at group 1
     first = await run(router, "first", PREFIX + [1])
-    home = next(i for i, g in enumerate(router.groups) if "first" in g.submitted)
+    home = next(i for i, g in enumerate(router.groups) if "first" in g.submitted_ids)
     await asyncio.gather(*(run(router, f"p{i}", PREFIX + [i + 10, i]) for i in range(19)))
-    assert sum(r.startswith("p") for r in router.groups[home].submitted) == 19
-    assert sum(r.startswith("p") for r in router.groups[1 - home].submitted) == 0
+    assert sum(r.startswith("p") for r in router.groups[home].submitted_ids) == 19
+    assert sum(r.startswith("p") for r in router.groups[1 - home].submitted_ids) == 0
     assert router.affinity_hits == 19 and first[-1].finish_reason == FinishReason.LENGTH
     router.close()
 
@@ -57,11 +60,11 @@ async def test_requests_sharing_a_prefix_go_where_it_lives():
 async def test_affinity_yields_when_the_preferred_group_is_much_busier():
     router = make_router(step_delay=0.05, max_num_seqs=8)  # slack: 4 sequences
     await run(router, "first", PREFIX)
-    home = next(i for i, g in enumerate(router.groups) if "first" in g.submitted)
+    home = next(i for i, g in enumerate(router.groups) if "first" in g.submitted_ids)
     await asyncio.gather(*(run(router, f"p{i}", PREFIX + [i]) for i in range(12)))
     # affinity holds while home's load <= the other's + 4 (p0-p4); p5 overflows to the other group, which then
     # holds the prefix too and, being the last to get it, attracts the rest (p6-p11): a hot prefix spreads
-    at_home = [r for r in router.groups[home].submitted if r.startswith("p")]
+    at_home = [r for r in router.groups[home].submitted_ids if r.startswith("p")]
     assert at_home == ["p0", "p1", "p2", "p3", "p4"]
     assert len(router.groups[1 - home].submitted) == 7
     router.close()
@@ -75,7 +78,7 @@ async def test_load_from_stats_counts_other_work():
     router.groups[0].stats = SchedulerStats(num_running=5, num_blocks_in_use=1, num_total_blocks=10)
     router.groups[1].stats = SchedulerStats(num_running=5, num_blocks_in_use=9, num_total_blocks=10)
     await run(router, "tie", [1, 2])
-    assert "tie" in router.groups[0].submitted  # equal load: the emptier KV cache
+    assert "tie" in router.groups[0].submitted_ids  # equal load: the emptier KV cache
     router.close()
 
 
@@ -83,10 +86,10 @@ async def test_a_down_group_fails_only_its_requests_and_new_work_goes_elsewhere(
     router = make_router(step_delay=0.05)
     tasks = [asyncio.create_task(run(router, f"r{i}", [1, i], max_tokens=8)) for i in range(10)]
     await asyncio.sleep(0.12)
-    doomed = set(router.groups[0].submitted)
+    doomed = set(router.groups[0].submitted_ids)
     assert len(doomed) == 5
     await run(router, "warm", PREFIX)  # its prefix now lives on some group ...
-    home = next(i for i, g in enumerate(router.groups) if "warm" in g.submitted)
+    home = next(i for i, g in enumerate(router.groups) if "warm" in g.submitted_ids)
     router.engine_down("worker (pid 1) was killed by signal SIGKILL", 5.0, group=0)
     results = await asyncio.gather(*tasks)
     for i, outputs in enumerate(results):
@@ -97,7 +100,7 @@ async def test_a_down_group_fails_only_its_requests_and_new_work_goes_elsewhere(
             assert outputs[-1].finish_reason == FinishReason.LENGTH and len(outputs) == 8
     assert router.admission_error() is None
     await asyncio.gather(*(run(router, f"n{i}", [2, i]) for i in range(6)))
-    assert not any(r.startswith("n") for r in router.groups[0].submitted)
+    assert not any(r.startswith("n") for r in router.groups[0].submitted_ids)
     states = router.group_states()
     assert [s.up for s in states] == [False, True] and states[0].times_down == 1 and states[0].reason
     # group 0 comes back (its scheduler answered): it takes work again, with no stale affinity
@@ -152,7 +155,7 @@ async def test_start_waits_for_one_local_group_only():
     await router.start(timeout=5)
     assert [g.is_up for g in router.groups] == [True, False]
     await run(router, "r", [1, 2])
-    assert "r" in router.groups[0].submitted
+    assert "r" in router.groups[0].submitted_ids
     router.close()
     router = Router([FakeEngine(), FakeEngine()], wait_for=1)
     for group in router.groups:

@@ -4,41 +4,22 @@ scheduler, a refusal is HTTP 503 with the scheduler's Retry-After, and /metrics 
 from aiohttp.test_utils import TestClient, TestServer
 
 from common.config import IpcConfig, ModelConfig, SchedulerConfig, ShuttleConfig
-from common.messages import FinishReason, RequestOutput, SchedulerStats
 from frontend.app import build_app
 from frontend.chat import ChatTemplate
 from frontend.metrics import Metrics
 from frontend.state import FrontendState
 from frontend.tokenizer import TextTokenizer
+from tests.fake_engine import FakeEngine
 from tests.server import MODEL_DIR
-
-
-class RefusingEngine:
-    """Refuses every request as the scheduler's SLO admission does, remembering what it was asked."""
-
-    stats = SchedulerStats()
-    num_in_flight = 0
-
-    def __init__(self):
-        self.objectives: list[float] = []
-
-    @staticmethod
-    def new_request_id(prefix: str = "cmpl") -> str:
-        return f"{prefix}-1"
-
-    async def generate(self, request_id, prompt_token_ids, sampling, priority=0, timeout=0.0, group_id="",
-                       ttft_slo_ms=0.0, background=False):
-        self.objectives.append(ttft_slo_ms)
-        yield RequestOutput(request_id, finish_reason=FinishReason.ERROR, error_status=503,
-                            error_message="the server cannot meet the TTFT objective now", retry_after_s=7.0,
-                            rejection="slo")
 
 
 async def test_refusal_is_503_with_retry_after_and_counted_as_slo():
     model = ModelConfig.from_dir(MODEL_DIR)
     config = ShuttleConfig(model=model, ipc=IpcConfig.in_directory("/nonexistent"),
                            scheduler=SchedulerConfig(ttft_slo_ms=100.0))
-    engine = RefusingEngine()
+    # refuses every request as the scheduler's SLO admission does
+    engine = FakeEngine(error=(503, "the server cannot meet the TTFT objective now"), retry_after_s=7.0,
+                        rejection="slo")
     state = FrontendState(config, engine, TextTokenizer(model.model_dir), ChatTemplate(model.model_dir),
                           Metrics(lambda: engine.stats))
     async with TestClient(TestServer(build_app(state))) as client:
@@ -51,5 +32,6 @@ async def test_refusal_is_503_with_retry_after_and_counted_as_slo():
         response = await client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 4, "ttft_slo_ms": -1})
         assert response.status == 400 and (await response.json())["error"]["param"] == "ttft_slo_ms"
         metrics = await (await client.get("/metrics")).text()
-    assert engine.objectives == [250.0, 0.0]  # the request's own objective, else the scheduler applies the server's
+    # the request's own objective, else the scheduler applies the server's
+    assert [request.ttft_slo_ms for request in engine.submitted] == [250.0, 0.0]
     assert 'shuttle:request_rejected_total{reason="slo"} 2.0' in metrics

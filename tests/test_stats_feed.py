@@ -8,7 +8,7 @@ import pytest
 
 from common.messages import SchedulerStats
 from frontend.metrics import Metrics
-from frontend.stats_feed import StatsFeed, _buckets, _collected_buckets, _total, histogram_quantile
+from frontend.stats_feed import StatsFeed, _buckets, _total, histogram_quantile
 from scheduler.stats import StepStats
 from tests.inprocess import FakeEngine, make_config
 from tests.test_scheduler import make_scheduler, run_step, submit
@@ -134,12 +134,11 @@ async def test_a_slow_reader_loses_old_frames_and_closing_ends_every_reader():
         assert frames[-1] is None
 
 
-def test_fast_reads_of_the_histograms_agree_with_their_exposition():
+def test_reads_of_the_histograms_and_counters():
     metrics = Metrics(lambda: SchedulerStats())
     for seconds in (0.0005, 0.003, 0.003, 0.07, 700.0):
         metrics.ttft.observe(seconds)
     bounds, counts = _buckets(metrics.ttft)
-    assert (bounds, counts) == _collected_buckets(metrics.ttft)
     assert counts[0] == 1 and counts[-1] == 5 and bounds[-1] == INF
     metrics.generation_tokens.inc(7)
     metrics.finished.labels("stop").inc(2)
