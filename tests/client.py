@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 
 import aiohttp
 
@@ -30,3 +32,15 @@ async def health(session: aiohttp.ClientSession, url: str) -> dict:
     async with session.get(f"{url}/health") as response:
         assert response.status == 200
         return await response.json()
+
+
+async def wait_idle(session: aiohttp.ClientSession, url: str, within: float = 30.0) -> dict:
+    """Poll /health until nothing runs or waits and every KV block is free; returns the scheduler's stats then.
+    `within` seconds bound only a hang (an AssertionError with the last stats)."""
+    deadline = time.monotonic() + within
+    while True:
+        stats = (await health(session, url))["scheduler"]
+        if stats["num_running"] == stats["num_waiting"] == 0 and stats["num_free_blocks"] == stats["num_total_blocks"]:
+            return stats
+        assert time.monotonic() < deadline, f"not idle with every block free within {within} s: {stats}"
+        await asyncio.sleep(0.05)

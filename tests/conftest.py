@@ -1,4 +1,5 @@
 import functools
+import resource
 
 import pytest
 import torch
@@ -7,12 +8,16 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from tests.server import MODEL_DIR, ShuttleServer
 
 
+SHARED_SERVERS = {"server", "chunked_server", "keyed_server", "slow_server"}
+
+
 def pytest_collection_modifyitems(items):
     """Every test that starts real shuttle processes is `slow` (`pytest -m "not slow"` runs the lower rungs only):
-    those using the `server` fixture or living in a module that starts its own ShuttleServer."""
+    those using a shared server fixture or living in a module that starts its own ShuttleServer."""
     for item in items:
         module = getattr(item, "module", None)
-        if "server" in getattr(item, "fixturenames", ()) or (module is not None and "ShuttleServer" in vars(module)):
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if SHARED_SERVERS & fixtures or (module is not None and "ShuttleServer" in vars(module)):
             item.add_marker(pytest.mark.slow)
 
 
@@ -45,9 +50,49 @@ def _hf_greedy(prompt_ids: tuple[int, ...], max_new_tokens: int) -> tuple[int, .
     return tuple(out[0, len(prompt_ids):].tolist())
 
 
-@pytest.fixture(scope="module")
+# The suite's shared servers, each started on first use and stopped at the end of the run. Tests on them must not
+# depend on what other modules left behind (prefix cache contents, counters): they take deltas or wait for idle.
+CHAT_TEMPLATE = "tests/data/stories_chat.jinja"
+API_KEY = "sk-secret-from-file"
+SLOW_STEP_DELAY = 0.4  # seconds per step on `slow_server`: long enough that requests are surely in flight
+
+
+@pytest.fixture(scope="session")
 def server():
-    """A default stories260K server shared by a test module."""
-    srv = ShuttleServer()
+    """stories260K with default engine flags, a chat template and a waiting queue no test fills."""
+    srv = ShuttleServer("--chat-template", CHAT_TEMPLATE, "--max-waiting-requests", "100000")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def chunked_server():
+    """Chunked prefill at 16 tokens a step, at most 3 running sequences, no prefix caching."""
+    srv = ShuttleServer("--max-num-batched-tokens", "16", "--max-num-seqs", "3", "--no-enable-prefix-caching")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def keyed_server(tmp_path_factory):
+    """tcp transport between the processes, API_KEY from a file, the served model name "stories", a chat template,
+    and an open-file soft limit of 1024 set before exec."""
+    key_file = tmp_path_factory.mktemp("key") / "key"
+    key_file.write_text(API_KEY + "\n")
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    srv = ShuttleServer("--zmq-transport", "tcp", "--api-key-file", str(key_file), "--served-model-name", "stories",
+                        "--chat-template", CHAT_TEMPLATE,
+                        preexec=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard)))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def slow_server(tmp_path_factory):
+    """Every step takes at least SLOW_STEP_DELAY s (the worker's test hook), and each is written to
+    `srv.step_log_path` (--step-log)."""
+    path = tmp_path_factory.mktemp("steps") / "steps.jsonl"
+    srv = ShuttleServer("--step-log", str(path), step_delay=SLOW_STEP_DELAY)
+    srv.step_log_path = path
     yield srv
     srv.stop()

@@ -7,20 +7,11 @@ import subprocess
 import sys
 import urllib.request
 
-import pytest
 
 from batch_jobs.client import BatchClient
-from tests.server import REPO, ShuttleServer
+from tests.server import REPO
 
 PROMPTS = ["Once upon a time", "Tom had a dog", "Lily saw a big", "The sun was"]
-CHAT = str(REPO / "tests" / "data" / "stories_chat.jinja")
-
-
-@pytest.fixture(scope="module")
-def server():
-    srv = ShuttleServer("--chat-template", CHAT)
-    yield srv
-    srv.stop()
 
 
 def http(server, path: str, body: dict) -> dict:

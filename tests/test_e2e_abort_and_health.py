@@ -1,6 +1,7 @@
 """Acceptance: the frontend never waits on model work, and a client that leaves frees its KV blocks at once.
 
-The worker is slowed by the SHUTTLE_DEBUG_STEP_DELAY test hook (ShuttleServer's step_delay) so steps are long and requests stay in flight. Waits
+On the suite's `slow_server` (tests/conftest.py): every step is slowed by the worker's test hook, so requests
+stay in flight. Waits
 are bounds that only a hang exceeds.
 """
 
@@ -10,33 +11,14 @@ import signal
 import time
 
 import aiohttp
-import pytest
 
-from tests.client import health
-from tests.server import ShuttleServer
+from tests.client import health, wait_idle
+from tests.conftest import SLOW_STEP_DELAY
 
-STEP_DELAY = 0.4
-
-
-@pytest.fixture(scope="module")
-def slow_server():
-    srv = ShuttleServer(step_delay=STEP_DELAY)
-    yield srv
-    srv.stop()
+STEP_DELAY = SLOW_STEP_DELAY
 
 
 LONG = {"prompt": "Once upon a time", "max_tokens": 300, "temperature": 0, "ignore_eos": True}
-
-
-async def wait_all_blocks_free(session, url, within: float) -> dict:
-    deadline = time.monotonic() + within
-    while True:
-        stats = (await health(session, url))["scheduler"]
-        if stats["num_running"] == 0 and stats["num_waiting"] == 0 and \
-                stats["num_free_blocks"] == stats["num_total_blocks"]:
-            return stats
-        assert time.monotonic() < deadline, f"blocks not freed within {within} s: {stats}"
-        await asyncio.sleep(0.05)
 
 
 async def blocks_in_use(session, url) -> int:
@@ -66,7 +48,7 @@ async def test_sse_disconnect_frees_blocks(slow_server):
             await response.content.readline()
         assert await blocks_in_use(session, slow_server.url) > 0
         response.close()  # drop the connection mid-stream
-        await wait_all_blocks_free(session, slow_server.url, within=30.0)
+        await wait_idle(session, slow_server.url, within=30.0)
 
 
 async def test_non_streaming_disconnect_frees_blocks(slow_server):
@@ -77,7 +59,7 @@ async def test_non_streaming_disconnect_frees_blocks(slow_server):
             assert time.monotonic() < deadline
             await asyncio.sleep(0.05)
         task.cancel()
-        await wait_all_blocks_free(session, slow_server.url, within=30.0)
+        await wait_idle(session, slow_server.url, within=30.0)
 
 
 async def test_websocket_cancel_and_close_free_blocks(slow_server):
@@ -89,9 +71,9 @@ async def test_websocket_cancel_and_close_free_blocks(slow_server):
             while (msg := await ws.receive_json(timeout=10))["type"] == "delta":
                 pass
             assert msg["type"] == "done" and msg["finish_reason"] == "abort"
-            await wait_all_blocks_free(session, slow_server.url, within=30.0)
+            await wait_idle(session, slow_server.url, within=30.0)
 
             await ws.send_json({"type": "generate", "id": "d", **LONG})
             assert (await ws.receive_json(timeout=30))["type"] == "delta"
         # the socket is closed now, with "d" still generating
-        await wait_all_blocks_free(session, slow_server.url, within=30.0)
+        await wait_idle(session, slow_server.url, within=30.0)

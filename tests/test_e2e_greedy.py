@@ -1,4 +1,4 @@
-"""Acceptance: greedy output over HTTP equals transformers' generate, token for token, in three configurations."""
+"""Acceptance: greedy output over HTTP equals transformers' generate, token for token, in two configurations."""
 
 import asyncio
 
@@ -7,20 +7,14 @@ import pytest
 
 from tests.conftest import hf_greedy, hf_tokenizer
 from tests.prompts import MAX_TOKENS, story_prompts
-from tests.server import ShuttleServer
 
-CONFIGS = {
-    "defaults": (),
-    "chunked-prefill": ("--max-num-batched-tokens", "16"),
-    "max-num-seqs-3": ("--max-num-seqs", "3"),
-}
+BLOCK_SIZE = 16  # the servers' default --block-size
 
 
-@pytest.fixture(scope="module", params=list(CONFIGS))
+@pytest.fixture(params=["server", "chunked_server"])
 def configured_server(request):
-    srv = ShuttleServer(*CONFIGS[request.param])
-    yield srv
-    srv.stop()
+    """The suite's default server, then one with 16-token prefill chunks, 3 running sequences and no prefix cache."""
+    return request.getfixturevalue(request.param), request.param == "server"  # (server, prefix caching on)
 
 
 async def complete(session: aiohttp.ClientSession, url: str, prompt: str, max_tokens: int) -> dict:
@@ -31,13 +25,14 @@ async def complete(session: aiohttp.ClientSession, url: str, prompt: str, max_to
 
 
 async def test_concurrent_greedy_matches_transformers(configured_server):
+    srv, caching = configured_server
     prompts = story_prompts()
     tokenizer = hf_tokenizer()
     prompt_ids = [tokenizer(p).input_ids for p in prompts]
     lengths = [len(ids) for ids in prompt_ids]
     assert min(lengths) == 1 and max(lengths) <= 300 and len(set(lengths)) == 16
     async with aiohttp.ClientSession() as session:
-        results = await asyncio.gather(*(complete(session, configured_server.url, p, m)
+        results = await asyncio.gather(*(complete(session, srv.url, p, m)
                                          for p, m in zip(prompts, MAX_TOKENS)))
     for ids, max_tokens, result in zip(prompt_ids, MAX_TOKENS, results):
         choice = result["choices"][0]
@@ -49,7 +44,17 @@ async def test_concurrent_greedy_matches_transformers(configured_server):
         usage = result["usage"]
         assert (usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"]) == (
             len(ids), len(expected), len(ids) + len(expected))
-        # The prompts share prefixes, so how much was cached depends on timing; never the whole prompt.
-        assert 0 <= usage["prompt_tokens_details"]["cached_tokens"] < len(ids)
+        # The prompts share prefixes, so how much was cached depends on timing: whole blocks, never the last token.
+        cached = usage["prompt_tokens_details"]["cached_tokens"]
+        assert cached % BLOCK_SIZE == 0 and cached <= (len(ids) - 1) // BLOCK_SIZE * BLOCK_SIZE
+        if not caching:
+            assert cached == 0
         prefix_text = tokenizer.decode(ids, skip_special_tokens=True)
         assert prefix_text + choice["text"] == tokenizer.decode(ids + expected, skip_special_tokens=True)
+    if caching:  # every prompt was just computed, so a repeat of the longest is served from its full blocks
+        longest = max(range(len(prompts)), key=lambda i: lengths[i])
+        async with aiohttp.ClientSession() as session:
+            again = await complete(session, srv.url, prompts[longest], MAX_TOKENS[longest])
+        full_blocks = (lengths[longest] - 1) // BLOCK_SIZE
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == full_blocks * BLOCK_SIZE
+        assert again["choices"][0]["token_ids"] == results[longest]["choices"][0]["token_ids"]

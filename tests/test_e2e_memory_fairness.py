@@ -9,23 +9,13 @@ import time
 import aiohttp
 import pytest
 
-from tests.client import health, post_completion
+from tests.client import health, post_completion, wait_idle
 from tests.conftest import hf_greedy
 from tests.server import ShuttleServer
 
 
 def unlimited_session() -> aiohttp.ClientSession:
     return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=300))
-
-
-async def wait_idle_and_free(session, url, within=10.0) -> dict:
-    deadline = time.monotonic() + within
-    while True:
-        stats = (await health(session, url))["scheduler"]
-        if stats["num_running"] == stats["num_waiting"] == 0 and stats["num_free_blocks"] == stats["num_total_blocks"]:
-            return stats
-        assert time.monotonic() < deadline, stats
-        await asyncio.sleep(0.05)
 
 
 async def greedy_ids(session, url, prompt_ids, max_tokens) -> dict:
@@ -37,30 +27,24 @@ async def greedy_ids(session, url, prompt_ids, max_tokens) -> dict:
 
 # ---- 1. prefix caching ----------------------------------------------------------------------------------------
 
-async def test_shared_prefix_is_cached_and_outputs_match_with_caching_on_and_off():
+async def test_shared_prefix_is_cached_and_outputs_match_with_caching_on_and_off(server, chunked_server):
+    """The prefix of the second prompt is the first's: the shared server (caching on) serves its full blocks from
+    the cache, `chunked_server` (--no-enable-prefix-caching) computes them again; outputs are the same."""
     rng = random.Random(1)
     prefix = [1] + [rng.randrange(3, 512) for _ in range(199)]
     prompts = [prefix + [rng.randrange(3, 512) for _ in range(n)] for n in (17, 40)]
     outputs = {}
-    for flag in ("--enable-prefix-caching", "--no-enable-prefix-caching"):
-        srv = ShuttleServer(flag)
-        try:
-            async with unlimited_session() as session:
-                first = await greedy_ids(session, srv.url, prompts[0], 50)
-                second = await greedy_ids(session, srv.url, prompts[1], 50)
-                stats = (await health(session, srv.url))["scheduler"]
-        finally:
-            srv.stop()
-        cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
-        if flag == "--enable-prefix-caching":
-            assert cached >= 192 and stats["prefix_cache_hits"] >= 192
-            print(f"prefix caching: second request cached {cached} of {len(prompts[1])} prompt tokens; "
-                  f"hit rate {stats['prefix_cache_hits'] / stats['prefix_cache_queries']:.1%} over both requests")
-        else:
-            assert cached == 0 and stats["prefix_cache_hits"] == 0
-        outputs[flag] = [first["choices"][0]["token_ids"], second["choices"][0]["token_ids"]]
-    assert outputs["--enable-prefix-caching"] == outputs["--no-enable-prefix-caching"]
-    assert outputs["--enable-prefix-caching"] == [hf_greedy(p, 50) for p in prompts]
+    for caching, srv in ((True, server), (False, chunked_server)):
+        async with unlimited_session() as session:
+            before = (await wait_idle(session, srv.url))["prefix_cache_hits"]
+            first = await greedy_ids(session, srv.url, prompts[0], 50)
+            second = await greedy_ids(session, srv.url, prompts[1], 50)
+            hits = (await wait_idle(session, srv.url))["prefix_cache_hits"] - before
+        cached = [r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in (first, second)]
+        # These prompts are new to the server, and 200 shared tokens are 12 full blocks of 16.
+        assert cached == ([0, 192] if caching else [0, 0]) and hits == cached[1]
+        outputs[caching] = [first["choices"][0]["token_ids"], second["choices"][0]["token_ids"]]
+    assert outputs[True] == outputs[False] == [hf_greedy(p, 50) for p in prompts]
 
 
 # ---- 2, 3, 7. a KV cache far too small: preemption, rejection, no leaks -----------------------------------------
@@ -81,29 +65,11 @@ async def test_preemption_under_memory_pressure_keeps_outputs_exact(small_cache_
         before = (await health(session, small_cache_server.url))["scheduler"]["num_preemptions"]
         results = await asyncio.gather(*(greedy_ids(session, small_cache_server.url, p, m)
                                          for p, m in zip(prompts, max_tokens)))
-        stats = await wait_idle_and_free(session, small_cache_server.url)
+        stats = await wait_idle(session, small_cache_server.url)
     for prompt, m, result in zip(prompts, max_tokens, results):
         assert result["choices"][0]["token_ids"] == hf_greedy(prompt, m)
     assert stats["num_preemptions"] > before
     print(f"preemptions: {stats['num_preemptions'] - before}")
-
-
-async def test_never_fitting_request_gets_400():
-    srv = ShuttleServer("--num-kv-blocks", "20")  # 320 tokens of KV cache
-    try:
-        async with unlimited_session() as session:
-            steps_before = (await health(session, srv.url))["scheduler"]["num_steps"]
-            status, body = await post_completion(session, srv.url, prompt=[1] * 100, max_tokens=300)
-            assert status == 400 and body["error"]["code"] == 400 and "KV cache" in body["error"]["message"]
-            assert (await health(session, srv.url))["scheduler"]["num_steps"] == steps_before  # refused unrun
-            async with session.post(f"{srv.url}/v1/completions",
-                                    json={"prompt": [1] * 100, "max_tokens": 300, "stream": True}) as response:
-                assert response.status == 400
-            status, ok = await post_completion(session, srv.url, prompt=[1] * 100, max_tokens=200, temperature=0)
-            assert status == 200
-            await wait_idle_and_free(session, srv.url)
-    finally:
-        srv.stop()
 
 
 async def test_random_disconnects_and_preemptions_leak_no_block(small_cache_server):
@@ -126,7 +92,7 @@ async def test_random_disconnects_and_preemptions_leak_no_block(small_cache_serv
 
     async with unlimited_session() as session:
         await asyncio.gather(*(one(i, session) for i in range(40)))
-        await wait_idle_and_free(session, url)
+        await wait_idle(session, url)
 
 
 # ---- 4. priority with aging --------------------------------------------------------------------------------------
@@ -167,50 +133,29 @@ async def test_high_priority_requests_start_before_queued_low_priority_ones():
     assert sum(first < last_high_start for first in late_lows) <= 2
 
 
-async def low_priority_wait_under_steady_high_traffic(aging_seconds: str) -> tuple[float, float]:
-    """Keep 3 high-priority requests outstanding for 5 s while one low-priority request waits.
-    Returns (low request's finish time, end of the high stream), seconds from the stream's start."""
-    srv = ShuttleServer("--scheduling-policy", "priority", "--max-num-seqs", "1",
-                        "--priority-aging-seconds", aging_seconds, step_delay=0.01)
-    job = {"prompt": "Once upon a time", "max_tokens": 10, "temperature": 0, "ignore_eos": True}
-    try:
-        async with unlimited_session() as session:
-            start = time.monotonic()
-            stream_until = start + 5.0
-
-            async def high_stream():
-                while time.monotonic() < stream_until:
-                    await stream_first_token_time(session, srv.url, priority=0, **job)
-                return time.monotonic()
-
-            streams = [asyncio.create_task(high_stream()) for _ in range(3)]
-            await asyncio.sleep(0.3)
-            _, low_done = await stream_first_token_time(session, srv.url, priority=4, **{**job, "max_tokens": 3})
-            stream_end = max(await asyncio.gather(*streams))
-    finally:
-        srv.stop()
-    return low_done - start, stream_end - start
-
-
-async def test_aging_lets_low_priority_finish_under_steady_high_priority_traffic():
-    low_done, stream_end = await low_priority_wait_under_steady_high_traffic("0.25")
-    print(f"with aging 0.25 s/level: low-priority request (4 levels down) finished at {low_done:.2f} s "
-          f"of a {stream_end:.2f} s high-priority stream")
-    assert low_done < stream_end - 1.0
-
-
-async def test_without_aging_low_priority_starves_until_high_traffic_stops():
-    low_done, stream_end = await low_priority_wait_under_steady_high_traffic("0")
-    assert low_done >= stream_end - 0.05
-
-
 # ---- 5, 6. bounded admission and timeouts ------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def bounded_server():
-    srv = ShuttleServer("--max-waiting-requests", "8", "--max-num-seqs", "2", step_delay=0.05)
+    srv = ShuttleServer("--max-waiting-requests", "8", "--max-num-seqs", "2", "--num-kv-blocks", "20", step_delay=0.05)
     yield srv
     srv.stop()
+
+
+async def test_never_fitting_request_gets_400(bounded_server):
+    url = bounded_server.url  # 20 blocks of 16: 320 tokens of KV cache
+    async with unlimited_session() as session:
+        steps_before = (await wait_idle(session, url))["num_steps"]
+        status, body = await post_completion(session, url, prompt=[1] * 100, max_tokens=300)
+        assert status == 400 and body["error"]["code"] == 400 and "KV cache" in body["error"]["message"]
+        assert (await health(session, url))["scheduler"]["num_steps"] == steps_before  # refused unrun
+        async with session.post(f"{url}/v1/completions",
+                                json={"prompt": [1] * 100, "max_tokens": 300, "stream": True}) as response:
+            assert response.status == 400
+        status, ok = await post_completion(session, url, prompt=[1] * 300, max_tokens=20, temperature=0,
+                                           ignore_eos=True)
+        assert status == 200 and ok["usage"]["completion_tokens"] == 20  # 320 tokens: the whole cache
+        await wait_idle(session, url)
 
 
 async def test_burst_past_the_waiting_bound_gets_exact_503s(bounded_server):
@@ -227,7 +172,7 @@ async def test_burst_past_the_waiting_bound_gets_exact_503s(bounded_server):
 
         results = await asyncio.gather(*(one() for _ in range(50)))
         blocked = await asyncio.gather(*blockers)
-        await wait_idle_and_free(session, url)
+        await wait_idle(session, url)
     statuses = sorted(status for status, _, _ in results)
     assert statuses == [200] * 8 + [503] * 42
     for status, retry_after, body in results:
@@ -260,33 +205,30 @@ async def test_stalled_stream_times_out_with_error_event_and_frees_blocks(bounde
         error = json.loads(events[-2])
         assert error["error"]["code"] == 408 and "timed out" in error["error"]["message"]
         assert len(events) > 3 and elapsed >= 0.8  # never before its timeout (a late one only on a loaded machine)
-        stats = await wait_idle_and_free(session, url, within=30.0)
+        stats = await wait_idle(session, url, within=30.0)
         assert stats["num_timed_out"] >= 1
 
 
 # ---- 5. one huge request next to a small one (issue 9) -------------------------------------------------------------
 
-async def test_a_huge_request_does_not_hold_back_a_small_one_behind_it():
+async def test_a_huge_request_does_not_hold_back_a_small_one_behind_it(server):
     """64 prompts x n=16 x 480 tokens (1,024 sequences in a 1.7 KB body), then an 8-token request: the small one
     runs to its end while most of the huge one's sequences still wait (under plain FCFS it would wait for all
     1,024 to be admitted). Its TTFT is printed, not asserted (timing belongs in benchmarks)."""
-    srv = ShuttleServer()
-    try:
-        async with unlimited_session() as session:
-            big = asyncio.create_task(post_completion(
-                session, srv.url, prompt=["Once upon a time"] * 64, n=16, max_tokens=480, ignore_eos=True,
-                temperature=1.0, seed=1))
-            while (await health(session, srv.url))["scheduler"]["num_running"] < 64:
-                await asyncio.sleep(0.02)
-            sent = time.monotonic()
-            first, done = await stream_first_token_time(session, srv.url, prompt="Once upon a time", max_tokens=8,
-                                                        temperature=0)
-            stats = (await health(session, srv.url))["scheduler"]
-            print(f"8-token request next to 1,024 running/waiting sequences: TTFT {first - sent:.3f} s, "
-                  f"done after {done - sent:.3f} s; {stats['num_waiting']} sequences still waiting")
-            assert not big.done()
-            assert stats["num_waiting"] >= 1024 - 128
-            big.cancel()  # the client goes away: all 1,024 sequences are aborted
-            await wait_idle_and_free(session, srv.url, within=30)
-    finally:
-        srv.stop()
+    srv = server
+    async with unlimited_session() as session:
+        big = asyncio.create_task(post_completion(
+            session, srv.url, prompt=["Once upon a time"] * 64, n=16, max_tokens=480, ignore_eos=True,
+            temperature=1.0, seed=1))
+        while (await health(session, srv.url))["scheduler"]["num_running"] < 64:
+            await asyncio.sleep(0.02)
+        sent = time.monotonic()
+        first, done = await stream_first_token_time(session, srv.url, prompt="Once upon a time", max_tokens=8,
+                                                    temperature=0)
+        stats = (await health(session, srv.url))["scheduler"]
+        print(f"8-token request next to 1,024 running/waiting sequences: TTFT {first - sent:.3f} s, "
+              f"done after {done - sent:.3f} s; {stats['num_waiting']} sequences still waiting")
+        assert not big.done()
+        assert stats["num_waiting"] >= 1024 - 128
+        big.cancel()  # the client goes away: all 1,024 sequences are aborted
+        await wait_idle(session, srv.url, within=30)

@@ -23,7 +23,7 @@ from common.messages import BatchHeartbeat, BatchServerMessage
 from tests.client import post_completion
 from tests.conftest import hf_greedy
 from tests.malformed import malformed_batch_frames
-from tests.server import ShuttleServer, pid_alive
+from tests.server import pid_alive
 
 HANG = 60.0
 FUZZ_BATCH = 25
@@ -83,10 +83,9 @@ def bounded(body):
 
 
 @pytest.fixture(scope="module")
-def fuzz_server():
-    srv = ShuttleServer("--max-waiting-requests", "100000", "--chat-template", "tests/data/stories_chat.jinja")
-    yield srv
-    srv.stop()
+def fuzz_server(server):
+    """The suite's shared server: whatever the fuzzer sends, the tests after it must still be served."""
+    return server
 
 
 @pytest.fixture(scope="module")

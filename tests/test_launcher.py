@@ -10,9 +10,9 @@ import subprocess
 import sys
 
 import aiohttp
-import pytest
 
 from tests.client import post_completion
+from tests.conftest import API_KEY
 from tests.server import REPO, ShuttleServer, pid_alive
 
 HANG = 60.0
@@ -71,33 +71,20 @@ def listening_tcp_ports(pid: int) -> list[int]:
     return ports
 
 
-KEY = "sk-secret-from-file"
 
 
-@pytest.fixture(scope="module")
-def hardened(tmp_path_factory):
-    """tcp transport, the API key from a file, and an open-file soft limit of 1024 set before exec."""
-    key_file = tmp_path_factory.mktemp("key") / "key"
-    key_file.write_text(KEY + "\n")
-    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
-    srv = ShuttleServer("--zmq-transport", "tcp", "--api-key-file", str(key_file),
-                        preexec=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard)))
-    yield srv
-    srv.stop()
-
-
-async def test_tcp_transport_is_authenticated_and_the_api_key_stays_off_command_lines(hardened):
+async def test_tcp_transport_is_authenticated_and_the_api_key_stays_off_command_lines(keyed_server):
     import asyncio
 
     import zmq
 
     from batch_jobs.client import BatchClient
 
-    srv = hardened
+    srv = keyed_server
     strays = []
     try:
         for pid in srv.all_pids:
-            assert KEY.encode() not in open(f"/proc/{pid}/cmdline", "rb").read()
+            assert API_KEY.encode() not in open(f"/proc/{pid}/cmdline", "rb").read()
         ports = listening_tcp_ports(srv.pids["scheduler"])
         assert len(ports) == 3  # requests, plans, results
         ctx = zmq.Context.instance()
@@ -106,7 +93,7 @@ async def test_tcp_transport_is_authenticated_and_the_api_key_stays_off_command_
             stray.setsockopt(zmq.LINGER, 0)
             stray.connect(f"tcp://127.0.0.1:{port}")
             strays.append(stray)
-        headers = {"Authorization": f"Bearer {KEY}"}
+        headers = {"Authorization": f"Bearer {API_KEY}"}
         async with aiohttp.ClientSession(headers=headers) as session:
             results = await asyncio.wait_for(asyncio.gather(*(
                 post_completion(session, srv.url, prompt="Hello", max_tokens=4, temperature=0) for _ in range(8))),
@@ -116,7 +103,7 @@ async def test_tcp_transport_is_authenticated_and_the_api_key_stays_off_command_
         job = {"url": "/v1/completions", "body": {"prompt": "Hi", "max_tokens": 2}}
         with BatchClient(srv.batch_endpoint, server_timeout=HANG, api_key="") as client:
             [refused] = list(client.run([job]))
-        with BatchClient(srv.batch_endpoint, server_timeout=HANG, api_key=KEY) as client:
+        with BatchClient(srv.batch_endpoint, server_timeout=HANG, api_key=API_KEY) as client:
             [done] = list(client.run([job]))
         assert refused.status_code == 401 and done.status_code == 200
         assert done.body["usage"]["completion_tokens"] >= 1
@@ -149,8 +136,8 @@ async def test_worker_death_past_max_restarts_errors_requests_and_exits_nonzero(
         srv.stop()
 
 
-async def test_1100_idle_sockets_under_a_1024_soft_fd_limit(hardened):
-    srv = hardened
+async def test_1100_idle_sockets_under_a_1024_soft_fd_limit(keyed_server):
+    srv = keyed_server
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     idle = []
     try:
@@ -158,7 +145,7 @@ async def test_1100_idle_sockets_under_a_1024_soft_fd_limit(hardened):
         host, port = srv.url.removeprefix("http://").split(":")
         for _ in range(1100):
             idle.append(socket.create_connection((host, int(port)), timeout=HANG))
-        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {KEY}"}) as session:
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {API_KEY}"}) as session:
             status, body = await asyncio_wait(post_completion(session, srv.url, prompt="Hi", max_tokens=4))
         assert status == 200 and body["usage"]["completion_tokens"] >= 1
     finally:

@@ -7,28 +7,18 @@ import pytest
 import torch
 
 from tests.byte_runs import streamed_text
-from tests.conftest import hf_greedy, hf_model, hf_tokenizer
-from tests.server import REPO, ShuttleServer
+from tests.conftest import API_KEY, hf_greedy, hf_model, hf_tokenizer
 
-API_KEY = "test-key"
-TEMPLATE = REPO / "tests" / "data" / "stories_chat.jinja"
 
 
 @pytest.fixture(scope="module")
-def api_server():
-    srv = ShuttleServer("--chat-template", str(TEMPLATE), "--api-key", API_KEY, "--served-model-name", "stories")
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def client(api_server):
-    return openai.OpenAI(base_url=f"{api_server.url}/v1", api_key=API_KEY, max_retries=0)
+def client(keyed_server):
+    return openai.OpenAI(base_url=f"{keyed_server.url}/v1", api_key=API_KEY, max_retries=0)
 
 
 @pytest.fixture
-def aclient(api_server):
-    return openai.AsyncOpenAI(base_url=f"{api_server.url}/v1", api_key=API_KEY, max_retries=0)
+def aclient(keyed_server):
+    return openai.AsyncOpenAI(base_url=f"{keyed_server.url}/v1", api_key=API_KEY, max_retries=0)
 
 
 PROMPT = "Once upon a time"
@@ -86,8 +76,8 @@ async def test_async_completion_and_chat(aclient):
     assert "".join([c.choices[0].delta.content or "" async for c in stream]) == chat.choices[0].message.content
 
 
-def test_auth_model_name_and_models_list(api_server, client):
-    bad = openai.OpenAI(base_url=f"{api_server.url}/v1", api_key="wrong", max_retries=0)
+def test_auth_model_name_and_models_list(keyed_server, client):
+    bad = openai.OpenAI(base_url=f"{keyed_server.url}/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.completions.create(model="stories", prompt=PROMPT, max_tokens=2)
     with pytest.raises(openai.NotFoundError):
@@ -230,21 +220,21 @@ def test_prompt_forms(client):
     assert [c.index for c in texts[3]] == [0, 1]
 
 
-async def test_tokenize_detokenize_and_open_health(api_server):
+async def test_tokenize_detokenize_and_open_health(keyed_server):
     import aiohttp
     auth = {"Authorization": f"Bearer {API_KEY}"}
     async with aiohttp.ClientSession() as session:
-        async with session.get(f"{api_server.url}/health") as response:
+        async with session.get(f"{keyed_server.url}/health") as response:
             assert response.status == 200  # no key needed
-        async with session.post(f"{api_server.url}/tokenize", json={"prompt": PROMPT}) as response:
+        async with session.post(f"{keyed_server.url}/tokenize", json={"prompt": PROMPT}) as response:
             assert response.status == 401 and (await response.json())["error"]["code"] == 401
-        async with session.post(f"{api_server.url}/tokenize", json={"prompt": PROMPT}, headers=auth) as response:
+        async with session.post(f"{keyed_server.url}/tokenize", json={"prompt": PROMPT}, headers=auth) as response:
             tokens = await response.json()
         assert tokens == {"tokens": hf_tokenizer()(PROMPT).input_ids, "count": 5, "max_model_len": 512}
-        async with session.post(f"{api_server.url}/detokenize", json={"tokens": tokens["tokens"][1:]},
+        async with session.post(f"{keyed_server.url}/detokenize", json={"tokens": tokens["tokens"][1:]},
                                 headers=auth) as response:
             assert (await response.json()) == {"prompt": PROMPT}
-        async with session.post(f"{api_server.url}/tokenize", json={"messages": [{"role": "user", "content": PROMPT}]},
+        async with session.post(f"{keyed_server.url}/tokenize", json={"messages": [{"role": "user", "content": PROMPT}]},
                                 headers=auth) as response:
             assert (await response.json())["tokens"][0] == 1  # the template's bos_token
 

@@ -3,14 +3,10 @@
 from types import SimpleNamespace
 
 import aiohttp
-import pytest
 
 from scheduler.step_log import StepLog, read_step_log
-from tests.client import post_completion
-from tests.server import ShuttleServer
-
-STEP_DELAY = 0.1
-
+from tests.client import post_completion, wait_idle
+from tests.conftest import SLOW_STEP_DELAY
 
 def entries(*chunks):
     return {str(i): SimpleNamespace(start=s, num_new=n, samples=k) for i, (s, n, k) in enumerate(chunks)}
@@ -33,24 +29,19 @@ def test_a_step_runs_from_its_send_or_the_previous_result_whichever_is_later(tmp
     assert read_step_log(tmp_path / "old.jsonl")[0].ended_at == 0.0
 
 
-@pytest.fixture(scope="module")
-def logging_server(tmp_path_factory):
-    path = tmp_path_factory.mktemp("steps") / "steps.jsonl"
-    srv = ShuttleServer("--step-log", str(path), step_delay=STEP_DELAY)
-    yield srv, path
-    srv.stop()
-
-
-async def test_the_server_logs_each_step_it_runs(logging_server):
-    srv, path = logging_server
+async def test_the_server_logs_each_step_it_runs(slow_server):
+    path = slow_server.step_log_path
     async with aiohttp.ClientSession() as session:
-        status, body = await post_completion(session, srv.url, prompt="Once upon a time", max_tokens=4,
+        await wait_idle(session, slow_server.url)
+        before = len(read_step_log(path))  # the shared server's earlier steps
+        status, body = await post_completion(session, slow_server.url, prompt="Once upon a time", max_tokens=4,
                                              temperature=0, ignore_eos=True, return_token_ids=True)
+        await wait_idle(session, slow_server.url)
     assert status == 200, body
     prompt_len = len(body["choices"][0]["prompt_token_ids"])
-    steps = read_step_log(path)
+    steps = read_step_log(path)[before:]
     # one prefill step that samples the first token, then one decode step per further token
     assert [(s.num_tokens, s.num_prefill_seqs, s.num_decode_seqs, s.num_sampled) for s in steps] == [
         (prompt_len, 1, 0, 1)] + [(1, 0, 1, 1)] * 3
     assert [s.decode_attention for s in steps[1:]] == [prompt_len + 1, prompt_len + 2, prompt_len + 3]
-    assert all(STEP_DELAY <= s.seconds < 5 for s in steps)  # the worker's time is in it (the step_delay hook)
+    assert all(SLOW_STEP_DELAY <= s.seconds < 5 for s in steps)  # the worker's time is in it (the step_delay hook)
