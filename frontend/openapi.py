@@ -1,8 +1,8 @@
 """GET /openapi.json: an OpenAPI 3.1 document whose request bodies are generated from the request Structs
 (msgspec's JSON Schema), so it cannot drift from what the server decodes, then narrowed by what the code checks
-beyond the types (frontend/schema_constraints.py). Each route lists every status it can answer (scripts/fuzz_schema.py
-checks the running server against it); success bodies are described by their top-level shape, the details being
-OpenAI's and documented in the README."""
+beyond the types (frontend/schema_constraints.py). Each route lists every status it can answer
+(scripts/dev/fuzz_schema.py checks the running server against it); success bodies are described by their top-level
+shape, the details being OpenAI's and documented in docs/."""
 
 from __future__ import annotations
 

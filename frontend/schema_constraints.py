@@ -1,6 +1,6 @@
 """The checks the code makes beyond the request Structs' types, told to /openapi.json's JSON Schemas: ranges, the
 shapes of a prompt, the served model name, the chat roles. So a request drawn from the document (a client
-generator, scripts/fuzz_schema.py) is one the server takes, but for what these schemas do not say: prompt plus
+generator, scripts/dev/fuzz_schema.py) is one the server takes, but for what these schemas do not say: prompt plus
 max_tokens within max_model_len, min_tokens at most max_tokens, best_of equal to n.
 
 The limits come from where they are checked (common/sampling.py, frontend/protocol.py, frontend/chat.py); the

@@ -14,7 +14,7 @@ Stretches of steps where only decodes run are summed in closed form (StepCostMod
 costs a few iterations per request ahead, not one per step. Output lengths are expected to be max_tokens times
 the ratio finished requests actually reached (1 until one finishes): EOS ends most text early.
 
-The cost model is a calibrated profile (`--step-cost-profile`, written by scripts/calibrate.py) or, without one,
+The cost model is a calibrated profile (`--step-cost-profile`, written by `shuttle calibrate`) or, without one,
 the same model fitted online to this server's own measured steps; until enough steps were measured (and with no
 profile) every request is admitted.
 """

@@ -21,7 +21,7 @@ datasheet's: capacity/hardware.py), so the three c_ of the roofline terms are di
 reached) and carry over between devices of a kind, while the fixed costs are the host's. Without a Roofline (an
 online fit of a server that was given no profile) each roofline term is its raw count instead: tokens, token pairs,
 context tokens, at one second per unit. Coefficients are fitted by non-negative least squares on relative error (a
-1 ms decode step matters as much as a 500 ms prefill) from the real ModelRunner (scripts/calibrate.py) or, online,
+1 ms decode step matters as much as a 500 ms prefill) from the real ModelRunner (`shuttle calibrate`) or, online,
 from the server's own steps (scheduler/admission.py). No torch here: the scheduler process uses it.
 """
 
@@ -242,7 +242,7 @@ class StepCostModel:
             return StepCostModel({name: float(c) for name, c in data["coefficients"].items()}, roofline,
                                  meta=dict(data.get("meta", {})), **floats)
         except (ValueError, TypeError, KeyError) as exc:
-            raise ValueError(f"{path} is not a step-cost profile (scripts/calibrate.py writes them): {exc}") from None
+            raise ValueError(f"{path} is not a step-cost profile (`shuttle calibrate` writes them): {exc}") from None
 
     # ---- fitting ----------------------------------------------------------------------------------------
 

@@ -1,7 +1,7 @@
 """Issue 8: models shuttle serves are exact (tokens and logprobs against transformers' eager generate), and what it
 cannot serve exactly is refused at start-up with a one-line reason and exit status 2.
 
-The full table over every architecture is scripts/check_architectures.py; CI runs the handful the issue names.
+The full table over every architecture is scripts/dev/check_architectures.py; CI runs the handful the issue names.
 """
 
 import shutil

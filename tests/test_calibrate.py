@@ -1,5 +1,5 @@
 """The in-process engine that the simulator is judged against (capacity/calibrate.py's Calibrator.serve), and the
-report of step predictions against measured steps (scripts/compare_inprocess.py)."""
+report of step predictions against measured steps (scripts/dev/compare_inprocess.py)."""
 
 import sys
 from pathlib import Path

@@ -1,4 +1,4 @@
-"""Bad input to the capacity tools (scripts/simulate.py, tune.py, calibrate.py): a one-line
+"""Bad input to the capacity tools (`shuttle simulate`, `tune`, `calibrate`): a one-line
 usage error naming what is wrong (exit status 2), never a traceback, and never a table of nonsense."""
 
 import json

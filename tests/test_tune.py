@@ -1,4 +1,4 @@
-"""scripts/simulate.py and scripts/tune.py end to end on a synthetic profile (no model, no server): the
+"""`shuttle simulate` and `shuttle tune` end to end on a synthetic profile (no model, no server): the
 simulation reproduces bench_serve.py's workload, and the sweep writes its plots and a recommendation."""
 
 import json

@@ -9,7 +9,7 @@ attention output; how it loops (or doesn't) is its own business.
   reads the cache in place; prefill chunks one sequence at a time as in `reference`. Measured on this 2-core
   CPU, the kernel beats the per-sequence loop for tiny models (the loop's Python overhead dominates) and for a
   110M Llama (no gather copy of the context), and a padded batched SDPA with a mask loses to both (torch falls
-  back to its math path); see scripts/bench_overhead.py.
+  back to its math path); see scripts/dev/bench_overhead.py.
 - `flex`: torch's FlexAttention over the cache in place, decodes and prefill chunks each in one call per layer
   (worker/flex_attention.py): compiled on CUDA, eager (unfused, for tests) on the CPU.
 """
