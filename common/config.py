@@ -172,6 +172,8 @@ class WorkerConfig:
                                     choices=["auto", "cpu", "reference", "flex"])
     worker_threads: int = option(0, "CPU threads of the worker's model and attention (0: torch's default, one per "
                                     "core)", type=count)
+    enforce_eager: bool = option(False, "run every step eagerly: no CUDA graphs for decode-only steps (graphs are "
+                                        "captured only on CUDA, with the flex attention backend)")
 
 
 @dataclass(frozen=True)
