@@ -11,6 +11,7 @@ from common.messages import PromptLogprobs, StepPlan, StepResult, TokenLogprobs
 from worker.attention import StepAttention
 from worker.attention_backends import make_backend
 from worker.capability import check_exactness
+from worker.graph_runner import graph_runner_for
 from worker.input_batch import InputBatch, StepInputs
 from worker.kv_cache import KVCache
 from worker.model_loader import DTYPES, architecture, load_model, probe_geometry
@@ -64,6 +65,7 @@ class ModelRunner:
         self.batch = InputBatch(self.block_size, self.kv_cache.null_block,
                                 -(-model_cfg.max_model_len // self.block_size))
         self.sampler = Sampler(model_cfg.eos_token_ids)
+        self.graphs = graph_runner_for(self, config)  # decode-only steps from CUDA graphs (None: all eager)
 
     @property
     def weight_bytes(self) -> int:
@@ -101,7 +103,10 @@ class ModelRunner:
             raise
 
     def _run(self, step_id: int, inputs: StepInputs) -> StepResult:
-        logits = self.forward(inputs, self.kv_cache.layers, inputs.logits_rows)  # [S + prompt rows, vocab]
+        if self.graphs is not None and self.graphs.can_run(inputs):
+            logits = self.graphs.run(inputs)  # a decode-only step, replayed: [S, vocab]
+        else:
+            logits = self.forward(inputs, self.kv_cache.layers, inputs.logits_rows)  # [S + prompt rows, vocab]
         requests = inputs.sampled_requests
         prompt_logprobs = self._prompt_logprobs(logits[len(requests):], inputs.prompt_rows) \
             if self.parallel.is_driver else []
