@@ -116,8 +116,8 @@ async def test_high_priority_requests_start_before_queued_low_priority_ones():
             # Lows run 16 tokens, so a running slot frees only every ~8 steps: the 5 highs reach the scheduler
             # well before that even on a loaded machine.
             lows = [asyncio.create_task(stream_first_token_time(session, srv.url, priority=10,
-                                                                **{**job, "max_tokens": 16})) for _ in range(100)]
-            while (await health(session, srv.url))["scheduler"]["num_waiting"] < 90:
+                                                                **{**job, "max_tokens": 16})) for _ in range(50)]
+            while (await health(session, srv.url))["scheduler"]["num_waiting"] < 45:
                 await asyncio.sleep(0.01)
             highs_submitted = time.monotonic()
             highs = await asyncio.gather(*(stream_first_token_time(session, srv.url, priority=0, **job)
@@ -129,7 +129,7 @@ async def test_high_priority_requests_start_before_queued_low_priority_ones():
     # Lows not yet started when the highs arrived; only the (at most max_num_seqs) lows already being admitted in
     # the step then in flight may show their first token before the last high's.
     late_lows = [first for first, _ in lows if first > highs_submitted]
-    assert len(late_lows) >= 80
+    assert len(late_lows) >= 40
     assert sum(first < last_high_start for first in late_lows) <= 2
 
 

@@ -26,7 +26,7 @@ LONG = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "te
 
 @pytest.fixture(scope="module")
 def srv():
-    srv = ShuttleServer("--step-timeout", "5", "--heartbeat-timeout", "8",
+    srv = ShuttleServer("--step-timeout", "3", "--heartbeat-timeout", "4",
                         "--max-restarts", "10", step_delay=0.05)
     yield srv
     srv.stop()
