@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import math
 import re
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
@@ -16,17 +17,19 @@ MAX_N = 16  # most choices per request
 MAX_PROMPTS = 64  # most prompts in one completions request
 
 
-class StreamOptions(msgspec.Struct):
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_usage: bool = False
 
 
 class SamplingFields(msgspec.Struct, kw_only=True):
-    """Fields both completion endpoints share. Unknown fields are ignored, as OpenAI and vLLM do.
+    """Fields both completion endpoints share. A field no request Struct declares is refused (see REFUSED_FIELDS).
 
     vLLM extensions: top_k, min_p, repetition_penalty, stop_token_ids, ignore_eos, min_tokens, priority,
     include_stop_str_in_output, return_token_ids (adds prompt_token_ids and token_ids to each choice).
     `timeout` (seconds from arrival) ends the request with an error (HTTP 408) if it has not finished by then.
     `ttft_slo_ms` is the request's own TTFT objective: refused at once (HTTP 503) when predicted to be missed.
+    OpenAI's metadata-only fields (`user`, `metadata`, `store`, `service_tier`, `safety_identifier`,
+    `prompt_cache_key`) are accepted and change nothing (nothing is stored).
     """
 
     model: str | None = None
@@ -53,6 +56,11 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     ttft_slo_ms: float | None = None
     return_token_ids: bool = False
     user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool = False
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
 
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -99,8 +107,6 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
-    tools: list[Any] | None = None
     add_special_tokens: bool = False
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -125,6 +131,84 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
 class DetokenizeRequest(msgspec.Struct, kw_only=True):
     tokens: list[int]
     model: str | None = None
+
+
+class Refused(NamedTuple):
+    """Why a request field of OpenAI's or vLLM's schema is refused, and the one value taken all the same because it
+    asks for what shuttle does anyway (None: every value is refused)."""
+
+    why: str
+    accepted: Any = None
+
+
+_STRUCTURED = "structured outputs are not implemented yet"
+_TOOLS = "tool calling is not implemented yet"
+_NOT_IMPLEMENTED = "not implemented"
+# Fields of OpenAI's and vLLM's request schemas that shuttle does not implement. A body holding one that its
+# request Struct does not declare gets 400 naming it (so `echo` is refused on chat only), rather than being served
+# as if it had not been sent: a caller must never believe its output was constrained when it was not. A field
+# neither declared nor listed here is refused as unrecognized, as OpenAI's API does.
+REFUSED_FIELDS: dict[str, Refused] = {
+    "response_format": Refused("structured outputs (json_object, json_schema) are not implemented yet",
+                               {"type": "text"}),
+    **dict.fromkeys(("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                     "guided_decoding_backend", "guided_whitespace_pattern", "structural_tag"),
+                    Refused(_STRUCTURED)),
+    "tools": Refused(_TOOLS, []),
+    "tool_choice": Refused(_TOOLS, "none"),
+    "parallel_tool_calls": Refused(_TOOLS),
+    "functions": Refused(_TOOLS),
+    "function_call": Refused(_TOOLS),
+    "chat_template": Refused("the server renders every chat with its own template (--chat-template at startup)"),
+    "documents": Refused(_NOT_IMPLEMENTED),
+    "use_beam_search": Refused("beam search is not implemented", False),
+    "length_penalty": Refused("beam search is not implemented"),
+    "echo": Refused("only /v1/completions echoes the prompt", False),
+    "prompt_logprobs": Refused("prompt logprobs come from /v1/completions with echo and logprobs"),
+    "allowed_token_ids": Refused(_NOT_IMPLEMENTED),
+    "bad_words": Refused(_NOT_IMPLEMENTED),
+    "truncate_prompt_tokens": Refused("prompts are never truncated: one too long for the context gets 400"),
+    "skip_special_tokens": Refused("special tokens are always left out of the text", True),
+    "spaces_between_special_tokens": Refused(_NOT_IMPLEMENTED),
+    "return_tokens_as_token_ids": Refused("return_token_ids lists the token ids"),
+    "logits_processors": Refused(_NOT_IMPLEMENTED),
+    "request_id": Refused("the server names each response (the x-request-id header carries a client's own id)"),
+    "cache_salt": Refused(_NOT_IMPLEMENTED),
+    "kv_transfer_params": Refused(_NOT_IMPLEMENTED),
+    "vllm_xargs": Refused(_NOT_IMPLEMENTED),
+    "mm_processor_kwargs": Refused("only text is served"),
+    "prompt_embeds": Refused("only text and token id prompts are served"),
+    "modalities": Refused("only text is served"),
+    "audio": Refused("only text is served"),
+    "prediction": Refused(_NOT_IMPLEMENTED),
+    "web_search_options": Refused(_NOT_IMPLEMENTED),
+    "reasoning_effort": Refused(_NOT_IMPLEMENTED),
+    "verbosity": Refused(_NOT_IMPLEMENTED),
+    "include_reasoning": Refused(_NOT_IMPLEMENTED),
+}
+
+
+def refuse_undeclared(data: dict, request_type: type) -> None:
+    """Refuse the first field of `data` (nulls already dropped) that `request_type` does not declare, unless it is
+    a REFUSED_FIELDS entry holding its accepted value (`"tools": []`, `"response_format": {"type": "text"}`).
+
+    Raises:
+        InvalidRequestError: the field (named in `param`) is not implemented, or not a field at all.
+    """
+    declared = request_type.__struct_fields__
+    for name, value in data.items():
+        if name in declared:
+            continue
+        if not isinstance(name, str):  # a msgpack map (the batch endpoint) may have other keys
+            raise InvalidRequestError(f"request field names must be strings, got {type(name).__name__}")
+        refused = REFUSED_FIELDS.get(name)
+        if refused is None:
+            raise InvalidRequestError(f"Unrecognized request argument supplied: {name}", param=name)
+        accepted = refused.accepted
+        if accepted is not None and type(value) is type(accepted) and value == accepted:
+            continue
+        what = f"supported only as {json.dumps(accepted)}" if accepted is not None else "not supported"
+        raise InvalidRequestError(f"{name} is {what}: {refused.why}", param=name)
 
 
 _DECODE_PATH = re.compile(r"at `\$\.([A-Za-z_]\w*)")
@@ -153,13 +237,15 @@ def convert_body(data: Any, request_type: type) -> Any:
     optional fields nullable, and clients send null for "default" (the official Python client with
     `temperature=None`). So every default lives in one place, the Struct's field declaration. A field typed as an
     integer takes an integral float (`"n": 1.0`, as OpenAI does; frontend/integral_floats.py), never 1.5 or "1".
+    A field `request_type` does not declare is refused (refuse_undeclared), whatever the transport.
 
     Raises:
-        InvalidRequestError: not an object, or a field of the wrong type (named in `param`).
+        InvalidRequestError: not an object, a field of the wrong type, not implemented or unknown (named in `param`).
     """
+    if isinstance(data, dict):
+        data = {name: value for name, value in data.items() if value is not None}
+        refuse_undeclared(data, request_type)
     try:
-        if isinstance(data, dict):
-            data = {name: value for name, value in data.items() if value is not None}
         return msgspec.convert(integral_floats_as_ints(data, request_type), type=request_type)
     except msgspec.ValidationError as exc:
         match = _DECODE_PATH.search(str(exc)) or _MISSING_FIELD.search(str(exc))

@@ -1,7 +1,9 @@
 """The checks the code makes beyond the request Structs' types, told to /openapi.json's JSON Schemas: ranges, the
-shapes of a prompt, the served model name, the chat roles. So a request drawn from the document (a client
-generator, scripts/dev/fuzz_schema.py) is one the server takes, but for what these schemas do not say: prompt plus
-max_tokens within max_model_len, min_tokens at most max_tokens, best_of equal to n.
+shapes of a prompt, the served model name, the chat roles, and that no other field is taken (additionalProperties
+false) but for the one accepted value of a field of OpenAI's or vLLM's schema that shuttle does not implement
+(frontend/protocol.py's REFUSED_FIELDS: `"tools": []`, `"response_format": {"type": "text"}`). So a request drawn
+from the document (a client generator, scripts/dev/fuzz_schema.py) is one the server takes, but for what these
+schemas do not say: prompt plus max_tokens within max_model_len, min_tokens at most max_tokens, best_of equal to n.
 
 The limits come from where they are checked (common/sampling.py, frontend/protocol.py, frontend/chat.py); the
 fuzzer's count of schema-valid requests refused is what shows a drift.
@@ -11,7 +13,7 @@ from __future__ import annotations
 
 from common.sampling import MAX_LOGPROBS
 from frontend.chat import RESERVED_KWARGS, ROLES
-from frontend.protocol import MAX_N, MAX_PROMPTS
+from frontend.protocol import MAX_N, MAX_PROMPTS, REFUSED_FIELDS
 
 NULL = {"type": "null"}
 
@@ -68,8 +70,6 @@ def constrain(components: dict, model_name: str, vocab_size: int) -> None:
     chat["properties"].update(sampling, **{
         "messages": {"type": "array", "items": {"$ref": "#/components/schemas/ChatMessage"}, "minItems": 1},
         "max_completion_tokens": _nullable(_int(1)), "top_logprobs": _nullable(_int(0, MAX_LOGPROBS)),
-        "tools": _nullable({"type": "array", "maxItems": 0}),
-        "response_format": _nullable({"type": "object", "properties": {"type": {"const": "text"}}}),
         "chat_template_kwargs": _nullable({"type": "object",
                                            "propertyNames": {"not": {"enum": sorted(RESERVED_KWARGS)}}})})
     message = components["ChatMessage"]
@@ -92,8 +92,12 @@ def constrain(components: dict, model_name: str, vocab_size: int) -> None:
     chat["allOf"] = [streamed, continued, _given("top_logprobs", {"properties": {"logprobs": {"const": True}},
                                                                   "required": ["logprobs"]})]
     tokenize["allOf"] = [continued]
-    for request in (completion, chat, tokenize, detokenize):  # an explicit null is the default (convert_body)
-        for name, schema in request["properties"].items():
+    for request in (completion, chat, tokenize, detokenize):
+        # a field not declared is refused (protocol.refuse_undeclared), but for a refused field's one accepted value
+        request["properties"].update({name: {"const": refused.accepted} for name, refused in REFUSED_FIELDS.items()
+                                      if refused.accepted is not None and name not in request["properties"]})
+        request["additionalProperties"] = False
+        for name, schema in request["properties"].items():  # an explicit null is the default (convert_body)
             if name not in request.get("required", ()) and not _allows_null(schema):
                 request["properties"][name] = _nullable(schema)
 

@@ -266,11 +266,6 @@ class ChatCall(Call):
     def __init__(self, state: FrontendState, body: ChatCompletionRequest, id_prefix: str = "chatcmpl",
                  background: bool = False):
         check_model(state, body.model)
-        if body.tools:
-            raise InvalidRequestError("tools are not supported", param="tools")
-        if body.response_format and body.response_format.get("type", "text") != "text":
-            raise InvalidRequestError("only response_format {\"type\": \"text\"} is supported",
-                                      param="response_format")
         if body.top_logprobs is not None and not body.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
         self.logprobs = check_logprobs(body.top_logprobs or 0, "top_logprobs") if body.logprobs else None
