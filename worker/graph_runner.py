@@ -97,11 +97,11 @@ class DecodeGraphRunner:
         self.block_size, self.null_block, self.device = block_size, null_block, device
         self.cuda_graphs = device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self.graph_safe = backend.name in GRAPH_SAFE_BACKENDS
-        if self.cuda_graphs and device.type != "cuda":
-            raise ValueError(f"CUDA graphs need a CUDA device, not {device}")
         if self.cuda_graphs and not self.graph_safe:
             raise ValueError(f"the {backend.name} attention backend reads host lists in its forward, so it cannot "
                              f"be captured in a CUDA graph (use one of {', '.join(sorted(GRAPH_SAFE_BACKENDS))})")
+        if self.cuda_graphs and device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, not {device}")
         self.sizes = capture_sizes(max_num_seqs)
         self.max_bs = max_bs = self.sizes[-1]
         self.null_slot = null_block * block_size  # offset 0 of the null block: where padding rows write
@@ -185,6 +185,7 @@ class DecodeGraphRunner:
         if self.logits is None:
             self.logits = torch.empty(self.max_bs, logits.shape[-1], dtype=logits.dtype, device=self.device)
         self.logits[:size].copy_(logits)
+        self.backend.begin_step()  # drop the step's masks: nothing made inside the forward outlives it
 
     def run(self, inputs: StepInputs) -> torch.Tensor:
         """Replay the bucket of a decode-only step (can_run(inputs) must hold).
