@@ -13,7 +13,8 @@ from pathlib import Path
 
 import msgspec
 
-from common.arg_types import count, parse_bytes, positive, seconds
+from common.arg_types import count, parse_bytes, positive, seconds, unit_fraction
+from common.devices import parse_device
 from common.errors import ModelDirError
 from common.model_dir import read_json_object
 
@@ -29,7 +30,8 @@ class ModelConfig:
         served_model_name: the name clients give in the ``model`` field.
         max_model_len: longest context in tokens (prompt + output).
         eos_token_ids: ids that end a sequence, from generation_config.json (else config.json).
-        dtype: torch dtype name of weights and KV cache ("float32", "bfloat16", "float16").
+        dtype: torch dtype name of weights and KV cache ("float32", "bfloat16", "float16"; "auto" until the
+            launcher resolves it for the device, common/devices.py).
     """
 
     model_dir: str
@@ -117,8 +119,13 @@ class CacheConfig:
 
     block_size: int = option(16, "tokens per KV block", type=positive)
     num_kv_blocks: int | None = option(None, "fixed number of KV blocks (overrides --kv-cache-memory)", type=positive)
-    kv_cache_memory: int = option(1 << 30, "bytes the worker may spend on K and V of all layers, e.g. 512MiB",
+    kv_cache_memory: int = option(1 << 30, "on the CPU: bytes the worker may spend on K and V of all layers, e.g. "
+                                           "512MiB (on CUDA --gpu-memory-utilization sizes the cache)",
                                   type=parse_bytes)
+    gpu_memory_utilization: float = option(
+        0.9, "on CUDA: share of each device's memory for weights, activations and KV; the KV cache gets what the "
+             "weights, one profiling step at the largest step shape and a CUDA-graph allowance leave "
+             "(worker/kv_sizing.py; --num-kv-blocks overrides it)", type=unit_fraction)
     enable_prefix_caching: bool = option(True, "share full KV blocks of identical prompt prefixes between requests")
 
 
@@ -165,10 +172,14 @@ class SchedulerConfig:
 class WorkerConfig:
     """How the worker executes steps. Each field's help says what it means."""
 
-    attention_backend: str = option("auto", "auto: cpu on a CPU; cpu: numba paged decode kernel + per-sequence "
-                                            "prefill; reference: one sequence at a time with torch SDPA; flex: "
-                                            "torch FlexAttention over the paged cache (compiled on CUDA, eager on "
-                                            "a CPU)",
+    device: str = option("auto", "auto: cuda when torch sees a CUDA device, else cpu; cpu; cuda or cuda:N: the first "
+                                 "device, each worker rank of each serving group owning one, rank r of group g on "
+                                 "cuda:(N + g x tensor_parallel_size + r)", type=parse_device,
+                         metavar="auto|cpu|cuda[:N]")
+    attention_backend: str = option("auto", "auto: flex on CUDA, cpu on a CPU; cpu: numba paged decode kernel + "
+                                            "per-sequence prefill; reference: one sequence at a time with torch "
+                                            "SDPA; flex: torch FlexAttention over the paged cache (compiled on CUDA, "
+                                            "eager on a CPU)",
                                     choices=["auto", "cpu", "reference", "flex"])
     worker_threads: int = option(0, "CPU threads of the worker's model and attention (0: torch's default, one per "
                                     "core)", type=count)
@@ -189,6 +200,7 @@ class ParallelConfig:
 
 
 TP_RANK_ENV = "SHUTTLE_TP_RANK"  # a worker process's tensor-parallel rank, set by the launcher (unset: 0)
+DP_GROUP_ENV = "SHUTTLE_DP_GROUP"  # a worker process's local serving group (data parallel), set likewise (unset: 0)
 
 
 def tensor_parallel_error(hf_config: dict, tensor_parallel_size: int) -> str | None:

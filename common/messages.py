@@ -193,12 +193,23 @@ PlanMessage = StepPlan | Shutdown
 # ---- worker -> scheduler (PUSH -> PULL) -------------------------------------------------------------------
 
 class WorkerReady(msgspec.Struct, **_WIRE):
-    """Sent once after the model and KV cache are allocated. Sizes in bytes."""
+    """Sent once after the model and KV cache are allocated. Sizes in bytes.
+
+    Attributes:
+        device, dtype, attention_backend: what the rank runs on and with ("cuda:0", "bfloat16", "flex").
+        activation_peak_bytes: the profiling step's torch peak on CUDA (0: not profiled, as on the CPU).
+        kv_budget: how the KV cache was sized ("--kv-cache-memory 1024 MiB", "--gpu-memory-utilization 0.9 of ...").
+    """
 
     rank: int
     num_kv_blocks: int
     kv_bytes_per_token: int
     weight_bytes: int
+    device: str = ""
+    dtype: str = ""
+    attention_backend: str = ""
+    activation_peak_bytes: int = 0
+    kv_budget: str = ""
 
 
 class StepResult(msgspec.Struct, **_WIRE):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from common.arg_types import add_config_options, count, origins, parse_bytes, positive, unit_fraction
+from common.arg_types import add_config_options, count, origins, parse_bytes, positive
 from common.config import DEFAULT_MODEL_DIR, SERVE_SECTIONS, CacheConfig, SchedulerConfig, WorkerConfig
 
 __all__ = ["TOOLS", "build_parser", "main", "parse_bytes"]
@@ -44,8 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     serve.add_argument("--served-model-name", default=None,
                        help="the `model` name clients use; None means the model directory's name")
-    serve.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                       help="weights and KV cache dtype")
+    serve.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                       help="weights and KV cache dtype; auto: bfloat16 on CUDA, float32 on the CPU")
     serve.add_argument("--max-model-len", type=positive, default=None, help="default: the model's position limit")
     for section in SERVE_SECTIONS:
         add_config_options(serve, section)
@@ -118,11 +118,12 @@ def _add_plan_parser(commands, default_model: str | None) -> None:
     plan.add_argument("--max-model-len", type=positive, default=None, help="default: the model's position limit")
     plan.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     budget = plan.add_mutually_exclusive_group()
-    add_config_options(budget, CacheConfig, ["kv_cache_memory", "num_kv_blocks"], kv_cache_memory={
-        "default": None, "help": f"bytes for the KV cache (default {CacheConfig().kv_cache_memory // 2**30}GiB, as "
-                                 f"shuttle serve)"})
-    budget.add_argument("--gpu-memory-utilization", type=unit_fraction, default=None,
-                        help="share of a CUDA device's memory for weights, activations and KV (CUDA devices only)")
+    add_config_options(budget, CacheConfig, ["kv_cache_memory", "num_kv_blocks", "gpu_memory_utilization"],
+                       kv_cache_memory={"default": None, "help": f"bytes for the KV cache (default "
+                                                                 f"{CacheConfig().kv_cache_memory // 2**30}GiB, as "
+                                                                 f"shuttle serve)"},
+                       gpu_memory_utilization={"default": None, "help": "share of a CUDA device's memory for "
+                                                                        "weights, activations and KV (CUDA only)"})
     add_config_options(plan, CacheConfig, ["block_size"])
     add_config_options(plan, SchedulerConfig, ["max_num_seqs", "max_num_batched_tokens", "max_waiting_requests"])
     add_config_options(plan, WorkerConfig, ["attention_backend"])

@@ -33,8 +33,9 @@ from urllib.parse import urlsplit
 
 import zmq
 
-from common.capacity import requests_that_fit
+from common.capacity import kv_cache_bytes, requests_that_fit
 from common.config import IpcConfig, ShuttleConfig
+from common.devices import DeviceError, cuda_device_count, device_type, rank_device, resolve_config
 from common.errors import ModelDirError
 from common.ipc import CURVE_ENV, Channel, CurveKeys
 from common.messages import ControlMessage, EngineDown
@@ -50,18 +51,46 @@ START_TIMEOUT_S = 300.0
 POLL_MS = 50
 
 
-def capacity_lines(config: ShuttleConfig, cap: dict) -> list[str]:
-    """The start-up lines about the KV cache, from the scheduler's ready report `cap` (num_kv_blocks, block_size,
-    kv_tokens, kv_bytes_per_token); `shuttle plan` predicts the same figures."""
+def capacity_lines(config: ShuttleConfig, cap: dict, groups: int = 1) -> list[str]:
+    """The start-up lines about the KV cache and the worker, from the scheduler's ready report `cap` (num_kv_blocks,
+    block_size, kv_tokens, kv_bytes_per_token, weight_bytes; from a worker that reports them: device, dtype,
+    attention_backend, activation_peak_bytes, kv_budget); `shuttle plan` predicts the KV figures.
+
+    Line 1: blocks, tokens, KV bytes, how many max_model_len requests fit, weights and (CUDA) the profiled activation
+    peak. Line 2 (when the worker reports its device): the devices of every rank of the `groups` local serving
+    groups, the dtype, the attention backend and how the KV cache was sized.
+    """
     max_len = config.model.max_model_len
     fit = requests_that_fit(cap["num_kv_blocks"], cap["block_size"], max_len)
-    lines = [f"KV cache {cap['num_kv_blocks']} blocks x {cap['block_size']} tokens = {cap['kv_tokens']} tokens "
-             f"({cap['kv_bytes_per_token']} bytes/token); {fit} requests of max_model_len {max_len} fit"]
+    kv_bytes = kv_cache_bytes(cap["num_kv_blocks"], cap["block_size"], cap["kv_bytes_per_token"])
+    memory = [f"weights {_mib(cap['weight_bytes'])}"] if "weight_bytes" in cap else []
+    if cap.get("activation_peak_bytes"):
+        memory.append(f"activation peak {_mib(cap['activation_peak_bytes'])}")
+    line = (f"KV cache {cap['num_kv_blocks']} blocks x {cap['block_size']} tokens = {cap['kv_tokens']} tokens "
+            f"({cap['kv_bytes_per_token']} bytes/token) in {_mib(kv_bytes)}; {fit} requests of max_model_len "
+            f"{max_len} fit")
+    lines = [line + (f"; {', '.join(memory)}" if memory else "")]
+    if cap.get("device"):
+        lines.append(f"worker on {device_span(config, cap['device'], groups)}, {cap.get('dtype', '?')}, "
+                     f"{cap.get('attention_backend', '?')} attention; KV cache sized by {cap.get('kv_budget', '?')}")
     if fit == 0:
         lines.append(f"warning: the KV cache holds {cap['kv_tokens']} tokens, fewer than max_model_len {max_len}: "
                      f"requests needing more are rejected (raise --kv-cache-memory or --num-kv-blocks, or lower "
                      f"--max-model-len)")
     return lines
+
+
+def _mib(count: float) -> str:
+    return f"{count / 2**30:.2f} GiB" if count >= 2**30 else f"{count / 2**20:.1f} MiB"
+
+
+def device_span(config: ShuttleConfig, first: str, groups: int) -> str:
+    """The devices the ranks of `groups` serving groups own, from the first rank's ('cuda:0' -> 'cuda:0..cuda:3')."""
+    ranks = groups * config.parallel.tensor_parallel_size
+    if device_type(first) == "cpu" or ranks == 1:
+        return first + (f" ({ranks} ranks)" if ranks > 1 else "")
+    tp = config.parallel.tensor_parallel_size
+    return f"{first}..{rank_device(first, groups - 1, tp - 1, tp)}"
 
 
 def _say(message: str) -> None:
@@ -107,11 +136,13 @@ def serve(args: argparse.Namespace) -> int:
         try:
             check_model_dir(args.model_dir)
             config = ShuttleConfig.from_args(args, ipc)
+            # --device/--dtype/--attention-backend auto made concrete once; too few devices refused here
+            config = resolve_config(config, len(groups), _cuda_devices(config))
             check_scheduler_files(config.scheduler)
             if config.chat_template and not os.path.isfile(config.chat_template):
                 raise ModelDirError(f"--chat-template {config.chat_template} is not a readable file")
             check_ports(_frontend_listens(args, config) + _rendezvous_listens(config, len(groups)))
-        except (ModelDirError, PortError) as exc:
+        except (ModelDirError, PortError, DeviceError) as exc:
             print(f"shuttle: error: {exc}", file=sys.stderr)
             return 2
         return Launcher(config, api_key, groups).run()
@@ -145,15 +176,21 @@ def engine(args: argparse.Namespace) -> int:
         try:
             check_model_dir(args.model_dir, tokenizer=False)  # the frontend, on another host, tokenizes
             config = ShuttleConfig.from_args(args, ipc)
+            config = resolve_config(config, 1, _cuda_devices(config))
             check_scheduler_files(config.scheduler)
             listen = tcp_listen(args.listen, "where frontends reach this engine, --listen")
             check_ports(([listen] if listen else []) + _rendezvous_listens(config, 1))
-        except (ModelDirError, PortError) as exc:
+        except (ModelDirError, PortError, DeviceError) as exc:
             print(f"shuttle: error: {exc}", file=sys.stderr)
             return 2
         return Launcher(config, None, [ipc], with_frontend=False).run()
     finally:
         shutil.rmtree(runtime_dir, ignore_errors=True)
+
+
+def _cuda_devices(config: ShuttleConfig) -> int:
+    """CUDA devices here, counted only when --device may use one (cpu needs no look)."""
+    return 0 if config.worker.device == "cpu" else cuda_device_count()
 
 
 def _frontend_listens(args: argparse.Namespace, config: ShuttleConfig) -> list[Listen]:
@@ -376,7 +413,7 @@ class Launcher:
 
     def _announce(self) -> None:
         if self.engines:
-            lines = capacity_lines(self.config, self.engines[0].ready["scheduler"])
+            lines = capacity_lines(self.config, self.engines[0].ready["scheduler"], len(self.engines))
             if len(self.engines) > 1:
                 lines[0] = f"{len(self.engines)} data-parallel groups, each: {lines[0]}"
             for line in lines:

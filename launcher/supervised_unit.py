@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 
-from common.config import TP_RANK_ENV, ShuttleConfig
+from common.config import DP_GROUP_ENV, TP_RANK_ENV, ShuttleConfig
 from common.messages import ControlMessage, Heartbeat, ProcessReady
 from common.process import die_with_parent
 
@@ -96,6 +96,7 @@ class Unit:
             rank = worker_rank(role)
             if rank is not None:  # every rank runs `python -m worker`; its rank travels like torchrun's RANK
                 child_env[TP_RANK_ENV] = str(rank)
+                child_env[DP_GROUP_ENV] = str(self.group or 0)  # with the rank, it names the device the worker owns
             module = "worker" if rank is not None else role
             self.procs[role] = subprocess.Popen([sys.executable, "-m", module, "--config", payload], env=child_env,
                                                 preexec_fn=die_with_parent)

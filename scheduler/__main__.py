@@ -25,7 +25,9 @@ def main() -> None:
              worker.weight_bytes / 2**20)
     report_ready(config, "scheduler", num_kv_blocks=worker.num_kv_blocks, block_size=cache.block_size,
                  kv_tokens=tokens, kv_bytes_per_token=worker.kv_bytes_per_token, weight_bytes=worker.weight_bytes,
-                 max_model_len=model.max_model_len)
+                 max_model_len=model.max_model_len, device=worker.device, dtype=worker.dtype,
+                 attention_backend=worker.attention_backend, activation_peak_bytes=worker.activation_peak_bytes,
+                 kv_budget=worker.kv_budget)
     try:
         loop.run()
     except WorkerHung as exc:  # the engine's state is lost with the worker: exit, the launcher restarts both

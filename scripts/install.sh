@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Creates .venv in the repository and installs shuttle with its test extras.
 # torch goes first and pinned: 2.13.0 is the CPU build on this machine's disk; an unpinned torch pulls a CUDA build.
+# (pyproject.toml accepts torch 2.11 to 2.13, so the GPU machine's 2.11 satisfies it too.)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || python3 -m venv .venv

@@ -15,13 +15,15 @@ NON_DEFAULTS = {
     "scheduling_policy": ("priority", "priority"), "priority_aging_seconds": ("2.5", 2.5),
     "request_timeout": ("4", 4.0), "max_seqs_per_request": ("3", 3), "long_prefill_token_threshold": ("64", 64),
     "ttft_slo_ms": ("250", 250.0), "step_cost_profile": ("", ""), "step_log": ("/dev/null", "/dev/null"),
-    "attention_backend": ("reference", "reference"),
+    "attention_backend": ("reference", "reference"), "device": ("CUDA:1", "cuda:1"),
+    "gpu_memory_utilization": ("0.5", 0.5),
     "worker_threads": ("1", 1), "step_timeout": ("5", 5.0), "heartbeat_timeout": ("6", 6.0),
     "max_restarts": ("2", 2), "shutdown_timeout": ("3", 3.0), "keep_alive_timeout": ("1", 1.0),
     "header_timeout": ("2", 2.0), "body_timeout": ("3", 3.0), "max_batch_message_bytes": ("1KiB", 1024),
     "tensor_parallel_size": ("2", 2), "master_addr": ("127.0.0.2", "127.0.0.2"), "master_port": ("29500", 29500),
 }
 BOOLEANS = {"enable_prefix_caching", "async_scheduling", "batch_background"}
+TRUE_BOOLEANS = {"enforce_eager"}  # off by default: the test turns them on
 
 
 def test_every_field_is_a_flag_that_reaches_its_section():
@@ -31,6 +33,8 @@ def test_every_field_is_a_flag_that_reaches_its_section():
             flag = "--" + f.name.replace("_", "-")
             if f.name in BOOLEANS:
                 argv.append("--no-" + flag[2:])
+            elif f.name in TRUE_BOOLEANS:
+                argv.append(flag)
             else:
                 argv += [flag, NON_DEFAULTS[f.name][0]]
     config = ShuttleConfig.from_args(build_parser().parse_args(argv), IpcConfig.in_directory("/x", tensor_parallel_size=2))
@@ -38,7 +42,7 @@ def test_every_field_is_a_flag_that_reaches_its_section():
                            (WorkerConfig, config.worker), (type(config.ops), config.ops),
                            (type(config.parallel), config.parallel)):
         for f in dataclasses.fields(section):
-            want = False if f.name in BOOLEANS else NON_DEFAULTS[f.name][1]
+            want = False if f.name in BOOLEANS else True if f.name in TRUE_BOOLEANS else NON_DEFAULTS[f.name][1]
             assert getattr(built, f.name) == want, f.name
 
 

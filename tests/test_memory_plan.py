@@ -60,7 +60,8 @@ def test_plan_agrees_with_the_start_up_line(plan):
     row = plan.concurrency[-1]
     assert row.context_len == model.max_model_len == 512
     assert line == (f"shuttle: KV cache {plan.num_kv_blocks} blocks x 16 tokens = {plan.kv_tokens} tokens "
-                    f"({plan.kv_bytes_per_token} bytes/token); {row.fit_in_kv} requests of max_model_len 512 fit")
+                    f"({plan.kv_bytes_per_token} bytes/token) in {plan.kv_cache_bytes / MiB:.1f} MiB; {row.fit_in_kv} "
+                    f"requests of max_model_len 512 fit")
 
 
 def test_plan_figures(plan):

@@ -1,5 +1,6 @@
 """`python -m worker --config JSON`: a worker process (started by the launcher), tensor-parallel rank
-$SHUTTLE_TP_RANK (default 0) of its group."""
+$SHUTTLE_TP_RANK (default 0) of local serving group $SHUTTLE_DP_GROUP (default 0), on the device that pair owns
+(worker/parallel.py local_device)."""
 
 import json
 import logging
@@ -9,14 +10,16 @@ from pathlib import Path
 
 import zmq
 
-from common.config import TP_RANK_ENV
+from common.config import DP_GROUP_ENV, TP_RANK_ENV
+from common.devices import DeviceError
 from common.errors import ModelDirError
 from common.ipc import Channel
 from common.messages import PlanMessage, WorkerReady
 from common.process import HeartbeatSender, child_main_args, report_ready
+from worker.kv_sizing import KVSizingError
 from worker.loop import STEP_DELAY_ENV, WorkerLoop
 from worker.model_loader import UnsupportedModelError
-from worker.parallel import join_group
+from worker.parallel import join_group, local_device
 from worker.worker import ModelRunner
 
 log = logging.getLogger("shuttle.worker")
@@ -25,20 +28,29 @@ log = logging.getLogger("shuttle.worker")
 def main() -> None:
     config = child_main_args("worker")
     rank = int(os.environ.get(TP_RANK_ENV, "0"))  # set by the launcher, like torchrun's RANK
+    group = int(os.environ.get(DP_GROUP_ENV, "0"))
     name = "worker" if rank == 0 else f"worker{rank}"  # the launcher's name for this rank's process
     ctx = zmq.Context.instance()
     plans: Channel[PlanMessage] = Channel(ctx, zmq.PULL, config.ipc.plans_of(rank), bind=False,
                                           recv_type=PlanMessage, curve=config.ipc.curve)
     results = Channel(ctx, zmq.PUSH, config.ipc.results, bind=False, curve=config.ipc.curve)
     try:
+        if config.worker.device == "cpu":
+            # a CPU worker on a GPU machine owns no GPU (transformers' tensor-parallel mesh follows the accelerator)
+            os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        device = local_device(config.worker.device, group, rank, config.parallel.tensor_parallel_size)
         hf_config = json.loads((Path(config.model.model_dir) / "config.json").read_text())
-        parallel = join_group(config.parallel, rank, config.model.model_dir, hf_config)
-        runner = ModelRunner(config, parallel=parallel)
+        parallel = join_group(config.parallel, rank, config.model.model_dir, hf_config, device)
+        runner = ModelRunner(config, device, parallel=parallel)
     except (UnsupportedModelError, ModelDirError) as exc:  # a clear refusal, not a traceback; the launcher exits 2
         log.error("cannot serve this model: %s", exc)
         sys.exit(2)
+    except (DeviceError, KVSizingError) as exc:
+        log.error("cannot start: %s", exc)
+        sys.exit(2)
     kv = runner.kv_cache
-    results.send(WorkerReady(rank, kv.num_blocks, kv.bytes_per_token, runner.weight_bytes))
+    results.send(WorkerReady(rank, kv.num_blocks, kv.bytes_per_token, runner.weight_bytes, str(runner.device),
+                             runner.dtype_name, runner.backend.name, runner.activation_peak_bytes, runner.kv_budget))
     report_ready(config, name, num_kv_blocks=kv.num_blocks)
     # Issue 9: a thread, so a long forward pass does not look like a hang; a frozen process (SIGSTOP) stops it
     # too. A step that never returns is the scheduler's step watchdog's to notice.

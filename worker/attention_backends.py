@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from common.devices import AUTO_ATTENTION_BACKEND
 from worker.attention import AttentionMetadata, LayerFeatures
 from worker.flex_attention import FlexBackend
 
@@ -36,7 +37,7 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, query_st
         [n, num_heads, v_head_dim].
     """
     n, length = query.shape[0], key.shape[0]
-    mask = _mask(query_start, n, key_start, length, features.sliding_window, mask_cache)
+    mask = _mask(query_start, n, key_start, length, features.sliding_window, mask_cache, device=query.device)
     q, k, v = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)  # heads first
     if features.softcap is None and features.sinks is None:
         causal = mask is None and n > 1
@@ -50,7 +51,7 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, query_st
     if features.softcap is not None:
         scores = torch.tanh(scores / features.softcap) * features.softcap
     if mask is None and n > 1:
-        mask = _mask(query_start, n, key_start, length, None, None, force=True)
+        mask = _mask(query_start, n, key_start, length, None, None, force=True, device=query.device)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     if features.sinks is not None:
@@ -63,18 +64,19 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, query_st
 
 
 def _mask(query_start: int, n: int, key_start: int, length: int, window: int | None, cache: dict | None,
-          force: bool = False) -> torch.Tensor | None:
-    """bool [n, L], True where query i may attend key j: j <= i and (no window or j > i - window). None when the
-    plain causal alignment says it all (one query over all keys, or n == L from position key_start)."""
+          force: bool = False, device: torch.device | None = None) -> torch.Tensor | None:
+    """bool [n, L] on `device` (default: the CPU), True where query i may attend key j: j <= i and (no window or
+    j > i - window). None when the plain causal alignment says it all (one query over all keys, or n == L from
+    position key_start)."""
     if not force and window is None and (n == 1 or (query_start == key_start and n == length)):
         return None
     if window is not None and n == 1 and query_start + 1 - key_start <= window and query_start + 1 - key_start == length:
         return None  # one query whose whole gathered context lies inside its window
-    cache_key = (query_start, n, key_start, length, window)
+    cache_key = (query_start, n, key_start, length, window, device)
     if cache is not None and cache_key in cache:
         return cache[cache_key]
-    query_pos = torch.arange(query_start, query_start + n).unsqueeze(1)
-    key_pos = torch.arange(key_start, key_start + length).unsqueeze(0)
+    query_pos = torch.arange(query_start, query_start + n, device=device).unsqueeze(1)
+    key_pos = torch.arange(key_start, key_start + length, device=device).unsqueeze(0)
     mask = key_pos <= query_pos
     if window is not None:
         mask &= key_pos > query_pos - window
@@ -160,13 +162,14 @@ BACKENDS = {backend.name: backend for backend in (ReferenceBackend, CpuBackend, 
 
 
 def make_backend(name: str, block_size: int, device: torch.device):
-    """The attention backend `name` ("auto": `cpu` on a CPU, else `reference`).
+    """The attention backend `name` ("auto": `cpu` on a CPU, `flex` on CUDA, else `reference`; common/devices.py
+    resolves it the same way for the launcher).
 
     Raises:
         ValueError: an unknown name, or a CPU-only backend on another device.
     """
     if name == "auto":
-        name = "cpu" if device.type == "cpu" else "reference"
+        name = AUTO_ATTENTION_BACKEND.get(device.type, "reference")
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose from auto, {', '.join(BACKENDS)}")
     if name == "cpu" and device.type != "cpu":

@@ -24,12 +24,14 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from common.config import ParallelConfig, tensor_parallel_error
+from common.devices import DeviceError, rank_device, resolve_device
 from worker.model_loader import LayerGeometry, UnsupportedModelError
 
 log = logging.getLogger("shuttle.worker")
@@ -46,10 +48,12 @@ class TensorParallel:
     Attributes:
         rank: 0..size-1; rank 0 samples and answers the scheduler.
         size: ranks in the group (1: no torch.distributed at all).
+        device: this rank's device; collectives run on tensors there (NCCL needs CUDA tensors, gloo CPU ones).
     """
 
     rank: int = 0
     size: int = 1
+    device: torch.device = torch.device("cpu")
 
     @property
     def is_driver(self) -> bool:
@@ -93,7 +97,8 @@ class TensorParallel:
         """
         if not self.enabled or count == 0:
             return list(token_ids or [])
-        tokens = torch.tensor(token_ids, dtype=torch.long) if self.is_driver else torch.empty(count, dtype=torch.long)
+        tokens = torch.tensor(token_ids, dtype=torch.long, device=self.device) if self.is_driver \
+            else torch.empty(count, dtype=torch.long, device=self.device)
         dist.broadcast(tokens, src=0)
         return tokens.tolist()
 
@@ -104,11 +109,34 @@ def local_numel(tensor: torch.Tensor) -> int:
     return to_local().numel() if to_local is not None else tensor.numel()
 
 
+def local_device(spec: str, group: int, rank: int, tensor_parallel_size: int,
+                 cuda_devices: int | None = None) -> torch.device:
+    """The device this worker process owns: `spec` (--device, normally resolved by the launcher to cpu or cuda:N;
+    auto is resolved here) for rank `rank` of local serving group `group` (common/devices.rank_device).
+
+    Args:
+        cuda_devices: CUDA devices present (None: torch.cuda.device_count(); tests pass fabricated counts).
+    Raises:
+        DeviceError: the device is not there (a remote `shuttle engine`, or devices hidden since the launcher
+            counted them).
+    """
+    if cuda_devices is None:
+        cuda_devices = torch.cuda.device_count() if spec != "cpu" and torch.cuda.is_available() else 0
+    first = resolve_device(spec, cuda_devices)
+    own = rank_device(first, group, rank, tensor_parallel_size)
+    if own != "cpu" and int(own.split(":")[1]) >= cuda_devices:
+        raise DeviceError(f"--device {spec}: rank {rank} of serving group {group} would own {own}, but this machine "
+                          f"has {cuda_devices} CUDA device(s)")
+    return torch.device(own)
+
+
 def join_group(parallel: ParallelConfig, rank: int, model_dir: str, hf_config: dict,
                device: torch.device = torch.device("cpu")) -> TensorParallel:
-    """Check that the model splits into `parallel.tensor_parallel_size` ranks, then join the group's rendezvous.
+    """Check that the model splits into `parallel.tensor_parallel_size` ranks, then join the group's rendezvous:
+    NCCL when `device` is CUDA (the process's current CUDA device is set to it first, which is also the device
+    transformers' tensor-parallel loading binds), gloo on the CPU.
 
-    Returns at once (TensorParallel() of size 1) without tensor parallelism.
+    Returns at once (TensorParallel() of size 1 on `device`) without tensor parallelism.
 
     Raises:
         UnsupportedModelError: heads or KV heads not divisible by the size (before any rank loads the model).
@@ -116,14 +144,19 @@ def join_group(parallel: ParallelConfig, rank: int, model_dir: str, hf_config: d
     """
     size = parallel.tensor_parallel_size
     if size == 1:
-        return TensorParallel()
+        return TensorParallel(device=device)
     if not 0 <= rank < size:
         raise ValueError(f"rank {rank} is outside 0..{size - 1}")
     refusal = tensor_parallel_error(hf_config, size)
     if refusal:
         raise UnsupportedModelError(f"{model_dir}: {refusal}")
     backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        # transformers binds its tensor-parallel device mesh to cuda:$LOCAL_RANK (torchrun's name), 0 when unset
+        os.environ["LOCAL_RANK"] = str(device.index)
     init_method = f"tcp://{parallel.master_addr}:{parallel.master_port}"
     log.info("rank %d of %d: joining the %s group at %s", rank, size, backend, init_method)
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT)
-    return TensorParallel(rank, size)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT,
+                            device_id=device if device.type == "cuda" else None)
+    return TensorParallel(rank, size, device)

@@ -53,12 +53,15 @@ class SamplingState:
         self.plain_greedy = (params.greedy and params.logprobs is None and not params.logit_bias
                              and not params.has_penalties and params.min_tokens == 0)
 
-    def penalty_tensors(self, token_ids: list[int], vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def penalty_tensors(self, token_ids: list[int], vocab_size: int,
+                        device: torch.device = torch.device("cpu")) -> tuple[torch.Tensor, torch.Tensor]:
+        """(output_counts float32 [vocab], seen bool [vocab]) on `device` (the logits' device), built on first use."""
         if self.output_counts is None:
             self.output_counts = torch.bincount(torch.tensor(token_ids[self.prompt_len:], dtype=torch.long),
-                                                minlength=vocab_size)[:vocab_size].float()
-            self.seen = torch.zeros(vocab_size, dtype=torch.bool)
-            self.seen[torch.tensor(token_ids, dtype=torch.long)] = True
+                                                minlength=vocab_size)[:vocab_size].float().to(device)
+            seen = torch.zeros(vocab_size, dtype=torch.bool)
+            seen[torch.tensor(token_ids, dtype=torch.long)] = True
+            self.seen = seen.to(device)
         return self.output_counts, self.seen
 
     def record(self, token_id: int) -> None:
@@ -75,7 +78,9 @@ class SamplerOutput:
 
 
 class Sampler:
-    """Greedy and random sampling with OpenAI/vLLM parameters, batched over rows.
+    """Greedy and random sampling with OpenAI/vLLM parameters, batched over rows, on the logits' device (the
+    per-row parameters go there as small tensors; the uniform numbers are drawn on the host, so seeded rows are the
+    same on every device, and copied over once; the sampled ids come back in one copy).
 
     Args:
         eos_token_ids: masked out (unless ignore_eos) while a request has fewer than min_tokens outputs.
@@ -106,14 +111,14 @@ class Sampler:
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
-            rows = torch.tensor(random_rows)
+            rows = torch.tensor(random_rows, device=logits.device)
             chosen = [params[i] for i in random_rows]
             probs = _filtered_probabilities(logits[rows], chosen)
             uniforms = torch.rand(len(random_rows), generator=self.generator, dtype=torch.float64)
             for j, (i, p) in enumerate(zip(random_rows, chosen)):
                 if p.seed is not None:
                     uniforms[j] = seeded_uniform(p.seed, num_outputs[i])
-            tokens[rows] = _inverse_cdf(probs, uniforms)
+            tokens[rows] = _inverse_cdf(probs, uniforms.to(logits.device))
         token_list = tokens.tolist()
         if raw_logprobs is None:
             return SamplerOutput(token_list, None)
@@ -122,29 +127,30 @@ class Sampler:
     def _process(self, logits: torch.Tensor, states: list[SamplingState], params: list[SamplingParams],
                  token_ids: list[list[int]], num_outputs: list[int]) -> torch.Tensor:
         """logit_bias, the min_tokens mask and penalties, applied only to the rows that use them."""
+        device = logits.device
         bias_rows = [i for i, p in enumerate(params) if p.logit_bias]
         if bias_rows:
-            row_index = torch.cat([torch.full((len(states[i].bias_ids),), i) for i in bias_rows])
-            token_index = torch.cat([states[i].bias_ids for i in bias_rows])
-            logits.index_put_((row_index, token_index), torch.cat([states[i].bias_values for i in bias_rows]),
-                              accumulate=True)
+            row_index = torch.cat([torch.full((len(states[i].bias_ids),), i) for i in bias_rows]).to(device)
+            token_index = torch.cat([states[i].bias_ids for i in bias_rows]).to(device)
+            logits.index_put_((row_index, token_index),
+                              torch.cat([states[i].bias_values for i in bias_rows]).to(device), accumulate=True)
         masked = [(i, list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_token_ids)))
                   for i, p in enumerate(params) if num_outputs[i] < p.min_tokens]
         masked = [(i, ids) for i, ids in masked if ids]
         if masked:
-            row_index = torch.tensor([i for i, ids in masked for _ in ids])
-            token_index = torch.tensor([t for _, ids in masked for t in ids])
+            row_index = torch.tensor([i for i, ids in masked for _ in ids], device=device)
+            token_index = torch.tensor([t for _, ids in masked for t in ids], device=device)
             logits[row_index, token_index] = float("-inf")
         penalized = [i for i, p in enumerate(params) if p.has_penalties]
         if penalized:
             vocab = logits.shape[1]
-            tensors = [states[i].penalty_tensors(token_ids[i], vocab) for i in penalized]
+            tensors = [states[i].penalty_tensors(token_ids[i], vocab, device) for i in penalized]
             counts = torch.stack([c for c, _ in tensors])  # [R, vocab]
             seen = torch.stack([s for _, s in tensors])
-            rows = torch.tensor(penalized)
-            repetition = torch.tensor([params[i].repetition_penalty for i in penalized]).unsqueeze(1)
-            frequency = torch.tensor([params[i].frequency_penalty for i in penalized]).unsqueeze(1)
-            presence = torch.tensor([params[i].presence_penalty for i in penalized]).unsqueeze(1)
+            rows = torch.tensor(penalized, device=device)
+            repetition = torch.tensor([params[i].repetition_penalty for i in penalized], device=device).unsqueeze(1)
+            frequency = torch.tensor([params[i].frequency_penalty for i in penalized], device=device).unsqueeze(1)
+            presence = torch.tensor([params[i].presence_penalty for i in penalized], device=device).unsqueeze(1)
             block = logits[rows]
             penalized_block = torch.where(block > 0, block / repetition, block * repetition)
             block = torch.where(seen, penalized_block, block)
@@ -154,24 +160,25 @@ class Sampler:
 
 def _filtered_probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Probabilities after temperature, top-k, top-p and min-p filtering. logits: float [R, vocab]."""
-    vocab = logits.shape[1]
-    logits = logits / torch.tensor([p.temperature for p in params]).unsqueeze(1)
-    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params])
-    if (top_k < vocab).any():
-        values = logits.topk(int(top_k.max()), dim=-1).values
+    vocab, device = logits.shape[1], logits.device
+    logits = logits / torch.tensor([p.temperature for p in params], device=device).unsqueeze(1)
+    k_values = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]  # decided on the host: no device sync
+    top_k = torch.tensor(k_values, device=device)
+    if min(k_values) < vocab:
+        values = logits.topk(max(k_values), dim=-1).values
         kth = values.gather(1, (top_k - 1).clamp(max=values.shape[1] - 1).unsqueeze(1))
         kth = torch.where((top_k < vocab).unsqueeze(1), kth, torch.full_like(kth, float("-inf")))
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = logits.softmax(dim=-1)
-    top_p = torch.tensor([p.top_p for p in params]).unsqueeze(1)
-    if (top_p < 1.0).any():
+    top_p = torch.tensor([p.top_p for p in params], device=device).unsqueeze(1)
+    if any(p.top_p < 1.0 for p in params):
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         # Keep a token if the mass before it is below top_p (so the top token always stays).
         drop_sorted = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p
         drop_sorted[:, 0] = False  # even a top_p that rounds to 0 in float32 keeps the top token
         probs = probs.masked_fill(torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted), 0.0)
-    min_p = torch.tensor([p.min_p for p in params]).unsqueeze(1)
-    if (min_p > 0).any():
+    min_p = torch.tensor([p.min_p for p in params], device=device).unsqueeze(1)
+    if any(p.min_p > 0 for p in params):
         probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
     return probs
 
@@ -190,7 +197,7 @@ def _logprobs(raw: torch.Tensor, rows: list[int], params: list[SamplingParams], 
     out: list[TokenLogprobs | None] = [None] * num_rows
     k_max = max(params[i].logprobs for i in rows)
     top = raw.topk(k_max, dim=-1) if k_max else None
-    chosen = raw.gather(1, torch.tensor([tokens[i] for i in rows]).unsqueeze(1)).squeeze(1).tolist()
+    chosen = raw.gather(1, torch.tensor([tokens[i] for i in rows], device=raw.device).unsqueeze(1)).squeeze(1).tolist()
     top_ids = top.indices.tolist() if top is not None else None
     top_values = top.values.tolist() if top is not None else None
     for j, i in enumerate(rows):

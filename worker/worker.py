@@ -6,18 +6,23 @@ import logging
 
 import torch
 
+from common.capacity import blocks_per_request, kv_cache_bytes
 from common.config import ShuttleConfig
+from common.devices import resolve_dtype
 from common.messages import PromptLogprobs, StepPlan, StepResult, TokenLogprobs
 from worker.attention import StepAttention
 from worker.attention_backends import make_backend
 from worker.capability import check_exactness
-from worker.graph_runner import graph_runner_for
+from worker.flex_attention import max_kv_blocks_for
+from worker.graph_runner import GRAPH_SAFE_BACKENDS, graph_runner_for
 from worker.input_batch import InputBatch, StepInputs
 from worker.kv_cache import KVCache
+from worker.kv_sizing import CUDA_GRAPH_ALLOWANCE, KVPlan, plan_kv_blocks, profile_peak, profile_plan, snapshot
 from worker.model_loader import DTYPES, architecture, load_model, probe_geometry
 from worker.output_projection import chunk_output_projection
-from worker.parallel import TensorParallel, local_numel
+from worker.parallel import TensorParallel, local_device, local_numel
 from worker.sampler import Sampler
+from worker.staging import StepStaging
 
 log = logging.getLogger("shuttle.worker")
 
@@ -26,42 +31,70 @@ class ModelRunner:
     """Holds the model, its paged KV cache, per-request state and the sampler.
 
     Construction loads the model, probes its KV geometry, checks that the paged path reproduces transformers'
-    eager attention on it (worker/capability.py), and only then allocates the cache.
+    eager attention on it (worker/capability.py), and only then allocates the cache: on CUDA (unless
+    --num-kv-blocks) as many blocks as --gpu-memory-utilization leaves after one profiling step at the largest step
+    shape (worker/kv_sizing.py), elsewhere --kv-cache-memory or --num-kv-blocks.
 
     Under tensor parallel (worker/parallel.py) every rank builds one on its shard of the weights, runs the same
     plans and the same check (their collectives pair up), and holds its own KV heads; rank 0 samples.
 
     Args:
-        config: the serving group's configuration.
-        device: where weights and cache live (CPU is the reference path).
+        config: the serving group's configuration; `auto` in its device, dtype and attention backend is resolved here
+            when the launcher has not (common/devices.py).
+        device: where weights and cache live (None: config.worker.device, for this rank of serving group 0; CPU is
+            the reference path).
         parallel: this process's tensor-parallel rank (the default: no tensor parallelism).
     Raises:
         UnsupportedModelError: the model cannot be served exactly (the message says why).
+        KVSizingError: on CUDA, the memory budget cannot hold one max_model_len request.
+        DeviceError: the configured CUDA device is not there.
     """
 
-    def __init__(self, config: ShuttleConfig, device: torch.device = torch.device("cpu"),
+    def __init__(self, config: ShuttleConfig, device: torch.device | None = None,
                  parallel: TensorParallel = TensorParallel()):
+        if device is None:
+            device = local_device(config.worker.device, 0, parallel.rank, parallel.size)
         self.device = device
         self.parallel = parallel
         model_cfg, cache_cfg = config.model, config.cache
-        self.dtype = DTYPES[model_cfg.dtype]
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        baseline = snapshot(device) if device.type == "cuda" else None  # before the weights (worker/kv_sizing.py)
+        self.dtype_name = resolve_dtype(model_cfg.dtype, device.type)
+        self.dtype = DTYPES[self.dtype_name]
         self.block_size = cache_cfg.block_size
-        self.model = load_model(model_cfg.model_dir, model_cfg.dtype, device, **parallel.load_kwargs())
+        self.staging = StepStaging(device)
+        self.model = load_model(model_cfg.model_dir, self.dtype_name, device, **parallel.load_kwargs())
         self.architecture = architecture(self.model)
         chunk_output_projection(self.model, device, parallel.enabled)
         self.geometry = probe_geometry(self.model)  # under tensor parallel: this rank's KV heads
         parallel.check_model(self.model, self.geometry)
         if config.worker.worker_threads > 0:
             torch.set_num_threads(config.worker.worker_threads)
-        self.backend = make_backend(config.worker.attention_backend, self.block_size, device)
+        self.backend = make_backend(config.worker.attention_backend, self.block_size, device)  # auto as devices.py
         if self.backend.name == "cpu":
             from worker import decode_kernel
             decode_kernel.warm_up(torch.get_num_threads())
         self.check_difference = check_exactness(self, model_cfg.max_model_len)
         log.info("%s: paged attention (%s backend) matches eager attention within %.2g nats", self.architecture,
                  self.backend.name, self.check_difference)
-        self.kv_cache = KVCache.allocate(self.geometry, self.block_size, self.dtype, device, cache_cfg.num_kv_blocks,
+        self.kv_plan: KVPlan | None = None  # how --gpu-memory-utilization sized the cache (CUDA only)
+        self.activation_peak_bytes = 0  # the profiling step's torch peak (CUDA only; 0: not profiled)
+        num_blocks = cache_cfg.num_kv_blocks
+        if baseline is not None and num_blocks is None:
+            self.kv_plan = self._size_kv_cache(config, baseline)
+            num_blocks = self.kv_plan.num_blocks
+        self.kv_cache = KVCache.allocate(self.geometry, self.block_size, self.dtype, device, num_blocks,
                                          cache_cfg.kv_cache_memory)
+        # how the cache was sized, for the start-up line
+        if self.kv_plan is not None:
+            self.kv_budget = (f"--gpu-memory-utilization {cache_cfg.gpu_memory_utilization} of "
+                              f"{self.kv_plan.total / 2**30:.1f} GiB" + (", capped by flex's 32-bit offsets"
+                                                                          if self.kv_plan.capped else ""))
+        elif cache_cfg.num_kv_blocks is not None:
+            self.kv_budget = "--num-kv-blocks"
+        else:
+            self.kv_budget = f"--kv-cache-memory {cache_cfg.kv_cache_memory / 2**20:.0f} MiB"
         self.batch = InputBatch(self.block_size, self.kv_cache.null_block,
                                 -(-model_cfg.max_model_len // self.block_size))
         self.sampler = Sampler(model_cfg.eos_token_ids)
@@ -72,16 +105,56 @@ class ModelRunner:
         """Bytes of the weights this rank holds."""
         return sum(local_numel(p) * p.element_size() for p in self.model.parameters())
 
+    def _size_kv_cache(self, config: ShuttleConfig, baseline) -> KVPlan:
+        """KV blocks for --gpu-memory-utilization: profile the largest step over a scratch cache, then the
+        arithmetic of worker/kv_sizing.py (the flex cap under flex, a CUDA-graph allowance when graphs follow)."""
+        bs, max_model_len = self.block_size, config.model.max_model_len
+        vocab = self.model.get_output_embeddings().weight.shape[0]
+        plan, blocks = profile_plan(config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs,
+                                    max_model_len, bs, vocab)
+        bytes_per_token = KVCache.bytes_per_token_of(self.geometry, self.dtype)
+        scratch = KVCache.allocate(self.geometry, bs, self.dtype, self.device, blocks, 0)
+        figures = profile_peak(lambda: self.profile_step(plan, scratch, max_model_len), self.device, baseline,
+                               kv_cache_bytes(blocks, bs, bytes_per_token))
+        del scratch
+        self.activation_peak_bytes = figures.activation_peak
+        graphs = not config.worker.enforce_eager and self.backend.name in GRAPH_SAFE_BACKENDS \
+            and not self.parallel.enabled  # the cases graph_runner_for captures
+        cap = max_kv_blocks_for(self.geometry, bs) if self.backend.name == "flex" else None
+        kv_plan = plan_kv_blocks(figures, config.cache.gpu_memory_utilization, bytes_per_token, bs, max_model_len,
+                                 CUDA_GRAPH_ALLOWANCE if graphs else 0, cap)
+        log.info("KV sizing: %.2f GiB requested; weights %.2f GiB, activation peak %.2f GiB, non-torch %.2f GiB, "
+                 "CUDA graphs %.2f GiB; %d blocks (%.2f GiB)", kv_plan.requested / 2**30, figures.weights / 2**30,
+                 figures.activation_peak / 2**30, figures.non_torch_increase / 2**30,
+                 (CUDA_GRAPH_ALLOWANCE if graphs else 0) / 2**30, kv_plan.num_blocks, kv_plan.kv_bytes / 2**30)
+        return kv_plan
+
+    @torch.inference_mode()
+    def profile_step(self, plan: StepPlan, cache: KVCache, max_model_len: int) -> None:
+        """Run `plan` (kv_sizing.profile_plan's new requests) as one step over `cache`, sampling every request with
+        a sampler of its own (the worker's random state is left alone); nothing of it stays."""
+        batch = InputBatch(self.block_size, cache.null_block, blocks_per_request(max_model_len, self.block_size),
+                           initial_rows=max(len(plan.new_requests), 1))
+        inputs = batch.pack(batch.apply(plan))
+        logits = self.forward(inputs, cache.layers, inputs.logits_rows)
+        requests = inputs.sampled_requests
+        if requests and self.parallel.is_driver:
+            Sampler(())(logits[:len(requests)], [r.sampling for r in requests], [r.token_ids for r in requests])
+
     def forward(self, inputs: StepInputs, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 logits_rows: torch.Tensor) -> torch.Tensor:
-        """The model over one step's packed tokens; returns logits [len(logits_rows), vocab] at those rows."""
+        """The model over one step's packed tokens; returns logits [len(logits_rows), vocab] at those rows.
+
+        The inputs reach the device through self.staging (on CUDA one non-blocking copy of a pinned buffer; on the
+        CPU the tensors themselves)."""
         self.backend.begin_step()
+        step = self.staging(inputs, logits_rows)
         output = self.model(
-            input_ids=inputs.input_ids.unsqueeze(0).to(self.device),
-            position_ids=inputs.positions.unsqueeze(0).to(self.device),
-            logits_to_keep=logits_rows.to(self.device),
+            input_ids=step.input_ids.unsqueeze(0),
+            position_ids=step.positions.unsqueeze(0),
+            logits_to_keep=step.logits_rows,
             use_cache=False,
-            paged_attention=StepAttention(inputs.attention, kv_caches, self.backend),
+            paged_attention=StepAttention(step.attention, kv_caches, self.backend),
         )
         return output.logits[0]
 
@@ -133,7 +206,8 @@ class ModelRunner:
             offset += len(rows)
             k = state.sampling.params.prompt_logprobs
             top = log_softmax.topk(k, dim=-1) if k else None
-            chosen = log_softmax[torch.arange(len(rows)), torch.tensor(targets)].tolist()
+            rows_index = torch.arange(len(rows), device=logits.device)
+            chosen = log_softmax[rows_index, torch.tensor(targets, device=logits.device)].tolist()
             out.append(PromptLogprobs(state.request_id, [
                 TokenLogprobs(chosen[i], top.indices[i].tolist() if top else [], top.values[i].tolist() if top else [])
                 for i in range(len(rows))], first))

@@ -1,0 +1,121 @@
+"""Which device each worker process owns, and the dtype and attention backend that `auto` means there.
+
+`--device auto|cpu|cuda|cuda:N` names the first device of the serving groups the launcher starts; the launcher
+resolves it once (resolve_config), so that every process reads a concrete device, dtype and backend:
+- auto: cuda:0 when torch sees a CUDA device, else cpu;
+- one worker process owns one device: rank r of local serving group g (tensor parallel size tp) runs on
+  cuda:(N + g * tp + r) (rank_device); on the CPU every rank shares the host;
+- too few CUDA devices for groups x ranks is refused before any process starts (check_device_count).
+
+`--dtype auto` is bfloat16 on CUDA and float32 on the CPU; `--attention-backend auto` is flex on CUDA and cpu on
+the CPU (the numba decode kernel).
+
+Nothing here imports torch at module level: the launcher imports this module, and counting CUDA devices imports
+torch only on a machine with an NVIDIA driver (cuda_device_count).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+
+_DEVICE = re.compile(r"^(auto|cpu|cuda)(?::(\d+))?$")
+
+# What `auto` means per device type.
+AUTO_DTYPE = {"cuda": "bfloat16", "cpu": "float32"}
+AUTO_ATTENTION_BACKEND = {"cuda": "flex", "cpu": "cpu"}
+
+
+class DeviceError(ValueError):
+    """The devices asked for are not there (the message names the flag, what it needs and what was found)."""
+
+
+def parse_device(text: str) -> str:
+    """`--device` value: 'auto', 'cpu', 'cuda' or 'cuda:N' (N >= 0), returned normalised ('cuda' -> 'cuda:0').
+
+    Raises:
+        argparse.ArgumentTypeError: anything else (argparse turns it into a one-line usage error).
+    """
+    match = _DEVICE.match(text.strip().lower())
+    if not match or (match.group(2) is not None and match.group(1) != "cuda"):
+        raise argparse.ArgumentTypeError(f"not a device: {text!r} (auto, cpu, cuda or cuda:N)")
+    kind, index = match.groups()
+    return f"cuda:{int(index or 0)}" if kind == "cuda" else kind
+
+
+def device_type(device: str) -> str:
+    """'cpu' or 'cuda' of a resolved device string ('cpu', 'cuda:3')."""
+    return device.split(":", 1)[0]
+
+
+def cuda_device_count() -> int:
+    """CUDA devices this process can use. Without an NVIDIA driver on the machine (no /proc/driver/nvidia and no
+    /dev/nvidiactl) this is 0 without importing torch, so a CPU machine's launcher stays light."""
+    if not (os.path.exists("/proc/driver/nvidia") or os.path.exists("/dev/nvidiactl")):
+        return 0
+    import torch
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def resolve_device(spec: str, cuda_devices: int) -> str:
+    """A concrete first device for `--device spec`: 'auto' is 'cuda:0' when `cuda_devices` > 0, else 'cpu'."""
+    spec = parse_device(spec)
+    if spec == "auto":
+        return "cuda:0" if cuda_devices > 0 else "cpu"
+    return spec
+
+
+def rank_device(first: str, group: int, rank: int, tensor_parallel_size: int) -> str:
+    """The device of tensor-parallel rank `rank` of local serving group `group`: cuda:(N + group * tp + rank) from
+    first device cuda:N; 'cpu' stays 'cpu' (the ranks share the host)."""
+    if device_type(first) == "cpu":
+        return "cpu"
+    return f"cuda:{int(first.split(':')[1]) + group * tensor_parallel_size + rank}"
+
+
+def check_device_count(first: str, groups: int, tensor_parallel_size: int, cuda_devices: int) -> None:
+    """Refuse when the ranks of `groups` local serving groups do not each get a CUDA device of their own.
+
+    Raises:
+        DeviceError: one line naming the devices needed and the number present.
+    """
+    if device_type(first) == "cpu":
+        return
+    start = int(first.split(":")[1])
+    needed = groups * tensor_parallel_size
+    last = start + needed - 1
+    if last < cuda_devices:
+        return
+    ranks = f"{groups} serving group(s) x {tensor_parallel_size} tensor-parallel rank(s)"
+    span = f"cuda:{start}" if needed == 1 else f"cuda:{start}..cuda:{last}"
+    raise DeviceError(f"--device {first}: {ranks} need one CUDA device each ({span}), but this machine has "
+                      f"{cuda_devices} (lower --data-parallel-size / --tensor-parallel-size, or choose --device)")
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """`--dtype auto` on `device`: bfloat16 on CUDA, float32 on the CPU; an explicit dtype is kept."""
+    return AUTO_DTYPE[device_type(device)] if dtype == "auto" else dtype
+
+
+def resolve_attention_backend(name: str, device: str) -> str:
+    """`--attention-backend auto` on `device`: flex on CUDA, cpu on the CPU; an explicit name is kept."""
+    return AUTO_ATTENTION_BACKEND[device_type(device)] if name == "auto" else name
+
+
+def resolve_config(config, local_groups: int, cuda_devices: int):
+    """`config` (a common.config.ShuttleConfig) with a concrete first device, dtype and attention backend.
+
+    Args:
+        local_groups: serving groups this launcher starts (their ranks each need a device).
+        cuda_devices: CUDA devices present (cuda_device_count(); tests pass fabricated counts).
+    Raises:
+        DeviceError: too few CUDA devices, or a CUDA device asked for on a machine without one.
+    """
+    first = resolve_device(config.worker.device, cuda_devices)
+    check_device_count(first, max(local_groups, 1), config.parallel.tensor_parallel_size, cuda_devices)
+    worker = dataclasses.replace(config.worker, device=first,
+                                 attention_backend=resolve_attention_backend(config.worker.attention_backend, first))
+    model = dataclasses.replace(config.model, dtype=resolve_dtype(config.model.dtype, first))
+    return dataclasses.replace(config, worker=worker, model=model)
