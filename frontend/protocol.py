@@ -149,8 +149,7 @@ _NOT_IMPLEMENTED = "not implemented"
 # as if it had not been sent: a caller must never believe its output was constrained when it was not. A field
 # neither declared nor listed here is refused as unrecognized, as OpenAI's API does.
 REFUSED_FIELDS: dict[str, Refused] = {
-    "response_format": Refused("structured outputs (json_object, json_schema) are not implemented yet",
-                               {"type": "text"}),
+    "response_format": Refused(f"{_STRUCTURED} (json_object, json_schema)", {"type": "text"}),
     **dict.fromkeys(("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
                      "guided_decoding_backend", "guided_whitespace_pattern", "structural_tag"),
                     Refused(_STRUCTURED)),

@@ -1,0 +1,225 @@
+"""Issue 27, "nothing silently ignored": every request field of OpenAI's or vLLM's schema that shuttle does not
+implement, and every unknown field, gets 400 naming it (`param`) before any work is submitted, over HTTP
+(completions, chat, /tokenize), the WebSocket and the ZeroMQ batch endpoint alike; a value that asks for what
+shuttle does anyway, and OpenAI's metadata-only fields, are taken and change nothing.
+
+In process: the real frontend app over a scripted fake engine (tests/inprocess.py), one server for the module."""
+
+from __future__ import annotations
+
+import json
+
+import aiohttp
+import msgspec
+import pytest
+
+from common.messages import BatchRequest
+from frontend.protocol import REFUSED_FIELDS
+from tests.batch_wire import dealer, next_response
+from tests.inprocess import start_app
+
+C, CHAT = "/v1/completions", "/v1/chat/completions"
+BASES = {C: {"prompt": "Hi", "max_tokens": 3}, CHAT: {"messages": [{"role": "user", "content": "Hi"}],
+                                                      "max_tokens": 3}}
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": SCHEMA}}
+
+# (field, value, endpoints): each refused with 400 and param == field
+REFUSED = [
+    ("response_format", {"type": "json_object"}, (C, CHAT)),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}, (C, CHAT)),
+    ("structured_outputs", {"json": SCHEMA}, (C, CHAT)),
+    ("structured_outputs", {"choice": ["yes", "no"]}, (C, CHAT)),
+    ("guided_json", SCHEMA, (C, CHAT)),
+    ("guided_choice", ["yes", "no"], (C, CHAT)),
+    ("guided_regex", "[a-z]+", (C, CHAT)),
+    ("guided_grammar", 'root ::= "a"', (C, CHAT)),
+    ("guided_decoding_backend", "xgrammar", (C, CHAT)),
+    ("guided_whitespace_pattern", " ", (C, CHAT)),
+    ("tools", [TOOL], (CHAT,)),
+    ("tool_choice", "required", (CHAT,)),  # without tools
+    ("tool_choice", "auto", (CHAT,)),
+    ("tool_choice", {"type": "function", "function": {"name": "get_weather"}}, (CHAT,)),
+    ("parallel_tool_calls", True, (CHAT,)),
+    ("functions", [TOOL["function"]], (CHAT,)),
+    ("function_call", "auto", (CHAT,)),
+    ("chat_template", "{{ messages[0]['content'] }}", (CHAT,)),
+    ("allowed_token_ids", [1, 2, 3], (C, CHAT)),
+    ("bad_words", ["dog"], (C, CHAT)),
+    ("truncate_prompt_tokens", 2, (C, CHAT)),
+    ("prompt_logprobs", 1, (C, CHAT)),
+    ("use_beam_search", True, (C, CHAT)),
+    ("length_penalty", 0.5, (C, CHAT)),
+    ("echo", True, (CHAT,)),
+    ("skip_special_tokens", False, (C, CHAT)),
+    ("logits_processors", ["x"], (C, CHAT)),
+    ("reasoning_effort", "low", (CHAT,)),
+    ("foo", 1, (C, CHAT)),  # unknown: refused as OpenAI does
+    ("max_token", 4, (C,)),  # a typo of max_tokens
+    ("max_completion_tokens", 4, (C,)),  # chat's field, not a completions one
+    ("top_logprobs", 2, (C,)),
+    ("prompt", "Hi", (CHAT,)),
+]
+CASES = [(path, field, value) for field, value, paths in REFUSED for path in paths]
+
+# (field, value, endpoints): taken, and the request is submitted exactly as without it
+ACCEPTED = [
+    ("response_format", {"type": "text"}, (C, CHAT)),
+    ("tools", [], (CHAT,)),
+    ("tool_choice", "none", (CHAT,)),
+    ("use_beam_search", False, (C, CHAT)),
+    ("echo", False, (CHAT,)),
+    ("skip_special_tokens", True, (C, CHAT)),
+    ("chat_template_kwargs", {"enable_thinking": False}, (CHAT,)),  # implemented (frontend/chat.py)
+    ("user", "u-1", (C, CHAT)),
+    ("metadata", {"team": "search"}, (C, CHAT)),
+    ("store", True, (C, CHAT)),
+    ("service_tier", "auto", (C, CHAT)),
+    ("safety_identifier", "hash-1", (C, CHAT)),
+    ("prompt_cache_key", "k-1", (C, CHAT)),
+]
+
+
+@pytest.fixture(scope="module")
+async def app():
+    app = await start_app(batch=True)
+    yield app
+    await app.close()
+
+
+def test_every_case_named_in_the_issue_is_covered():
+    named = {"response_format", "structured_outputs", "guided_json", "guided_choice", "guided_regex", "guided_grammar",
+             "guided_decoding_backend", "guided_whitespace_pattern", "tool_choice", "functions", "function_call",
+             "chat_template", "allowed_token_ids", "bad_words", "truncate_prompt_tokens", "prompt_logprobs",
+             "use_beam_search", "echo", "tools"}
+    assert named <= {field for field, _, _ in REFUSED} and named <= REFUSED_FIELDS.keys()
+
+
+def check_refusal(status: int, body: dict, field: str) -> None:
+    assert status == 400, body
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", field, 400), error
+    assert field in error["message"]
+
+
+@pytest.mark.parametrize("path, field, value", CASES, ids=[f"{p.rsplit('/', 1)[1]}-{f}-{json.dumps(v)[:24]}"
+                                                           for p, f, v in CASES])
+async def test_refused_over_http(app, path, field, value):
+    submitted = len(app.engine.submitted)
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{app.url}{path}", json={**BASES[path], field: value}) as response:
+            check_refusal(response.status, await response.json(), field)
+        # streaming changes nothing: refused with a status, not after a 200
+        if path in (C, CHAT):
+            async with session.post(f"{app.url}{path}", json={**BASES[path], field: value, "stream": True}) as response:
+                check_refusal(response.status, await response.json(), field)
+    assert len(app.engine.submitted) == submitted
+
+
+async def test_messages_name_the_reason(app):
+    async with aiohttp.ClientSession() as session:
+        for body, words in (({"response_format": {"type": "json_object"}}, "structured outputs are not implemented"),
+                            ({"guided_choice": ["a"]}, "structured outputs are not implemented"),
+                            ({"tool_choice": "required"}, "tool calling is not implemented"),
+                            ({"foo": 1}, "Unrecognized request argument supplied: foo")):
+            async with session.post(f"{app.url}{CHAT}", json={**BASES[CHAT], **body}) as response:
+                assert response.status == 400 and words in (await response.json())["error"]["message"]
+
+
+async def test_a_null_is_no_field(app):
+    async with aiohttp.ClientSession() as session:
+        for path in (C, CHAT):
+            nulls = dict.fromkeys(f for f, _, paths in REFUSED if path in paths)
+            async with session.post(f"{app.url}{path}", json={**BASES[path], **nulls}) as response:
+                assert response.status == 200, await response.text()
+
+
+@pytest.mark.parametrize("field, value, paths", ACCEPTED, ids=[f for f, _, _ in ACCEPTED])
+async def test_accepted_and_changes_nothing(app, field, value, paths):
+    async with aiohttp.ClientSession() as session:
+        for path in paths:
+            async with session.post(f"{app.url}{path}", json=BASES[path]) as response:
+                plain = await response.json()
+            async with session.post(f"{app.url}{path}", json={**BASES[path], field: value}) as response:
+                assert response.status == 200, await response.text()
+                given = await response.json()
+            before, after = app.engine.submitted[-2:]
+            assert (after.sampling, after.prompt_token_ids) == (before.sampling, before.prompt_token_ids)
+            assert given["choices"] == plain["choices"]
+
+
+async def test_tokenize_refuses_too(app):
+    async with aiohttp.ClientSession() as session:
+        for body, field in (({"prompt": "Hi", "foo": 1}, "foo"),
+                            ({"messages": BASES[CHAT]["messages"], "chat_template": "{{ 1 }}"}, "chat_template"),
+                            ({"messages": BASES[CHAT]["messages"], "tools": [TOOL]}, "tools")):
+            async with session.post(f"{app.url}/tokenize", json=body) as response:
+                check_refusal(response.status, await response.json(), field)
+        async with session.post(f"{app.url}/detokenize", json={"tokens": [1], "skip_special_tokens": False}) as r:
+            check_refusal(r.status, await r.json(), "skip_special_tokens")
+
+
+async def test_stream_options_refuses_unknown_keys(app):
+    async with aiohttp.ClientSession() as session:
+        body = {**BASES[C], "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+        async with session.post(f"{app.url}{C}", json=body) as response:
+            check_refusal(response.status, await response.json(), "stream_options")
+
+
+async def test_refused_over_the_websocket(app):
+    ws_cases = [(field, value) for path, field, value in CASES if path == C]
+    submitted = len(app.engine.submitted)
+    async with aiohttp.ClientSession() as session, session.ws_connect(f"{app.url}/v1/ws") as ws:
+        for i, (field, value) in enumerate(ws_cases):
+            await ws.send_json({"type": "generate", "id": str(i), **BASES[C], field: value})
+        ends = {}
+        while len(ends) < len(ws_cases):
+            frame = json.loads((await ws.receive(timeout=30)).data)
+            ends[frame["id"]] = frame
+        await ws.send_json({"type": "generate", "id": "ok", **BASES[C], "response_format": {"type": "text"}})
+        done = json.loads((await ws.receive(timeout=30)).data)
+        while done["type"] == "delta":
+            done = json.loads((await ws.receive(timeout=30)).data)
+    for i, (field, _) in enumerate(ws_cases):
+        frame = ends[str(i)]
+        assert frame["type"] == "error" and frame["error"]["param"] == field and frame["error"]["code"] == 400, frame
+    assert done["type"] == "done" and done["usage"]["completion_tokens"] == 3
+    assert len(app.engine.submitted) == submitted + 1
+
+
+async def test_refused_over_the_batch_endpoint(app):
+    sock = await dealer(app.batch.endpoint)
+    submitted = len(app.engine.submitted)
+    try:
+        for i, (path, field, value) in enumerate(CASES):
+            await sock.send(msgspec.msgpack.encode(BatchRequest(str(i), path, {**BASES[path], field: value})))
+        results = {}
+        for _ in CASES:
+            result = await next_response(sock)
+            results[result.job_id] = result
+        for i, (path, field, _) in enumerate(CASES):
+            check_refusal(results[str(i)].status_code, results[str(i)].body, field)
+        # a msgpack map may have keys that are no strings: refused, not a 500
+        await sock.send(msgspec.msgpack.encode(BatchRequest("int-key", C, {**BASES[C], 7: 1})))
+        result = await next_response(sock)
+        assert result.status_code == 400, result.body
+    finally:
+        sock.close()
+    assert len(app.engine.submitted) == submitted
+
+
+async def test_openapi_document_takes_no_other_field(app):
+    async with aiohttp.ClientSession() as session, session.get(f"{app.url}/openapi.json") as response:
+        schemas = (await response.json())["components"]["schemas"]
+    for name in ("CompletionRequest", "ChatCompletionRequest", "TokenizeRequest", "DetokenizeRequest"):
+        schema = schemas[name]
+        assert schema["additionalProperties"] is False
+        assert not {"foo", "guided_json"} & schema["properties"].keys()
+        assert schema["properties"]["tool_choice"] == {"anyOf": [{"const": "none"}, {"type": "null"}]}
+    chat = schemas["ChatCompletionRequest"]["properties"]
+    assert chat["tools"] == {"anyOf": [{"const": []}, {"type": "null"}]}
+    assert chat["response_format"] == {"anyOf": [{"const": {"type": "text"}}, {"type": "null"}]}
+    assert chat["echo"]["anyOf"][0] == {"const": False} and "echo" in schemas["CompletionRequest"]["properties"]
+    assert {"metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key", "user"} <= chat.keys()
+    assert schemas["StreamOptions"]["additionalProperties"] is False
