@@ -301,8 +301,9 @@ def build_plan(model_dir: str, max_model_len: int | None = None, dtype: str = "f
                 budget = int(total * gpu_memory_utilization) - runner.weight_bytes - peak
                 source = (f"--gpu-memory-utilization {gpu_memory_utilization}: {gpu_memory_utilization} x "
                           f"{total / MiB:.0f} MiB less weights and peak activations")
-                notes.append("the KV budget of --gpu-memory-utilization is for a CUDA device; shuttle's worker runs "
-                             "on the CPU, so `shuttle serve` needs it as --kv-cache-memory")
+                notes.append("on CUDA `shuttle serve --gpu-memory-utilization` sizes the KV cache itself from a "
+                             "profiled step's torch peak and non-torch memory (worker/kv_sizing.py); this plan's "
+                             "figure uses the step's resident-set peak instead")
             else:
                 notes.append(f"--gpu-memory-utilization {gpu_memory_utilization} applies to a CUDA device only and "
                              f"there is none here: the KV budget is {source} instead")

@@ -88,7 +88,7 @@ def device_span(config: ShuttleConfig, first: str, groups: int) -> str:
     """The devices the ranks of `groups` serving groups own, from the first rank's ('cuda:0' -> 'cuda:0..cuda:3')."""
     ranks = groups * config.parallel.tensor_parallel_size
     if device_type(first) == "cpu" or ranks == 1:
-        return first + (f" ({ranks} ranks)" if ranks > 1 else "")
+        return first + (f" ({ranks} workers)" if ranks > 1 else "")
     tp = config.parallel.tensor_parallel_size
     return f"{first}..{rank_device(first, groups - 1, tp - 1, tp)}"
 
