@@ -3,6 +3,7 @@
 benchmarks that must not download anything.
 
     .venv/bin/python scripts/dev/make_random_model.py --shape 110m --out /tmp/shuttle-models/llama-110m
+    python scripts/dev/make_random_model.py --shape 1b --device cuda --dtype bfloat16   # scripts/gpu_check.sh's
 """
 
 from __future__ import annotations
@@ -19,23 +20,35 @@ SHAPES = {
     # The 110M-parameter Llama 2 shape of llama2.c's stories110M.
     "110m": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=12,
                  intermediate_size=2048, max_position_embeddings=1024),
+    # TinyLlama 1.1B's shape (GQA 32 heads over 4 KV heads, untied): scripts/gpu_check.sh's bench model.
+    "1b": dict(hidden_size=2048, num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4,
+               intermediate_size=5632, max_position_embeddings=2048, tie_word_embeddings=False),
+    # The 1B shape's kind (GQA, the 32000-token vocabulary) at a size a CPU builds in a second: gpu_check --dry-run.
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=128, max_position_embeddings=512),
     "15m": dict(hidden_size=288, num_hidden_layers=6, num_attention_heads=6, num_key_value_heads=6,
                 intermediate_size=768, max_position_embeddings=256),
 }
 DEFAULT_TOKENIZER = Path(__file__).resolve().parents[3] / "shared" / "tokenizers" / "llama2"
 
 
-def make_random_model(out: Path, shape: str = "110m", tokenizer_dir: Path = DEFAULT_TOKENIZER, seed: int = 0) -> Path:
+def make_random_model(out: Path, shape: str = "110m", tokenizer_dir: Path = DEFAULT_TOKENIZER, seed: int = 0,
+                      device: str = "cpu", dtype: str = "float32") -> Path:
     """Write config.json, model.safetensors, generation_config.json and the tokenizer files into `out`.
 
+    Args:
+        device: where the weights are initialised (cuda is much faster at 1B).
+        dtype: the dtype the weights are saved in (and config.json's dtype).
     Raises:
         KeyError: unknown shape. FileNotFoundError: tokenizer_dir lacks tokenizer.json.
     """
     if not (tokenizer_dir / "tokenizer.json").exists():
         raise FileNotFoundError(f"{tokenizer_dir}/tokenizer.json")
-    config = LlamaConfig(vocab_size=32000, bos_token_id=1, eos_token_id=2, tie_word_embeddings=True, **SHAPES[shape])
+    config = LlamaConfig(**{"vocab_size": 32000, "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": True,
+                            **SHAPES[shape]})
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(getattr(torch, dtype))
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
@@ -49,9 +62,13 @@ def main() -> int:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="110m")
     parser.add_argument("--out", type=Path, default=None, help="default: /tmp/shuttle-models/llama-SHAPE")
     parser.add_argument("--tokenizer", type=Path, default=DEFAULT_TOKENIZER)
+    parser.add_argument("--device", default="cpu", help="where to initialise the weights")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     args = parser.parse_args()
-    out = make_random_model(args.out or Path(f"/tmp/shuttle-models/llama-{args.shape}"), args.shape, args.tokenizer)
-    params = sum(p.numel() for p in LlamaForCausalLM.from_pretrained(out).parameters())
+    out = make_random_model(args.out or Path(f"/tmp/shuttle-models/llama-{args.shape}"), args.shape, args.tokenizer,
+                            device=args.device, dtype=args.dtype)
+    with torch.device("meta"):
+        params = sum(p.numel() for p in LlamaForCausalLM(LlamaConfig.from_pretrained(out)).parameters())
     print(f"wrote {out} ({params / 1e6:.1f}M parameters)")
     return 0
 
