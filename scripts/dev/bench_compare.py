@@ -465,6 +465,9 @@ def main() -> int:
                         help="exit 1 (status fail in the JSON) when shuttle's out tok/s is below this multiple of "
                              "transformers' continuous batching (gpu_check.sh: 2 on CUDA)")
     args = parser.parse_args()
+    # SIGTERM (a `timeout` around this script) unwinds like Ctrl-C, so the finally below stops shuttle's processes,
+    # which run in a session of their own
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).to(args.device).eval()
     max_len = model.config.max_position_embeddings

@@ -1,0 +1,35 @@
+"""scripts/gpu_check.sh --dry-run: the whole GPU check on the CPU with tiny shapes, so that a GPU run is not spent
+on the script's own bugs. Slow: its bench stage starts `shuttle serve` (about a minute and a half on two cores)."""
+
+import json
+import os
+import subprocess
+
+import pytest
+
+from tests.server import MODEL_DIR, REPO
+
+STAGES = ("exact", "bf16", "compiles", "graphs", "bench")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_dry_run_passes_every_stage(tmp_path):
+    env = {**os.environ, "OUT": str(tmp_path), "SHUTTLE_TEST_MODEL": str(MODEL_DIR)}
+    done = subprocess.run(["bash", "scripts/gpu_check.sh", "--dry-run"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=380)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    table = (tmp_path / "table.txt").read_text()
+    assert "shuttle GPU check (dry run, device cpu)" in table
+    for stage in STAGES:
+        record = json.loads((tmp_path / f"{stage}.json").read_text())
+        assert record["status"] in ("pass", "skipped"), record
+        assert f"\n{stage:<10}{record['status']:<9}" in table
+    assert json.loads((tmp_path / "exact.json").read_text())["mismatched"] == []
+    assert json.loads((tmp_path / "compiles.json").read_text())["graphs_after_warmup"] == 0
+    bench = json.loads((tmp_path / "bench.json").read_text())
+    shuttle = bench["rows"][0]
+    assert shuttle["method"] == "shuttle" and shuttle["ttft_p50_ms"] > 0 and shuttle["itl_p50_ms"] > 0
+    assert bench["engine"]["kv_blocks"] == 256 and bench["engine"]["step_over_bare"] > 0
+    # what comes back from the device tool's $OUT: at most 8 plain files, none deeper than two folders
+    assert len([p for p in tmp_path.rglob("*") if p.is_file()]) <= 8
