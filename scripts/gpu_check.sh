@@ -57,7 +57,8 @@ else
     # is left out (minutes at 1B). shuttle gets half the GPU, so transformers has room beside it.
     BENCH=(--device cuda --dtype bfloat16 --repeats 1 --skip sequential --batch-size 64 --bare-batch 64
            --bare-context 128 --min-ratio 2
-           --serve-args "--device cuda --dtype bfloat16 --attention-backend flex --gpu-memory-utilization 0.5 --max-model-len 512")
+           --serve-args "--device cuda --dtype bfloat16 --attention-backend flex --gpu-memory-utilization 0.5
+                         --max-model-len 512")
 fi
 
 say() { echo "gpu_check: $*" | tee -a "$LOG"; }
@@ -99,8 +100,9 @@ else
     say "setup: skipped in the dry run ($CARRY/wheels absent; the venv has every package)"
     export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 fi
-"$PYTHON" -c "import torch, transformers, zmq, msgspec; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(),
-'transformers', transformers.__version__, 'pyzmq', zmq.__version__, 'msgspec', msgspec.__version__)" 2>&1 | tee -a "$LOG"
+"$PYTHON" -c "import torch, transformers, zmq, msgspec
+print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'transformers', transformers.__version__,
+      'pyzmq', zmq.__version__, 'msgspec', msgspec.__version__)" 2>&1 | tee -a "$LOG"
 
 # ---- the in-process stages ------------------------------------------------------------------------------------
 RESERVE_S=180  # the bench's: slow correctness stages must not leave it too little to start shuttle at 1B

@@ -65,5 +65,8 @@ mkdir -p "$CARRY/tokenizers/llama2"
 for f in tokenizer.json tokenizer_config.json special_tokens_map.json; do
     [ -f "$TOKENIZER_DIR/$f" ] && cp "$TOKENIZER_DIR/$f" "$CARRY/tokenizers/llama2/"
 done
-[ -f "$CARRY/tokenizers/llama2/tokenizer.json" ] || { echo "gpu_wheels: no tokenizer.json in $TOKENIZER_DIR" >&2; exit 1; }
+if [ ! -f "$CARRY/tokenizers/llama2/tokenizer.json" ]; then
+    echo "gpu_wheels: no tokenizer.json in $TOKENIZER_DIR" >&2
+    exit 1
+fi
 list

@@ -225,7 +225,8 @@ def _count_compiles(scheduler, runner, prompts, max_tokens, how: str) -> dict:
     compiled = after - after_warm
     status = "pass" if compiled == 0 and not error and again == warm else "fail"
     summary = (f"{after_warm - start} graphs in warm-up, {compiled} after it ({how})"
-               + (f"; {error}" if error else "") + ("; second run's tokens differ" if again not in (None, warm) else ""))
+               + (f"; {error}" if error else "")
+               + ("; second run's tokens differ" if again not in (None, warm) else ""))
     return {"status": status, "summary": summary, "warmup_graphs": after_warm - start, "graphs_after_warmup": compiled}
 
 
