@@ -6,7 +6,7 @@ import aiohttp
 import pytest
 
 from tests.conftest import hf_greedy, hf_tokenizer
-from tests.prompts import MAX_TOKENS, story_prompts
+from capacity.story_prompts import MAX_TOKENS, story_prompts
 
 BLOCK_SIZE = 16  # the servers' default --block-size
 

@@ -4,7 +4,6 @@ generate under chunked prefill, preemption, and prefix caching on and off."""
 import functools
 import random
 import time
-from collections import deque
 
 import pytest
 
@@ -12,28 +11,16 @@ from common.config import CacheConfig, IpcConfig, ModelConfig, SchedulerConfig, 
 from common.messages import Submit
 from common.sampling import SamplingParams
 from scheduler.kv_cache import KVCacheManager
+from scheduler.in_process import drive as serve_in_process
 from scheduler.scheduler import Scheduler
 from tests.conftest import hf_greedy
 from tests.server import MODEL_DIR
 from worker.worker import ModelRunner
 
 
-def drive(scheduler, runner, on_outputs, max_in_flight=2, check=True):
-    """The scheduler loop without sockets: up to `max_in_flight` planned steps not yet settled. The runner
-    executes each plan when it is planned, in order, as the worker process does."""
-    in_flight = deque()
-    while scheduler.has_work or in_flight:
-        planned = False
-        if len(in_flight) < max_in_flight and scheduler.has_work:
-            step = scheduler.schedule()
-            if not step.is_empty:
-                in_flight.append((step, runner.execute(step.plan)))
-                planned = True
-        if in_flight and (not planned or len(in_flight) >= max_in_flight):
-            scheduler.update_from_output(*in_flight.popleft())
-        if check:
-            scheduler.kv.pool.check_invariants()
-        on_outputs(scheduler.take_outputs().get(b"c", []))
+def drive(scheduler, runner, on_outputs, max_in_flight=2):
+    """scheduler/in_process.drive with the block pool checked after every turn."""
+    serve_in_process(scheduler, runner, on_outputs, max_in_flight=max_in_flight, check_blocks=True)
 
 
 def make_engine(num_blocks, max_batched, prefix_caching=True, block_size=16):

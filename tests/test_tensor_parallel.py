@@ -30,7 +30,7 @@ from common.sampling import SamplingParams
 from scheduler.loop import SchedulerLoop
 from tests.client import health, post_completion
 from tests.conftest import hf_greedy, hf_tokenizer
-from tests.prompts import STORY
+from capacity.story_prompts import STORY
 from tests.server import MODEL_DIR, REPO, ShuttleServer
 
 NUM_KV_BLOCKS = 7  # 112 tokens for requests that need 15 blocks together (each fits alone): preemption is certain

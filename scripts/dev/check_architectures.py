@@ -28,7 +28,6 @@ import sys
 import tempfile
 import multiprocessing
 import time
-from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +43,7 @@ from common.config import CacheConfig, IpcConfig, ModelConfig, SchedulerConfig, 
 from common.messages import Submit  # noqa: E402
 from common.sampling import SamplingParams  # noqa: E402
 from scheduler.kv_cache import KVCacheManager  # noqa: E402
+from scheduler.in_process import drive  # noqa: E402
 from scheduler.scheduler import Scheduler  # noqa: E402
 from worker.model_loader import UnsupportedModelError  # noqa: E402
 from worker.worker import ModelRunner  # noqa: E402
@@ -141,21 +141,15 @@ def in_process_outputs(model_dir: Path, prompts: list[list[int]], budget: int) -
         scheduler.add_request(b"c", Submit(str(i), prompt, params, float(i)))
     tokens = {str(i): [] for i in range(len(prompts))}
     logprobs = {str(i): [] for i in range(len(prompts))}
-    in_flight = deque()
-    while scheduler.has_work or in_flight:
-        planned = False
-        if len(in_flight) < 2 and scheduler.has_work:
-            step = scheduler.schedule()
-            if not step.is_empty:
-                in_flight.append((step, runner.execute(step.plan)))
-                planned = True
-        if in_flight and (not planned or len(in_flight) >= 2):
-            scheduler.update_from_output(*in_flight.popleft())
-        for out in scheduler.take_outputs().get(b"c", []):
+
+    def collect(batch) -> None:
+        for out in batch:
             if out.error_status:
                 raise RuntimeError(f"request failed: {out.error_message}")
             tokens[out.request_id] += out.new_token_ids
             logprobs[out.request_id] += [lp.logprob for lp in out.logprobs]
+
+    drive(scheduler, runner, collect)
     return [tokens[str(i)] for i in range(len(prompts))], [logprobs[str(i)] for i in range(len(prompts))]
 
 

@@ -32,7 +32,6 @@ import json
 import sys
 import time
 import traceback
-from collections import deque
 from pathlib import Path
 
 import torch
@@ -45,8 +44,9 @@ from common.config import (CacheConfig, IpcConfig, ModelConfig, SchedulerConfig,
 from common.messages import Submit  # noqa: E402
 from common.sampling import SamplingParams  # noqa: E402
 from scheduler.kv_cache import KVCacheManager  # noqa: E402
+from scheduler.in_process import drive  # noqa: E402
 from scheduler.scheduler import Scheduler  # noqa: E402
-from tests.prompts import MAX_TOKENS, STORY, story_prompts  # noqa: E402
+from capacity.story_prompts import MAX_TOKENS, STORY, story_prompts  # noqa: E402
 
 BF16_MIN_PREFIX = 0.5
 STAGES = ("exact", "bf16", "compiles", "graphs")
@@ -104,18 +104,12 @@ def greedy(scheduler, runner, prompts: list[list[int]], max_tokens: list[int], t
     for i, (prompt, m) in enumerate(zip(prompts, max_tokens)):
         params = SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True)
         scheduler.add_request(b"c", Submit(f"{tag}{i}", prompt, params, time.time()))
-    in_flight = deque()
-    while scheduler.has_work or in_flight:
-        planned = False
-        if len(in_flight) < 2 and scheduler.has_work:
-            step = scheduler.schedule()
-            if not step.is_empty:
-                in_flight.append((step, runner.execute(step.plan)))
-                planned = True
-        if in_flight and (not planned or len(in_flight) >= 2):
-            scheduler.update_from_output(*in_flight.popleft())
-        for out in scheduler.take_outputs().get(b"c", []):
+
+    def collect(batch) -> None:
+        for out in batch:
             outputs[out.request_id] += out.new_token_ids
+
+    drive(scheduler, runner, collect)
     return [outputs[f"{tag}{i}"] for i in range(len(prompts))]
 
 
@@ -135,7 +129,7 @@ def hf_greedy(model_dir: str, dtype: str, device: torch.device, prompts, max_tok
 
 
 def prompt_ids(model_dir: str, count: int) -> list[list[int]]:
-    """`count` prompts of the test story, tokenized by the model's tokenizer: tests/prompts.py's 16 first, then
+    """`count` prompts of the test story, tokenized by the model's tokenizer: capacity/story_prompts.py's 16 first, then
     further cuts of the story."""
     from transformers import AutoTokenizer
 

@@ -1,4 +1,5 @@
-"""Prompts for end-to-end tests: TinyStories-like text cut at various lengths."""
+"""Fixed prompts for exactness checks (the end-to-end tests, scripts/dev/gpu_check.py): TinyStories-like text cut at
+various lengths, so that a story model continues them sensibly and the lengths cover 1 to about 290 tokens."""
 
 STORY = (
     "Once upon a time, there was a little girl named Lily. She loved to play outside in the park with her "
