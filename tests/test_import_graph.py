@@ -1,5 +1,5 @@
 """The product packages' import graph: no circles (TYPE_CHECKING imports included), and common/ imports no other
-project package (it is the bottom layer every process shares)."""
+project package (it is the bottom layer every process shares); nothing outside tests/ imports tests/."""
 
 import ast
 from pathlib import Path
@@ -13,8 +13,8 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _imports(path: Path, modules: set[str]) -> set[str]:
-    """Project modules that `path` imports anywhere (module level, functions, TYPE_CHECKING blocks)."""
+def _imports(path: Path, modules: set[str], roots: tuple[str, ...] = PACKAGES) -> set[str]:
+    """Modules under `roots` that `path` imports anywhere (module level, functions, TYPE_CHECKING blocks)."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         names = []
@@ -25,7 +25,7 @@ def _imports(path: Path, modules: set[str]) -> set[str]:
         for name in names:
             while name and name not in modules:
                 name = name.rpartition(".")[0]
-            if name and name.split(".")[0] in PACKAGES:
+            if name and name.split(".")[0] in roots:
                 found.add(name)
     return found
 
@@ -72,3 +72,10 @@ def test_common_imports_no_other_project_package():
     upward = {f"{name} imports {target}" for name, targets in _graph().items() if name.startswith("common")
               for target in targets if not target.startswith("common")}
     assert not upward, sorted(upward)
+
+
+def test_nothing_outside_tests_imports_tests():
+    """The packages and scripts/ stand on their own: what tests and tools share lives in a package."""
+    sources = [p for package in (*PACKAGES, "scripts") for p in (REPO / package).rglob("*.py")]
+    offenders = sorted(str(p.relative_to(REPO)) for p in sources if _imports(p, {"tests"}, roots=("tests",)))
+    assert not offenders, offenders
