@@ -118,7 +118,3 @@ async def test_wrong_method_and_still_serving(chat_server):
         assert status == 200 and body["usage"]["completion_tokens"] >= 1
         stats = await health(session, chat_server.url)
         assert stats["status"] == "ok"
-
-
-def test_table_is_big_enough():
-    assert len(CASES) >= 30
