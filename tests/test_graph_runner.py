@@ -189,6 +189,19 @@ def test_graph_mode_reads_no_host_list():
                              torch.device("cpu"), cuda_graphs=True)
 
 
+def test_a_failed_capture_is_one_clear_error_naming_enforce_eager(monkeypatch):
+    """Building or capturing the graphs raising (here: CUDA buffers on a machine without CUDA) becomes
+    GraphCaptureError, which the worker reports in one line before exiting 2."""
+    monkeypatch.setattr(gr.DecodeGraphRunner, "capture", lambda self: pytest.fail("capture after a failed build"))
+    kv = SimpleNamespace(layers=[], null_block=0)
+    runner = SimpleNamespace(device=torch.device("cuda"), backend=SimpleNamespace(name="flex"), kv_cache=kv,
+                             parallel=SimpleNamespace(enabled=False), model=AttentionOnly(), block_size=16)
+    config = SimpleNamespace(worker=WorkerConfig(), model=SimpleNamespace(max_model_len=64),
+                             scheduler=SchedulerConfig(max_num_seqs=4))
+    with pytest.raises(gr.GraphCaptureError, match="--enforce-eager serves without them"):
+        gr.graph_runner_for(runner, config)
+
+
 def test_enforce_eager_flag():
     args = build_parser().parse_args(["serve", "model", "--enforce-eager"])
     assert args.enforce_eager is True

@@ -16,6 +16,7 @@ from common.errors import ModelDirError
 from common.ipc import Channel
 from common.messages import PlanMessage, WorkerReady
 from common.process import HeartbeatSender, child_main_args, report_ready
+from worker.graph_runner import GraphCaptureError
 from worker.kv_sizing import KVSizingError
 from worker.loop import STEP_DELAY_ENV, WorkerLoop
 from worker.model_loader import UnsupportedModelError
@@ -45,7 +46,7 @@ def main() -> None:
     except (UnsupportedModelError, ModelDirError) as exc:  # a clear refusal, not a traceback; the launcher exits 2
         log.error("cannot serve this model: %s", exc)
         sys.exit(2)
-    except (DeviceError, KVSizingError) as exc:
+    except (DeviceError, KVSizingError, GraphCaptureError) as exc:
         log.error("cannot start: %s", exc)
         sys.exit(2)
     kv = runner.kv_cache

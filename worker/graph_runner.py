@@ -244,6 +244,10 @@ class DecodeGraphRunner:
             self._seq_lens_lists[size][first:] = [1] * (size - first)
 
 
+class GraphCaptureError(RuntimeError):
+    """The decode CUDA graphs could not be built or captured on this device (the message names --enforce-eager)."""
+
+
 def graph_runner_for(runner, config) -> DecodeGraphRunner | None:
     """The ModelRunner's captured decode graphs, or None where they do not apply (logged): not on CUDA,
     --enforce-eager, a backend that cannot be captured, or tensor parallel (its collectives are not captured yet).
@@ -252,6 +256,8 @@ def graph_runner_for(runner, config) -> DecodeGraphRunner | None:
         runner: a worker.worker.ModelRunner with its KV cache allocated (graphs are captured after it, in the
             memory the KV sizing left over).
         config: the ShuttleConfig it was built from.
+    Raises:
+        GraphCaptureError: building or capturing the graphs raised.
     """
     if runner.device.type != "cuda":
         return None
@@ -265,10 +271,14 @@ def graph_runner_for(runner, config) -> DecodeGraphRunner | None:
         log.info("CUDA graphs off under tensor parallel: every step runs eagerly")
         return None
     kv = runner.kv_cache
-    graphs = DecodeGraphRunner(runner.model, runner.backend, kv.layers, runner.block_size, kv.null_block,
-                               -(-config.model.max_model_len // runner.block_size), config.scheduler.max_num_seqs,
-                               runner.device)
-    graphs.capture()
+    try:
+        graphs = DecodeGraphRunner(runner.model, runner.backend, kv.layers, runner.block_size, kv.null_block,
+                                   -(-config.model.max_model_len // runner.block_size), config.scheduler.max_num_seqs,
+                                   runner.device)
+        graphs.capture()
+    except Exception as exc:  # one clear line at start-up (the worker exits 2), not a traceback on every restart
+        raise GraphCaptureError(f"capturing the decode CUDA graphs failed ({type(exc).__name__}: {exc}); "
+                                "--enforce-eager serves without them") from exc
     log.info("captured %d CUDA graphs for decode steps (batch sizes %s) in %.1f s", len(graphs.sizes),
              ", ".join(map(str, graphs.sizes)), graphs.capture_seconds)
     return graphs
