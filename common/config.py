@@ -14,6 +14,7 @@ from pathlib import Path
 import msgspec
 
 from common.arg_types import count, parse_bytes, positive, seconds, unit_fraction
+from common.cpu_threads import cpu_list
 from common.devices import parse_device
 from common.errors import ModelDirError
 from common.model_dir import read_json_object
@@ -181,8 +182,11 @@ class WorkerConfig:
                                             "SDPA; flex: torch FlexAttention over the paged cache (compiled on CUDA, "
                                             "eager on a CPU)",
                                     choices=["auto", "cpu", "reference", "flex"])
-    worker_threads: int = option(0, "CPU threads of the worker's model and attention (0: torch's default, one per "
-                                    "core)", type=count)
+    worker_threads: int = option(0, "intra-op CPU threads of each worker (0: one per core it may use; "
+                                    "docs/operations.md, threads and cores)", type=count)
+    worker_cores: str = option("", "CPU list (like 0-3,6) the workers are pinned to, split between them; the "
+                                   "frontend and scheduler go to the other allowed cores ('': no pinning)",
+                               type=cpu_list, metavar="LIST")
     enforce_eager: bool = option(False, "run every step eagerly: no CUDA graphs for decode-only steps (graphs are "
                                         "captured only on CUDA, with the flex attention backend)")
 

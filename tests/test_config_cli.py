@@ -17,7 +17,7 @@ NON_DEFAULTS = {
     "ttft_slo_ms": ("250", 250.0), "step_cost_profile": ("", ""), "step_log": ("/dev/null", "/dev/null"),
     "attention_backend": ("reference", "reference"), "device": ("CUDA:1", "cuda:1"),
     "gpu_memory_utilization": ("0.5", 0.5),
-    "worker_threads": ("1", 1), "step_timeout": ("5", 5.0), "heartbeat_timeout": ("6", 6.0),
+    "worker_threads": ("1", 1), "worker_cores": ("3,0-2", "0-3"), "step_timeout": ("5", 5.0), "heartbeat_timeout": ("6", 6.0),
     "max_restarts": ("2", 2), "shutdown_timeout": ("3", 3.0), "keep_alive_timeout": ("1", 1.0),
     "header_timeout": ("2", 2.0), "body_timeout": ("3", 3.0), "max_batch_message_bytes": ("1KiB", 1024),
     "tensor_parallel_size": ("2", 2), "master_addr": ("127.0.0.2", "127.0.0.2"), "master_port": ("29500", 29500),

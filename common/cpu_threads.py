@@ -1,0 +1,165 @@
+"""Which CPU cores each process may use, and how many threads the worker runs on them.
+
+The rule (docs/operations.md "Threads and cores"), applied by the launcher when it starts a serving group:
+1. The cores come from the launcher's affinity (os.sched_getaffinity: what taskset, cgroups or a container allow),
+   not from the machine's core count.
+2. --worker-cores LIST (e.g. `0-3,6`) gives the workers those cores (each must be allowed); the frontend and the
+   scheduler are pinned to the allowed cores outside the list (left unpinned when none are left). Without it, the
+   workers get every allowed core but one when more than 2 are allowed (that one is for the frontend and the
+   scheduler, which are light but wake on every step), all of them on 1 or 2 cores; nothing is pinned.
+3. The worker processes of all local serving groups (data parallel x tensor parallel) split those cores between
+   them in contiguous slices, never oversubscribing: with fewer cores than workers, each worker gets one core
+   (shared round-robin). Pinned (--worker-cores), each worker is bound to its slice.
+4. A worker runs as many intra-op threads as its slice has cores, unless --worker-threads N (or, when that is 0,
+   OMP_NUM_THREADS in the launcher's environment) says otherwise; torch's inter-op pool gets one thread (the
+   worker never runs ops concurrently), and numba's decode kernel the same count as torch.
+5. Waiting OpenMP threads sleep instead of spinning (OMP_WAIT_POLICY=PASSIVE, KMP_BLOCKTIME=0): a spinning thread
+   beside a busy neighbour turns a millisecond step into hundreds. The launcher puts all of this into the worker's
+   environment and affinity before Python starts, so torch and numba read it when they start their pools.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+# The worker's intra-op thread count, as the launcher chose it (read by worker/worker.py; unset: torch's own)
+WORKER_THREADS_ENV = "SHUTTLE_WORKER_THREADS"
+
+
+def parse_cpu_list(text: str) -> tuple[int, ...]:
+    """A Linux CPU list ("0-3,6", as taskset -c and /sys take it) as sorted, distinct core ids.
+
+    Raises ValueError naming the bad part ("" gives ()).
+    """
+    cores: set[int] = set()
+    for part in (p.strip() for p in text.split(",")):
+        if not part and not text.strip():
+            continue
+        first, dash, last = part.partition("-")
+        try:
+            low = int(first)
+            high = int(last) if dash else low
+        except ValueError:
+            raise ValueError(f"not a CPU list (like 0-3,6): {part!r} in {text!r}") from None
+        if low < 0 or high < low:
+            raise ValueError(f"not a CPU range (low-high, 0 <= low <= high): {part!r} in {text!r}")
+        cores.update(range(low, high + 1))
+    return tuple(sorted(cores))
+
+
+def format_cpu_list(cores) -> str:
+    """The shortest CPU list of `cores` ((0, 1, 2, 3, 6) -> "0-3,6")."""
+    ranges: list[list[int]] = []
+    for core in sorted(set(cores)):
+        if ranges and core == ranges[-1][1] + 1:
+            ranges[-1][1] = core
+        else:
+            ranges.append([core, core])
+    return ",".join(f"{a}-{b}" if b > a else str(a) for a, b in ranges)
+
+
+def cpu_list(text: str) -> str:
+    """--worker-cores's type: a CPU list, normalised ("3,0-2" -> "0-3"); "" for none."""
+    import argparse
+    try:
+        return format_cpu_list(parse_cpu_list(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+@dataclass(frozen=True)
+class CorePlan:
+    """Cores and threads of one launch (rule: the module docstring).
+
+    Attributes:
+        workers: per worker process (group-major: group g's rank r at g x tp + r), the cores it may use.
+        threads: per worker process, its intra-op thread count.
+        others: the cores of the frontend and the scheduler (the allowed set when nothing is set aside).
+        pinned: whether processes are bound to those cores (only with --worker-cores).
+    """
+
+    workers: tuple[tuple[int, ...], ...]
+    threads: tuple[int, ...]
+    others: tuple[int, ...]
+    pinned: bool
+
+    def describe(self) -> str:
+        """For the start-up line: "worker threads 2 on cores 0-1" / "... pinned, frontend+scheduler on 2"."""
+        shares = sorted({(t, format_cpu_list(c)) for t, c in zip(self.threads, self.workers)})
+        text = "; ".join(f"{t} thread{'s' * (t != 1)} on cores {c}" for t, c in shares)
+        if self.pinned:
+            text += f" (pinned; frontend and scheduler on {format_cpu_list(self.others)})"
+        return f"{len(self.workers)} worker(s): {text}" if len(self.workers) > 1 else f"worker: {text}"
+
+
+def plan_cores(allowed, num_workers: int, worker_cores: str = "", worker_threads: int = 0,
+               omp_num_threads: str | None = None) -> CorePlan:
+    """The rule of the module docstring for `num_workers` worker processes on the `allowed` cores.
+
+    Raises ValueError when --worker-cores names a core outside `allowed`.
+    """
+    allowed = tuple(sorted(set(allowed)))
+    chosen = parse_cpu_list(worker_cores)
+    if chosen:
+        outside = sorted(set(chosen) - set(allowed))
+        if outside:
+            raise ValueError(f"--worker-cores {worker_cores} names cores this process may not use "
+                             f"({format_cpu_list(outside)}; allowed: {format_cpu_list(allowed)})")
+        pool, others = chosen, tuple(c for c in allowed if c not in chosen) or allowed
+    else:
+        pool = allowed[:-1] if len(allowed) > 2 else allowed
+        others = allowed[-1:] if len(allowed) > 2 else allowed
+    shares = split_cores(pool, num_workers)
+    fixed = worker_threads or _positive_int(omp_num_threads)
+    threads = tuple(fixed or len(share) for share in shares)
+    return CorePlan(shares, threads, others, pinned=bool(chosen))
+
+
+def split_cores(pool: tuple[int, ...], num_workers: int) -> tuple[tuple[int, ...], ...]:
+    """`pool` in `num_workers` contiguous slices as even as can be (the first ones one longer); with fewer cores
+    than workers, worker i gets core i mod len(pool)."""
+    if num_workers <= len(pool):
+        size, extra = divmod(len(pool), num_workers)
+        starts = [i * size + min(i, extra) for i in range(num_workers + 1)]
+        return tuple(pool[starts[i]:starts[i + 1]] for i in range(num_workers))
+    return tuple((pool[i % len(pool)],) for i in range(num_workers))
+
+
+def _positive_int(text: str | None) -> int:
+    try:
+        return max(int(text or 0), 0)
+    except ValueError:
+        return 0  # libgomp ignores a malformed OMP_NUM_THREADS too
+
+
+def worker_env(base: dict[str, str], threads: int) -> dict[str, str]:
+    """The environment of a worker process running `threads` intra-op threads: every thread pool it starts
+    (OpenMP's, MKL's, numba's) sized to `threads`, and waiting OpenMP threads sleeping instead of spinning."""
+    env = dict(base)
+    count = str(threads)
+    env.update({"OMP_NUM_THREADS": count, "MKL_NUM_THREADS": count, "NUMBA_NUM_THREADS": count,
+                WORKER_THREADS_ENV: count, "OMP_WAIT_POLICY": "PASSIVE", "KMP_BLOCKTIME": "0"})
+    return env
+
+
+def other_env(base: dict[str, str]) -> dict[str, str]:
+    """The environment of the frontend and the scheduler: one OpenMP thread, sleeping when idle, for anything
+    that would spread over the cores, so that they stay off the worker's."""
+    env = dict(base)
+    env.update({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE",
+                "KMP_BLOCKTIME": "0"})
+    return env
+
+
+def pin(cores: tuple[int, ...]) -> None:
+    """Bind the calling process to `cores` (no-op for () or off Linux); children inherit it."""
+    if cores and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, cores)
+
+
+def allowed_cores() -> tuple[int, ...]:
+    """The cores this process may run on (its affinity; all of os.cpu_count() where there is none)."""
+    if hasattr(os, "sched_getaffinity"):
+        return tuple(sorted(os.sched_getaffinity(0)))
+    return tuple(range(os.cpu_count() or 1))
