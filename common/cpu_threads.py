@@ -10,9 +10,10 @@ The rule (docs/operations.md "Threads and cores"), applied by the launcher when 
 3. The worker processes of all local serving groups (data parallel x tensor parallel) split those cores between
    them in contiguous slices, never oversubscribing: with fewer cores than workers, each worker gets one core
    (shared round-robin). Pinned (--worker-cores), each worker is bound to its slice.
-4. A worker runs as many intra-op threads as its slice has cores, unless --worker-threads N (or, when that is 0,
-   OMP_NUM_THREADS in the launcher's environment) says otherwise; torch's inter-op pool gets one thread (the
-   worker never runs ops concurrently), and numba's decode kernel the same count as torch.
+4. A worker runs as many intra-op threads as its slice has cores, unless --worker-threads N says otherwise;
+   OMP_NUM_THREADS in the launcher's environment is not read (the launcher sets the worker's own, so that a value
+   left over in a shell or a test harness cannot make the default differ from the same count given explicitly).
+   torch's inter-op pool gets one thread (the worker runs one op at a time), numba's decode kernel torch's count.
 5. Waiting OpenMP threads sleep instead of spinning (OMP_WAIT_POLICY=PASSIVE, KMP_BLOCKTIME=0): a spinning thread
    beside a busy neighbour turns a millisecond step into hundreds. The launcher puts all of this into the worker's
    environment and affinity before Python starts, so torch and numba read it when they start their pools.
@@ -68,6 +69,10 @@ def cpu_list(text: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+class CoreError(ValueError):
+    """--worker-cores names cores this process may not use."""
+
+
 @dataclass(frozen=True)
 class CorePlan:
     """Cores and threads of one launch (rule: the module docstring).
@@ -93,44 +98,37 @@ class CorePlan:
         return f"{len(self.workers)} worker(s): {text}" if len(self.workers) > 1 else f"worker: {text}"
 
 
-def plan_cores(allowed, num_workers: int, worker_cores: str = "", worker_threads: int = 0,
-               omp_num_threads: str | None = None) -> CorePlan:
+def plan_cores(allowed, num_workers: int, worker_cores: str = "", worker_threads: int = 0) -> CorePlan:
     """The rule of the module docstring for `num_workers` worker processes on the `allowed` cores.
 
-    Raises ValueError when --worker-cores names a core outside `allowed`.
+    Raises CoreError when --worker-cores names a core outside `allowed`.
     """
     allowed = tuple(sorted(set(allowed)))
     chosen = parse_cpu_list(worker_cores)
     if chosen:
         outside = sorted(set(chosen) - set(allowed))
         if outside:
-            raise ValueError(f"--worker-cores {worker_cores} names cores this process may not use "
+            raise CoreError(f"--worker-cores {worker_cores} names cores this process may not use "
                              f"({format_cpu_list(outside)}; allowed: {format_cpu_list(allowed)})")
         pool, others = chosen, tuple(c for c in allowed if c not in chosen) or allowed
     else:
         pool = allowed[:-1] if len(allowed) > 2 else allowed
         others = allowed[-1:] if len(allowed) > 2 else allowed
     shares = split_cores(pool, num_workers)
-    fixed = worker_threads or _positive_int(omp_num_threads)
-    threads = tuple(fixed or len(share) for share in shares)
+    threads = tuple(worker_threads or len(share) for share in shares)
     return CorePlan(shares, threads, others, pinned=bool(chosen))
 
 
 def split_cores(pool: tuple[int, ...], num_workers: int) -> tuple[tuple[int, ...], ...]:
     """`pool` in `num_workers` contiguous slices as even as can be (the first ones one longer); with fewer cores
     than workers, worker i gets core i mod len(pool)."""
+    if num_workers == 0:
+        return ()
     if num_workers <= len(pool):
         size, extra = divmod(len(pool), num_workers)
         starts = [i * size + min(i, extra) for i in range(num_workers + 1)]
         return tuple(pool[starts[i]:starts[i + 1]] for i in range(num_workers))
     return tuple((pool[i % len(pool)],) for i in range(num_workers))
-
-
-def _positive_int(text: str | None) -> int:
-    try:
-        return max(int(text or 0), 0)
-    except ValueError:
-        return 0  # libgomp ignores a malformed OMP_NUM_THREADS too
 
 
 def worker_env(base: dict[str, str], threads: int) -> dict[str, str]:

@@ -35,6 +35,7 @@ import zmq
 
 from common.capacity import kv_cache_bytes, requests_that_fit
 from common.config import IpcConfig, ShuttleConfig
+from common.cpu_threads import CoreError, CorePlan, allowed_cores, plan_cores
 from common.devices import DeviceError, cuda_device_count, device_type, rank_device, resolve_config
 from common.errors import ModelDirError
 from common.ipc import CURVE_ENV, Channel, CurveKeys
@@ -142,7 +143,8 @@ def serve(args: argparse.Namespace) -> int:
             if config.chat_template and not os.path.isfile(config.chat_template):
                 raise ModelDirError(f"--chat-template {config.chat_template} is not a readable file")
             check_ports(_frontend_listens(args, config) + _rendezvous_listens(config, len(groups)))
-        except (ModelDirError, PortError, DeviceError) as exc:
+            plan_cores(allowed_cores(), len(groups) * tp, config.worker.worker_cores)  # refuses a bad --worker-cores
+        except (ModelDirError, PortError, DeviceError, CoreError) as exc:
             print(f"shuttle: error: {exc}", file=sys.stderr)
             return 2
         return Launcher(config, api_key, groups).run()
@@ -180,7 +182,8 @@ def engine(args: argparse.Namespace) -> int:
             check_scheduler_files(config.scheduler)
             listen = tcp_listen(args.listen, "where frontends reach this engine, --listen")
             check_ports(([listen] if listen else []) + _rendezvous_listens(config, 1))
-        except (ModelDirError, PortError, DeviceError) as exc:
+            plan_cores(allowed_cores(), tp, config.worker.worker_cores)  # refuses a bad --worker-cores
+        except (ModelDirError, PortError, DeviceError, CoreError) as exc:
             print(f"shuttle: error: {exc}", file=sys.stderr)
             return 2
         return Launcher(config, None, [ipc], with_frontend=False).run()
@@ -243,10 +246,15 @@ class Launcher:
         self.group_configs = [dataclasses.replace(config, ipc=ipc) for ipc in groups] if groups is not None \
             else [config]
         single = len(self.group_configs) == 1
-        roles = engine_roles(config.parallel.tensor_parallel_size)
-        self.engines = [Unit("engine" if single else f"engine of group {g}", roles, group=g)
+        tp = config.parallel.tensor_parallel_size
+        roles = engine_roles(tp)
+        # every local worker rank of every group shares the cores this launcher may use (common/cpu_threads.py);
+        # raises ValueError for a --worker-cores outside them
+        self.cores: CorePlan = plan_cores(allowed_cores(), len(self.group_configs) * tp, config.worker.worker_cores,
+                                          config.worker.worker_threads)
+        self.engines = [Unit("engine" if single else f"engine of group {g}", roles, group=g, cores=self.cores)
                         for g in range(len(self.group_configs))]
-        self.frontend = Unit("frontend", FRONTEND) if with_frontend else None
+        self.frontend = Unit("frontend", FRONTEND, cores=self.cores) if with_frontend else None
         self.units = self.engines + ([self.frontend] if self.frontend else [])
         self.ctx = zmq.Context.instance()
         self.control: Channel[ControlMessage] = Channel(self.ctx, zmq.PULL, config.ipc.control, bind=True,
@@ -416,6 +424,7 @@ class Launcher:
             lines = capacity_lines(self.config, self.engines[0].ready["scheduler"], len(self.engines))
             if len(self.engines) > 1:
                 lines[0] = f"{len(self.engines)} data-parallel groups, each: {lines[0]}"
+            lines.append(self.cores.describe())
             for line in lines:
                 _say(line)
         if self.frontend is None:

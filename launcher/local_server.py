@@ -46,6 +46,9 @@ class ShuttleServer:
             when it listens, with no url).
         env: extra environment variables for the launcher (e.g. SHUTTLE_API_KEY).
         preexec: also run in the launcher's process before exec (e.g. to lower its open-file limit).
+        worker_threads: --worker-threads, unless `args` give it (None: the server's own default, one thread per
+            core it may use). 1 by default: where the server's processes share a few cores with each other and the
+            client (a test run), more threads only compete with them.
         cwd: the launcher's working directory (relative paths in `args` are read from it); None: this process's.
 
     Attributes:
@@ -57,10 +60,12 @@ class ShuttleServer:
 
     def __init__(self, *args: str, model_dir: str | Path = DEFAULT_MODEL_DIR, start_timeout: float = 120.0,
                  env: dict[str, str] | None = None, preexec=None, command: str = "serve",
-                 cwd: str | Path | None = None, step_delay: float = 0.0):
+                 cwd: str | Path | None = None, step_delay: float = 0.0, worker_threads: int | None = 1):
         ShuttleServer.launches += 1
         port = ["--port", "0"] if command == "serve" else []
-        cmd = [sys.executable, "-m", "launcher.cli", command, str(model_dir), *port, *args]
+        threads = ["--worker-threads", str(worker_threads)] if worker_threads is not None and \
+            command in ("serve", "engine") and not any(a.startswith("--worker-threads") for a in args) else []
+        cmd = [sys.executable, "-m", "launcher.cli", command, str(model_dir), *port, *threads, *args]
 
         def before_exec() -> None:
             die_with_parent()
@@ -68,10 +73,7 @@ class ShuttleServer:
                 preexec()
 
         # --port 0 makes the batch endpoint pick a free port too (tcp://127.0.0.1:*)
-        # One intra-op thread unless the environment says otherwise: where the server's processes share a few cores
-        # with each other and the client, torch's OpenMP threads spin against them and a step becomes tens of times
-        # slower (measured on 2 cores: 38 vs 1,101 tokens/s under a load of 6).
-        env = {"OMP_NUM_THREADS": "1", **os.environ, **(env or {})}
+        env = {**os.environ, **(env or {})}
         if step_delay:  # worker/loop.py's test hook: keeps requests in flight on a tiny model
             env[STEP_DELAY_ENV] = str(step_delay)
         self.proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, text=True, start_new_session=True,

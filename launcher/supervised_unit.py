@@ -14,6 +14,7 @@ import sys
 import time
 
 from common.config import DP_GROUP_ENV, TP_RANK_ENV, ShuttleConfig
+from common.cpu_threads import CorePlan, other_env, pin, worker_env
 from common.messages import ControlMessage, Heartbeat, ProcessReady
 from common.process import die_with_parent
 
@@ -36,6 +37,13 @@ def worker_rank(role: str) -> int | None:
         return int(role[len("worker"):])
     return None
 
+
+
+def _before_exec(cores: tuple[int, ...]) -> None:
+    """In the child between fork and exec: die with the launcher, and bind to `cores` before Python, torch or
+    OpenMP start a thread (every thread they start inherits it)."""
+    die_with_parent()
+    pin(cores)
 
 
 def free_tcp_endpoints(n: int) -> list[str]:
@@ -64,10 +72,11 @@ class Unit:
         failures_in_a_row: restarts since the unit last served RESTART_RESET_S seconds.
     """
 
-    def __init__(self, name: str, roles: tuple[str, ...], group: int | None = None):
+    def __init__(self, name: str, roles: tuple[str, ...], group: int | None = None, cores: CorePlan | None = None):
         self.name = name
         self.roles = roles
         self.group = group  # the serving group's index (None: the frontend)
+        self.cores = cores  # each process's cores and the workers' threads (None: inherited, as the launcher's)
         self.procs: dict[str, subprocess.Popen] = {}
         self.ready: dict[str, dict] = {}
         self.heartbeats: dict[str, float] = {}
@@ -97,9 +106,20 @@ class Unit:
             if rank is not None:  # every rank runs `python -m worker`; its rank travels like torchrun's RANK
                 child_env[TP_RANK_ENV] = str(rank)
                 child_env[DP_GROUP_ENV] = str(self.group or 0)  # with the rank, it names the device the worker owns
+            child_env, cores = self._placement(role, rank, parallel.tensor_parallel_size, child_env)
             module = "worker" if rank is not None else role
             self.procs[role] = subprocess.Popen([sys.executable, "-m", module, "--config", payload], env=child_env,
-                                                preexec_fn=die_with_parent)
+                                                preexec_fn=lambda: _before_exec(cores))
+
+    def _placement(self, role: str, rank: int | None, tensor_parallel_size: int,
+                   env: dict[str, str]) -> tuple[dict[str, str], tuple[int, ...]]:
+        """A process's environment (thread counts, OpenMP wait policy) and the cores to pin it to (() = none)."""
+        if self.cores is None:
+            return env, ()
+        if rank is None:
+            return other_env(env), self.cores.others if self.cores.pinned else ()
+        index = (self.group or 0) * tensor_parallel_size + rank
+        return worker_env(env, self.cores.threads[index]), self.cores.workers[index] if self.cores.pinned else ()
 
     @property
     def is_ready(self) -> bool:

@@ -117,6 +117,6 @@ def warm_up(num_threads: int) -> None:
     paged_decode(torch.zeros(1, 1, 2), cache, cache, torch.zeros(1, 1, dtype=torch.int32),
                  torch.ones(1, dtype=torch.int32), 1.0, None, None, None)
     # The first parallel launch starts numba's OpenMP pool, which sets the process's OpenMP thread count to
-    # NUMBA_NUM_THREADS (the core count) and with it torch's intra-op threads: OMP_NUM_THREADS=1 or
-    # --worker-threads 1 would leave a second torch thread spinning against the frontend. Later launches keep it.
+    # NUMBA_NUM_THREADS (the core count unless the launcher set it, common/cpu_threads.py) and with it torch's
+    # intra-op threads: an in-process engine asked for 1 would get a second torch thread. Later launches keep it.
     torch.set_num_threads(max(1, num_threads))

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
 from common.capacity import blocks_per_request, kv_cache_bytes
 from common.config import ShuttleConfig
+from common.cpu_threads import WORKER_THREADS_ENV
 from common.devices import resolve_dtype
 from common.messages import PromptLogprobs, StepPlan, StepResult, TokenLogprobs
 from worker.attention import StepAttention
@@ -25,6 +27,21 @@ from worker.sampler import Sampler
 from worker.staging import StepStaging
 
 log = logging.getLogger("shuttle.worker")
+
+
+def set_worker_threads(worker_threads: int) -> None:
+    """torch's intra-op threads: the launcher's choice ($SHUTTLE_WORKER_THREADS, common/cpu_threads.py), else
+    --worker-threads, else left as the process has them (an in-process engine: its caller's); one inter-op thread
+    when launched. Before the first torch op, so that no pool starts at another size."""
+    launched = int(os.environ.get(WORKER_THREADS_ENV) or 0)
+    threads = launched or worker_threads
+    if threads > 0:
+        torch.set_num_threads(threads)
+    if launched:
+        try:
+            torch.set_num_interop_threads(1)
+        except RuntimeError:  # the inter-op pool has started already: it keeps its size
+            pass
 
 
 class ModelRunner:
@@ -54,6 +71,7 @@ class ModelRunner:
                  parallel: TensorParallel = TensorParallel()):
         if device is None:
             device = local_device(config.worker.device, 0, parallel.rank, parallel.size)
+        set_worker_threads(config.worker.worker_threads)
         self.device = device
         self.parallel = parallel
         model_cfg, cache_cfg = config.model, config.cache
@@ -69,8 +87,6 @@ class ModelRunner:
         chunk_output_projection(self.model, device, parallel.enabled)
         self.geometry = probe_geometry(self.model)  # under tensor parallel: this rank's KV heads
         parallel.check_model(self.model, self.geometry)
-        if config.worker.worker_threads > 0:
-            torch.set_num_threads(config.worker.worker_threads)
         self.backend = make_backend(config.worker.attention_backend, self.block_size, device)  # auto as devices.py
         if self.backend.name == "cpu":
             from worker import decode_kernel
