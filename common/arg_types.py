@@ -26,6 +26,38 @@ def parse_bytes(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[(match.group(2) or "").lower()])
 
 
+_TOKEN_COUNT = re.compile(r"^(\d+(?:\.\d+)?)([kmgtKMGT]?)$")
+_DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def token_count(text: str) -> int:
+    """An integer >= 1, with vLLM's suffixes for lengths: lower case is decimal, upper case binary, so '32k' is
+    32,000, '32K' 32,768 and '25.6k' 25,600 (a fraction only with a decimal suffix)."""
+    match = _TOKEN_COUNT.match(text.strip())
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a token count: {text!r} (an integer, or with a suffix: 32k = 32000, "
+                                         f"32K = 32768)")
+    number, suffix = match.groups()
+    if "." in number and suffix not in _DECIMAL:
+        raise argparse.ArgumentTypeError(f"{text!r}: a fraction needs a decimal (lower-case) suffix, e.g. "
+                                         f"{number}{suffix.lower() or 'k'}")
+    value = int(float(number) * _DECIMAL[suffix]) if suffix in _DECIMAL else int(number) * _BINARY.get(suffix, 1)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text!r}")
+    return value
+
+
+# vLLM's --dtype spellings that name one of shuttle's dtypes
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+
+
+def dtype_name(text: str) -> str:
+    """A dtype name, vLLM's aliases (half, float) made canonical (float16, float32); argparse's `choices` then
+    refuses anything else."""
+    return DTYPE_ALIASES.get(text, text)
+
+
 def positive(text: str) -> int:
     """An integer >= 1."""
     value = int(text)
@@ -98,9 +130,10 @@ def add_config_options(parser, section, names: list[str] | None = None, **overri
         if names is not None and f.name not in names:
             continue
         meta = dict(f.metadata)
+        aliases = meta.pop("aliases", ())  # vLLM's short spellings (-tp)
         kwargs = {"default": f.default, "help": meta.pop("help")}
         if isinstance(f.default, bool):
             kwargs["action"] = argparse.BooleanOptionalAction
         kwargs.update(meta)
         kwargs.update(overrides.get(f.name, {}))
-        parser.add_argument("--" + f.name.replace("_", "-"), **kwargs)
+        parser.add_argument(*aliases, "--" + f.name.replace("_", "-"), **kwargs)

@@ -33,6 +33,11 @@ class ModelConfig:
         eos_token_ids: ids that end a sequence, from generation_config.json (else config.json).
         dtype: torch dtype name of weights and KV cache ("float32", "bfloat16", "float16"; "auto" until the
             launcher resolves it for the device, common/devices.py).
+        tokenizer_dir: the tokenizer's directory ("": model_dir).
+        served_model_aliases: further names clients may give (--served-model-name's second and later).
+        seed: seeds the worker's generator, which samples the requests that set no seed.
+        max_logprobs: most logprobs alternatives a request may ask for per token.
+        trust_remote_code: let transformers run the model's own Python code (config.json auto_map).
     """
 
     model_dir: str
@@ -40,11 +45,21 @@ class ModelConfig:
     max_model_len: int
     eos_token_ids: tuple[int, ...]
     dtype: str = "float32"
+    tokenizer_dir: str = ""
+    served_model_aliases: tuple[str, ...] = ()
+    seed: int = 0
+    max_logprobs: int = 20
+    trust_remote_code: bool = False
+
+    @property
+    def served_model_names(self) -> tuple[str, ...]:
+        return (self.served_model_name, *self.served_model_aliases)
 
     @staticmethod
     def from_dir(model_dir: str | os.PathLike, max_model_len: int | None = None,
-                 served_model_name: str | None = None, dtype: str = "float32") -> "ModelConfig":
-        """Read config.json (and generation_config.json if present) from `model_dir`.
+                 served_model_name: str | None = None, dtype: str = "float32", **options) -> "ModelConfig":
+        """Read config.json (and generation_config.json if present) from `model_dir`; `options`: the fields
+        after dtype.
 
         Raises:
             ModelDirError: the directory or config.json is missing or malformed, or max_model_len exceeds
@@ -71,6 +86,7 @@ class ModelConfig:
             max_model_len=max_model_len,
             eos_token_ids=eos_ids,
             dtype=dtype,
+            **options,
         )
 
 
@@ -97,6 +113,19 @@ def _batch_endpoint(args: argparse.Namespace) -> str:
     if args.batch_endpoint:
         return "" if args.batch_endpoint == "none" else args.batch_endpoint
     return f"tcp://127.0.0.1:{args.port + 1 if args.port else '*'}"
+
+
+def _model_config(args: argparse.Namespace) -> ModelConfig:
+    """The ModelConfig of `shuttle serve` arguments whose model_dir (and tokenizer_dir) the launcher has resolved
+    to local directories (common/model_source.py); `model` is MODEL as typed, the default served id."""
+    typed = getattr(args, "model", None) or args.model_dir
+    names = tuple(getattr(args, "served_model_name", None) or ()) or (typed,)
+    tokenizer_dir = getattr(args, "tokenizer_dir", None)
+    return ModelConfig.from_dir(args.model_dir, args.max_model_len, names[0], args.dtype,
+                                tokenizer_dir=str(Path(tokenizer_dir).resolve()) if tokenizer_dir else "",
+                                served_model_aliases=names[1:], seed=getattr(args, "seed", 0),
+                                max_logprobs=getattr(args, "max_logprobs", 20),
+                                trust_remote_code=getattr(args, "trust_remote_code", False))
 
 
 def _read_json(path: Path) -> dict:
@@ -198,7 +227,8 @@ class ParallelConfig:
 
     tensor_parallel_size: int = option(1, "worker ranks (one process per device) that split the model's attention "
                                           "heads, KV heads and MLP columns between them (torch.distributed: gloo on "
-                                          "CPU, NCCL on CUDA); the heads must divide by it", type=positive)
+                                          "CPU, NCCL on CUDA); the heads must divide by it", type=positive,
+                                          aliases=("-tp",))
     master_addr: str = option("127.0.0.1", "host of tensor-parallel rank 0's torch.distributed rendezvous")
     master_port: int = option(0, "port of that rendezvous (0: a free loopback port at each engine start)", type=count)
 
@@ -251,8 +281,18 @@ class OpsConfig:
                                                      "is buffered (0: no limit)", type=parse_bytes)
 
 
+@dataclass(frozen=True)
+class ObservabilityConfig:
+    """What the processes log. Each field's help says what it means."""
+
+    enable_log_requests: bool = option(False, "log one line per request as the frontend submits it: its id, prompt "
+                                              "tokens and sampling parameters (never the prompt text or the API "
+                                              "key); --disable-log-requests is vLLM's older spelling of the default")
+    disable_log_stats: bool = option(False, "stop the scheduler's periodic throughput / queue / KV cache log line")
+
+
 # whose fields are `shuttle serve` flags
-SERVE_SECTIONS = (SchedulerConfig, CacheConfig, WorkerConfig, OpsConfig, ParallelConfig)
+SERVE_SECTIONS = (SchedulerConfig, CacheConfig, WorkerConfig, OpsConfig, ParallelConfig, ObservabilityConfig)
 
 
 def section_from_args(cls, args: argparse.Namespace):
@@ -332,11 +372,12 @@ class ShuttleConfig:
     allowed_origins: tuple[str, ...] = ()
     ops: OpsConfig = field(default_factory=OpsConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
 
     @staticmethod
     def from_args(args: argparse.Namespace, ipc: IpcConfig) -> "ShuttleConfig":
         """Build from `shuttle serve` arguments (see launcher/cli.py). Raises ModelDirError."""
-        model = ModelConfig.from_dir(args.model_dir, args.max_model_len, args.served_model_name, args.dtype)
+        model = _model_config(args)
         tp = args.tensor_parallel_size
         refusal = tensor_parallel_error(_read_json(Path(model.model_dir) / "config.json"), tp)
         if refusal:  # refused before any process starts, not after every rank has loaded the model
@@ -356,6 +397,7 @@ class ShuttleConfig:
             allowed_origins=tuple(args.allowed_origins or ()),
             ops=section_from_args(OpsConfig, args),
             parallel=section_from_args(ParallelConfig, args),
+            observability=section_from_args(ObservabilityConfig, args),
         )
 
     def to_json(self) -> str:

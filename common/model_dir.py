@@ -22,10 +22,11 @@ DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2
                "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
 
 
-def check_model_dir(model_dir: str | os.PathLike, tokenizer: bool = True) -> dict:
+def check_model_dir(model_dir: str | os.PathLike, tokenizer: bool = True,
+                    tokenizer_dir: str | os.PathLike | None = None) -> dict:
     """Check that `model_dir` holds a readable config.json, weights transformers can find (each safetensors file
     with a sound header, each shard an index names present) and, unless `tokenizer` is False (`shuttle engine`:
-    the tokenizer is the frontend's), a loadable tokenizer.json.
+    the tokenizer is the frontend's), a loadable tokenizer.json (in `tokenizer_dir` when given: --tokenizer).
 
     Returns:
         config.json, parsed.
@@ -53,16 +54,23 @@ def check_model_dir(model_dir: str | os.PathLike, tokenizer: bool = True) -> dic
             check_safetensors(shard)
         else:
             _check_readable(shard)
-    if not tokenizer:
-        return hf_config
-    if "tokenizer.json" not in names:
-        raise ModelDirError(f"{path} has no tokenizer.json")
+    if tokenizer:
+        check_tokenizer_dir(Path(tokenizer_dir) if tokenizer_dir is not None else path)
+    return hf_config
+
+
+def check_tokenizer_dir(path: Path) -> None:
+    """Check that `path` holds a tokenizer.json the frontend's `tokenizers` loader reads. Raises ModelDirError."""
+    if not path.is_dir():
+        raise ModelDirError(f"tokenizer directory {str(path)!r} does not exist")
+    if not (path / "tokenizer.json").is_file():
+        raise ModelDirError(f"{path} has no tokenizer.json" + (
+            " (only a SentencePiece tokenizer.model)" if (path / "tokenizer.model").is_file() else ""))
     from tokenizers import Tokenizer  # the frontend's own loader; light (no torch)
     try:
         Tokenizer.from_file(str(path / "tokenizer.json"))
     except Exception as exc:  # tokenizers raises a bare Exception for a malformed file
         raise ModelDirError(f"cannot load {path / 'tokenizer.json'}: {_first_line(exc)}") from None
-    return hf_config
 
 
 def read_json_object(path: Path) -> dict:

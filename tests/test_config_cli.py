@@ -23,7 +23,7 @@ NON_DEFAULTS = {
     "tensor_parallel_size": ("2", 2), "master_addr": ("127.0.0.2", "127.0.0.2"), "master_port": ("29500", 29500),
 }
 BOOLEANS = {"enable_prefix_caching", "async_scheduling", "batch_background"}
-TRUE_BOOLEANS = {"enforce_eager"}  # off by default: the test turns them on
+TRUE_BOOLEANS = {"enforce_eager", "enable_log_requests", "disable_log_stats"}  # off by default: the test turns them on
 
 
 def test_every_field_is_a_flag_that_reaches_its_section():
@@ -40,7 +40,8 @@ def test_every_field_is_a_flag_that_reaches_its_section():
     config = ShuttleConfig.from_args(build_parser().parse_args(argv), IpcConfig.in_directory("/x", tensor_parallel_size=2))
     for section, built in ((CacheConfig, config.cache), (SchedulerConfig, config.scheduler),
                            (WorkerConfig, config.worker), (type(config.ops), config.ops),
-                           (type(config.parallel), config.parallel)):
+                           (type(config.parallel), config.parallel),
+                           (type(config.observability), config.observability)):
         for f in dataclasses.fields(section):
             want = False if f.name in BOOLEANS else True if f.name in TRUE_BOOLEANS else NON_DEFAULTS[f.name][1]
             assert getattr(built, f.name) == want, f.name
