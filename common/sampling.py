@@ -58,8 +58,9 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
         # Below 1e-5 (vLLM's _SAMPLING_EPS) dividing by the temperature overflows: treat it as greedy.
         return self.temperature < 1e-5
 
-    def validate(self, vocab_size: int) -> None:
-        """Raise InvalidRequestError (naming the parameter) for a value out of range."""
+    def validate(self, vocab_size: int, max_logprobs: int = MAX_LOGPROBS) -> None:
+        """Raise InvalidRequestError (naming the parameter) for a value out of range (`max_logprobs`: the server's
+        --max-logprobs)."""
         checks = (
             ("max_tokens", self.max_tokens >= 1, "must be at least 1"),
             ("temperature", 0.0 <= self.temperature <= 100.0, "must be in [0, 100]"),
@@ -75,8 +76,8 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
             ("repetition_penalty", 0.0 < self.repetition_penalty <= 10.0, "must be in (0, 10]"),
             ("logit_bias", all(0 <= t < vocab_size and -100.0 <= b <= 100.0 for t, b in self.logit_bias),
              f"keys must be token ids in [0, {vocab_size}) and values in [-100, 100]"),
-            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
-             f"must be in [0, {MAX_LOGPROBS}]"),
+            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= max_logprobs,
+             f"must be in [0, {max_logprobs}]"),
         )
         for param, ok, why in checks:
             if not ok:

@@ -10,6 +10,7 @@ import signal
 from aiohttp import web
 
 from common.config import ShuttleConfig
+from common.version import shuttle_version
 from frontend.backpressure import refusal_headers
 from frontend.chat import ChatTemplate
 from frontend.engine_client import EngineClient
@@ -84,6 +85,11 @@ async def openapi(request: web.Request) -> web.Response:
     return web.json_response(openapi_document(state.model_name, state.tokenizer.vocab_size))
 
 
+async def version(request: web.Request) -> web.Response:
+    """GET /version: shuttle's version (vLLM answers the same path with its own)."""
+    return web.json_response({"version": shuttle_version()})
+
+
 def build_app(state: FrontendState, api_key: str | None = None) -> web.Application:
     cors = Cors(state.config.allowed_origins) if state.config.allowed_origins else None
     middlewares = ([cors.preflight] if cors else []) + [openai_errors] + (
@@ -97,6 +103,7 @@ def build_app(state: FrontendState, api_key: str | None = None) -> web.Applicati
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/openapi.json", openapi)
+    app.router.add_get("/version", version)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model_id:.+}", retrieve_model)
     app.router.add_post("/v1/completions", create_completion)
@@ -111,7 +118,7 @@ def build_app(state: FrontendState, api_key: str | None = None) -> web.Applicati
 async def serve(config: ShuttleConfig, on_ready) -> None:
     """Connect to the scheduler, listen on config.host:config.port (and the batch endpoint), call
     `on_ready(url, batch_endpoint)`, serve until SIGTERM, then drain."""
-    tokenizer = TextTokenizer(config.model.model_dir)
+    tokenizer = TextTokenizer(config.model.tokenizer_dir or config.model.model_dir)
     local = len(config.ipc.all_groups) - len(config.ipc.remote_groups)  # the launcher's; remote ones join later
     engine = Router([EngineClient(endpoint, config.ipc.curve, remote=endpoint in config.ipc.remote_groups)
                      for endpoint in config.ipc.all_groups], config.scheduler.max_num_seqs, wait_for=local)
@@ -120,7 +127,7 @@ async def serve(config: ShuttleConfig, on_ready) -> None:
     link = SupervisorLink(config, engine)
     link.start()
     await engine.start()
-    chat_template = ChatTemplate(config.model.model_dir, config.chat_template)
+    chat_template = ChatTemplate(config.model.tokenizer_dir or config.model.model_dir, config.chat_template)
     state = FrontendState(config, engine, tokenizer, chat_template, registry)
     api_key = os.environ.get("SHUTTLE_API_KEY")
     app = build_app(state, api_key)

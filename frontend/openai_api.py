@@ -72,14 +72,16 @@ def _dumps(obj) -> str:
     return json.dumps(obj, ensure_ascii=False)
 
 
-def _model_object(state: FrontendState) -> dict:
-    return {"id": state.model_name, "object": "model", "created": 0, "owned_by": "shuttle",
+def _model_object(state: FrontendState, name: str | None = None) -> dict:
+    return {"id": name or state.model_name, "object": "model", "created": 0, "owned_by": "shuttle",
             "root": state.config.model.model_dir, "max_model_len": state.config.model.max_model_len,
             "vocab_size": state.tokenizer.vocab_size}
 
 
 async def list_models(request: web.Request) -> web.Response:
-    return web.json_response({"object": "list", "data": [_model_object(request.app[STATE])]})
+    state = request.app[STATE]  # one object per --served-model-name, as vLLM lists them
+    return web.json_response({"object": "list", "data": [_model_object(state, name)
+                                                          for name in state.config.model.served_model_names]})
 
 
 async def retrieve_model(request: web.Request) -> web.Response:
@@ -90,4 +92,4 @@ async def retrieve_model(request: web.Request) -> web.Response:
     """
     state = request.app[STATE]
     check_model(state, request.match_info["model_id"])
-    return web.json_response(_model_object(state))
+    return web.json_response(_model_object(state, request.match_info["model_id"]))

@@ -68,6 +68,7 @@ GETS = {  # path -> (summary, success status, its content, error statuses)
                 ("500", "503")),
     "/metrics": ("Prometheus metrics (text)", "200", {"text/plain": {"schema": _STR}}, ("500",)),
     "/openapi.json": ("this document", "200", _JSON_OBJECT, ("401", "500")),
+    "/version": ("shuttle's version, {\"version\": \"0.1.0\"}", "200", _JSON_OBJECT, ("401", "500")),
     "/v1/ws": ("WebSocket streaming; frames described in the README", "101", None,
                ("400", "401", "403", "426", "500")),
 }

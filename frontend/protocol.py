@@ -301,7 +301,8 @@ def completion_prompts(prompt: Any, tokenizer, max_model_len: int, add_special_t
 
 def sampling_params(request: SamplingFields, num_prompt_tokens: int, max_model_len: int, vocab_size: int,
                     max_tokens: int | None, logprobs: int | None, prompt_param: str = "prompt",
-                    prompt_logprobs: int | None = None, max_tokens_param: str = "max_tokens") -> SamplingParams:
+                    prompt_logprobs: int | None = None, max_tokens_param: str = "max_tokens",
+                    max_logprobs: int = MAX_LOGPROBS) -> SamplingParams:
     """SamplingParams of one prompt of a request; max_tokens defaults to what is left of max_model_len.
     `max_tokens_param` is the field the request gave it in (chat's max_completion_tokens), for errors.
 
@@ -342,7 +343,7 @@ def sampling_params(request: SamplingFields, num_prompt_tokens: int, max_model_l
         min_tokens=request.min_tokens, presence_penalty=request.presence_penalty,
         frequency_penalty=request.frequency_penalty, repetition_penalty=request.repetition_penalty,
         logit_bias=_logit_bias(request.logit_bias), logprobs=logprobs, prompt_logprobs=prompt_logprobs)
-    params.validate(vocab_size)
+    params.validate(vocab_size, max_logprobs)
     return params
 
 
@@ -358,9 +359,10 @@ def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
     return pairs
 
 
-def check_logprobs(value: int | None, param: str) -> int | None:
-    if value is not None and not 0 <= value <= MAX_LOGPROBS:
-        raise InvalidRequestError(f"{param} must be in [0, {MAX_LOGPROBS}]", param=param)
+def check_logprobs(value: int | None, param: str, limit: int = MAX_LOGPROBS) -> int | None:
+    """`value` unless it is outside [0, limit] (the server's --max-logprobs). Raises InvalidRequestError."""
+    if value is not None and not 0 <= value <= limit:
+        raise InvalidRequestError(f"{param} must be in [0, {limit}]", param=param)
     return value
 
 

@@ -16,6 +16,7 @@ validation and the same errors (InvalidRequestError, ModelNotFoundError, Generat
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from contextlib import aclosing
@@ -34,6 +35,8 @@ from frontend.protocol import (
 from frontend.responses import chat_logprobs, completion_logprobs, prompt_logprobs_object
 from frontend.state import FrontendState
 
+log = logging.getLogger("shuttle.frontend")
+
 COMPLETIONS_URL = "/v1/completions"
 CHAT_COMPLETIONS_URL = "/v1/chat/completions"
 URLS = (COMPLETIONS_URL, CHAT_COMPLETIONS_URL)
@@ -45,7 +48,7 @@ def new_request_id(prefix: str) -> str:
 
 def check_model(state: FrontendState, model: str | None) -> None:
     """Raises ModelNotFoundError: `model` is given and is not the served name."""
-    if model is not None and model != state.model_name:
+    if model is not None and model not in state.config.model.served_model_names:
         raise ModelNotFoundError(f"The model `{model}` does not exist; this server serves `{state.model_name}`")
 
 
@@ -69,13 +72,15 @@ def build_generations(state: FrontendState, body: SamplingFields, prompts: list[
     generations = []
     for p, ids in enumerate(prompts):
         base = sampling_params(body, len(ids), model.max_model_len, state.tokenizer.vocab_size, max_tokens, logprobs,
-                               prompt_param, prompt_logprobs, max_tokens_param)
+                               prompt_param, prompt_logprobs, max_tokens_param, model.max_logprobs)
         for j in range(body.n):
             sampling = base if base.seed is None else msgspec.structs.replace(base, seed=(base.seed + j) % 2**64)
             index = p * body.n + j
             request = Submit(request_id=f"{request_id}-{index}", prompt_token_ids=ids, sampling=sampling,
                              arrival_time=time.time(), priority=body.priority, timeout=body.timeout or 0.0,
                              group_id=request_id, ttft_slo_ms=body.ttft_slo_ms or 0.0, background=background)
+            if state.config.observability.enable_log_requests:  # never the prompt's text
+                log.info("request %s: %d prompt tokens, %s", request.request_id, len(ids), sampling)
             generations.append(TextGeneration(state.engine, state.tokenizer, request, index, stops,
                                               body.include_stop_str_in_output, state.metrics.request(len(ids))))
     return generations
@@ -197,7 +202,7 @@ class CompletionCall(Call):
             raise InvalidRequestError("best_of is not supported (leave it out or equal to n)", param="best_of")
         if body.suffix:
             raise InvalidRequestError("suffix is not supported", param="suffix")
-        self.logprobs = check_logprobs(body.logprobs, "logprobs")
+        self.logprobs = check_logprobs(body.logprobs, "logprobs", state.config.model.max_logprobs)
         self.prompts = completion_prompts(body.prompt, state.tokenizer, state.config.model.max_model_len,
                                           body.add_special_tokens)
         if one_prompt is not None and len(self.prompts) != 1:
@@ -268,7 +273,8 @@ class ChatCall(Call):
         check_model(state, body.model)
         if body.top_logprobs is not None and not body.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
-        self.logprobs = check_logprobs(body.top_logprobs or 0, "top_logprobs") if body.logprobs else None
+        self.logprobs = check_logprobs(body.top_logprobs or 0, "top_logprobs", state.config.model.max_logprobs) \
+            if body.logprobs else None
         self.prompt = chat_prompt_ids(state, body, body.add_special_tokens)
         request_id = new_request_id(id_prefix)
         super().__init__(state, body, request_id, {"id": request_id, "created": int(time.time()),

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from common.arg_types import add_config_options, count, origins, parse_bytes, positive
+from common.arg_types import add_config_options, count, dtype_name, origins, parse_bytes, positive, token_count
 from common.config import DEFAULT_MODEL_DIR, SERVE_SECTIONS, CacheConfig, SchedulerConfig, WorkerConfig
 
 __all__ = ["TOOLS", "build_parser", "main", "parse_bytes"]
@@ -34,19 +34,18 @@ TOOLS = {
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shuttle", description="LLM serving engine")
+    from common.version import shuttle_version
+    parser.add_argument("--version", action="version", version=shuttle_version())
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="start frontend, scheduler and worker on one model",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     default_model = str(DEFAULT_MODEL_DIR) if DEFAULT_MODEL_DIR.is_dir() else None
-    serve.add_argument("model_dir", nargs="?", default=default_model, metavar="MODEL_DIR",
-                       help="Hugging Face model directory (config.json, safetensors, tokenizer.json)")
+    serve.add_argument("model_dir", nargs="?", default=default_model, metavar="MODEL",
+                       help="a Hugging Face model directory (config.json, safetensors, tokenizer.json) or a Hugging "
+                            "Face id (org/name: the local cache first, else a download unless HF_HUB_OFFLINE=1)")
+    _add_model_options(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address the HTTP server listens on")
     serve.add_argument("--port", type=int, default=8000, help="0 picks a free port")
-    serve.add_argument("--served-model-name", default=None,
-                       help="the `model` name clients use; None means the model directory's name")
-    serve.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                       help="weights and KV cache dtype; auto: bfloat16 on CUDA, float32 on the CPU")
-    serve.add_argument("--max-model-len", type=positive, default=None, help="default: the model's position limit")
     for section in SERVE_SECTIONS:
         add_config_options(serve, section)
     serve.add_argument("--chat-template", default=None, metavar="FILE",
@@ -68,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="ipc:// sockets in a private runtime directory, or tcp:// on loopback authenticated "
                             "with ZeroMQ CURVE keys made for each launch")
     _add_engine_parser(commands, serve)
-    serve.add_argument("--data-parallel-size", type=count, default=1, metavar="M",
+    serve.add_argument("-dp", "--data-parallel-size", type=count, default=1, metavar="M",
                        help="serving groups (each a scheduler + its worker, with its own KV cache) behind the one "
                             "frontend, which routes each request by prefix affinity and least load; 0 with only "
                             "--engine-endpoint groups")
@@ -84,6 +83,36 @@ def build_parser() -> argparse.ArgumentParser:
     for name, summary in TOOLS.items():  # listed in `shuttle --help`; main() hands their arguments over unparsed
         commands.add_parser(name, help=summary, add_help=False)
     return parser
+
+
+def _add_model_options(serve: argparse.ArgumentParser) -> None:
+    """Where the model comes from and how it is served, under vLLM's flag names (ModelConfig's fields)."""
+    serve.add_argument("--model", dest="model_option", default=None, metavar="MODEL", help="MODEL as a flag")
+    serve.add_argument("--revision", default=None, help="branch, tag or commit of a Hugging Face id (default: main)")
+    serve.add_argument("--tokenizer", default=None, metavar="DIR_OR_ID",
+                       help="tokenizer directory or Hugging Face id (default: MODEL's)")
+    serve.add_argument("--download-dir", default=None, metavar="DIR",
+                       help="Hugging Face cache to look in and download to (default: $HF_HOME/hub)")
+    serve.add_argument("--trust-remote-code", action="store_true",
+                       help="let transformers run a model's own Python code (config.json auto_map); without it "
+                            "such a model is refused")
+    serve.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                       help="the `model` names clients may use, the first reported in responses; None: MODEL as "
+                            "typed")
+    serve.add_argument("--dtype", default="auto", type=dtype_name, choices=["auto", "float32", "bfloat16", "float16"],
+                       metavar="{auto,float32,float,bfloat16,float16,half}",
+                       help="weights and KV cache dtype; auto: bfloat16 on CUDA, float32 on the CPU")
+    serve.add_argument("--max-model-len", type=token_count, default=None,
+                       help="default: the model's position limit; 32k = 32000, 32K = 32768 (vLLM's suffixes)")
+    serve.add_argument("--seed", type=int, default=0,
+                       help="seeds the worker's generator, which samples the requests that give no `seed` (a "
+                            "request's own seed is reproducible in any batch; these only for the same arrivals)")
+    serve.add_argument("--max-logprobs", type=count, default=20,
+                       help="most `logprobs` / `top_logprobs` alternatives a request may ask for per token")
+    serve.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                       help="always on: long prompts are prefilled in chunks (--no-enable-chunked-prefill is refused)")
+    serve.add_argument("--disable-log-requests", dest="enable_log_requests", action="store_false",
+                       help="vLLM's older spelling: no request log line (the default)")
 
 
 def _run_tool(name: str, argv: list[str]) -> int:
@@ -139,6 +168,14 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in TOOLS:
         return _run_tool(argv[0], argv[1:])
     args = build_parser().parse_args(argv)
+    if args.command in ("serve", "engine"):
+        from common.errors import ModelDirError
+        from launcher.model_args import resolve_model_args
+        try:
+            resolve_model_args(args)  # MODEL (a directory or a Hugging Face id) made a local directory, checked
+        except ModelDirError as exc:
+            print(f"shuttle: error: {exc}", file=sys.stderr)
+            return 2
     if args.command == "serve":
         from launcher.launcher import serve
         return serve(args)

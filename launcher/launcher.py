@@ -135,7 +135,7 @@ def serve(args: argparse.Namespace) -> int:
         ipc = dataclasses.replace(base, curve=curve, group_requests=tuple(g.requests for g in groups),
                                   remote_groups=remote)
         try:
-            check_model_dir(args.model_dir)
+            check_model_dir(args.model_dir, tokenizer_dir=getattr(args, "tokenizer_dir", None))  # launcher/cli.py
             config = ShuttleConfig.from_args(args, ipc)
             # --device/--dtype/--attention-backend auto made concrete once; too few devices refused here
             config = resolve_config(config, len(groups), _cuda_devices(config))

@@ -192,7 +192,8 @@ class SchedulerLoop:
         if not outputs and not due:
             return
         stats = self.scheduler.stats()
-        self.step_stats.maybe_log(stats)
+        if not self.config.observability.disable_log_stats:
+            self.step_stats.maybe_log(stats)
         with_steps = self.step_stats.attach(stats)  # the per-step lists go to one frontend, once
         for client, client_outputs in outputs.items():
             self.frontends.send(StepOutputs(client_outputs, with_steps), identity=client)

@@ -82,7 +82,8 @@ class ModelRunner:
         self.dtype = DTYPES[self.dtype_name]
         self.block_size = cache_cfg.block_size
         self.staging = StepStaging(device)
-        self.model = load_model(model_cfg.model_dir, self.dtype_name, device, **parallel.load_kwargs())
+        self.model = load_model(model_cfg.model_dir, self.dtype_name, device, **parallel.load_kwargs(),
+                                trust_remote_code=model_cfg.trust_remote_code)
         self.architecture = architecture(self.model)
         chunk_output_projection(self.model, device, parallel.enabled)
         self.geometry = probe_geometry(self.model)  # under tensor parallel: this rank's KV heads
@@ -113,7 +114,7 @@ class ModelRunner:
             self.kv_budget = f"--kv-cache-memory {cache_cfg.kv_cache_memory / 2**20:.0f} MiB"
         self.batch = InputBatch(self.block_size, self.kv_cache.null_block,
                                 -(-model_cfg.max_model_len // self.block_size))
-        self.sampler = Sampler(model_cfg.eos_token_ids)
+        self.sampler = Sampler(model_cfg.eos_token_ids, seed=model_cfg.seed)  # --seed: for requests without one
         self.graphs = graph_runner_for(self, config)  # decode-only steps from CUDA graphs (None: all eager)
 
     @property

@@ -1,0 +1,49 @@
+"""`shuttle serve MODEL` / `shuttle engine MODEL`: MODEL (a directory or a Hugging Face id) and --tokenizer made
+local directories once, before any process starts (common/model_source.py), and checked (common/model_dir.py), so
+that every child is handed directories and a bad model is one line and exit status 2.
+
+vLLM's flags whose only effect here is to be refused are refused here too, by name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+from common.errors import ModelDirError
+from common.model_dir import check_model_dir
+from common.model_source import locate, remote_code_refusal, sentencepiece_tokenizer
+
+
+def resolve_model_args(args: argparse.Namespace) -> None:
+    """Set args.model (MODEL as typed), args.model_dir and args.tokenizer_dir (local directories).
+
+    Raises:
+        ModelDirError: a one-line reason: no MODEL, both MODEL and --model, a flag shuttle cannot honour, an id
+            that cannot be resolved, a bad model or tokenizer directory.
+    """
+    if getattr(args, "enable_chunked_prefill", True) is False:
+        raise ModelDirError("--no-enable-chunked-prefill: shuttle always prefills long prompts in chunks within "
+                            "--max-num-batched-tokens (set it to the longest prompt to prefill each in one step)")
+    option = getattr(args, "model_option", None)
+    if option and args.model_dir and option != args.model_dir:
+        raise ModelDirError(f"MODEL {args.model_dir!r} and --model {option!r} disagree; give one")
+    typed = option or args.model_dir
+    if typed is None:
+        raise ModelDirError("no MODEL given and the default ../shared/models/stories260K is missing")
+    trust = getattr(args, "trust_remote_code", False)
+    source = locate(typed, getattr(args, "tokenizer", None), getattr(args, "revision", None),
+                    getattr(args, "download_dir", None), trust)
+    frontend_tokenizes = args.command == "serve"
+    tokenizer_dir = source.tokenizer_dir
+    if frontend_tokenizes and not (tokenizer_dir / "tokenizer.json").is_file() \
+            and (tokenizer_dir / "tokenizer.model").is_file():
+        # a SentencePiece-only tokenizer: its tokenizer.json form, made once and kept while the launcher runs
+        tokenizer_dir = sentencepiece_tokenizer(tokenizer_dir, Path(tempfile.mkdtemp(prefix="shuttle-tokenizer-")),
+                                                trust)
+    hf_config = check_model_dir(source.model_dir, tokenizer=frontend_tokenizes, tokenizer_dir=tokenizer_dir)
+    refusal = remote_code_refusal(source.model_dir, hf_config, trust)
+    if refusal:
+        raise ModelDirError(refusal)
+    args.model, args.model_dir, args.tokenizer_dir = typed, str(source.model_dir), str(tokenizer_dir)
