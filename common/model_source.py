@@ -123,13 +123,18 @@ def sentencepiece_tokenizer(tokenizer_dir: Path, out_dir: Path, trust_remote_cod
     Raises:
         ModelDirError: transformers cannot load it here, or it has no fast (tokenizers) form.
     """
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as transformers_logging
+    verbosity = transformers_logging.get_verbosity()
+    transformers_logging.set_verbosity_error()  # its fallback warnings would make the refusal many lines
     try:
-        from transformers import AutoTokenizer
         tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), trust_remote_code=trust_remote_code)
     except Exception as exc:  # ImportError (no sentencepiece), OSError, ValueError: whatever transformers raises
         raise ModelDirError(f"{tokenizer_dir} has a SentencePiece tokenizer.model but no tokenizer.json, and "
                             f"transformers cannot load it here ({_first_line(exc)}; it needs the sentencepiece "
                             f"package)") from None
+    finally:
+        transformers_logging.set_verbosity(verbosity)
     if not getattr(tokenizer, "is_fast", False):
         raise ModelDirError(f"{tokenizer_dir}: transformers loads its tokenizer.model only as a slow tokenizer "
                             f"({type(tokenizer).__name__}); shuttle needs a tokenizer.json")
