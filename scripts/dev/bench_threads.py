@@ -79,7 +79,10 @@ def measure(url: str, model: str, args, step_log: Path) -> dict:
 
 
 def start_hogs(n: int) -> list[subprocess.Popen]:
-    return [subprocess.Popen([sys.executable, "-c", HOG]) for _ in range(n)]
+    """Each hog in a session of its own, as another user's process would be: with the kernel's autogroup
+    scheduling (sched_autogroup_enabled), hogs in this script's session would share one CPU share with the client
+    and hardly compete with the server, which ShuttleServer starts in its own session."""
+    return [subprocess.Popen([sys.executable, "-c", HOG], start_new_session=True) for _ in range(n)]
 
 
 def stop_hogs(hogs: list[subprocess.Popen]) -> None:
