@@ -48,9 +48,16 @@ def runner_for(config):
 
 def run_to_completion(prompts, max_tokens, num_blocks, max_batched, prefix_caching=True, block_size=16,
                       max_in_flight=2):
-    """Greedy outputs of every prompt. The first prompt runs alone until its prefill settled, so the others can
-    find its blocks in the prefix cache."""
+    """Greedy outputs of every prompt on a fresh stories260K engine (see greedy_outputs)."""
     scheduler, runner = make_engine(num_blocks, max_batched, prefix_caching, block_size)
+    outputs, cached = greedy_outputs(scheduler, runner, prompts, max_tokens, max_in_flight=max_in_flight)
+    assert scheduler.kv.pool.num_free == num_blocks
+    return outputs, scheduler, cached
+
+
+def greedy_outputs(scheduler, runner, prompts, max_tokens, first_alone=True, max_in_flight=2):
+    """Greedy outputs of every prompt, and each request's num_cached_tokens. With `first_alone`, the first prompt
+    runs alone until its prefill settled, so the others can find its blocks in the prefix cache."""
     outputs = {str(i): [] for i in range(len(prompts))}
     cached = {}
 
@@ -61,12 +68,11 @@ def run_to_completion(prompts, max_tokens, num_blocks, max_batched, prefix_cachi
 
     for i, (prompt, m) in enumerate(zip(prompts, max_tokens)):
         scheduler.add_request(b"c", Submit(str(i), prompt, SamplingParams(max_tokens=m, temperature=0.0), time.time()))
-        if i == 0:
+        if i == 0 and first_alone:
             while not outputs["0"] and scheduler.has_work:
                 drive_one(scheduler, runner, collect)
     drive(scheduler, runner, collect, max_in_flight)
-    assert scheduler.kv.pool.num_free == num_blocks
-    return [outputs[str(i)] for i in range(len(prompts))], scheduler, cached
+    return [outputs[str(i)] for i in range(len(prompts))], cached
 
 
 def drive_one(scheduler, runner, on_outputs):

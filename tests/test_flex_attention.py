@@ -10,14 +10,11 @@ admits lies in a listed block, and a block listed full is admitted wholly.
 from __future__ import annotations
 
 import random
-import time
 
 import pytest
 import torch
 
 from common.config import CacheConfig, IpcConfig, ModelConfig, SchedulerConfig, ShuttleConfig, WorkerConfig
-from common.messages import Submit
-from common.sampling import SamplingParams
 from launcher.cli import build_parser
 from worker import flex_attention as fx
 from worker.attention import AttentionMetadata, LayerFeatures
@@ -260,7 +257,7 @@ def test_engine_greedy_matches_transformers():
     from scheduler.scheduler import Scheduler
     from tests.conftest import hf_greedy
     from tests.server import MODEL_DIR
-    from tests.test_engine_inprocess import drive, drive_one
+    from tests.test_engine_inprocess import greedy_outputs
     from worker.worker import ModelRunner
 
     num_blocks, block_size = 40, 16
@@ -277,19 +274,8 @@ def test_engine_greedy_matches_transformers():
     shared = [1] + [rng.randrange(3, 512) for _ in range(40)]
     prompts = [shared + [rng.randrange(3, 512) for _ in range(rng.randrange(0, 30))] for _ in range(4)]
     max_tokens = [rng.randrange(10, 25) for _ in prompts]
-    outputs = {str(i): [] for i in range(len(prompts))}
-
-    def collect(batch):
-        for out in batch:
-            outputs[out.request_id] += out.new_token_ids
-
-    for i, (prompt, m) in enumerate(zip(prompts, max_tokens)):
-        scheduler.add_request(b"c", Submit(str(i), prompt, SamplingParams(max_tokens=m, temperature=0.0), time.time()))
-        while i == 0 and not outputs["0"]:  # the first prompt's blocks are cached before the others arrive
-            drive_one(scheduler, runner, collect)
-    drive(scheduler, runner, collect)
-    for i, (prompt, m) in enumerate(zip(prompts, max_tokens)):
-        assert outputs[str(i)] == hf_greedy(prompt, m)
+    outputs, _ = greedy_outputs(scheduler, runner, prompts, max_tokens)
+    assert outputs == [hf_greedy(prompt, m) for prompt, m in zip(prompts, max_tokens)]
     assert scheduler.kv.prefix_hits > 0
 
 

@@ -10,15 +10,12 @@ transformers forward and compiled flex launch no host sync under capture.
 from __future__ import annotations
 
 import random
-import time
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from common.config import CacheConfig, IpcConfig, ModelConfig, SchedulerConfig, ShuttleConfig, WorkerConfig
-from common.messages import Submit
-from common.sampling import SamplingParams
 from launcher.cli import build_parser
 from tests.test_flex_attention import make_cache, make_step
 from worker import flex_attention as fx
@@ -241,7 +238,7 @@ def test_engine_greedy_with_the_runner_forced_on_matches_transformers(backend_na
     from scheduler.scheduler import Scheduler
     from tests.conftest import hf_greedy
     from tests.server import MODEL_DIR
-    from tests.test_engine_inprocess import drive
+    from tests.test_engine_inprocess import greedy_outputs
     from worker.worker import ModelRunner
 
     num_blocks, block_size = 60, 16
@@ -260,17 +257,8 @@ def test_engine_greedy_with_the_runner_forced_on_matches_transformers(backend_na
     rng = random.Random(4)
     prompts = [[1] + [rng.randrange(3, 512) for _ in range(rng.randrange(2, 40))] for _ in range(8)]
     max_tokens = [rng.randrange(6, 24) for _ in prompts]
-    outputs = {str(i): [] for i in range(len(prompts))}
-
-    def collect(batch):
-        for out in batch:
-            outputs[out.request_id] += out.new_token_ids
-
-    for i, (prompt, m) in enumerate(zip(prompts, max_tokens)):
-        scheduler.add_request(b"c", Submit(str(i), prompt, SamplingParams(max_tokens=m, temperature=0.0), time.time()))
-    drive(scheduler, runner, collect)
-    for i, (prompt, m) in enumerate(zip(prompts, max_tokens)):
-        assert outputs[str(i)] == hf_greedy(prompt, m)
+    outputs, _ = greedy_outputs(scheduler, runner, prompts, max_tokens, first_alone=False)
+    assert outputs == [hf_greedy(prompt, m) for prompt, m in zip(prompts, max_tokens)]
     replays = runner.graphs.replays
     assert len(replays) >= 3 and 8 in replays, replays  # bucket 8 (8 rows), then the smaller ones as rows finish
 
