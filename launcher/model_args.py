@@ -11,6 +11,7 @@ import argparse
 import tempfile
 from pathlib import Path
 
+from common.config import DEFAULT_MODEL_DIR
 from common.errors import ModelDirError
 from common.model_dir import check_model_dir
 from common.model_source import locate, remote_code_refusal, sentencepiece_tokenizer
@@ -46,4 +47,7 @@ def resolve_model_args(args: argparse.Namespace) -> None:
     refusal = remote_code_refusal(source.model_dir, hf_config, trust)
     if refusal:
         raise ModelDirError(refusal)
-    args.model, args.model_dir, args.tokenizer_dir = typed, str(source.model_dir), str(tokenizer_dir)
+    # The served id is MODEL as typed, as in vLLM; with no MODEL typed, the default model's name, not a path that
+    # depends on where the checkout lies.
+    served = DEFAULT_MODEL_DIR.name if typed == str(DEFAULT_MODEL_DIR) else typed
+    args.model, args.model_dir, args.tokenizer_dir = served, str(source.model_dir), str(tokenizer_dir)

@@ -6,7 +6,9 @@ import asyncio
 import aiohttp
 import pytest
 
+from common.config import DEFAULT_MODEL_DIR
 from tests.client import post_completion
+from tests.server import MODEL_DIR
 
 LONG_PROMPT = "Once upon a time " * 200  # far more than 512 tokens
 
@@ -53,7 +55,9 @@ async def test_unknown_model_and_route(server):
             assert_openai_error(await response.json(), 404)
         async with session.get(f"{server.url}/v1/models") as response:
             models = await response.json()
-        assert models["data"][0]["id"] == "stories260K" and models["data"][0]["max_model_len"] == 512
+        # MODEL as typed (tests/server.py passes MODEL_DIR), or the default model's name when that is the default
+        served = MODEL_DIR.name if MODEL_DIR == DEFAULT_MODEL_DIR else str(MODEL_DIR)
+        assert models["data"][0]["id"] == served and models["data"][0]["max_model_len"] == 512
 
 
 SEEDED = {"prompt": "Once upon a time", "max_tokens": 60, "temperature": 1.0, "top_p": 0.95, "seed": 1234}
