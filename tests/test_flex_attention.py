@@ -17,6 +17,7 @@ import torch
 from common.config import CacheConfig, IpcConfig, ModelConfig, SchedulerConfig, ShuttleConfig, WorkerConfig
 from launcher.cli import build_parser
 from worker import flex_attention as fx
+from worker import flex_masks as fm
 from worker.attention import AttentionMetadata, LayerFeatures
 from worker.attention_backends import ReferenceBackend, make_backend
 
@@ -174,9 +175,9 @@ def test_block_lists_cover_the_mask(window, block_size):
     keys, values = make_cache(num_blocks, block_size, 1, 4, 4, torch.float32)
     step = backend._prepare(meta, keys, values, meta.slot_mapping.shape[0])
     n = num_blocks + 1
-    for form, lists_of, by_batch in ((step.decode, fx.decode_block_lists, True),
-                                     (step.packed, fx.packed_block_lists, False)):
-        mod = fx._mask_mod(form.table, step.p2l, form.row_of, form.qpos_of, by_batch, block_size, window)
+    for form, lists_of, by_batch in ((step.decode, fm.decode_block_lists, True),
+                                     (step.packed, fm.packed_block_lists, False)):
+        mod = fm.step_mask_mod(form.table, step.p2l, form.row_of, form.qpos_of, by_batch, block_size, window)
         partial_n, partial, full_n, full = lists_of(form, block_size, window)
         partial = _coverage(partial_n, partial, n, block_size)
         full = _coverage(full_n, full, n, block_size)
@@ -184,25 +185,25 @@ def test_block_lists_cover_the_mask(window, block_size):
             mask = _dense_mask(mod, form.num_queries, 1, n, block_size)[:, 0]  # [rows, slots]
         else:
             mask = _dense_mask(mod, 1, form.num_queries, n, block_size)[0]  # [tokens, slots]
-            partial = partial.repeat_interleave(fx.QUERY_BLOCK, dim=0)
-            full = full.repeat_interleave(fx.QUERY_BLOCK, dim=0)
+            partial = partial.repeat_interleave(fm.QUERY_BLOCK, dim=0)
+            full = full.repeat_interleave(fm.QUERY_BLOCK, dim=0)
         assert mask.any(), "the step attends something"
         assert not (partial & full).any(), "a block both partial and full would be read twice"
         assert not (mask & ~(partial | full)).any(), "mask_mod admits a slot of a block that is not listed"
         assert not (full & ~mask).any(), "a block listed full holds a slot mask_mod rejects"
         assert not mask[:, (n - 1) * block_size:].any(), "the null block is never attended"
-        if window is None or window >= 2 * block_size + fx.QUERY_BLOCK:
+        if window is None or window >= 2 * block_size + fm.QUERY_BLOCK:
             assert full.any(), "blocks wholly inside every query's view are listed full"
 
 
 def test_logical_block_map_and_its_invariant():
     table = torch.tensor([[3, 5, 9, 9], [3, 7, 9, 9]], dtype=torch.int32)  # block 3 shared at index 0, 9 = null
     lens = torch.tensor([20, 17], dtype=torch.int32)
-    p2l = fx.logical_block_map(table, lens, 10, 16)
+    p2l = fm.logical_block_map(table, lens, 10, 16)
     assert p2l.tolist() == [-1, -1, -1, 0, -1, 1, -1, 1, -1, -1]
-    fx.check_logical_blocks(table, lens, 16)
+    fm.check_logical_blocks(table, lens, 16)
     with pytest.raises(ValueError, match="block 5 sits at logical index 1"):
-        fx.check_logical_blocks(torch.tensor([[3, 5], [5, 7]], dtype=torch.int32), lens, 16)
+        fm.check_logical_blocks(torch.tensor([[3, 5], [5, 7]], dtype=torch.int32), lens, 16)
 
 
 def test_kv_block_cap():
