@@ -244,6 +244,20 @@ class DecodeGraphRunner:
             self._seq_lens_lists[size][first:] = [1] * (size - first)
 
 
+def graphs_off_reason(device: torch.device, config, backend_name: str, tensor_parallel: bool) -> str | None:
+    """Why decode steps will not replay CUDA graphs on this worker, or None when graph_runner_for captures them
+    (the KV sizing keeps the graph pool's allowance back exactly then)."""
+    if device.type != "cuda":
+        return "not on CUDA"
+    if config.worker.enforce_eager:
+        return "--enforce-eager"
+    if backend_name not in GRAPH_SAFE_BACKENDS:
+        return f"the {backend_name} attention backend cannot be captured (flex can)"
+    if tensor_parallel:
+        return "tensor parallel: its collectives are not captured yet"
+    return None
+
+
 class GraphCaptureError(RuntimeError):
     """The decode CUDA graphs could not be built or captured on this device (the message names --enforce-eager)."""
 
@@ -259,16 +273,10 @@ def graph_runner_for(runner, config) -> DecodeGraphRunner | None:
     Raises:
         GraphCaptureError: building or capturing the graphs raised.
     """
-    if runner.device.type != "cuda":
-        return None
-    if config.worker.enforce_eager:
-        log.info("CUDA graphs off (--enforce-eager): every step runs eagerly")
-        return None
-    if runner.backend.name not in GRAPH_SAFE_BACKENDS:
-        log.info("CUDA graphs off: the %s attention backend cannot be captured (flex can)", runner.backend.name)
-        return None
-    if runner.parallel.enabled:
-        log.info("CUDA graphs off under tensor parallel: every step runs eagerly")
+    reason = graphs_off_reason(runner.device, config, runner.backend.name, runner.parallel.enabled)
+    if reason is not None:
+        if runner.device.type == "cuda":
+            log.info("CUDA graphs off (%s): every step runs eagerly", reason)
         return None
     kv = runner.kv_cache
     try:

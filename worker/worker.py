@@ -16,7 +16,7 @@ from worker.attention import StepAttention
 from worker.attention_backends import make_backend
 from worker.capability import check_exactness
 from worker.flex_attention import max_kv_blocks_for
-from worker.graph_runner import GRAPH_SAFE_BACKENDS, graph_runner_for
+from worker.graph_runner import graph_runner_for, graphs_off_reason
 from worker.input_batch import InputBatch, StepInputs
 from worker.kv_cache import KVCache
 from worker.kv_sizing import CUDA_GRAPH_ALLOWANCE, KVPlan, plan_kv_blocks, profile_peak, profile_plan, snapshot
@@ -135,8 +135,7 @@ class ModelRunner:
                                kv_cache_bytes(blocks, bs, bytes_per_token))
         del scratch
         self.activation_peak_bytes = figures.activation_peak
-        graphs = not config.worker.enforce_eager and self.backend.name in GRAPH_SAFE_BACKENDS \
-            and not self.parallel.enabled  # the cases graph_runner_for captures
+        graphs = graphs_off_reason(self.device, config, self.backend.name, self.parallel.enabled) is None
         cap = max_kv_blocks_for(self.geometry, bs) if self.backend.name == "flex" else None
         kv_plan = plan_kv_blocks(figures, config.cache.gpu_memory_utilization, bytes_per_token, bs, max_model_len,
                                  CUDA_GRAPH_ALLOWANCE if graphs else 0, cap)
