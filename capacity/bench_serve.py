@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 import aiohttp
 from tqdm import tqdm
 
+from common.arg_types import count, positive, request_rate
+
 
 @dataclass
 class RequestSpec:
@@ -203,19 +205,25 @@ def print_table(summary: dict) -> None:
         print(f"error: {error}")
 
 
+def add_request_shape_args(parser: argparse.ArgumentParser) -> None:
+    """The workload flags `shuttle bench` shares with `shuttle simulate` and `shuttle tune` (declared once)."""
+    parser.add_argument("--num-prompts", type=positive, default=200)
+    parser.add_argument("--request-rate", type=request_rate, default=float("inf"),
+                        help="requests per second (Poisson arrivals), or inf")
+    parser.add_argument("--max-concurrency", type=positive, default=None)
+    parser.add_argument("--input-len", type=positive, default=128)
+    parser.add_argument("--output-len", type=positive, default=64)
+    parser.add_argument("--range-ratio", type=float, default=0.5, help="lengths uniform in len*(1 +- r), r in [0, 1)")
+    parser.add_argument("--shared-prefix-len", type=count, default=0)
+    parser.add_argument("--seed", type=int, default=0)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="shuttle bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", default="http://127.0.0.1:8000")
-    parser.add_argument("--num-prompts", type=int, default=200)
-    parser.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second")
-    parser.add_argument("--max-concurrency", type=int, default=None)
-    parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--range-ratio", type=float, default=0.5, help="lengths uniform in len*(1 +- r)")
-    parser.add_argument("--shared-prefix-len", type=int, default=0)
+    add_request_shape_args(parser)
     parser.add_argument("--dataset", default=None, help="JSONL of {prompt, max_tokens} instead of random prompts")
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ttft-slo-ms", type=float, default=None)
     parser.add_argument("--tpot-slo-ms", type=float, default=None)
     parser.add_argument("--result-json", default="bench_results/bench_serve.json")

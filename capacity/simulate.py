@@ -26,7 +26,7 @@ import time
 from capacity import bench_serve
 from capacity.simulator import SimResult, Simulator
 from capacity.workload import SimRequest, arrivals, from_trace
-from common.arg_types import add_config_options, count, positive, positive_number, request_rate
+from common.arg_types import add_config_options, positive, positive_number
 from common.capacity import kv_blocks_for_memory
 from common.config import CacheConfig, ModelConfig, SchedulerConfig
 from common.errors import ModelDirError
@@ -62,17 +62,10 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_workload_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--num-prompts", type=positive, default=200)
-    parser.add_argument("--request-rate", type=request_rate, default=float("inf"), help="requests per second, or inf")
+    bench_serve.add_request_shape_args(parser)
     parser.add_argument("--burstiness", type=positive_number, default=1.0,
                         help="1: Poisson; < 1 burstier (gamma gaps)")
-    parser.add_argument("--max-concurrency", type=positive, default=None)
-    parser.add_argument("--input-len", type=positive, default=128)
-    parser.add_argument("--output-len", type=positive, default=64)
-    parser.add_argument("--range-ratio", type=float, default=0.5, help="lengths uniform in len*(1 +- r), r in [0, 1)")
-    parser.add_argument("--shared-prefix-len", type=count, default=0)
     parser.add_argument("--trace", default=None, help="JSONL trace instead of random prompts (capacity/workload.py)")
-    parser.add_argument("--seed", type=int, default=0)
 
 
 def build_simulator(args: argparse.Namespace, cost: StepCostModel, ttft_slo_ms: float = 0.0,
