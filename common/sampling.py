@@ -9,6 +9,28 @@ from common.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20  # most alternatives per token, as OpenAI's top_logprobs
 
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+class StructuredOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, frozen=True):
+    """A constraint on a request's output, compiled by the worker with xgrammar (worker/grammar.py) and enforced by
+    masking the logits of every sampled token to what the grammar allows (end-of-sequence only where it may end).
+
+    Attributes:
+        kind: "json" (spec: a JSON schema, as JSON text), "json_object" (any JSON object; spec ""), "regex" (spec: a
+            regular expression the whole output matches), "choice" (spec: a JSON list of the strings allowed), or
+            "grammar" (spec: an EBNF grammar in xgrammar's GBNF dialect, rule `root` first).
+        spec: the kind's text, normalized by the frontend so that equal constraints have equal keys.
+    """
+
+    kind: str
+    spec: str = ""
+
+    @property
+    def key(self) -> str:
+        """What compiled grammars are cached under: equal keys compile to the same grammar."""
+        return f"{self.kind}\n{self.spec}"
+
 
 class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, frozen=True):
     """How to pick each next token of a request.
@@ -31,6 +53,7 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
         logprobs: None for no log-probabilities; k >= 0 returns the sampled token's and the k most likely.
         prompt_logprobs: like logprobs, for every prompt token after the first (completions' echo + logprobs).
             Such a request bypasses the prefix cache: cached tokens have no logits.
+        structured: the grammar every output token must follow (None: unconstrained).
     """
 
     max_tokens: int = 16
@@ -48,6 +71,7 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    structured: StructuredOutput | None = None
 
     @property
     def has_penalties(self) -> bool:

@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 import msgspec
 
 from common.errors import GenerationError, InvalidRequestError, ModelNotFoundError
-from common.sampling import MAX_LOGPROBS, SamplingParams
+from common.sampling import MAX_LOGPROBS, SamplingParams, StructuredOutput
 from frontend.integral_floats import integral_floats_as_ints
 
 MAX_N = 16  # most choices per request
@@ -302,9 +302,10 @@ def completion_prompts(prompt: Any, tokenizer, max_model_len: int, add_special_t
 def sampling_params(request: SamplingFields, num_prompt_tokens: int, max_model_len: int, vocab_size: int,
                     max_tokens: int | None, logprobs: int | None, prompt_param: str = "prompt",
                     prompt_logprobs: int | None = None, max_tokens_param: str = "max_tokens",
-                    max_logprobs: int = MAX_LOGPROBS) -> SamplingParams:
+                    max_logprobs: int = MAX_LOGPROBS, structured: StructuredOutput | None = None) -> SamplingParams:
     """SamplingParams of one prompt of a request; max_tokens defaults to what is left of max_model_len.
     `max_tokens_param` is the field the request gave it in (chat's max_completion_tokens), for errors.
+    `structured`: the output constraint (frontend/structured_request.py, or the tools' for tool_choice).
 
     Raises:
         InvalidRequestError: a parameter out of range, or prompt + max_tokens over max_model_len.
@@ -342,7 +343,8 @@ def sampling_params(request: SamplingFields, num_prompt_tokens: int, max_model_l
         stop_token_ids=tuple(request.stop_token_ids or ()), ignore_eos=request.ignore_eos,
         min_tokens=request.min_tokens, presence_penalty=request.presence_penalty,
         frequency_penalty=request.frequency_penalty, repetition_penalty=request.repetition_penalty,
-        logit_bias=_logit_bias(request.logit_bias), logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+        logit_bias=_logit_bias(request.logit_bias), logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+        structured=structured)
     params.validate(vocab_size, max_logprobs)
     return params
 

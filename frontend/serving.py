@@ -26,6 +26,7 @@ import msgspec
 
 from common.errors import InvalidRequestError, ModelNotFoundError
 from common.messages import Submit
+from common.sampling import StructuredOutput
 from frontend.choices import CollectedChoice, collect, merge, usage
 from frontend.generation import TextDelta, TextGeneration
 from frontend.protocol import (
@@ -34,6 +35,7 @@ from frontend.protocol import (
 )
 from frontend.responses import chat_logprobs, completion_logprobs, prompt_logprobs_object
 from frontend.state import FrontendState
+from frontend.structured_request import structured_output_of
 
 log = logging.getLogger("shuttle.frontend")
 
@@ -55,10 +57,11 @@ def check_model(state: FrontendState, model: str | None) -> None:
 def build_generations(state: FrontendState, body: SamplingFields, prompts: list[list[int]], request_id: str,
                       max_tokens: int | None, logprobs: int | None, prompt_param: str = "prompt",
                       prompt_logprobs: int | None = None, background: bool = False,
-                      max_tokens_param: str = "max_tokens") -> list[TextGeneration]:
+                      max_tokens_param: str = "max_tokens",
+                      structured: StructuredOutput | None = None) -> list[TextGeneration]:
     """One TextGeneration per (prompt, choice); choice index = prompt index * n + j. With a seed, choice j of a
     prompt samples with seed + j, so the n choices differ yet each is reproducible. `background`: batch work,
-    which the scheduler runs behind every interactive request.
+    which the scheduler runs behind every interactive request. `structured`: every choice's output constraint.
 
     Raises:
         InvalidRequestError: a parameter out of range for any prompt.
@@ -72,7 +75,7 @@ def build_generations(state: FrontendState, body: SamplingFields, prompts: list[
     generations = []
     for p, ids in enumerate(prompts):
         base = sampling_params(body, len(ids), model.max_model_len, state.tokenizer.vocab_size, max_tokens, logprobs,
-                               prompt_param, prompt_logprobs, max_tokens_param, model.max_logprobs)
+                               prompt_param, prompt_logprobs, max_tokens_param, model.max_logprobs, structured)
         for j in range(body.n):
             sampling = base if base.seed is None else msgspec.structs.replace(base, seed=(base.seed + j) % 2**64)
             index = p * body.n + j
@@ -128,6 +131,14 @@ class Call:
 
     def build(self) -> list[TextGeneration]:
         raise NotImplementedError
+
+    def structured_output(self) -> StructuredOutput | None:
+        """The output constraint of every choice: the body's response_format / structured_outputs / guided_*.
+
+        Raises:
+            InvalidRequestError: a malformed constraint, or several at once (param names the field).
+        """
+        return structured_output_of(self.body)
 
     def final_choice(self, choice: CollectedChoice) -> dict:
         raise NotImplementedError
@@ -219,7 +230,7 @@ class CompletionCall(Call):
         # echo with logprobs also scores the prompt (how lm-eval-harness computes loglikelihoods)
         generations = build_generations(state, body, self.prompts, self.request_id, body.max_tokens, self.logprobs,
                                         prompt_logprobs=self.logprobs if body.echo else None,
-                                        background=self.background)
+                                        background=self.background, structured=self.structured_output())
         if body.echo:
             several = isinstance(body.prompt, list) and not isinstance(body.prompt[0], int)
             originals = body.prompt if several else [body.prompt]
@@ -290,7 +301,8 @@ class ChatCall(Call):
         return build_generations(self.state, body, [self.prompt], self.request_id,
                                  body.max_completion_tokens if newer else body.max_tokens, self.logprobs,
                                  prompt_param="messages", background=self.background,
-                                 max_tokens_param="max_completion_tokens" if newer else "max_tokens")
+                                 max_tokens_param="max_completion_tokens" if newer else "max_tokens",
+                                 structured=self.structured_output())
 
     def final_choice(self, choice: CollectedChoice) -> dict:
         g = choice.generation
