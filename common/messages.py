@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 
-from common.sampling import SamplingParams
+from common.sampling import SamplingParams, StructuredOutput
 
 _WIRE = dict(array_like=True, omit_defaults=True, gc=False, tag=True)
 
@@ -187,7 +187,19 @@ class Shutdown(msgspec.Struct, **_WIRE):
     """Stop the worker loop."""
 
 
-PlanMessage = StepPlan | Shutdown
+# Compiled grammars the scheduler counts as ready without asking again (scheduler/grammar_gate.py); the worker keeps
+# more (worker/grammar.py), so that what the scheduler counts on is nearly always still there.
+GRAMMAR_CACHE_ENTRIES = 512
+
+
+class CompileGrammars(msgspec.Struct, **_WIRE):
+    """To rank 0 only, before any plan holding a request with one of these constraints: compile them off the step
+    loop; each is answered by a GrammarsCompiled (cache hits too)."""
+
+    specs: list[StructuredOutput]
+
+
+PlanMessage = StepPlan | Shutdown | CompileGrammars
 
 
 # ---- worker -> scheduler (PUSH -> PULL) -------------------------------------------------------------------
@@ -239,7 +251,15 @@ class WorkerFailed(msgspec.Struct, **_WIRE):
     message: str
 
 
-WorkerMessage = WorkerReady | StepResult | WorkerFailed
+class GrammarsCompiled(msgspec.Struct, **_WIRE):
+    """Answers to CompileGrammars, sent whenever compiles finish (between steps or while idle): `errors[i]` is ""
+    when the constraint keyed `keys[i]` (StructuredOutput.key) compiled, else why it cannot (its requests get 400)."""
+
+    keys: list[str]
+    errors: list[str]
+
+
+WorkerMessage = WorkerReady | StepResult | WorkerFailed | GrammarsCompiled
 
 
 # ---- batch client <-> frontend (DEALER -> ROUTER) ------------------------------------------------------------

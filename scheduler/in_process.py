@@ -20,14 +20,18 @@ def drive(scheduler: Scheduler, runner: StepRunner, on_outputs: Callable[[list[R
           client: bytes = b"c", max_in_flight: int = 2, check_blocks: bool = False) -> None:
     """Run until the scheduler has no work: up to `max_in_flight` planned steps not yet settled (2 is the served
     loop's overlapped scheduling, 1 plans, waits and settles); the runner executes each plan when it is planned, in
-    order, as the worker process does.
+    order, as the worker process does. Constrained requests need a runner with `grammars` (ModelRunner's
+    GrammarCompiler); their grammars are compiled as they arrive.
 
     Args:
         on_outputs: called after every turn with the outputs for `client` (possibly none).
         check_blocks: check the block pool's invariants after every turn (tests).
     """
     in_flight: deque = deque()
-    while scheduler.has_work or in_flight:
+    while scheduler.has_work or in_flight or scheduler.grammars.num_held:
+        specs = scheduler.grammars.take_requests()
+        if specs:  # the served worker compiles on a thread of its own; here the answer is awaited
+            scheduler.on_grammars_compiled(runner.grammars.compile_now(specs))
         planned = False
         if len(in_flight) < max_in_flight and scheduler.has_work:
             step = scheduler.schedule()

@@ -17,8 +17,8 @@ import zmq
 from common.config import ShuttleConfig
 from common.ipc import Channel, MalformedMessage
 from common.messages import (
-    Abort, FrontendMessage, Hello, SchedulerInfo, SchedulerStats, StepOutputs, StepResult, Submit, WorkerFailed,
-    WorkerMessage, WorkerReady,
+    Abort, CompileGrammars, FrontendMessage, GrammarsCompiled, Hello, SchedulerInfo, SchedulerStats, StepOutputs,
+    StepResult, Submit, WorkerFailed, WorkerMessage, WorkerReady,
 )
 from common.process import HeartbeatSender
 from scheduler.kv_cache import KVCacheManager
@@ -154,11 +154,23 @@ class SchedulerLoop:
                     continue  # malformed: counted and logged by the channel
                 if isinstance(msg, (StepResult, WorkerFailed)) and msg.step_id == expected:
                     return msg
+                if isinstance(msg, GrammarsCompiled):
+                    self.scheduler.on_grammars_compiled(msg)
+                    continue
                 log.warning("ignoring unexpected worker message %s", type(msg).__name__)
 
     def _drain_inbox(self, timeout_ms: int) -> None:
-        if not self.frontends.poll(timeout_ms):
-            return
+        """Take in what the frontends sent, waiting up to timeout_ms for the first message. With no step in flight
+        the worker's grammar answers are taken in too (while steps run, _wait_for_result takes them)."""
+        if self.in_flight:
+            if not self.frontends.poll(timeout_ms):
+                return
+        else:
+            ready = dict(self._poller.poll(timeout_ms))
+            if self.results.socket in ready:
+                self._take_grammar_answers()
+            if self.frontends.socket not in ready:
+                return
         while self.frontends.poll(0):
             try:
                 client, msg = self.frontends.recv_from()
@@ -175,6 +187,17 @@ class SchedulerLoop:
                 self.frontends.send(SchedulerInfo(kv.pool.num_blocks, kv.block_size, self.scheduler.max_model_len),
                                     identity=client)
                 self._last_broadcast = None  # make sure the newcomer gets stats at once
+        specs = self.scheduler.grammars.take_requests()
+        if specs:  # rank 0 samples, so it alone compiles; sent before any plan that could hold these requests
+            self.plans[0].send(CompileGrammars(specs))
+
+    def _take_grammar_answers(self) -> None:
+        while self.results.poll(0):
+            msg = self.results.recv()
+            if isinstance(msg, GrammarsCompiled):
+                self.scheduler.on_grammars_compiled(msg)
+            elif msg is not None:
+                log.warning("ignoring unexpected worker message %s", type(msg).__name__)
 
     def _reap_gone_frontends(self) -> None:
         """Issue 9: a frontend silent past FRONTEND_TIMEOUT_S is gone; abort its requests, stop sending to it."""

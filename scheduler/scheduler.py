@@ -25,11 +25,12 @@ from operator import attrgetter
 
 from common.config import SchedulerConfig
 from common.messages import (
-    CachedRequestData, FinishReason, NewRequestData, RequestOutput, SchedulerStats, StepPlan, StepResult, Submit,
-    TokenLogprobs,
+    CachedRequestData, FinishReason, GrammarsCompiled, NewRequestData, RequestOutput, SchedulerStats, StepPlan,
+    StepResult, Submit, TokenLogprobs,
 )
 from scheduler.admission import AdmissionView, SloAdmission
 from scheduler.fairness import GroupShares
+from scheduler.grammar_gate import GrammarGate
 from scheduler.kv_cache import KVCacheManager
 from scheduler.queue import WaitingQueue
 from scheduler.request import Request, RequestStatus
@@ -72,6 +73,7 @@ class Scheduler:
         self._deadlines: list[tuple[float, int, Request]] = []
         self._deadline_seq = itertools.count()
         self._pending_outputs: dict[bytes, list[RequestOutput]] = defaultdict(list)
+        self.grammars = GrammarGate()  # constrained requests wait there for their grammar (scheduler/grammar_gate.py)
         # SLO admission (scheduler/admission.py); the process that owns the scheduler loads any profile, not this class
         self.admission = admission if admission is not None else SloAdmission(config.ttft_slo_ms)
 
@@ -110,12 +112,24 @@ class Scheduler:
             heapq.heappush(self._deadlines, (request.deadline, next(self._deadline_seq), request))
         self.requests[request.request_id] = request
         self.shares.arrive(request)
-        self.waiting.push(request)
+        if not self.grammars.hold(request):  # a constrained request waits outside the queue for its grammar
+            self.waiting.push(request)
+
+    def on_grammars_compiled(self, message: GrammarsCompiled) -> None:
+        """The worker's answer to CompileGrammars: queue the requests whose grammar is ready; end with 400 those
+        whose constraint does not compile (before they ever ran: the client gets a plain 400)."""
+        ready, failed = self.grammars.answered(message)
+        for request in ready:
+            if request.is_live:
+                self.waiting.push(request)
+        for request, error in failed:
+            if request.is_live:
+                self._finish(request, FinishReason.ERROR, 400, error)
 
     @property
     def num_waiting(self) -> int:
-        """Requests waiting to run: queued, plus parked over their client request's share."""
-        return len(self.waiting) + self.shares.num_parked
+        """Requests waiting to run: queued, parked over their client request's share, or waiting for a grammar."""
+        return len(self.waiting) + self.shares.num_parked + self.grammars.num_held
 
     def _make_room_for(self, request: Request) -> bool:
         """With the waiting queue full, turn away its lowest-ranked request if `request` ranks above it.
@@ -183,7 +197,7 @@ class Scheduler:
                 new_token_ids: list[int] | None = None, logprobs: list[TokenLogprobs] | None = None) -> None:
         if request.status == RequestStatus.RUNNING:
             self._leave_running(request)
-        else:
+        elif not self.grammars.release(request):
             self.waiting.remove(request)
         self.shares.leave(request)
         self.kv.free(request)

@@ -78,6 +78,7 @@ class InputBatch:
         self.block_size = block_size
         self.null_block = null_block
         self.requests: dict[str, CachedRequestState] = {}
+        self.num_constrained = 0  # requests held with a grammar (worker/grammar.py): 0 means no step masks logits
         self._table = np.full((initial_rows, max_blocks_per_seq), null_block, dtype=np.int32)
         self._free_rows = list(range(initial_rows - 1, -1, -1))
         self._row_ranges: dict[int, tuple[torch.Tensor, torch.Tensor, list[int]]] = {}
@@ -98,6 +99,7 @@ class InputBatch:
                                        self._take_row(), num_computed_tokens=new.num_computed_tokens)
             self._append_blocks(state, new.block_ids)
             self.requests[new.request_id] = state
+            self.num_constrained += new.sampling.structured is not None
             scheduled.append((state, new.num_scheduled_tokens))
         for cached in plan.cached_requests:
             state = self.requests.get(cached.request_id)
@@ -111,6 +113,7 @@ class InputBatch:
     def drop(self, request_id: str) -> None:
         state = self.requests.pop(request_id, None)
         if state is not None:
+            self.num_constrained -= state.sampling.params.structured is not None
             self._table[state.row, :state.num_blocks] = self.null_block
             self._free_rows.append(state.row)
 

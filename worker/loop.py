@@ -8,13 +8,14 @@ import time
 import traceback
 
 from common.ipc import Channel
-from common.messages import PlanMessage, Shutdown, WorkerFailed
+from common.messages import CompileGrammars, PlanMessage, Shutdown, WorkerFailed
 
 log = logging.getLogger("shuttle.worker")
 
 # Test hook, read from the environment (not the config) so that no serving configuration carries it: seconds the
 # worker sleeps after every step, so that end-to-end tests can keep requests in flight on a tiny model.
 STEP_DELAY_ENV = "SHUTTLE_DEBUG_STEP_DELAY"
+COMPILE_POLL_MS = 2  # how often an idle worker looks for finished grammar compiles while any runs
 
 
 class WorkerLoop:
@@ -36,14 +37,31 @@ class WorkerLoop:
         self.rank, self.step_delay = rank, step_delay
 
     def run(self) -> None:
-        """Serve plans until Shutdown. Raises SystemExit(1) when a tensor-parallel rank's step fails."""
+        """Serve plans until Shutdown. Raises SystemExit(1) when a tensor-parallel rank's step fails.
+
+        Grammar compiles (CompileGrammars, rank 0 only) run on the compiler's own thread; their answers go out
+        after each step, and while compiles run an idle worker polls for them every COMPILE_POLL_MS."""
+        grammars = getattr(self.runner, "grammars", None)
         while True:
+            if grammars is not None and grammars.has_pending:
+                self._report_grammars(grammars)
+                if not self.plans.poll(COMPILE_POLL_MS):
+                    continue
             plan = self.plans.recv()
             if plan is None:
                 continue  # malformed: counted and logged by the channel
             if isinstance(plan, Shutdown):
                 return
+            if isinstance(plan, CompileGrammars):
+                if grammars is not None:
+                    grammars.submit(plan.specs)
+                continue
             self._run_step(plan)
+
+    def _report_grammars(self, grammars) -> None:
+        answered = grammars.take_finished()
+        if answered is not None:
+            self.results.send(answered)
 
     def _run_step(self, plan) -> None:
         try:

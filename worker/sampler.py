@@ -1,8 +1,10 @@
 """Turns the logits of sampling positions into token ids, every row under its own request's parameters, batched.
 
-Order of operations (as vLLM and transformers apply them): logit_bias, the min_tokens mask of stop ids,
-repetition / frequency / presence penalties, then temperature, top-k, top-p and min-p, then the draw.
-Log-probabilities are reported from the model's raw distribution, before any of that.
+Order of operations (as vLLM and transformers apply them): a constrained request's grammar mask (applied by the
+ModelRunner before the sampler, worker/grammar.py), logit_bias, the min_tokens mask of stop ids, repetition /
+frequency / presence penalties, then temperature, top-k, top-p and min-p, then the draw. Log-probabilities are
+reported from the model's raw distribution, before any of that but the grammar mask (as vLLM reports them: a
+constrained request's alternatives are tokens its grammar allows).
 
 The draw is inverse-CDF sampling with one uniform number per row. For a seeded request that number is a pure
 function of (seed, output position) (SplitMix64, Steele, Lea and Flood, "Fast splittable pseudorandom number
@@ -18,6 +20,7 @@ import torch
 
 from common.messages import TokenLogprobs
 from common.sampling import SamplingParams
+from worker.grammar import GrammarError, GrammarState
 
 _MASK64 = (1 << 64) - 1
 
@@ -40,6 +43,8 @@ class SamplingState:
         bias_ids, bias_values: logit_bias as int64 [K] ids and float32 [K] values (built once).
         output_counts: float32 [vocab] occurrences of each token in the output; seen: bool [vocab], tokens in
             prompt or output (both built on first use by a request with penalties).
+        grammar: where a constrained request is in its grammar (worker/grammar.py; set by the driver rank's
+            ModelRunner, None elsewhere and for unconstrained requests); the logits are masked before sampling.
     """
 
     def __init__(self, params: SamplingParams, prompt_len: int):
@@ -49,6 +54,7 @@ class SamplingState:
         self.bias_values = torch.tensor([b for _, b in params.logit_bias], dtype=torch.float32)
         self.output_counts: torch.Tensor | None = None
         self.seen: torch.Tensor | None = None
+        self.grammar: GrammarState | None = None
         # argmax of the raw logits is the whole job (the common case, taken without the batched passes)
         self.plain_greedy = (params.greedy and params.logprobs is None and not params.logit_bias
                              and not params.has_penalties and params.min_tokens == 0)
@@ -65,7 +71,14 @@ class SamplingState:
         return self.output_counts, self.seen
 
     def record(self, token_id: int) -> None:
-        """Count a newly sampled token (only once penalty tensors exist; they are built from ids otherwise)."""
+        """Count a newly sampled token (only once penalty tensors exist; they are built from ids otherwise) and
+        advance the grammar by it.
+
+        Raises:
+            GrammarError: the grammar does not allow the token (a bug: its logits were masked).
+        """
+        if self.grammar is not None and not self.grammar.accept(token_id):
+            raise GrammarError(f"sampled token {token_id} does not follow the request's grammar")
         if self.output_counts is not None:
             self.output_counts[token_id] += 1
             self.seen[token_id] = True

@@ -16,6 +16,7 @@ from worker.attention import StepAttention
 from worker.attention_backends import make_backend
 from worker.capability import check_exactness
 from worker.flex_attention import max_kv_blocks_for
+from worker.grammar import GrammarCompiler, GrammarMasks
 from worker.graph_runner import graph_runner_for, graphs_off_reason
 from worker.input_batch import InputBatch, StepInputs
 from worker.kv_cache import KVCache
@@ -115,6 +116,12 @@ class ModelRunner:
         self.batch = InputBatch(self.block_size, self.kv_cache.null_block,
                                 -(-model_cfg.max_model_len // self.block_size))
         self.sampler = Sampler(model_cfg.eos_token_ids, seed=model_cfg.seed)  # --seed: for requests without one
+        # Grammars live where tokens are sampled: rank 0 (worker/grammar.py)
+        vocab = self.model.config.get_text_config().vocab_size
+        self.grammars = GrammarCompiler(model_cfg.tokenizer_dir or model_cfg.model_dir, vocab,
+                                        model_cfg.eos_token_ids, model_cfg.trust_remote_code) \
+            if parallel.is_driver else None
+        self._masks: GrammarMasks | None = None  # built on the first constrained step
         self.graphs = graph_runner_for(self, config)  # decode-only steps from CUDA graphs (None: all eager)
 
     @property
@@ -185,6 +192,8 @@ class ModelRunner:
         if not scheduled:
             return StepResult(plan.step_id, [], [])
         try:
+            if self.batch.num_constrained and self.grammars is not None:
+                self._attach_grammars(plan)
             return self._run(plan.step_id, self.batch.pack(scheduled))
         except Exception:
             for state, _ in scheduled:
@@ -205,6 +214,8 @@ class ModelRunner:
             for state, token in zip(requests, self.parallel.share_tokens(None, len(requests))):
                 state.token_ids.append(token)
             return StepResult(step_id, [], [])
+        if self.batch.num_constrained:
+            self._mask_by_grammar(logits[:len(requests)], requests)
         sampled = self.sampler(logits[:len(requests)], [r.sampling for r in requests], [r.token_ids for r in requests])
         self.parallel.share_tokens(sampled.token_ids, len(requests))
         for state, token in zip(requests, sampled.token_ids):
@@ -212,6 +223,22 @@ class ModelRunner:
             state.sampling.record(token)
         return StepResult(step_id, [r.request_id for r in requests], sampled.token_ids, sampled.logprobs or [],
                           prompt_logprobs)
+
+    def _attach_grammars(self, plan: StepPlan) -> None:
+        """A matcher for each new constrained request, past the outputs it already has (after a preemption)."""
+        for new in plan.new_requests:
+            if new.sampling.structured is not None:
+                state = self.batch.requests[new.request_id]
+                state.sampling.grammar = self.grammars.matcher(new.sampling.structured,
+                                                               state.token_ids[state.sampling.prompt_len:])
+
+    def _mask_by_grammar(self, logits: torch.Tensor, requests) -> None:
+        """Mask, in place, the sampling rows (logits [S, vocab]) of constrained requests."""
+        rows = [i for i, r in enumerate(requests) if r.sampling.grammar is not None]
+        if rows:
+            if self._masks is None:
+                self._masks = GrammarMasks(self.grammars.vocab_size, logits.device)
+            self._masks.apply(logits, rows, [requests[i].sampling.grammar for i in rows])
 
     @staticmethod
     def _prompt_logprobs(logits: torch.Tensor, prompt_rows) -> list[PromptLogprobs]:

@@ -1,0 +1,156 @@
+"""Grammar-constrained decoding in the in-process engine (scheduler + ModelRunner, no sockets) on stories260K:
+sampled outputs (temperature 1.0) always follow their JSON schema, regex or choice, under overlapped scheduling,
+preemption (a cache too small for the batch) and prefix caching; bad constraints end with 400 before running."""
+
+import json
+import re
+import time
+
+import jsonschema
+import pytest
+
+from common.messages import FinishReason, GrammarsCompiled, Submit
+from common.sampling import SamplingParams, StructuredOutput
+from frontend.tokenizer import TextTokenizer
+from tests.server import MODEL_DIR
+from tests.test_engine_inprocess import drive, make_engine
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "mood": {"enum": ["happy", "sad", "sleepy"]},
+        "height": {"type": "number"},
+        "pets": {"type": "array", "maxItems": 3,
+                 "items": {"type": "object", "properties": {"kind": {"enum": ["cat", "dog"]},
+                                                            "legs": {"type": "integer", "minimum": 0,
+                                                                     "maximum": 8}},
+                           "required": ["kind", "legs"], "additionalProperties": False}},
+    },
+    "required": ["name", "age", "mood", "pets"],
+    "additionalProperties": False,
+}
+PROMPT_IDS = [1, 403, 407, 261, 378]  # "<s>Once upon a time"-like opening; the grammar decides the rest
+
+
+def _run(specs, num_blocks=256, max_batched=64, prefix_caching=True, max_in_flight=2, max_tokens=400, seeds=None):
+    """Outputs (token ids, finish reason, error) per request of a fresh engine, one request per spec."""
+    scheduler, runner = make_engine(num_blocks, max_batched, prefix_caching)
+    results = {str(i): {"ids": [], "finish": None, "error": ""} for i in range(len(specs))}
+
+    def collect(batch):
+        for out in batch:
+            entry = results[out.request_id]
+            assert entry["finish"] is None, "a request got a second terminal output"
+            entry["ids"] += out.new_token_ids
+            if out.finish_reason is not None:
+                entry["finish"], entry["error"] = out.finish_reason, out.error_message
+
+    for i, spec in enumerate(specs):
+        seed = seeds[i] if seeds else i
+        params = SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed, structured=spec)
+        scheduler.add_request(b"c", Submit(str(i), PROMPT_IDS, params, time.time()))
+    drive(scheduler, runner, collect, max_in_flight)
+    assert scheduler.kv.pool.num_free == num_blocks
+    return [results[str(i)] for i in range(len(specs))], scheduler
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return TextTokenizer(MODEL_DIR)
+
+
+def _text(tokenizer, ids):
+    return tokenizer.decode([t for t in ids if t != 2])
+
+
+def _json_spec(schema=SCHEMA):
+    return StructuredOutput("json", json.dumps(schema))
+
+
+@pytest.mark.parametrize("mode", ["overlapped", "preempting", "no_prefix_cache", "one_in_flight"])
+def test_sampled_json_always_follows_the_schema(tokenizer, mode):
+    kwargs = {"overlapped": {}, "preempting": {"num_blocks": 40}, "no_prefix_cache": {"prefix_caching": False},
+              "one_in_flight": {"max_in_flight": 1}}[mode]
+    results, scheduler = _run([_json_spec()] * 16, **kwargs)
+    for entry in results:
+        assert entry["finish"] == FinishReason.STOP, entry
+        jsonschema.validate(json.loads(_text(tokenizer, entry["ids"])), SCHEMA)
+    if mode == "preempting":
+        assert scheduler.num_preemptions > 0
+
+
+def test_regex_and_choice_outputs_match(tokenizer):
+    regex = StructuredOutput("regex", r"(yes|no), [a-z]{2,8} [0-9]{1,3}")
+    choices = ["the cat", "a dog", "Lily and Tom"]
+    choice = StructuredOutput("choice", json.dumps(choices))
+    results, _ = _run([regex] * 8 + [choice] * 8)
+    texts = [_text(tokenizer, e["ids"]) for e in results]
+    assert all(e["finish"] == FinishReason.STOP for e in results)
+    assert all(re.fullmatch(r"(yes|no), [a-z]{2,8} [0-9]{1,3}", t) for t in texts[:8]), texts[:8]
+    assert all(t in choices for t in texts[8:]), texts[8:]
+
+
+def test_max_tokens_cut_ends_with_length():
+    results, _ = _run([_json_spec()] * 2, max_tokens=5)
+    assert [(len(e["ids"]), e["finish"]) for e in results] == [(5, FinishReason.LENGTH)] * 2
+
+
+def test_constrained_and_free_requests_share_a_batch(tokenizer):
+    scheduler, runner = make_engine(256, 64)
+    out = {"free": [], "json": []}
+    finish = {}
+
+    def collect(batch):
+        for o in batch:
+            out[o.request_id] += o.new_token_ids
+            if o.finish_reason is not None:
+                finish[o.request_id] = o.finish_reason
+
+    greedy = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    scheduler.add_request(b"c", Submit("free", PROMPT_IDS, greedy, time.time()))
+    scheduler.add_request(b"c", Submit("json", PROMPT_IDS, SamplingParams(max_tokens=400, seed=3,
+                                                                         structured=_json_spec()), time.time()))
+    drive(scheduler, runner, collect)
+    alone, _ = _run_greedy_alone(greedy)
+    assert out["free"] == alone  # the constrained neighbour changed nothing of the free request's tokens
+    jsonschema.validate(json.loads(_text(tokenizer, out["json"])), SCHEMA)
+
+
+def _run_greedy_alone(params):
+    scheduler, runner = make_engine(256, 64)
+    ids = []
+    drive(scheduler, runner, lambda batch: ids.extend(t for o in batch for t in o.new_token_ids))
+    scheduler.add_request(b"c", Submit("x", PROMPT_IDS, params, time.time()))
+    drive(scheduler, runner, lambda batch: ids.extend(t for o in batch for t in o.new_token_ids))
+    return ids, scheduler
+
+
+@pytest.mark.parametrize("spec, reason", [
+    (StructuredOutput("json", '{"type": "object", "properties": {"a": {"type": "strin"}}}'), "strin"),
+    (StructuredOutput("regex", "[a-"), "regex"),
+    (StructuredOutput("grammar", 'root ::= "a" | '), "grammar"),
+])
+def test_a_constraint_that_does_not_compile_ends_with_400_before_running(spec, reason):
+    results, scheduler = _run([spec, _json_spec()])
+    bad, good = results
+    assert bad["finish"] == FinishReason.ERROR and bad["ids"] == []
+    assert reason in bad["error"], bad["error"]
+    assert good["finish"] == FinishReason.STOP
+    assert scheduler.num_waiting == 0
+
+
+def test_equal_constraints_compile_once_and_wait_outside_the_queue():
+    scheduler, runner = make_engine(256, 64)
+    spec = _json_spec()
+    for i in range(3):
+        scheduler.add_request(b"c", Submit(str(i), PROMPT_IDS, SamplingParams(structured=spec), time.time()))
+    assert scheduler.grammars.take_requests() == [spec]  # one compile for three requests
+    assert len(scheduler.waiting) == 0 and scheduler.grammars.num_held == 3 and scheduler.num_waiting == 3
+    assert scheduler.schedule().is_empty  # nothing runs before the grammar is ready
+    scheduler.abort(["1"])
+    scheduler.on_grammars_compiled(GrammarsCompiled([spec.key], [""]))
+    assert len(scheduler.waiting) == 2 and scheduler.grammars.num_held == 0
+    scheduler.add_request(b"c", Submit("3", PROMPT_IDS, SamplingParams(structured=spec), time.time()))
+    assert len(scheduler.waiting) == 3 and scheduler.grammars.take_requests() == []  # known ready: no round trip

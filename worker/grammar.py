@@ -1,0 +1,271 @@
+"""Grammar-constrained decoding: compiling a request's StructuredOutput with xgrammar, one matcher per request,
+and the batched mask that keeps every sampled token inside its grammar.
+
+Who does what (the scheduler never sees a grammar): the scheduler holds a constrained request back until its
+grammar is compiled (scheduler/grammar_gate.py), asking this worker to compile it (CompileGrammars); compiles run on
+a thread of their own (xgrammar releases the GIL), so the step loop goes on, and GrammarsCompiled tells the
+scheduler when each is ready or why it failed. The matcher lives here, beside the sampler, because only here is a
+sampled token known at once: under overlapped scheduling the next step is planned before the scheduler has seen
+this one's tokens, and the mask of a decode must follow the token sampled just before it. A request that comes back
+after a preemption replays its known outputs into a new matcher, so recomputation needs no grammar state on the
+wire.
+
+xgrammar (Dong et al., "XGrammar: Flexible and Efficient Structured Generation Engine for Large Language Models",
+2024; https://github.com/mlc-ai/xgrammar) does the compiling, matching and mask application.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from common.messages import GRAMMAR_CACHE_ENTRIES, GrammarsCompiled
+from common.sampling import StructuredOutput
+
+log = logging.getLogger("shuttle.worker")
+
+# The worker keeps twice the compiled grammars the scheduler counts as ready (common/messages.py), so a grammar the
+# scheduler lets run is nearly always here; if not, it is compiled again on the step (correct, only slower).
+WORKER_CACHE_ENTRIES = 2 * GRAMMAR_CACHE_ENTRIES
+MAX_ERROR_CHARS = 500  # of xgrammar's message, in the 400 a client gets
+
+
+class GrammarError(ValueError):
+    """A StructuredOutput xgrammar cannot compile (the message says why)."""
+
+
+class GrammarCompiler:
+    """Compiles StructuredOutputs for one model's vocabulary, off the step loop, and caches them by key.
+
+    JSON is compiled without free whitespace (xgrammar's `any_whitespace=False`: ", " and ": " between items), so a
+    model cannot spend its max_tokens on blank lines inside an object, which small and sampled models otherwise do.
+
+    Args:
+        tokenizer_dir: the Hugging Face tokenizer's directory (transformers' AutoTokenizer loads it, once, on the
+            compile thread, on the first compile).
+        vocab_size: the logits' width (the model's output rows; may exceed the tokenizer's vocabulary).
+        eos_token_ids: the ids that end a sequence: a grammar allows them exactly where its output may end.
+        trust_remote_code: passed to AutoTokenizer.
+    """
+
+    def __init__(self, tokenizer_dir: str, vocab_size: int, eos_token_ids: tuple[int, ...],
+                 trust_remote_code: bool = False):
+        self.tokenizer_dir = tokenizer_dir
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        self.trust_remote_code = trust_remote_code
+        self._compiler = None  # xgrammar.GrammarCompiler, built on first use
+        self._build_lock = threading.Lock()
+        self._cache: OrderedDict[str, object] = OrderedDict()  # key -> CompiledGrammar, or GrammarError
+        self._cache_lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
+        self._pending: dict[str, Future] = {}
+        self._answers: list[tuple[str, str]] = []  # (key, error or "") to report, cache hits included
+
+    # ---- asked by the scheduler -------------------------------------------------------------------------
+
+    def submit(self, specs: list[StructuredOutput]) -> None:
+        """Start compiling each spec not compiled or compiling yet; each is answered by `take_finished`."""
+        for spec in specs:
+            key = spec.key
+            cached = self._cached(key)
+            if cached is not None:
+                self._answers.append((key, str(cached) if isinstance(cached, GrammarError) else ""))
+            elif key not in self._pending:
+                self._pending[key] = self._pool.submit(self._compile_and_cache, spec)
+
+    @property
+    def has_pending(self) -> bool:
+        """Compiles running or answers not yet taken (the worker loop polls instead of blocking on plans)."""
+        return bool(self._pending or self._answers)
+
+    def take_finished(self) -> GrammarsCompiled | None:
+        """The answers since the last call (None when there are none): `errors[i]` is "" when keys[i] compiled."""
+        for key, future in list(self._pending.items()):
+            if future.done():
+                del self._pending[key]
+                error = future.exception()  # _compile_and_cache caches GrammarErrors; anything else is a bug
+                if error is not None:
+                    log.error("grammar compile raised: %r", error)
+                cached = self._cached(key)
+                self._answers.append((key, str(cached) if isinstance(cached, GrammarError) or cached is None
+                                      else "" if error is None else f"internal error: {error}"))
+        if not self._answers:
+            return None
+        answers, self._answers = self._answers, []
+        return GrammarsCompiled([k for k, _ in answers], [e for _, e in answers])
+
+    def compile_now(self, specs: list[StructuredOutput]) -> GrammarsCompiled:
+        """Compile `specs` on the caller's thread and answer them all (the in-process engine, scheduler/in_process.py)."""
+        errors = []
+        for spec in specs:
+            value = self._cached(spec.key) or self._compile_and_cache(spec)
+            errors.append(str(value) if isinstance(value, GrammarError) else "")
+        return GrammarsCompiled([spec.key for spec in specs], errors)
+
+    # ---- used by the step -------------------------------------------------------------------------------
+
+    def matcher(self, spec: StructuredOutput, outputs: list[int]) -> GrammarState:
+        """A fresh matcher for `spec` that has accepted `outputs` (the request's known output tokens: more than none
+        after a preemption). Compiles on the spot if the grammar is not cached (evicted since the scheduler was
+        told it was ready), waiting for a compile already running.
+
+        Raises:
+            GrammarError: the spec does not compile, or `outputs` do not follow it (a bug: they were sampled under it).
+        """
+        import xgrammar as xgr
+
+        compiled = self._cached(spec.key)
+        if compiled is None:
+            pending = self._pending.get(spec.key)
+            compiled = pending.result() if pending is not None else None
+            compiled = self._cached(spec.key) or self._compile_and_cache(spec)
+        if isinstance(compiled, GrammarError):
+            raise compiled
+        state = GrammarState(xgr.GrammarMatcher(compiled, override_stop_tokens=self.eos_token_ids or None),
+                             self.eos_token_ids)
+        for position, token in enumerate(outputs):
+            if not state.accept(token):
+                raise GrammarError(f"output token {token} at position {position} does not follow the grammar")
+        return state
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # ---- compiling --------------------------------------------------------------------------------------
+
+    def _cached(self, key: str):
+        with self._cache_lock:
+            value = self._cache.get(key)
+            if value is not None:
+                self._cache.move_to_end(key)
+            return value
+
+    def _compile_and_cache(self, spec: StructuredOutput):
+        try:
+            value = self._compile(spec)
+        except GrammarError as exc:
+            value = exc
+        with self._cache_lock:
+            self._cache[spec.key] = value
+            while len(self._cache) > WORKER_CACHE_ENTRIES:
+                self._cache.popitem(last=False)
+        return value
+
+    def _xgrammar_compiler(self):
+        with self._build_lock:
+            if self._compiler is None:
+                import xgrammar as xgr
+                from transformers import AutoTokenizer
+
+                tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_dir, trust_remote_code=self.trust_remote_code)
+                info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
+                                                          stop_token_ids=self.eos_token_ids or None)
+                # one thread: compiles are already off the step loop, and the step's own threads need the cores
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+            return self._compiler
+
+    def _compile(self, spec: StructuredOutput):
+        """The CompiledGrammar of `spec`. Raises GrammarError with xgrammar's reason."""
+        compiler = self._xgrammar_compiler()
+        try:
+            if spec.kind == "json":
+                return compiler.compile_json_schema(spec.spec, any_whitespace=False)
+            if spec.kind == "json_object":
+                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+            if spec.kind == "regex":
+                return compiler.compile_regex(spec.spec)
+            if spec.kind == "choice":
+                return compiler.compile_grammar(choice_grammar(json.loads(spec.spec)))
+            if spec.kind == "grammar":
+                return compiler.compile_grammar(spec.spec)
+        except Exception as exc:  # xgrammar raises RuntimeError / ValueError with its parser's message
+            message = str(exc).strip().splitlines()
+            raise GrammarError(f"the {spec.kind} constraint does not compile: "
+                               f"{(message[-1] if message else type(exc).__name__)[:MAX_ERROR_CHARS]}") from None
+        raise GrammarError(f"unknown structured output kind {spec.kind!r}")
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """An EBNF grammar whose only sentences are `choices` (each a JSON string literal, which GBNF reads too)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+class GrammarState:
+    """One request's position in its grammar.
+
+    Once the grammar has ended (a stop token accepted), the only allowed tokens are the end-of-sequence ids: a step
+    planned before the scheduler saw that end may still sample the request once more, and that token is dropped.
+    """
+
+    def __init__(self, matcher, eos_token_ids: list[int]):
+        self.matcher = matcher
+        self.eos_token_ids = eos_token_ids
+
+    def accept(self, token: int) -> bool:
+        """Advance by one sampled token; False when the grammar does not allow it (nothing changes then)."""
+        if self.matcher.is_terminated():
+            return token in self.eos_token_ids
+        return self.matcher.accept_token(token)
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the allowed next tokens into row `row` of `bitmask` (int32 [R, ceil(vocab / 32)], bit set =
+        allowed)."""
+        if self.matcher.is_terminated():
+            bitmask[row].zero_()
+            for token in self.eos_token_ids:
+                bitmask[row, token // 32] |= _bit(token % 32)
+            return
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+
+
+def _bit(position: int) -> int:
+    """Bit `position` of an int32 word as a Python int that fits it (bit 31 is the sign)."""
+    return (1 << position) - (1 << 32) * (position == 31)
+
+
+class GrammarMasks:
+    """Masks the logits of constrained rows before sampling: one bitmask filled on the host (every constrained row
+    in one batched call), one copy, one masking kernel. A step without constrained rows never gets here.
+
+    Args:
+        vocab_size: the grammar's vocabulary (GrammarCompiler.vocab_size); logits columns past it are masked too.
+        device: the logits' device.
+    """
+
+    def __init__(self, vocab_size: int, device: torch.device):
+        import xgrammar as xgr
+
+        self._xgr = xgr
+        self.vocab_size = vocab_size
+        self.device = device
+        self._words = -(-vocab_size // 32)
+        self._host = torch.empty(0, self._words, dtype=torch.int32)
+        self._batch = xgr.BatchGrammarMatcher(max_threads=1)
+
+    def apply(self, logits: torch.Tensor, rows: list[int], states: list[GrammarState]) -> None:
+        """Set to -inf, in place, the logits each state's grammar forbids.
+
+        Args:
+            logits: float [S, vocab] (any float dtype), the step's sampling rows.
+            rows: the rows of `logits` that are constrained; states: their grammar states, in the same order.
+        """
+        if len(self._host) < len(logits):
+            size = max(len(logits), 2 * len(self._host), 8)
+            self._host = torch.empty(size, self._words, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        bitmask = self._host[:len(logits)]  # row i masks logits row i; rows not in `rows` are neither filled nor read
+        if not any(s.matcher.is_terminated() for s in states):
+            self._batch.batch_fill_next_token_bitmask([s.matcher for s in states], bitmask, rows)
+        else:
+            for row, state in zip(rows, states):
+                state.fill(bitmask, row)
+        # The host buffer is refilled only after this step's tokens reached the host, so the copy is long done.
+        mask = bitmask.to(self.device, non_blocking=True)
+        self._xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=self.vocab_size, indices=rows)
+        if logits.shape[1] > self.vocab_size:  # padded output rows are no token at all
+            logits[torch.tensor(rows, device=logits.device), self.vocab_size:] = float("-inf")
