@@ -21,11 +21,64 @@ class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """OpenAI's `response_format.json_schema`: `name` ([a-zA-Z0-9_-]{1,64}) is required; `schema` (a JSON Schema
+    object) is optional, as in OpenAI's reference, and without it the output is any JSON object. `strict` and
+    `description` are taken and change nothing: the output always follows the schema exactly, and the description
+    is not put into the prompt."""
+
+    name: str
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormatText(msgspec.Struct, tag_field="type", tag="text", forbid_unknown_fields=True):
+    """`{"type": "text"}`: no constraint (OpenAI's default)."""
+
+
+class ResponseFormatJsonObject(msgspec.Struct, tag_field="type", tag="json_object", forbid_unknown_fields=True):
+    """`{"type": "json_object"}`: the output is one JSON object (OpenAI's JSON mode)."""
+
+
+class ResponseFormatJsonSchema(msgspec.Struct, tag_field="type", tag="json_schema", forbid_unknown_fields=True):
+    """`{"type": "json_schema", "json_schema": {...}}`: the output follows the schema (OpenAI's Structured Outputs)."""
+
+    json_schema: JsonSchemaFormat
+
+
+ResponseFormat = ResponseFormatText | ResponseFormatJsonObject | ResponseFormatJsonSchema
+
+
+class StructuredOutputsFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """vLLM's `structured_outputs` object: exactly one of `json` (a JSON Schema, as an object or as JSON text),
+    `regex`, `choice` (a list of strings), `grammar` (EBNF in xgrammar's GBNF dialect) or `json_object` (true).
+
+    The other keys of vLLM's StructuredOutputsParams (and of its older GuidedDecodingParams) are declared so that a
+    request naming one is refused with the reason (frontend/structured_request.py) rather than as unknown; any
+    value but null is refused."""
+
+    json: str | dict[str, Any] | bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: Any = None
+    whitespace_pattern: Any = None
+    disable_any_whitespace: Any = None
+    disable_additional_properties: Any = None
+    disable_fallback: Any = None
+    backend: Any = None
+
+
 class SamplingFields(msgspec.Struct, kw_only=True):
     """Fields both completion endpoints share. A field no request Struct declares is refused (see REFUSED_FIELDS).
 
     vLLM extensions: top_k, min_p, repetition_penalty, stop_token_ids, ignore_eos, min_tokens, priority,
     include_stop_str_in_output, return_token_ids (adds prompt_token_ids and token_ids to each choice).
+    Structured outputs (frontend/structured_request.py, at most one per request): OpenAI's `response_format`
+    (text, json_object, json_schema), vLLM's `structured_outputs` object and its older top-level `guided_json`,
+    `guided_regex`, `guided_choice`, `guided_grammar` (`guided_decoding_backend`: "xgrammar" or "auto" only).
     `timeout` (seconds from arrival) ends the request with an error (HTTP 408) if it has not finished by then.
     `ttft_slo_ms` is the request's own TTFT objective: refused at once (HTTP 503) when predicted to be missed.
     OpenAI's metadata-only fields (`user`, `metadata`, `store`, `service_tier`, `safety_identifier`,
@@ -61,6 +114,13 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     service_tier: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsFields | None = None
+    guided_json: str | dict[str, Any] | bool | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
 
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -141,7 +201,6 @@ class Refused(NamedTuple):
     accepted: Any = None
 
 
-_STRUCTURED = "structured outputs are not implemented yet"
 _TOOLS = "tool calling is not implemented yet"
 _NOT_IMPLEMENTED = "not implemented"
 # Fields of OpenAI's and vLLM's request schemas that shuttle does not implement. A body holding one that its
@@ -149,10 +208,8 @@ _NOT_IMPLEMENTED = "not implemented"
 # as if it had not been sent: a caller must never believe its output was constrained when it was not. A field
 # neither declared nor listed here is refused as unrecognized, as OpenAI's API does.
 REFUSED_FIELDS: dict[str, Refused] = {
-    "response_format": Refused(f"{_STRUCTURED} (json_object, json_schema)", {"type": "text"}),
-    **dict.fromkeys(("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                     "guided_decoding_backend", "guided_whitespace_pattern", "structural_tag"),
-                    Refused(_STRUCTURED)),
+    "guided_whitespace_pattern": Refused("JSON whitespace is the grammar engine's own (xgrammar)"),
+    "structural_tag": Refused("structural tags are not implemented"),
     "tools": Refused(_TOOLS, []),
     "tool_choice": Refused(_TOOLS, "none"),
     "parallel_tool_calls": Refused(_TOOLS),
@@ -189,7 +246,7 @@ REFUSED_FIELDS: dict[str, Refused] = {
 
 def refuse_undeclared(data: dict, request_type: type) -> None:
     """Refuse the first field of `data` (nulls already dropped) that `request_type` does not declare, unless it is
-    a REFUSED_FIELDS entry holding its accepted value (`"tools": []`, `"response_format": {"type": "text"}`).
+    a REFUSED_FIELDS entry holding its accepted value (`"tools": []`, `"echo": false` on chat).
 
     Raises:
         InvalidRequestError: the field (named in `param`) is not implemented, or not a field at all.
@@ -210,7 +267,7 @@ def refuse_undeclared(data: dict, request_type: type) -> None:
         raise InvalidRequestError(f"{name} is {what}: {refused.why}", param=name)
 
 
-_DECODE_PATH = re.compile(r"at `\$\.([A-Za-z_]\w*)")
+_DECODE_PATH = re.compile(r"(?:at|in) `\$\.([A-Za-z_]\w*)")  # "at `$.n`", "at `key` in `$.logit_bias`"
 _MISSING_FIELD = re.compile(r"missing required field `([A-Za-z_]\w*)`")
 
 

@@ -1,9 +1,10 @@
 """The checks the code makes beyond the request Structs' types, told to /openapi.json's JSON Schemas: ranges, the
 shapes of a prompt, the served model name, the chat roles, and that no other field is taken (additionalProperties
 false) but for the one accepted value of a field of OpenAI's or vLLM's schema that shuttle does not implement
-(frontend/protocol.py's REFUSED_FIELDS: `"tools": []`, `"response_format": {"type": "text"}`). So a request drawn
+(frontend/protocol.py's REFUSED_FIELDS: `"echo": false` on chat, `"skip_special_tokens": true`). So a request drawn
 from the document (a client generator, scripts/dev/fuzz_schema.py) is one the server takes, but for what these
-schemas do not say: prompt plus max_tokens within max_model_len, min_tokens at most max_tokens, best_of equal to n.
+schemas do not say: prompt plus max_tokens within max_model_len, min_tokens at most max_tokens, best_of equal to n,
+at most one output constraint (and none with min_tokens or ignore_eos), a schema given as text being JSON.
 
 The limits come from where they are checked (common/sampling.py, frontend/protocol.py, frontend/chat.py); the
 fuzzer's count of schema-valid requests refused is what shows a drift.
@@ -14,6 +15,7 @@ from __future__ import annotations
 from common.sampling import MAX_LOGPROBS
 from frontend.chat import RESERVED_KWARGS, ROLES
 from frontend.protocol import MAX_N, MAX_PROMPTS, REFUSED_FIELDS
+from frontend.structured_request import BACKENDS, MAX_CHOICES, REFUSED_KEYS
 
 NULL = {"type": "null"}
 
@@ -49,7 +51,26 @@ def _sampling(model_name: str, vocab_size: int) -> dict[str, dict]:
         "priority": _int(-(2**31), 2**31 - 1),
         "timeout": _nullable(_number(0, 86400, exclusive_low=True)),
         "ttft_slo_ms": _nullable(_number(0, 86_400_000, exclusive_low=True)),
+        **{f"guided_{key}": _nullable(schema) for key, schema in _CONSTRAINTS.items() if key != "json_object"},
+        "guided_decoding_backend": _nullable({"enum": list(BACKENDS)}),
     }
+
+
+# structured outputs (frontend/structured_request.py): each constraint's shape, as structured_outputs' keys
+_PATTERN = {"type": "string", "minLength": 1}
+_CONSTRAINTS = {
+    "json": {"anyOf": [{"type": "string"}, {"type": "object"}, {"const": True}]},
+    "regex": _PATTERN, "grammar": _PATTERN,
+    "choice": {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": MAX_CHOICES},
+    "json_object": {"const": True},
+}
+
+
+def _structured(components: dict) -> None:
+    components["JsonSchemaFormat"]["properties"]["name"] = {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"}
+    fields = components["StructuredOutputsFields"]
+    fields["properties"].update({key: _nullable(schema) for key, schema in _CONSTRAINTS.items()},
+                                **dict.fromkeys(REFUSED_KEYS, NULL))  # refused but for null
 
 
 def constrain(components: dict, model_name: str, vocab_size: int) -> None:
@@ -59,6 +80,7 @@ def constrain(components: dict, model_name: str, vocab_size: int) -> None:
     text_part = {"type": "object", "required": ["type", "text"],
                  "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
     sampling = _sampling(model_name, vocab_size)
+    _structured(components)
     completion = components["CompletionRequest"]
     completion["properties"].update(sampling, **{
         "prompt": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "minItems": 1,

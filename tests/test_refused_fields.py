@@ -14,7 +14,8 @@ import msgspec
 import pytest
 
 from common.messages import BatchRequest
-from frontend.protocol import REFUSED_FIELDS
+from common.sampling import StructuredOutput
+from frontend.protocol import REFUSED_FIELDS, ChatCompletionRequest, CompletionRequest
 from tests.batch_wire import dealer, next_response
 from tests.inprocess import start_app
 
@@ -26,16 +27,19 @@ TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": SC
 
 # (field, value, endpoints): each refused with 400 and param == field
 REFUSED = [
-    ("response_format", {"type": "json_object"}, (C, CHAT)),
-    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}, (C, CHAT)),
-    ("structured_outputs", {"json": SCHEMA}, (C, CHAT)),
-    ("structured_outputs", {"choice": ["yes", "no"]}, (C, CHAT)),
-    ("guided_json", SCHEMA, (C, CHAT)),
-    ("guided_choice", ["yes", "no"], (C, CHAT)),
-    ("guided_regex", "[a-z]+", (C, CHAT)),
-    ("guided_grammar", 'root ::= "a"', (C, CHAT)),
-    ("guided_decoding_backend", "xgrammar", (C, CHAT)),
+    # structured outputs are implemented (tests/test_structured_request.py): a malformed one is refused
+    ("response_format", {"type": "json_schema"}, (C, CHAT)),  # no json_schema
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "shema": SCHEMA}}, (C, CHAT)),  # typo
+    ("response_format", {"type": "structural_tag"}, (C, CHAT)),
+    ("structured_outputs", {"json": SCHEMA, "whitespace_pattern": " "}, (C, CHAT)),  # a vLLM option not implemented
+    ("structured_outputs", {"regex": "a", "choice": ["yes", "no"]}, (C, CHAT)),  # two at once
+    ("guided_json", "{not json", (C, CHAT)),
+    ("guided_choice", [], (C, CHAT)),
+    ("guided_regex", "", (C, CHAT)),
+    ("guided_grammar", "", (C, CHAT)),
+    ("guided_decoding_backend", "outlines", (C, CHAT)),
     ("guided_whitespace_pattern", " ", (C, CHAT)),
+    ("structural_tag", "{}", (C, CHAT)),
     ("tools", [TOOL], (CHAT,)),
     ("tool_choice", "required", (CHAT,)),  # without tools
     ("tool_choice", "auto", (CHAT,)),
@@ -80,6 +84,25 @@ ACCEPTED = [
 ]
 
 
+# (fields, the constraint every choice is submitted with): accepted on both endpoints
+CONSTRAINED = [
+    ({"response_format": {"type": "json_object"}}, StructuredOutput("json_object")),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}},
+     StructuredOutput("json", json.dumps(SCHEMA, separators=(",", ":")))),
+    ({"structured_outputs": {"regex": "[a-z]+"}}, StructuredOutput("regex", "[a-z]+")),
+    ({"structured_outputs": {"choice": ["yes", "no"]}}, StructuredOutput("choice", '["yes","no"]')),
+    ({"guided_json": json.dumps(SCHEMA)}, StructuredOutput("json", json.dumps(SCHEMA, separators=(",", ":")))),
+    ({"guided_grammar": 'root ::= "a"', "guided_decoding_backend": "xgrammar"}, StructuredOutput("grammar",
+                                                                                                   'root ::= "a"')),
+]
+# (fields, param): each constraint is well formed, the request is not
+MISCOMBINED = [
+    ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
+    ({"guided_choice": ["a"], "min_tokens": 1}, "min_tokens"),
+    ({"structured_outputs": {"regex": "a"}, "ignore_eos": True}, "ignore_eos"),
+]
+
+
 @pytest.fixture(scope="module")
 async def app():
     app = await start_app(batch=True)
@@ -92,7 +115,9 @@ def test_every_case_named_in_the_issue_is_covered():
              "guided_decoding_backend", "guided_whitespace_pattern", "tool_choice", "functions", "function_call",
              "chat_template", "allowed_token_ids", "bad_words", "truncate_prompt_tokens", "prompt_logprobs",
              "use_beam_search", "echo", "tools"}
-    assert named <= {field for field, _, _ in REFUSED} and named <= REFUSED_FIELDS.keys()
+    assert named <= {field for field, _, _ in REFUSED}
+    declared = CompletionRequest.__struct_fields__ + ChatCompletionRequest.__struct_fields__
+    assert all(field in REFUSED_FIELDS or field in declared for field in named)
 
 
 def check_refusal(status: int, body: dict, field: str) -> None:
@@ -119,8 +144,9 @@ async def test_refused_over_http(app, path, field, value):
 
 async def test_messages_name_the_reason(app):
     async with aiohttp.ClientSession() as session:
-        for body, words in (({"response_format": {"type": "json_object"}}, "structured outputs are not implemented"),
-                            ({"guided_choice": ["a"]}, "structured outputs are not implemented"),
+        for body, words in (({"guided_whitespace_pattern": " "}, "JSON whitespace is the grammar engine's own"),
+                            ({"structured_outputs": {"json": SCHEMA, "disable_fallback": True}},
+                             "structured_outputs.disable_fallback is not supported"),
                             ({"tool_choice": "required"}, "tool calling is not implemented"),
                             ({"foo": 1}, "Unrecognized request argument supplied: foo")):
             async with session.post(f"{app.url}{CHAT}", json={**BASES[CHAT], **body}) as response:
@@ -215,11 +241,56 @@ async def test_openapi_document_takes_no_other_field(app):
     for name in ("CompletionRequest", "ChatCompletionRequest", "TokenizeRequest", "DetokenizeRequest"):
         schema = schemas[name]
         assert schema["additionalProperties"] is False
-        assert not {"foo", "guided_json"} & schema["properties"].keys()
+        assert not {"foo", "guided_whitespace_pattern"} & schema["properties"].keys()
         assert schema["properties"]["tool_choice"] == {"anyOf": [{"const": "none"}, {"type": "null"}]}
     chat = schemas["ChatCompletionRequest"]["properties"]
     assert chat["tools"] == {"anyOf": [{"const": []}, {"type": "null"}]}
-    assert chat["response_format"] == {"anyOf": [{"const": {"type": "text"}}, {"type": "null"}]}
+    formats = chat["response_format"]["anyOf"][0]["anyOf"]
+    assert [f["$ref"].rsplit("/", 1)[1] for f in formats] == ["ResponseFormatText", "ResponseFormatJsonObject",
+                                                             "ResponseFormatJsonSchema"]
+    assert schemas["JsonSchemaFormat"]["required"] == ["name"] and schemas["JsonSchemaFormat"]["additionalProperties"] is False
+    outputs = schemas["StructuredOutputsFields"]
+    assert outputs["additionalProperties"] is False and outputs["properties"]["whitespace_pattern"] == {"type": "null"}
+    assert {"guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
+            "structured_outputs"} <= chat.keys()
     assert chat["echo"]["anyOf"][0] == {"const": False} and "echo" in schemas["CompletionRequest"]["properties"]
     assert {"metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key", "user"} <= chat.keys()
     assert schemas["StreamOptions"]["additionalProperties"] is False
+
+
+@pytest.mark.parametrize("fields, expected", CONSTRAINED, ids=[next(iter(f)) for f, _ in CONSTRAINED])
+async def test_structured_outputs_are_submitted(app, fields, expected):
+    async with aiohttp.ClientSession() as session:
+        for path in (C, CHAT):
+            async with session.post(f"{app.url}{path}", json={**BASES[path], **fields, "n": 2}) as response:
+                assert response.status == 200, await response.text()
+            assert [r.sampling.structured for r in app.engine.submitted[-2:]] == [expected, expected]
+
+
+async def test_structured_outputs_over_the_websocket_and_the_batch_endpoint(app):
+    fields, expected = CONSTRAINED[1]
+    async with aiohttp.ClientSession() as session, session.ws_connect(f"{app.url}/v1/ws") as ws:
+        await ws.send_json({"type": "generate", "id": "s", **BASES[C], **fields})
+        frame = json.loads((await ws.receive(timeout=30)).data)
+        while frame["type"] == "delta":
+            frame = json.loads((await ws.receive(timeout=30)).data)
+    assert frame["type"] == "done", frame
+    assert app.engine.submitted[-1].sampling.structured == expected
+    sock = await dealer(app.batch.endpoint)
+    try:
+        await sock.send(msgspec.msgpack.encode(BatchRequest("s", CHAT, {**BASES[CHAT], **fields})))
+        result = await next_response(sock)
+    finally:
+        sock.close()
+    assert result.status_code == 200, result.body
+    assert app.engine.submitted[-1].sampling.structured == expected
+
+
+@pytest.mark.parametrize("fields, param", MISCOMBINED, ids=[p for _, p in MISCOMBINED])
+async def test_miscombined_constraints_are_refused(app, fields, param):
+    submitted = len(app.engine.submitted)
+    async with aiohttp.ClientSession() as session:
+        for path in (C, CHAT):
+            async with session.post(f"{app.url}{path}", json={**BASES[path], **fields}) as response:
+                check_refusal(response.status, await response.json(), param)
+    assert len(app.engine.submitted) == submitted
