@@ -31,6 +31,7 @@ class RequestSpec:
     prompt: list[int] | str
     prompt_len: int
     max_tokens: int
+    extra: dict = field(default_factory=dict)  # more body fields, over the defaults (a response_format, say)
 
 
 @dataclass
@@ -75,7 +76,7 @@ def file_workload(path: str, n: int) -> list[RequestSpec]:
 
 async def run_one(session: aiohttp.ClientSession, url: str, model: str, spec: RequestSpec) -> RequestResult:
     body = {"model": model, "prompt": spec.prompt, "max_tokens": spec.max_tokens, "temperature": 0.0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}, **spec.extra}
     start = time.perf_counter()
     result = RequestResult(ok=False, prompt_len=spec.prompt_len, sent=start)
     last = start
