@@ -291,8 +291,35 @@ class ObservabilityConfig:
     disable_log_stats: bool = option(False, "stop the scheduler's periodic throughput / queue / KV cache log line")
 
 
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")  # --tool-call-parser's names (vLLM's; frontend/tool_parsers)
+
+
+@dataclass(frozen=True)
+class ToolCallConfig:
+    """Tool calling on /v1/chat/completions (frontend/tool_request.py), under vLLM's flag names. Each field's help
+    says what it means."""
+
+    enable_auto_tool_choice: bool = option(False, "take tool_choice \"auto\" (the default of a request that lists "
+                                                  "tools): the model decides whether to call a tool, and its output "
+                                                  "is parsed with --tool-call-parser")
+    tool_call_parser: str | None = option(None, "the format the model writes tool calls in, parsed out of its output "
+                                                "under tool_choice auto: " + ", ".join(TOOL_CALL_PARSERS),
+                                          metavar="{" + ",".join(TOOL_CALL_PARSERS) + "}")
+
+
+def tool_call_error(tools: ToolCallConfig) -> str | None:
+    """Why the tool flags cannot be served (None when they can): an unknown parser, or auto without one."""
+    if tools.tool_call_parser is not None and tools.tool_call_parser not in TOOL_CALL_PARSERS:
+        return (f"--tool-call-parser {tools.tool_call_parser!r} is not a tool-call parser; choose one of "
+                f"{', '.join(TOOL_CALL_PARSERS)}")
+    if tools.enable_auto_tool_choice and tools.tool_call_parser is None:
+        return "--enable-auto-tool-choice needs --tool-call-parser (the format the model writes tool calls in)"
+    return None
+
+
 # whose fields are `shuttle serve` flags
-SERVE_SECTIONS = (SchedulerConfig, CacheConfig, WorkerConfig, OpsConfig, ParallelConfig, ObservabilityConfig)
+SERVE_SECTIONS = (SchedulerConfig, CacheConfig, WorkerConfig, OpsConfig, ParallelConfig, ObservabilityConfig,
+                  ToolCallConfig)
 
 
 def section_from_args(cls, args: argparse.Namespace):
@@ -373,6 +400,7 @@ class ShuttleConfig:
     ops: OpsConfig = field(default_factory=OpsConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+    tool_calls: ToolCallConfig = field(default_factory=ToolCallConfig)
 
     @staticmethod
     def from_args(args: argparse.Namespace, ipc: IpcConfig) -> "ShuttleConfig":
@@ -381,6 +409,10 @@ class ShuttleConfig:
         tp = args.tensor_parallel_size
         refusal = tensor_parallel_error(_read_json(Path(model.model_dir) / "config.json"), tp)
         if refusal:  # refused before any process starts, not after every rank has loaded the model
+            raise ModelDirError(refusal)
+        tool_calls = section_from_args(ToolCallConfig, args)
+        refusal = tool_call_error(tool_calls)
+        if refusal:
             raise ModelDirError(refusal)
         if ipc is not None and len(ipc.rank_plans) != tp - 1:
             raise ValueError(f"{tp} tensor-parallel ranks need {tp - 1} rank plan endpoints, got {len(ipc.rank_plans)}")
@@ -398,6 +430,7 @@ class ShuttleConfig:
             ops=section_from_args(OpsConfig, args),
             parallel=section_from_args(ParallelConfig, args),
             observability=section_from_args(ObservabilityConfig, args),
+            tool_calls=tool_calls,
         )
 
     def to_json(self) -> str:

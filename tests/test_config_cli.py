@@ -22,9 +22,11 @@ NON_DEFAULTS = {
     "max_restarts": ("2", 2), "shutdown_timeout": ("3", 3.0), "keep_alive_timeout": ("1", 1.0),
     "header_timeout": ("2", 2.0), "body_timeout": ("3", 3.0), "max_batch_message_bytes": ("1KiB", 1024),
     "tensor_parallel_size": ("2", 2), "master_addr": ("127.0.0.2", "127.0.0.2"), "master_port": ("29500", 29500),
+    "tool_call_parser": ("llama3_json", "llama3_json"),
 }
 BOOLEANS = {"enable_prefix_caching", "async_scheduling", "batch_background"}
-TRUE_BOOLEANS = {"enforce_eager", "enable_log_requests", "disable_log_stats"}  # off by default: the test turns them on
+# off by default: the test turns them on
+TRUE_BOOLEANS = {"enforce_eager", "enable_log_requests", "disable_log_stats", "enable_auto_tool_choice"}
 
 
 def test_every_field_is_a_flag_that_reaches_its_section():
@@ -42,7 +44,8 @@ def test_every_field_is_a_flag_that_reaches_its_section():
     for section, built in ((CacheConfig, config.cache), (SchedulerConfig, config.scheduler),
                            (WorkerConfig, config.worker), (type(config.ops), config.ops),
                            (type(config.parallel), config.parallel),
-                           (type(config.observability), config.observability)):
+                           (type(config.observability), config.observability),
+                           (type(config.tool_calls), config.tool_calls)):
         for f in dataclasses.fields(section):
             want = False if f.name in BOOLEANS else True if f.name in TRUE_BOOLEANS else NON_DEFAULTS[f.name][1]
             assert getattr(built, f.name) == want, f.name
@@ -71,3 +74,24 @@ def test_an_unwritable_step_log_is_refused_before_any_process_starts(tmp_path):
     config = ShuttleConfig.from_args(args, IpcConfig.in_directory("/x"))  # config does no I/O of its own
     with pytest.raises(ModelDirError, match="--step-log .*missing/steps.jsonl: No such file or directory"):
         check_scheduler_files(config.scheduler)
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--tool-call-parser", "qwen"], "--tool-call-parser 'qwen' is not a tool-call parser; choose one of hermes, "
+                                     "llama3_json, mistral"),
+    (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
+])
+def test_tool_flags_are_refused_in_one_line(flags, words):
+    from common.errors import ModelDirError
+
+    args = build_parser().parse_args(["serve", str(MODEL_DIR), *flags])
+    with pytest.raises(ModelDirError) as exc:
+        ShuttleConfig.from_args(args, IpcConfig.in_directory("/x"))
+    assert str(exc.value).startswith(words) and "\n" not in str(exc.value)
+
+
+def test_a_tool_call_parser_alone_is_taken():
+    args = build_parser().parse_args(["serve", str(MODEL_DIR), "--tool-call-parser", "hermes"])
+    config = ShuttleConfig.from_args(args, IpcConfig.in_directory("/x"))
+    assert (config.tool_calls.enable_auto_tool_choice, config.tool_calls.tool_call_parser) == (False, "hermes")
+    assert ShuttleConfig.from_json(config.to_json()).tool_calls == config.tool_calls
