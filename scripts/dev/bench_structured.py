@@ -3,7 +3,8 @@
 in one run, and unconstrained requests beside constrained ones; then grammar compile time, cold and cached.
 
 Phases, each --concurrency requests in flight (--rounds x concurrency requests in all), streamed completions:
-  free    unconstrained, ignore_eos, --free-tokens tokens each
+  free    unconstrained, ignore_eos, --free-tokens tokens each (about the json outputs' length), sampled at
+          temperature 1.0 as the json requests are
   json    a response_format json_schema (nested objects, arrays, enums, numbers), up to --json-max-tokens tokens
           (they end where the JSON does)
   mixed   half of each; the free half's figures are the "free in mixed" row
@@ -70,7 +71,8 @@ def _specs(kind: str, n: int, args, rng: random.Random) -> list[RequestSpec]:
         if kind == "json" or (kind == "mixed" and i % 2):
             specs.append(RequestSpec(prompt, 0, args.json_max_tokens, {**_response_format(SCHEMA), "seed": i}))
         else:
-            specs.append(RequestSpec(prompt, 0, args.free_tokens))
+            # sampled as the json requests are (greedy would take the sampler's shortcut and flatter the baseline)
+            specs.append(RequestSpec(prompt, 0, args.free_tokens, {"temperature": 1.0, "seed": i}))
     return specs
 
 
@@ -147,9 +149,9 @@ def main(argv: list[str] | None = None) -> int:
             specs = _specs(phase, n, args, rng)
             results, duration = asyncio.run(_run_phase(server.url, specs, args.concurrency))
             if phase == "mixed":
-                free = [r for s, r in zip(specs, results) if not s.extra]
-                rows.append(_row("free in mixed", free, duration))
-                rows.append(_row("json in mixed", [r for s, r in zip(specs, results) if s.extra], duration))
+                json_rows = ["response_format" in s.extra for s in specs]
+                rows.append(_row("free in mixed", [r for r, j in zip(results, json_rows) if not j], duration))
+                rows.append(_row("json in mixed", [r for r, j in zip(results, json_rows) if j], duration))
             else:
                 rows.append(_row(phase, results, duration))
         valid, total = asyncio.run(_json_outputs_valid(server.url, args.concurrency, args.json_max_tokens))
