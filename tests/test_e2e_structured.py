@@ -131,3 +131,57 @@ def test_a_constraint_that_does_not_compile_is_a_400(client, extra, needle):
                                                stream=stream)
             list(result) if stream else None
         assert caught.value.status_code == 400 and needle in caught.value.message, caught.value.message
+
+
+SMALL_SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
+                                                                                  "maximum": 9}},
+                "required": ["ok", "n"], "additionalProperties": False}
+DIGITS = r"[0-9]{3}-[a-c]{2}"
+GRAMMAR = 'root ::= "The " animal " is " mood\nanimal ::= "cat" | "dog"\nmood ::= "happy" | "sad"'
+
+
+def _follows(kind, text):
+    if kind == "schema":
+        jsonschema.validate(json.loads(text), SMALL_SCHEMA)
+        return True
+    if kind == "object":
+        return isinstance(json.loads(text), dict)
+    if kind == "regex":
+        return re.fullmatch(DIGITS, text) is not None
+    if kind == "choice":
+        return text in CHOICES
+    return re.fullmatch(r"The (cat|dog) is (happy|sad)", text) is not None
+
+
+# Issue 27's "silently ignored" list: each of these forms now constrains the output, on both endpoints.
+FORMS = [
+    ("response_format", {"type": "json_object"}, "object"),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "s", "schema": SMALL_SCHEMA}}, "schema"),
+    ("structured_outputs", {"json": SMALL_SCHEMA}, "schema"),
+    ("structured_outputs", {"json_object": True}, "object"),
+    ("structured_outputs", {"regex": DIGITS}, "regex"),
+    ("structured_outputs", {"choice": CHOICES}, "choice"),
+    ("structured_outputs", {"grammar": GRAMMAR}, "grammar"),
+    ("guided_json", SMALL_SCHEMA, "schema"),
+    ("guided_regex", DIGITS, "regex"),
+    ("guided_choice", CHOICES, "choice"),
+    ("guided_grammar", GRAMMAR, "grammar"),
+]
+
+
+@pytest.mark.parametrize("field, value, kind", FORMS, ids=[f"{f}-{k}" for f, _, k in FORMS])
+async def test_every_constraint_form_constrains_both_endpoints(aclient, field, value, kind):
+    extra = {field: value}
+    max_tokens = 120 if kind == "object" else 40
+    for seed in range(2):
+        completion = await aclient.completions.create(model="stories260K", prompt="Hi", max_tokens=max_tokens,
+                                                      temperature=1.0, seed=seed, extra_body=extra)
+        chat = await aclient.chat.completions.create(
+            model="stories260K", messages=[{"role": "user", "content": "Hi"}], max_tokens=max_tokens,
+            temperature=1.0, seed=seed, extra_body=extra)
+        for text, finish in ((completion.choices[0].text, completion.choices[0].finish_reason),
+                             (chat.choices[0].message.content, chat.choices[0].finish_reason)):
+            if kind == "object" and finish == "length":
+                assert text.startswith("{")  # an object the model did not close within max_tokens
+                continue
+            assert finish == "stop" and _follows(kind, text), (field, text)
