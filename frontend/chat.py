@@ -36,8 +36,10 @@ class ChatTemplate:
 
     def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
                continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None,
-               escape: Callable[[str], str] | None = None) -> str:
-        """The prompt text for `messages`.
+               escape: Callable[[str], str] | None = None, tools: list[dict[str, Any]] | None = None) -> str:
+        """The prompt text for `messages`. An assistant message's tool calls reach the template with each call's
+        arguments decoded to an object (as vLLM passes them: templates `tojson` them); a tool message carries its
+        tool_call_id, and any message its name.
 
         Args:
             add_generation_prompt: end with the template's opening of an assistant turn.
@@ -45,10 +47,11 @@ class ChatTemplate:
                 it, e.g. an assistant prefix (transformers' rule; vLLM's parameter). Excludes add_generation_prompt.
             template_kwargs: extra variables for the template (vLLM's chat_template_kwargs).
             escape: applied to every message's content (SpecialTextGuard.escape), None to leave it as is.
+            tools: the request's tools in OpenAI's shape (frontend/tool_request.py template_tools), or None.
 
         Raises:
-            InvalidRequestError: no template, empty or malformed messages, a message without content, conflicting
-                options, or the template refused them.
+            InvalidRequestError: no template, empty or malformed messages, a message without content, tool-call
+                arguments that are not a JSON object, conflicting options, or the template refused them.
         """
         if self.template is None:
             raise InvalidRequestError("this model has no chat template; start the server with --chat-template FILE "
@@ -62,24 +65,56 @@ class ChatTemplate:
         if reserved:
             raise InvalidRequestError(f"chat_template_kwargs may not set {', '.join(reserved)} (use the request "
                                       f"fields)", param="chat_template_kwargs")
-        conversation = []
-        for i, message in enumerate(messages):
-            if message.role not in ROLES:
-                raise InvalidRequestError(f"message role must be one of {', '.join(ROLES)}", param="messages")
-            if message.content is None:
-                # OpenAI allows a null content only beside an assistant's tool_calls, and tools are not supported
-                why = "tool calls are not supported" if message.tool_calls else "content is required"
-                raise InvalidRequestError(f"messages[{i}] has no content: {why}", param="messages")
-            content = _text_content(message.content)
-            conversation.append({"role": message.role, "content": escape(content) if escape else content})
+        conversation = [_template_message(i, message, escape) for i, message in enumerate(messages)]
         try:
             rendered, _ = render_jinja_template(
-                conversations=[conversation], chat_template=self.template, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, **{**self.special, **(template_kwargs or {})})
+                conversations=[conversation], tools=tools, chat_template=self.template,
+                add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                **{**self.special, **(template_kwargs or {})})
         except Exception as exc:  # jinja2 errors and raise_exception() in the template
             raise InvalidRequestError(f"the chat template could not render these messages: {exc}",
                                       param="messages") from None
         return rendered[0]
+
+
+def _template_message(i: int, message: ChatMessage, escape: Callable[[str], str] | None) -> dict[str, Any]:
+    """Message `i` as the template reads it.
+
+    Raises:
+        InvalidRequestError: an unknown role, no content (allowed only beside an assistant's tool_calls), or a tool
+            call whose arguments are not a JSON object.
+    """
+    if message.role not in ROLES:
+        raise InvalidRequestError(f"message role must be one of {', '.join(ROLES)}", param="messages")
+    calls = message.tool_calls if message.role == "assistant" else None
+    if message.tool_calls and not calls:
+        raise InvalidRequestError(f"messages[{i}] is a {message.role} message: only assistant messages have "
+                                  f"tool_calls", param="messages")
+    if message.content is None and not calls:
+        raise InvalidRequestError(f"messages[{i}] has no content: content is required", param="messages")
+    content = "" if message.content is None else _text_content(message.content)
+    out: dict[str, Any] = {"role": message.role, "content": escape(content) if escape else content}
+    if message.name is not None:
+        out["name"] = message.name
+    if calls:
+        out["tool_calls"] = [{"id": call.id, "type": "function",
+                              "function": {"name": call.function.name,
+                                           "arguments": _arguments(i, j, call.function.arguments)}}
+                             for j, call in enumerate(calls)]
+    if message.role == "tool" and message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    return out
+
+
+def _arguments(i: int, j: int, text: str) -> dict[str, Any]:
+    try:
+        arguments = json.loads(text)
+    except (ValueError, RecursionError):
+        arguments = None
+    if not isinstance(arguments, dict):
+        raise InvalidRequestError(f"messages[{i}].tool_calls[{j}].function.arguments must be a JSON object as text",
+                                  param="messages")
+    return arguments
 
 
 def _text_content(content) -> str:

@@ -12,6 +12,7 @@ import msgspec
 from common.errors import GenerationError, InvalidRequestError, ModelNotFoundError
 from common.sampling import MAX_LOGPROBS, SamplingParams, StructuredOutput
 from frontend.integral_floats import integral_floats_as_ints
+from frontend.tool_request import MessageToolCall, Tool, ToolChoice
 
 MAX_N = 16  # most choices per request
 MAX_PROMPTS = 64  # most prompts in one completions request
@@ -146,12 +147,14 @@ class CompletionRequest(SamplingFields, kw_only=True):
 
 
 class ChatMessage(msgspec.Struct, kw_only=True):
-    """One message; `content` is required (checked when rendering, so that the error names the message)."""
+    """One message; `content` is required but beside an assistant's `tool_calls` (checked when rendering, so that the
+    error names the message). A `tool` message answers the call named by `tool_call_id`."""
 
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
-    tool_calls: list[Any] | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
@@ -172,15 +175,20 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     parse_special_tokens_in_content: bool = False
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):
     """Body of POST /tokenize: `prompt` or `messages` (with the chat prompt fields of ChatCompletionRequest).
-    `add_special_tokens` defaults to true for a prompt and false for messages, as in vLLM."""
+    `add_special_tokens` defaults to true for a prompt and false for messages, as in vLLM; `tools` reach the chat
+    template as in a chat request."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -201,7 +209,7 @@ class Refused(NamedTuple):
     accepted: Any = None
 
 
-_TOOLS = "tool calling is not implemented yet"
+_FUNCTIONS = 'OpenAI\'s deprecated form of tools: use tools ([{"type": "function", "function": {...}}])'
 _NOT_IMPLEMENTED = "not implemented"
 # Fields of OpenAI's and vLLM's request schemas that shuttle does not implement. A body holding one that its
 # request Struct does not declare gets 400 naming it (so `echo` is refused on chat only), rather than being served
@@ -210,11 +218,8 @@ _NOT_IMPLEMENTED = "not implemented"
 REFUSED_FIELDS: dict[str, Refused] = {
     "guided_whitespace_pattern": Refused("JSON whitespace is the grammar engine's own (xgrammar)"),
     "structural_tag": Refused("structural tags are not implemented"),
-    "tools": Refused(_TOOLS, []),
-    "tool_choice": Refused(_TOOLS, "none"),
-    "parallel_tool_calls": Refused(_TOOLS),
-    "functions": Refused(_TOOLS),
-    "function_call": Refused(_TOOLS),
+    "functions": Refused(_FUNCTIONS),
+    "function_call": Refused("OpenAI's deprecated form of tool_choice: use tool_choice"),
     "chat_template": Refused("the server renders every chat with its own template (--chat-template at startup)"),
     "documents": Refused(_NOT_IMPLEMENTED),
     "use_beam_search": Refused("beam search is not implemented", False),
@@ -246,7 +251,7 @@ REFUSED_FIELDS: dict[str, Refused] = {
 
 def refuse_undeclared(data: dict, request_type: type) -> None:
     """Refuse the first field of `data` (nulls already dropped) that `request_type` does not declare, unless it is
-    a REFUSED_FIELDS entry holding its accepted value (`"tools": []`, `"echo": false` on chat).
+    a REFUSED_FIELDS entry holding its accepted value (`"echo": false` on chat, `"skip_special_tokens": true`).
 
     Raises:
         InvalidRequestError: the field (named in `param`) is not implemented, or not a field at all.

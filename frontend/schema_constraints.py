@@ -4,7 +4,9 @@ false) but for the one accepted value of a field of OpenAI's or vLLM's schema th
 (frontend/protocol.py's REFUSED_FIELDS: `"echo": false` on chat, `"skip_special_tokens": true`). So a request drawn
 from the document (a client generator, scripts/dev/fuzz_schema.py) is one the server takes, but for what these
 schemas do not say: prompt plus max_tokens within max_model_len, min_tokens at most max_tokens, best_of equal to n,
-at most one output constraint (and none with min_tokens or ignore_eos), a schema given as text being JSON.
+at most one output constraint (and none with min_tokens or ignore_eos), a schema given as text being JSON,
+tool_choice naming a listed tool (and "auto", the default beside tools, only on a server started with
+--enable-auto-tool-choice), tool-call arguments that are JSON objects as text.
 
 The limits come from where they are checked (common/sampling.py, frontend/protocol.py, frontend/chat.py); the
 fuzzer's count of schema-valid requests refused is what shows a drift.
@@ -96,8 +98,14 @@ def constrain(components: dict, model_name: str, vocab_size: int) -> None:
                                            "propertyNames": {"not": {"enum": sorted(RESERVED_KWARGS)}}})})
     message = components["ChatMessage"]
     message["properties"].update({"role": {"enum": list(ROLES)},
-                                  "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": text_part}]}})
-    message["required"] = ["role", "content"]
+                                  "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": text_part},
+                                                        NULL]}})
+    message["required"] = ["role"]
+    message["anyOf"] = [  # content, but beside an assistant's tool calls
+        {"required": ["content"], "properties": {"content": {"not": NULL}}},
+        {"required": ["tool_calls"], "properties": {"role": {"const": "assistant"},
+                                                    "tool_calls": {"type": "array", "minItems": 1}}}]
+    message["allOf"] = [_given("tool_calls", {"properties": {"role": {"const": "assistant"}}})]
     tokenize = components["TokenizeRequest"]
     tokenize["properties"]["model"] = _nullable({"const": model_name})
     messages = {"type": "array", "items": {"$ref": "#/components/schemas/ChatMessage"}, "minItems": 1}

@@ -36,6 +36,8 @@ from frontend.protocol import (
 from frontend.responses import chat_logprobs, completion_logprobs, prompt_logprobs_object
 from frontend.state import FrontendState
 from frontend.structured_request import structured_output_of
+from frontend.tool_calls import ToolCallChoices, tool_parser_of
+from frontend.tool_request import template_tools, tool_constraint, tool_use_of
 
 log = logging.getLogger("shuttle.frontend")
 
@@ -91,8 +93,8 @@ def build_generations(state: FrontendState, body: SamplingFields, prompts: list[
 
 def chat_prompt_ids(state: FrontendState, body: ChatCompletionRequest | TokenizeRequest,
                     add_special_tokens: bool) -> list[int]:
-    """Token ids of a chat request's prompt: the messages through the chat template with the request's options.
-    Special-token text in message content stays text unless parse_special_tokens_in_content.
+    """Token ids of a chat request's prompt: the messages (and tools) through the chat template with the request's
+    options. Special-token text in message content stays text unless parse_special_tokens_in_content.
 
     Raises:
         InvalidRequestError: the template refused the messages or options, or the prompt is empty or too long.
@@ -100,7 +102,8 @@ def chat_prompt_ids(state: FrontendState, body: ChatCompletionRequest | Tokenize
     tokenizer = state.tokenizer
     text = state.chat_template.render(
         body.messages, body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs,
-        escape=None if body.parse_special_tokens_in_content else tokenizer.special_text.escape)
+        escape=None if body.parse_special_tokens_in_content else tokenizer.special_text.escape,
+        tools=template_tools(body.tools or ()))
     ids = tokenizer.encode_chat(text, add_special_tokens, state.config.model.max_model_len)
     if not ids:
         raise InvalidRequestError("the rendered chat prompt is empty", param="messages")
@@ -270,7 +273,8 @@ class CompletionCall(Call):
 
 class ChatCall(Call):
     """POST /v1/chat/completions: message choices; in a stream each choice opens with a role-only delta (as OpenAI's
-    streams do).
+    streams do). With tools, each choice's text is parsed into content and tool calls (frontend/tool_calls.py), and
+    tool_choice "required" or a named function constrains the output to them (frontend/tool_request.py).
 
     Raises:
         InvalidRequestError, ModelNotFoundError: the body is not valid (param names the field).
@@ -286,6 +290,11 @@ class ChatCall(Call):
             raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
         self.logprobs = check_logprobs(body.top_logprobs or 0, "top_logprobs", state.config.model.max_logprobs) \
             if body.logprobs else None
+        tool_config = state.config.tool_calls
+        self.tool_use = tool_use_of(body.tools, body.tool_choice, body.parallel_tool_calls,
+                                    tool_config.enable_auto_tool_choice and tool_config.tool_call_parser is not None)
+        parser = tool_parser_of(self.tool_use, tool_config.tool_call_parser)
+        self.tool_calls = ToolCallChoices(parser, self.tool_use.parallel) if parser is not None else None
         self.prompt = chat_prompt_ids(state, body, body.add_special_tokens)
         request_id = new_request_id(id_prefix)
         super().__init__(state, body, request_id, {"id": request_id, "created": int(time.time()),
@@ -304,14 +313,33 @@ class ChatCall(Call):
                                  max_tokens_param="max_completion_tokens" if newer else "max_tokens",
                                  structured=self.structured_output())
 
+    def structured_output(self) -> StructuredOutput | None:
+        """The body's own constraint, or the one tool_choice "required" or a named function makes (never both).
+
+        Raises:
+            InvalidRequestError: as Call.structured_output, or a forced tool choice beside a constraint of the body's
+                (param "tool_choice").
+        """
+        own = super().structured_output()
+        forced = tool_constraint(self.tool_use)
+        if forced is not None and own is not None:
+            raise InvalidRequestError("tool_choice \"required\" or a named function constrains the output to tool "
+                                      "calls, so it cannot be combined with response_format or structured_outputs",
+                                      param="tool_choice")
+        return forced or own
+
     def final_choice(self, choice: CollectedChoice) -> dict:
         g = choice.generation
-        return self._choice("message", g.index, {"role": "assistant", "content": choice.text}, choice.token_ids,
-                            choice.logprobs, g.finish_reason)
+        message, finish = {"role": "assistant", "content": choice.text}, g.finish_reason
+        if self.tool_calls is not None:
+            message, finish = self.tool_calls.message(choice.text, finish)
+        return self._choice("message", g.index, message, choice.token_ids, choice.logprobs, finish)
 
     def chunk_choices(self, delta: TextDelta, first: bool) -> list[dict]:
-        choice = self._choice("delta", delta.index, {"content": delta.text} if delta.text else {}, delta.token_ids,
-                              delta.logprobs, delta.finish_reason)
+        message, finish = {"content": delta.text} if delta.text else {}, delta.finish_reason
+        if self.tool_calls is not None:
+            message, finish = self.tool_calls.delta(delta.index, delta.text, finish)
+        choice = self._choice("delta", delta.index, message, delta.token_ids, delta.logprobs, finish)
         if not first:
             return [choice]
         role = {"index": delta.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,

@@ -40,11 +40,12 @@ REFUSED = [
     ("guided_decoding_backend", "outlines", (C, CHAT)),
     ("guided_whitespace_pattern", " ", (C, CHAT)),
     ("structural_tag", "{}", (C, CHAT)),
-    ("tools", [TOOL], (CHAT,)),
+    # tool calling is implemented (tests/test_tool_calling.py): malformed tools and choices are refused
+    ("tools", [{"type": "function", "function": {"name": "get weather"}}], (CHAT,)),  # not a function name
     ("tool_choice", "required", (CHAT,)),  # without tools
     ("tool_choice", "auto", (CHAT,)),
     ("tool_choice", {"type": "function", "function": {"name": "get_weather"}}, (CHAT,)),
-    ("parallel_tool_calls", True, (CHAT,)),
+    ("parallel_tool_calls", "yes", (CHAT,)),
     ("functions", [TOOL["function"]], (CHAT,)),
     ("function_call", "auto", (CHAT,)),
     ("chat_template", "{{ messages[0]['content'] }}", (CHAT,)),
@@ -71,6 +72,7 @@ ACCEPTED = [
     ("response_format", {"type": "text"}, (C, CHAT)),
     ("tools", [], (CHAT,)),
     ("tool_choice", "none", (CHAT,)),
+    ("parallel_tool_calls", False, (CHAT,)),
     ("use_beam_search", False, (C, CHAT)),
     ("echo", False, (CHAT,)),
     ("skip_special_tokens", True, (C, CHAT)),
@@ -147,7 +149,8 @@ async def test_messages_name_the_reason(app):
         for body, words in (({"guided_whitespace_pattern": " "}, "JSON whitespace is the grammar engine's own"),
                             ({"structured_outputs": {"json": SCHEMA, "disable_fallback": True}},
                              "structured_outputs.disable_fallback is not supported"),
-                            ({"tool_choice": "required"}, "tool calling is not implemented"),
+                            ({"tools": [TOOL]}, "requires --enable-auto-tool-choice"),
+                            ({"functions": [TOOL["function"]]}, "use tools"),
                             ({"foo": 1}, "Unrecognized request argument supplied: foo")):
             async with session.post(f"{app.url}{CHAT}", json={**BASES[CHAT], **body}) as response:
                 assert response.status == 400 and words in (await response.json())["error"]["message"]
@@ -179,7 +182,7 @@ async def test_tokenize_refuses_too(app):
     async with aiohttp.ClientSession() as session:
         for body, field in (({"prompt": "Hi", "foo": 1}, "foo"),
                             ({"messages": BASES[CHAT]["messages"], "chat_template": "{{ 1 }}"}, "chat_template"),
-                            ({"messages": BASES[CHAT]["messages"], "tools": [TOOL]}, "tools")):
+                            ({"messages": BASES[CHAT]["messages"], "tool_choice": "auto"}, "tool_choice")):
             async with session.post(f"{app.url}/tokenize", json=body) as response:
                 check_refusal(response.status, await response.json(), field)
         async with session.post(f"{app.url}/detokenize", json={"tokens": [1], "skip_special_tokens": False}) as r:
@@ -242,9 +245,11 @@ async def test_openapi_document_takes_no_other_field(app):
         schema = schemas[name]
         assert schema["additionalProperties"] is False
         assert not {"foo", "guided_whitespace_pattern"} & schema["properties"].keys()
-        assert schema["properties"]["tool_choice"] == {"anyOf": [{"const": "none"}, {"type": "null"}]}
+        assert ("tool_choice" in schema["properties"]) == (name == "ChatCompletionRequest")
     chat = schemas["ChatCompletionRequest"]["properties"]
-    assert chat["tools"] == {"anyOf": [{"const": []}, {"type": "null"}]}
+    assert chat["tools"]["anyOf"] == [{"type": "array", "items": {"$ref": "#/components/schemas/Tool"}},
+                                      {"type": "null"}]
+    assert schemas["Tool"]["additionalProperties"] is False
     formats = chat["response_format"]["anyOf"][0]["anyOf"]
     assert [f["$ref"].rsplit("/", 1)[1] for f in formats] == ["ResponseFormatText", "ResponseFormatJsonObject",
                                                              "ResponseFormatJsonSchema"]
