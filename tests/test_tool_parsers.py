@@ -254,7 +254,7 @@ JSON_ARRAY_CASES = [
     ('[{"name": "f", "parameters": {"a": "x', msg("", ("f", '{"a": "x'))),
     ('[{"name": "f", "parameters": {"a": 1}', msg("", ("f", '{"a": 1}'))),
     ('[{"name": "f', msg("")),
-    ('[{"name": "f", ', msg("", ("f", "{}"))),
+    ('[{"name": "f", ', msg("", ("f", ""))),  # cut before its parameters: no arguments made up
     ('[{"parameters": {"a": 1}', msg("")),
     ('[{"name": "f", "parameters": {}}] trailing', msg("trailing", ("f", "{}"))),
     ('[{"name": "f", "parameters": {}} x]', msg("x]", ("f", "{}"))),

@@ -23,8 +23,8 @@ class JsonArrayCallsParser:
     last, not re-serialized), its `name` the decoded "name" string; the keys may come in either order, other keys
     are skipped. Content is "". Leniencies, for an output the grammar did not shape: an output whose first
     non-whitespace character is not `[` is all content, as written; a call object without "name" is dropped; one
-    without "parameters" gets "{}" (also when the text breaks off before them); where the text stops being the expected shape (or after the closing `]`) the
-    rest of it is content, from its first non-whitespace character; an output cut off inside a call keeps that
+    without "parameters" gets "{}" (but "" when the output is cut off before them); where the text stops being the
+    expected shape (or after the closing `]`) the rest of it is content, from its first non-whitespace character; an output cut off inside a call keeps that
     call with the arguments text so far (a name cut off: the call is dropped).
 
     Streaming is character-level: a call's name is released as soon as its string is closed, then its
@@ -70,7 +70,7 @@ class JsonArrayStreamer:
     def finish(self) -> StreamPiece:
         if self._state == "start":
             self._out.content(self._lead)
-        self._end_call()
+        self._end_call(cut=True)
         return self._out.finish()
 
     def _new_call(self) -> None:
@@ -163,10 +163,10 @@ class JsonArrayStreamer:
                 self._held = []
         self._state = "after_value"
 
-    def _end_call(self) -> None:
-        """The call object is left (closed, broken off or cut off): a named call that had no "parameters" gets
-        "{}"."""
-        if self._started and not self._had_parameters:
+    def _end_call(self, cut: bool = False) -> None:
+        """The call object is left (closed or broken off): a named call that had no "parameters" gets "{}". One the
+        output cut off (`cut`, max_tokens) keeps the arguments written so far, none: nothing is made up."""
+        if self._started and not self._had_parameters and not cut:
             self._out.arguments("{}")
         self._started = self._had_parameters = False
 
