@@ -20,7 +20,7 @@ from frontend.metrics import Metrics
 from frontend.cors import Cors
 from frontend.dashboard import add_dashboard
 from frontend.middleware import api_key_auth, json_content_type, openai_errors, request_id_header
-from frontend.openai_api import create_chat_completion, create_completion, list_models, retrieve_model
+from frontend.openai_api import create_chat_completion, create_completion, create_response, list_models, retrieve_model
 from frontend.openapi import openapi_document
 from frontend.router import Router
 from frontend.state import STATE, FrontendState
@@ -108,6 +108,7 @@ def build_app(state: FrontendState, api_key: str | None = None) -> web.Applicati
     app.router.add_get("/v1/models/{model_id:.+}", retrieve_model)
     app.router.add_post("/v1/completions", create_completion)
     app.router.add_post("/v1/chat/completions", create_chat_completion)
+    app.router.add_post("/v1/responses", create_response)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/v1/ws", websocket_handler)

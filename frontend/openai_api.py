@@ -1,4 +1,5 @@
-"""POST /v1/completions, POST /v1/chat/completions and GET /v1/models in OpenAI's shapes, with SSE streaming."""
+"""POST /v1/completions, POST /v1/chat/completions, POST /v1/responses and GET /v1/models in OpenAI's shapes, with
+SSE streaming."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from aiohttp import web
 from common.errors import GenerationError
 from frontend.http_server import request_body
 from frontend.protocol import ChatCompletionRequest, CompletionRequest, decode_body, error_body
+from frontend.responses_api import ResponsesCall, ResponsesRequest
 from frontend.serving import Call, ChatCall, CompletionCall, check_model
 from frontend.state import RESPONSE_ID, STATE, FrontendState
 
@@ -28,6 +30,16 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     return await _respond(request, ChatCall(request.app[STATE], body))
 
 
+async def create_response(request: web.Request) -> web.StreamResponse:
+    """The Responses API's stream is named events (`event:` lines) with no [DONE]; a failure after the first is an
+    `error` event."""
+    call = ResponsesCall(request.app[STATE], decode_body(await request_body(request), ResponsesRequest))
+    if not call.body.stream:
+        return await _respond(request, call)
+    request[RESPONSE_ID] = call.request_id
+    return await _stream(request, call, _named_event, call.error_event, done=b"")
+
+
 async def _respond(request: web.Request, call: Call) -> web.StreamResponse:
     request[RESPONSE_ID] = call.request_id  # the x-request-id header when the client sent none, errors included
     if call.body.stream:
@@ -37,12 +49,14 @@ async def _respond(request: web.Request, call: Call) -> web.StreamResponse:
 
 # ---- streaming --------------------------------------------------------------------------------------------------
 
-async def _stream(request: web.Request, call: Call) -> web.StreamResponse:
-    """Server-Sent Events: the core's chunks, then [DONE].
+async def _stream(request: web.Request, call: Call, frame=None, error=error_body,
+                  done: bytes = DONE) -> web.StreamResponse:
+    """Server-Sent Events: the core's chunks (each written by `frame`, a `data:` line by default), then `done`.
 
     The first chunk is awaited before the headers go out, so an admission error is a real HTTP status; an error
-    after that arrives as a `data: {"error": ...}` event.
+    after that arrives as an event of its own (`error(status, message)`: a `data: {"error": ...}` by default).
     """
+    frame = frame or _event
     async with aclosing(call.chunks()) as chunks:  # leaving (the client gone included) aborts the choices
         first = await anext(chunks, None)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
@@ -50,22 +64,27 @@ async def _stream(request: web.Request, call: Call) -> web.StreamResponse:
         try:
             chunk = first
             while chunk is not None:
-                await response.write(_event(chunk))
+                await response.write(frame(chunk))
                 chunk = await anext(chunks, None)
         except GenerationError as exc:
-            await response.write(_event(error_body(exc.status, str(exc))))
+            await response.write(frame(error(exc.status, str(exc))))
         except ConnectionResetError:
             raise  # the client is gone
         except Exception:
             request.app.logger.exception("stream failed")
-            await response.write(_event(error_body(500, "internal server error")))
-    await response.write(DONE)
+            await response.write(frame(error(500, "internal server error")))
+    if done:
+        await response.write(done)
     await response.write_eof()
     return response
 
 
 def _event(payload: dict) -> bytes:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n".encode()
+
+
+def _named_event(payload: dict) -> bytes:
+    return f"event: {payload['type']}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n".encode()
 
 
 def _dumps(obj) -> str:

@@ -13,6 +13,7 @@ import msgspec
 from common.messages import BatchRequest, BatchResponse
 from frontend.middleware import OPEN_PATHS
 from frontend.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from frontend.responses_api import ResponsesRequest
 from frontend.schema_constraints import constrain
 
 ERROR = {
@@ -46,12 +47,16 @@ def _object(required: dict[str, dict]) -> dict:
 _INT, _STR, _ARRAY = {"type": "integer"}, {"type": "string"}, {"type": "array"}
 _COMPLETION = _object({"id": _STR, "object": _STR, "created": _INT, "model": _STR, "choices": _ARRAY,
                        "usage": {"type": "object"}})
+_RESPONSE = _object({"id": _STR, "object": _STR, "created_at": _INT, "status": _STR, "model": _STR,
+                     "output": _ARRAY})
 _MODEL = _object({"id": _STR, "object": _STR, "created": _INT, "owned_by": _STR})
 POSTS = {  # path -> (request Struct, summary, success body schema, streams, error statuses)
     "/v1/completions": (CompletionRequest, "OpenAI completions; Server-Sent Events with stream: true",
                         _COMPLETION, True, POST_ERRORS),
     "/v1/chat/completions": (ChatCompletionRequest, "OpenAI chat completions; Server-Sent Events with stream: true",
                              _COMPLETION, True, POST_ERRORS),
+    "/v1/responses": (ResponsesRequest, "OpenAI Responses API (nothing stored); named Server-Sent Events with "
+                      "stream: true", _RESPONSE, True, POST_ERRORS),
     "/tokenize": (TokenizeRequest, "text or chat messages to token ids",
                   _object({"tokens": {"type": "array", "items": _INT}, "count": _INT, "max_model_len": _INT}),
                   False, tuple(s for s in POST_ERRORS if s != "503")),
