@@ -123,7 +123,7 @@ async def serve(config: ShuttleConfig, on_ready) -> None:
     local = len(config.ipc.all_groups) - len(config.ipc.remote_groups)  # the launcher's; remote ones join later
     engine = Router([EngineClient(endpoint, config.ipc.curve, remote=endpoint in config.ipc.remote_groups)
                      for endpoint in config.ipc.all_groups], config.scheduler.max_num_seqs, wait_for=local)
-    registry = Metrics(lambda: engine.stats, engine.group_states)
+    registry = Metrics(lambda: engine.stats, engine.group_states, config, lambda: engine.info)
     engine.on_stats = registry.observe_steps
     link = SupervisorLink(config, engine)
     link.start()

@@ -74,6 +74,8 @@ class TextGeneration:
         """
         self._detokenizer = IncrementalDetokenizer(self.tokenizer, self.prompt_token_ids)
         self._matcher = StopStringMatcher(self.stop, self.include_stop, protected=self.request.sampling.min_tokens > 0)
+        if self.metrics is not None:
+            self.metrics.on_submit(self.request)
         try:
             async with aclosing(self.engine.generate(self.request)) as outputs:
                 async for output in outputs:

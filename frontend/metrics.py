@@ -1,8 +1,13 @@
 """Prometheus metrics of what clients feel, named like vLLM's under the `shuttle:` prefix.
 
-Request-level latencies are measured here, in the frontend, where the client's experience is. Scheduler
-figures (queue lengths, KV usage, prefix cache, preemptions) come from the scheduler's periodic stats
-messages and are read at scrape time; the frontend never waits for them.
+Request-level latencies and per-request sizes are measured here, in the frontend, where the client's experience
+is. Scheduler figures (queue lengths, KV usage, prefix cache, preemptions) come from the scheduler's periodic
+stats messages and are read at scrape time; the frontend never waits for them.
+
+As vLLM does, every `shuttle:` series carries `model_name` (the first --served-model-name), so dashboards written
+for vLLM's series filter the same way. The series are kept unlabelled by model inside (the dashboard feed reads
+them as they are) and get the label on the way out, in one collector; the process and GC collectors of
+prometheus-client stand beside them, unlabelled, as in any Python exporter.
 """
 
 from __future__ import annotations
@@ -10,15 +15,70 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from typing import Callable
 
-from common.messages import RequestOutput, SchedulerStats
+from prometheus_client import (CollectorRegistry, Counter, GCCollector, Histogram, PlatformCollector,
+                               ProcessCollector, generate_latest)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from common.config import ShuttleConfig
+from common.messages import RequestOutput, SchedulerInfo, SchedulerStats, Submit
 
 # Latency buckets in seconds (vLLM's choices, extended up for CPU serving).
 _LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
             40.0, 80.0, 160.0, 640.0)
 _COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+# The n request parameter: vLLM's buckets (vllm/v1/metrics/loggers.py, vllm:request_params_n).
+_N = (1, 2, 5, 10, 20)
+_UNKNOWN_MAX_MODEL_LEN = 8192  # token-count buckets of a Metrics built without a config (unit tests)
+
+
+def one_two_five(max_value: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to max_value: vLLM's bucket boundaries for per-request token counts
+    (build_1_2_5_buckets(max_model_len) in vllm/v1/metrics/loggers.py)."""
+    bounds, scale = [], 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_value:
+                return tuple(bounds)
+            bounds.append(mantissa * scale)
+        scale *= 10
+
+
+class _ModelNameLabel:
+    """Re-exports every family of `inner` with model_name="<name>" added to each sample's labels."""
+
+    def __init__(self, inner: CollectorRegistry, model_name: str):
+        self._inner = inner
+        self._model_name = model_name
+
+    def collect(self):
+        for family in self._inner.collect():
+            labelled = Metric(family.name, family.documentation, family.type, family.unit)
+            labelled.samples = [sample._replace(labels={"model_name": self._model_name, **sample.labels})
+                                for sample in family.samples]
+            yield labelled
+
+
+class _CacheConfigCollector:
+    """vllm:cache_config_info's counterpart: a gauge of 1 whose labels are the KV cache's configuration."""
+
+    def __init__(self, config: ShuttleConfig, info_source: Callable[[], SchedulerInfo | None]):
+        self._config = config
+        self._info = info_source
+
+    def collect(self):
+        family = GaugeMetricFamily("shuttle:cache_config_info", "Information of the KV cache configuration.",
+                                   labels=["block_size", "num_gpu_blocks", "num_gpu_blocks_override", "cache_dtype",
+                                           "enable_prefix_caching", "gpu_memory_utilization"])
+        info = self._info()
+        if info is not None:  # the scheduler's answer to Hello: known before the frontend serves
+            cache = self._config.cache
+            # label values as vLLM writes them: str() of each setting (None, True, 0.9)
+            family.add_metric([str(info.block_size), str(info.num_kv_blocks), str(cache.num_kv_blocks),
+                               self._config.model.dtype, str(cache.enable_prefix_caching),
+                               str(cache.gpu_memory_utilization)], 1.0)
+        yield family
 
 
 class _SchedulerCollector:
@@ -77,11 +137,17 @@ class Metrics:
     Args:
         stats_source: () -> the schedulers' SchedulerStats (summed over serving groups).
         groups_source: () -> list of frontend.engine_api.GroupState, for the per-group metrics (None: none).
+        config: the server's configuration: the model_name label, max_model_len (the token-count buckets) and
+            the cache settings of shuttle:cache_config_info. None (bare registries in unit tests): no model_name
+            label, no cache_config_info.
+        info_source: () -> the scheduler's SchedulerInfo (None until one answered), for cache_config_info.
     """
 
-    def __init__(self, stats_source, groups_source=None):
-        self.registry = CollectorRegistry()
-        r = self.registry
+    def __init__(self, stats_source, groups_source=None, config: ShuttleConfig | None = None,
+                 info_source: Callable[[], SchedulerInfo | None] | None = None):
+        self.registry = CollectorRegistry()  # what /metrics exposes
+        r = self.series = CollectorRegistry()  # every shuttle: series, before the model_name label
+        tokens = one_two_five(config.model.max_model_len if config else _UNKNOWN_MAX_MODEL_LEN)
         self.ttft = Histogram("shuttle:time_to_first_token_seconds", "Time to first token.", buckets=_LATENCY, registry=r)
         self.itl = Histogram("shuttle:inter_token_latency_seconds", "Time between consecutive output tokens.",
                              buckets=_LATENCY, registry=r)
@@ -95,6 +161,17 @@ class Metrics:
                                  buckets=_LATENCY, registry=r)
         self.decode = Histogram("shuttle:request_decode_time_seconds", "First token to last token.", buckets=_LATENCY,
                                 registry=r)
+        # vLLM buckets this one (and e2e, queue, prefill, decode) from 0.3 s up; ours keep _LATENCY like its siblings
+        self.inference = Histogram("shuttle:request_inference_time_seconds", "First scheduled to last token (time "
+                                   "spent running).", buckets=_LATENCY, registry=r)
+        self.request_prompt_tokens = Histogram("shuttle:request_prompt_tokens", "Prompt tokens per request.",
+                                               buckets=tokens, registry=r)
+        self.request_generation_tokens = Histogram("shuttle:request_generation_tokens",
+                                                   "Generated tokens per request.", buckets=tokens, registry=r)
+        self.params_max_tokens = Histogram("shuttle:request_params_max_tokens", "The max_tokens of each request (as "
+                                           "applied: the default fills the context).", buckets=tokens, registry=r)
+        self.params_n = Histogram("shuttle:request_params_n", "The n request parameter, once per prompt.",
+                                  buckets=_N, registry=r)
         self.prompt_tokens = Counter("shuttle:prompt_tokens", "Prompt tokens of requests that were prefilled.",
                                      registry=r)
         self.generation_tokens = Counter("shuttle:generation_tokens", "Generated tokens.", registry=r)
@@ -113,9 +190,18 @@ class Metrics:
         r.register(_SchedulerCollector(stats_source))
         if groups_source is not None:
             r.register(_GroupCollector(groups_source))
+        if config is not None and info_source is not None:
+            r.register(_CacheConfigCollector(config, info_source))
+        self.registry.register(self.series if config is None else _ModelNameLabel(self.series,
+                                                                                 config.model.served_model_name))
+        ProcessCollector(registry=self.registry)
+        GCCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
 
-    def request(self, num_prompt_tokens: int) -> "RequestMetrics":
-        return RequestMetrics(self, num_prompt_tokens)
+    def request(self, num_prompt_tokens: int, n: int = 0) -> "RequestMetrics":
+        """The recorder of one sequence. `n`: the request's n parameter, given to one sequence of each prompt
+        (the first choice; 0 for the others), which observes it in shuttle:request_params_n when it finishes."""
+        return RequestMetrics(self, num_prompt_tokens, n)
 
     def observe_steps(self, stats: SchedulerStats) -> None:
         for size in stats.step_batch_sizes:
@@ -133,11 +219,18 @@ class RequestMetrics:
 
     metrics: Metrics
     num_prompt_tokens: int
+    n: int = 0  # the request's n, on one sequence of each prompt (0: not this one's to observe)
+    max_tokens: int = 0  # from the Submit (on_submit); 0: not known
     arrival: float = field(default_factory=time.time)
+    first_scheduled: float = 0.0
     first_token: float = 0.0
     last_token: float = 0.0
     num_tokens: int = 0
     done: bool = False
+
+    def on_submit(self, request: Submit) -> None:
+        """The sequence goes to the engine: keep its max_tokens for shuttle:request_params_max_tokens."""
+        self.max_tokens = request.sampling.max_tokens
 
     def on_output(self, output: RequestOutput) -> None:
         now = time.time()
@@ -147,6 +240,7 @@ class RequestMetrics:
             self.metrics.ttft.observe(now - self.arrival)
             self.metrics.prompt_tokens.inc(self.num_prompt_tokens)
             if output.first_scheduled_time:
+                self.first_scheduled = output.first_scheduled_time
                 self.metrics.queue.observe(max(output.first_scheduled_time - self.arrival, 0.0))
                 self.metrics.prefill.observe(max(now - output.first_scheduled_time, 0.0))
         elif count:
@@ -161,12 +255,22 @@ class RequestMetrics:
         if self.done:
             return
         self.done = True
-        self.metrics.finished.labels(finish_reason).inc()
-        if self.first_token:
-            self.metrics.e2e.observe(self.last_token - self.arrival)
-            self.metrics.decode.observe(self.last_token - self.first_token)
-            if self.num_tokens > 1:
-                self.metrics.tpot.observe((self.last_token - self.first_token) / (self.num_tokens - 1))
+        metrics = self.metrics
+        metrics.finished.labels(finish_reason).inc()
+        if not self.first_token:  # never ran to a token: no latencies, and no sizes (as vLLM counts)
+            return
+        metrics.e2e.observe(self.last_token - self.arrival)
+        metrics.decode.observe(self.last_token - self.first_token)
+        if self.num_tokens > 1:
+            metrics.tpot.observe((self.last_token - self.first_token) / (self.num_tokens - 1))
+        if self.first_scheduled:
+            metrics.inference.observe(max(self.last_token - self.first_scheduled, 0.0))
+        metrics.request_prompt_tokens.observe(self.num_prompt_tokens)
+        metrics.request_generation_tokens.observe(self.num_tokens)
+        if self.max_tokens:
+            metrics.params_max_tokens.observe(self.max_tokens)
+        if self.n:
+            metrics.params_n.observe(self.n)
 
     def on_rejected(self, status: int, reason: str = "") -> None:
         """Count a refusal at arrival: `reason` when the scheduler gave one ("slo"), else by status."""
