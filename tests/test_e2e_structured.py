@@ -185,3 +185,20 @@ async def test_every_constraint_form_constrains_both_endpoints(aclient, field, v
                 assert text.startswith("{")  # an object the model did not close within max_tokens
                 continue
             assert finish == "stop" and _follows(kind, text), (field, text)
+
+
+def test_logprobs_of_a_constrained_request_are_finite_json(server):
+    import requests
+
+    def strict(constant):
+        raise ValueError(f"not JSON: {constant}")
+
+    body = {"prompt": "Hi", "max_tokens": 4, "temperature": 0, "logprobs": 5,
+            "structured_outputs": {"choice": ["yes", "no"]}}
+    response = requests.post(f"{server.url}/v1/completions", json=body, timeout=60)
+    [choice] = json.loads(response.text, parse_constant=strict)["choices"]
+    logprobs = choice["logprobs"]
+    assert response.status_code == 200 and choice["text"] in ("yes", "no")
+    # five alternatives as asked; those the grammar forbids report vLLM's floor, -9999.0
+    assert all(len(top) == 5 and min(top.values()) >= -9999.0 for top in logprobs["top_logprobs"])
+    assert any(-9999.0 in top.values() for top in logprobs["top_logprobs"])

@@ -23,6 +23,9 @@ from common.sampling import SamplingParams
 from worker.grammar import GrammarError, GrammarState
 
 _MASK64 = (1 << 64) - 1
+# What a token of probability 0 (logit -inf: masked by a grammar) reports as its logprob: JSON has no -Infinity, and
+# vLLM reports -9999.0 there too.
+LOGPROB_FLOOR = -9999.0
 
 
 def seeded_uniform(seed: int, position: int) -> float:
@@ -118,7 +121,9 @@ class Sampler:
         logits = logits.float()
         params = [s.params for s in states]
         wants_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
-        raw_logprobs = logits[wants_logprobs].log_softmax(dim=-1) if wants_logprobs else None
+        raw_logprobs = None
+        if wants_logprobs:
+            raw_logprobs = logits[wants_logprobs].log_softmax(dim=-1).clamp_(min=LOGPROB_FLOOR)
         num_outputs = [len(ids) - s.prompt_len for ids, s in zip(token_ids, states)]
         logits = self._process(logits, states, params, token_ids, num_outputs)
         tokens = logits.argmax(dim=-1)

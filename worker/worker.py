@@ -24,7 +24,8 @@ from worker.kv_sizing import CUDA_GRAPH_ALLOWANCE, KVPlan, plan_kv_blocks, profi
 from worker.model_loader import DTYPES, architecture, load_model, probe_geometry
 from worker.output_projection import chunk_output_projection
 from worker.parallel import TensorParallel, local_device, local_numel
-from worker.sampler import Sampler
+from worker.quantization import quantize_model
+from worker.sampler import LOGPROB_FLOOR, Sampler
 from worker.staging import StepStaging
 
 log = logging.getLogger("shuttle.worker")
@@ -81,10 +82,13 @@ class ModelRunner:
         baseline = snapshot(device) if device.type == "cuda" else None  # before the weights (worker/kv_sizing.py)
         self.dtype_name = resolve_dtype(model_cfg.dtype, device.type)
         self.dtype = DTYPES[self.dtype_name]
+        kv_name = cache_cfg.kv_cache_dtype  # --kv-cache-dtype: auto is the model's dtype
+        self.kv_dtype = self.dtype if kv_name == "auto" else DTYPES[kv_name]
         self.block_size = cache_cfg.block_size
         self.staging = StepStaging(device)
         self.model = load_model(model_cfg.model_dir, self.dtype_name, device, **parallel.load_kwargs(),
                                 trust_remote_code=model_cfg.trust_remote_code)
+        self.quantized_linears = quantize_model(self.model, config.worker.quantization, device, parallel.enabled)
         self.architecture = architecture(self.model)
         chunk_output_projection(self.model, device, parallel.enabled)
         self.geometry = probe_geometry(self.model)  # under tensor parallel: this rank's KV heads
@@ -92,7 +96,7 @@ class ModelRunner:
         self.backend = make_backend(config.worker.attention_backend, self.block_size, device)  # auto as devices.py
         if self.backend.name == "cpu":
             from worker import decode_kernel
-            decode_kernel.warm_up(torch.get_num_threads())
+            decode_kernel.warm_up(torch.get_num_threads(), (self.kv_dtype,))
         self.check_difference = check_exactness(self, model_cfg.max_model_len)
         log.info("%s: paged attention (%s backend) matches eager attention within %.2g nats", self.architecture,
                  self.backend.name, self.check_difference)
@@ -102,7 +106,7 @@ class ModelRunner:
         if baseline is not None and num_blocks is None:
             self.kv_plan = self._size_kv_cache(config, baseline)
             num_blocks = self.kv_plan.num_blocks
-        self.kv_cache = KVCache.allocate(self.geometry, self.block_size, self.dtype, device, num_blocks,
+        self.kv_cache = KVCache.allocate(self.geometry, self.block_size, self.kv_dtype, device, num_blocks,
                                          cache_cfg.kv_cache_memory)
         # how the cache was sized, for the start-up line
         if self.kv_plan is not None:
@@ -125,6 +129,13 @@ class ModelRunner:
         self.graphs = graph_runner_for(self, config)  # decode-only steps from CUDA graphs (None: all eager)
 
     @property
+    def dtype_label(self) -> str:
+        """The model's dtype for the start-up line, with the KV cache's when --kv-cache-dtype makes it another."""
+        if self.kv_dtype == self.dtype:
+            return self.dtype_name
+        return f"{self.dtype_name} (KV cache {str(self.kv_dtype).removeprefix('torch.')})"
+
+    @property
     def weight_bytes(self) -> int:
         """Bytes of the weights this rank holds."""
         return sum(local_numel(p) * p.element_size() for p in self.model.parameters())
@@ -136,8 +147,8 @@ class ModelRunner:
         vocab = self.model.get_output_embeddings().weight.shape[0]
         plan, blocks = profile_plan(config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs,
                                     max_model_len, bs, vocab)
-        bytes_per_token = KVCache.bytes_per_token_of(self.geometry, self.dtype)
-        scratch = KVCache.allocate(self.geometry, bs, self.dtype, self.device, blocks, 0)
+        bytes_per_token = KVCache.bytes_per_token_of(self.geometry, self.kv_dtype)
+        scratch = KVCache.allocate(self.geometry, bs, self.kv_dtype, self.device, blocks, 0)
         figures = profile_peak(lambda: self.profile_step(plan, scratch, max_model_len), self.device, baseline,
                                kv_cache_bytes(blocks, bs, bytes_per_token))
         del scratch
@@ -245,7 +256,7 @@ class ModelRunner:
         """Raw log-softmax at prompt positions: the logprob of each next prompt token and the top k."""
         out, offset = [], 0
         for state, first, rows, targets in prompt_rows:
-            log_softmax = logits[offset:offset + len(rows)].float().log_softmax(dim=-1)  # [rows, vocab]
+            log_softmax = logits[offset:offset + len(rows)].float().log_softmax(dim=-1).clamp_(min=LOGPROB_FLOOR)
             offset += len(rows)
             k = state.sampling.params.prompt_logprobs
             top = log_softmax.topk(k, dim=-1) if k else None
