@@ -46,8 +46,8 @@ class GrammarCompiler:
     model cannot spend its max_tokens on blank lines inside an object, which small and sampled models otherwise do.
 
     Args:
-        tokenizer_dir: the Hugging Face tokenizer's directory (transformers' AutoTokenizer loads it, once, on the
-            compile thread, on the first compile).
+        tokenizer_dir: the Hugging Face tokenizer's directory (transformers' AutoTokenizer loads it once, on the
+            compile thread, as soon as the compiler is built).
         vocab_size: the logits' width (the model's output rows; may exceed the tokenizer's vocabulary).
         eos_token_ids: the ids that end a sequence: a grammar allows them exactly where its output may end.
         trust_remote_code: passed to AutoTokenizer.
@@ -66,6 +66,8 @@ class GrammarCompiler:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
         self._pending: dict[str, Future] = {}
         self._answers: list[tuple[str, str]] = []  # (key, error or "") to report, cache hits included
+        # The tokenizer's grammar tables are built now, on the compile thread, so no first request waits for them
+        self._warm_up = self._pool.submit(self._xgrammar_compiler)
 
     # ---- asked by the scheduler -------------------------------------------------------------------------
 
