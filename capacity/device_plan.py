@@ -122,6 +122,10 @@ def main(args) -> int:
     if args.model_dir is None:
         print("shuttle: no MODEL_DIR given and the default ../shared/models/stories260K is missing", file=sys.stderr)
         return 2
+    if getattr(args, "quantization", "none") != "none":
+        print(f"shuttle: error: --quantization {args.quantization} runs on the CPU only; a --device plan is for the "
+              f"datasheet's accelerator", file=sys.stderr)
+        return 2
     try:
         plan = build(args.model_dir, args.device, args.dtype, args.max_model_len, args.block_size,
                      args.max_num_seqs, args.max_num_batched_tokens, args.gpu_memory_utilization)

@@ -261,7 +261,7 @@ def build_plan(model_dir: str, max_model_len: int | None = None, dtype: str = "f
                kv_cache_memory: int | None = None, gpu_memory_utilization: float | None = None,
                num_kv_blocks: int | None = None, block_size: int = 16, max_num_seqs: int = 128,
                max_num_batched_tokens: int = 2048, max_waiting_requests: int = 4096, attention_backend: str = "auto",
-               measure_processes: bool = True) -> MemoryPlan:
+               measure_processes: bool = True, quantization: str = "none") -> MemoryPlan:
     """Measure and compute the memory plan (see the module docstring). Never starts a server.
 
     Raises:
@@ -280,8 +280,11 @@ def build_plan(model_dir: str, max_model_len: int | None = None, dtype: str = "f
         max(1, min(16, max_num_batched_tokens // max_num_seqs)) + 2, block_size) + 8)
     config = ShuttleConfig(model=model, ipc=IpcConfig.in_directory("/nonexistent"),
                            cache=CacheConfig(block_size, profile_blocks, enable_prefix_caching=False),
-                           worker=WorkerConfig(attention_backend))
+                           worker=WorkerConfig(attention_backend, quantization=quantization))
     runner = ModelRunner(config)
+    if runner.quantized_linears:
+        notes.append(f"--quantization {quantization}: the weights count {runner.quantized_linears} linear layers at "
+                     f"one byte per weight plus their scales (worker/quantization.py)")
     gc.collect()
     bytes_per_token = KVCache.bytes_per_token_of(runner.geometry, runner.dtype)
     profile_kv = kv_cache_bytes(profile_blocks, block_size, bytes_per_token)
@@ -347,7 +350,8 @@ def main(args) -> int:
         plan = build_plan(args.model_dir, args.max_model_len, args.dtype, args.kv_cache_memory,
                           args.gpu_memory_utilization, args.num_kv_blocks, args.block_size, args.max_num_seqs,
                           args.max_num_batched_tokens, args.max_waiting_requests, args.attention_backend,
-                          measure_processes=not args.no_measure_processes)
+                          measure_processes=not args.no_measure_processes,
+                          quantization=getattr(args, "quantization", "none"))
     except (ModelDirError, UnsupportedModelError, ValueError) as exc:
         print(f"shuttle: error: {exc}", file=sys.stderr)
         return 2

@@ -218,6 +218,11 @@ class WorkerConfig:
                                type=cpu_list, metavar="LIST")
     enforce_eager: bool = option(False, "run every step eagerly: no CUDA graphs for decode-only steps (graphs are "
                                         "captured only on CUDA, with the flex attention backend)")
+    quantization: str = option("none", "int8: the decoder layers' linear layers (not the embeddings or lm_head) get "
+                                       "per-output-channel int8 weights at load, run by torch's int8 weight-only "
+                                       "CPU matmul (worker/quantization.py; CPU only, without tensor parallel; "
+                                       "output close to, not equal to, the unquantized model's); none: the "
+                                       "checkpoint's weights", metavar="{none,int8}")
 
 
 @dataclass(frozen=True)
@@ -314,6 +319,23 @@ def tool_call_error(tools: ToolCallConfig) -> str | None:
                 f"{', '.join(TOOL_CALL_PARSERS)}")
     if tools.enable_auto_tool_choice and tools.tool_call_parser is None:
         return "--enable-auto-tool-choice needs --tool-call-parser (the format the model writes tool calls in)"
+    return None
+
+
+QUANTIZATIONS = ("none", "int8")  # --quantization's values (worker/quantization.py)
+
+
+def quantization_error(method: str, tensor_parallel_size: int = 1, device_type: str = "cpu") -> str | None:
+    """Why --quantization `method` cannot be served (None when it can): an unknown method, or int8 under tensor
+    parallel or on a device other than the CPU (neither verified)."""
+    if method not in QUANTIZATIONS:
+        return f"--quantization {method!r} is not supported; choose one of {', '.join(QUANTIZATIONS)}"
+    if method == "none":
+        return None
+    if tensor_parallel_size > 1:
+        return f"--quantization {method} runs without tensor parallel only (-tp 1), not -tp {tensor_parallel_size}"
+    if device_type != "cpu":
+        return f"--quantization {method} runs on the CPU only (--device cpu), not on {device_type}"
     return None
 
 

@@ -111,10 +111,15 @@ def resolve_config(config, local_groups: int, cuda_devices: int):
         local_groups: serving groups this launcher starts (their ranks each need a device).
         cuda_devices: CUDA devices present (cuda_device_count(); tests pass fabricated counts).
     Raises:
-        DeviceError: too few CUDA devices, or a CUDA device asked for on a machine without one.
+        DeviceError: too few CUDA devices, or a CUDA device asked for on a machine without one; --quantization
+            that cannot be served (common.config.quantization_error).
     """
     first = resolve_device(config.worker.device, cuda_devices)
     check_device_count(first, max(local_groups, 1), config.parallel.tensor_parallel_size, cuda_devices)
+    from common.config import quantization_error  # common.config imports this module
+    refusal = quantization_error(config.worker.quantization, config.parallel.tensor_parallel_size, device_type(first))
+    if refusal:
+        raise DeviceError(refusal)
     worker = dataclasses.replace(config.worker, device=first,
                                  attention_backend=resolve_attention_backend(config.worker.attention_backend, first))
     model = dataclasses.replace(config.model, dtype=resolve_dtype(config.model.dtype, first))

@@ -155,7 +155,7 @@ def _add_plan_parser(commands, default_model: str | None) -> None:
                                                                         "weights, activations and KV (CUDA only)"})
     add_config_options(plan, CacheConfig, ["block_size"])
     add_config_options(plan, SchedulerConfig, ["max_num_seqs", "max_num_batched_tokens", "max_waiting_requests"])
-    add_config_options(plan, WorkerConfig, ["attention_backend"])
+    add_config_options(plan, WorkerConfig, ["attention_backend", "quantization"])
     plan.add_argument("--no-measure-processes", action="store_true",
                       help="skip measuring the frontend and scheduler processes (two short subprocesses)")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")

@@ -16,6 +16,7 @@ NON_DEFAULTS = {
     "request_timeout": ("4", 4.0), "max_seqs_per_request": ("3", 3), "long_prefill_token_threshold": ("64", 64),
     "ttft_slo_ms": ("250", 250.0), "step_cost_profile": ("", ""), "step_log": ("/dev/null", "/dev/null"),
     "attention_backend": ("reference", "reference"), "device": ("CUDA:1", "cuda:1"),
+    "quantization": ("int8", "int8"),  # refused with CUDA and -tp 2 later, by resolve_config
     "gpu_memory_utilization": ("0.5", 0.5),
     "worker_threads": ("1", 1), "worker_cores": ("3,0-2", "0-3"), "step_timeout": ("5", 5.0),
     "heartbeat_timeout": ("6", 6.0),

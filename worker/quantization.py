@@ -1,0 +1,100 @@
+"""`--quantization int8`: the decoder layers' linear layers swapped for int8 weight-only ones at load.
+
+What is quantized: every `nn.Linear` of the model except its output projection (`lm_head`), so in a Llama the
+attention's q/k/v/o and the MLP's gate/up/down of every decoder layer. The embeddings and the lm_head stay in the
+checkpoint's dtype: small models tie the lm_head to the input embeddings (stories260K, the 110M Llama shape), and
+the logits, which greedy decoding and logprobs read directly, keep their precision.
+
+The scale (per output channel, symmetric, no zero point; llama.cpp's Q8_0 formula `d = amax / 127`, taken over a
+whole row rather than blocks of 32, as gpt-fast's `WeightOnlyInt8Linear` does):
+
+    s[n]    = max_k |W[n, k]| / 127            (rounded to bfloat16, the kernel's scale dtype)
+    q[n, k] = clamp(round(W[n, k] / s[n]), -127, 127)            int8
+    W[n, k] ~ q[n, k] * s[n]                   |W - q * s| <= s / 2 per element
+
+computed once from the loaded float32 / bfloat16 weights. The matmul is torch's own CPU kernel
+`torch.ops.aten._weight_int8pack_mm(x, q, s)`: x [M, K] 2-D and contiguous, q [N, K] int8, s [N] in x's dtype,
+returning [M, N] in x's dtype. K must be a multiple of 16 (its vectorised loop has no tail: other widths read
+past the rows, returning garbage or crashing), so a layer of another width (stories260K's down_proj, K = 172) keeps
+zero columns in q and gets its input padded with zeros to match. On this torch (2.13, CPU) only its bfloat16 path is vectorised: float32 inputs ran
+10-20x slower than the float32 matmul it replaces at 16-64 rows, so activations enter the kernel as bfloat16 and its
+output is cast back to the model's dtype. That rounding (2^-9 relative) is small next to the weights' own (about 1%
+of an output's magnitude); the agreement figures are in docs/operations.md.
+
+CPU only, without tensor parallel (rank shards would need their own scales): both are refused at start-up
+(common/config.py quantization_error, common/devices.py) and again here for an in-process engine.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from common.config import quantization_error
+
+QMAX = 127
+K_MULTIPLE = 16  # _weight_int8pack_mm's CPU kernel reads K in blocks of 16
+KERNEL_DTYPE = torch.bfloat16  # activations and scales as _weight_int8pack_mm's vectorised CPU path takes them
+
+
+def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8 of `weight` [N, K]; returns (q [N, K] int8, scales [N] bfloat16)."""
+    w = weight.detach().float()
+    scales = (w.abs().amax(dim=1) / QMAX).clamp(min=1e-12).to(KERNEL_DTYPE)  # [N]; an all-zero row keeps q = 0
+    q = torch.round(w / scales.float()[:, None]).clamp(-QMAX, QMAX).to(torch.int8)  # [N, K]
+    return q, scales
+
+
+def dequantize(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """q [N, K] int8 and scales [N] back to float32 weights [N, K]: q * s."""
+    return q.float() * scales.float()[:, None]
+
+
+class Int8Linear(torch.nn.Module):
+    """nn.Linear with int8 weights: input [..., K] in the model's dtype, output [..., N] in the same dtype,
+    y = bf16(x) @ (q * s).T (+ bias), accumulated by _weight_int8pack_mm.
+
+    The int8 weights and scales are frozen Parameters, so `model.parameters()` (ModelRunner.weight_bytes) counts
+    them at their real size: N x K bytes (K padded to a multiple of 16) plus 2N for the scales.
+    """
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        q, scales = quantize_per_channel(linear.weight)
+        self.pad = -self.in_features % K_MULTIPLE
+        q = torch.nn.functional.pad(q, (0, self.pad))  # [N, K + pad]: zero columns
+        self.qweight = torch.nn.Parameter(q, requires_grad=False)  # [N, K + pad] int8
+        self.scales = torch.nn.Parameter(scales, requires_grad=False)  # [N] bfloat16
+        self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).to(KERNEL_DTYPE).contiguous()  # [M, K]
+        if self.pad:
+            rows = torch.nn.functional.pad(rows, (0, self.pad))  # [M, K + pad]
+        out = torch.ops.aten._weight_int8pack_mm(rows, self.qweight, self.scales)  # [M, N] bfloat16
+        out = out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)  # [..., N]
+        return out if self.bias is None else out + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def quantize_model(model: torch.nn.Module, method: str, device: torch.device, tensor_parallel: bool) -> int:
+    """Replace, in place, every nn.Linear of `model` but its output embeddings by an Int8Linear when `method` is
+    "int8" ("none": nothing). Returns how many were replaced.
+
+    Raises:
+        ValueError: an unknown method, a CUDA device or tensor parallel (quantization_error's refusals).
+    """
+    refusal = quantization_error(method, 2 if tensor_parallel else 1, device.type)
+    if refusal:
+        raise ValueError(refusal)
+    if method == "none":
+        return 0
+    head = model.get_output_embeddings()
+    targets = [(name, module) for name, module in model.named_modules()
+               if type(module) is torch.nn.Linear and module is not head]
+    for name, linear in targets:
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, Int8Linear(linear))
+    return len(targets)
