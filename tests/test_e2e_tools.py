@@ -97,8 +97,14 @@ def test_langchain_bind_tools_and_with_structured_output(server):
         kind: Literal["cat", "dog"]
         legs: int = pydantic.Field(ge=0, le=8)
 
-    pet = llm.with_structured_output(Pet, method="function_calling").invoke("Lily had a pet.")
-    assert isinstance(pet, Pet)
+    # LangChain's methods json_schema (its default: response_format with strict) and function_calling (a named
+    # tool_choice); its json_mode is response_format json_object, which stories260K fills with strings it never closes
+    # within any max_tokens (tests/test_e2e_structured.py checks that form)
+    for method in ("json_schema", "function_calling"):
+        pet = llm.with_structured_output(Pet, method=method).invoke("Lily had a pet.")
+        assert isinstance(pet, Pet), method
+    free = llm.bind_tools([get_weather]).invoke("Tom asked about the weather.")  # tool_choice auto: hermes parser
+    assert isinstance(free.content, str) and free.response_metadata["finish_reason"] in ("stop", "length")
 
 
 def test_openai_agents_function_tool(server):
