@@ -59,8 +59,10 @@ SLOW_STEP_DELAY = 0.4  # seconds per step on `slow_server`: long enough that req
 
 @pytest.fixture(scope="session")
 def server():
-    """stories260K with default engine flags, a chat template and a waiting queue no test fills."""
-    srv = ShuttleServer("--chat-template", CHAT_TEMPLATE, "--max-waiting-requests", "100000")
+    """stories260K with default engine flags, a chat template, auto tool choice with the hermes parser (the template
+    ignores tools: stories260K's 512-token context has no room for them) and a waiting queue no test fills."""
+    srv = ShuttleServer("--chat-template", CHAT_TEMPLATE, "--max-waiting-requests", "100000",
+                        "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
     yield srv
     srv.stop()
 

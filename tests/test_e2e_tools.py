@@ -13,7 +13,6 @@ import openai
 import pydantic
 import pytest
 
-from launcher.local_server import ShuttleServer
 
 WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]},
                                             "days": {"type": "integer", "minimum": 1, "maximum": 7}},
@@ -22,14 +21,6 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
          {"type": "function", "function": {"name": "get_time",
                                            "parameters": {"type": "object", "properties": {}}}}]
 USER = [{"role": "user", "content": "Tom asked about the weather."}]
-
-
-@pytest.fixture(scope="module")
-def server():
-    srv = ShuttleServer("--chat-template", "tests/data/tools_chat.jinja", "--enable-auto-tool-choice",
-                        "--tool-call-parser", "hermes")
-    yield srv
-    srv.stop()
 
 
 @pytest.fixture(scope="module")
