@@ -187,6 +187,14 @@ class Metrics:
                                     registry=r)
         self.step_tokens = Histogram("shuttle:iteration_tokens_total", "Tokens scheduled per step.", buckets=_COUNTS,
                                      registry=r)
+        # every label value known in advance starts at 0, as vLLM does for finished_reason: a rate panel then
+        # shows 0 instead of no data (and a series that exists for the dashboard's checks)
+        for reason in ("stop", "length", "abort", "error"):
+            self.finished.labels(reason)
+        for reason in ("queue_full", "slo", "never_fits", "invalid"):
+            self.rejected.labels(reason)
+        for reason in ("frames", "depth", "decode"):
+            self.batch_malformed.labels(reason)
         r.register(_SchedulerCollector(stats_source))
         if groups_source is not None:
             r.register(_GroupCollector(groups_source))
