@@ -157,6 +157,9 @@ class CacheConfig:
              "weights, one profiling step at the largest step shape and a CUDA-graph allowance leave "
              "(worker/kv_sizing.py; --num-kv-blocks overrides it)", type=unit_fraction)
     enable_prefix_caching: bool = option(True, "share full KV blocks of identical prompt prefixes between requests")
+    kv_cache_dtype: str = option("auto", "dtype K and V are stored in: auto (the model's --dtype), float32 or bfloat16 "
+                                         "(a float32 model with a bfloat16 cache holds twice the tokens; attention "
+                                         "still accumulates in float32)", choices=["auto", "float32", "bfloat16"])
 
 
 @dataclass(frozen=True)

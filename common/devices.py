@@ -7,8 +7,11 @@ resolves it once (resolve_config), so that every process reads a concrete device
   cuda:(N + g * tp + r) (rank_device); on the CPU every rank shares the host;
 - too few CUDA devices for groups x ranks is refused before any process starts (check_device_count).
 
-`--dtype auto` is bfloat16 on CUDA and float32 on the CPU; `--attention-backend auto` is flex on CUDA and cpu on
-the CPU (the numba decode kernel).
+`--dtype auto` is bfloat16 on CUDA; on the CPU bfloat16 when the CPU has bf16 matrix instructions (the flags
+amx_bf16 or avx512_bf16 in /proc/cpuinfo, which oneDNN's bf16 matmuls run on; without them torch widens bf16 to fp32
+and is slower than fp32), else float32 (auto_dtype_reason says which rule decided; $SHUTTLE_AUTO_CPU_DTYPE, which
+the test suite sets to float32 for its fp32 exactness checks, overrides the flags). `--attention-backend auto` is
+flex on CUDA and cpu on the CPU (the numba decode kernel).
 
 Nothing here imports torch at module level: the launcher imports this module, and counting CUDA devices imports
 torch only on a machine with an NVIDIA driver (cuda_device_count).
@@ -23,8 +26,11 @@ import re
 
 _DEVICE = re.compile(r"^(auto|cpu|cuda)(?::(\d+))?$")
 
-# What `auto` means per device type.
+# What `auto` means per device type (on the CPU: without bf16 matrix instructions, cpu_auto_dtype).
 AUTO_DTYPE = {"cuda": "bfloat16", "cpu": "float32"}
+# CPU flags of instructions that multiply bf16 matrices natively (AMX tiles, AVX-512 BF16 dot products).
+BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
+AUTO_CPU_DTYPE_ENV = "SHUTTLE_AUTO_CPU_DTYPE"  # what --dtype auto means on a CPU, set by hand (the test suite)
 AUTO_ATTENTION_BACKEND = {"cuda": "flex", "cpu": "cpu"}
 
 
@@ -94,9 +100,46 @@ def check_device_count(first: str, groups: int, tensor_parallel_size: int, cuda_
                       f"{cuda_devices} (lower --data-parallel-size / --tensor-parallel-size, or choose --device)")
 
 
+def cpu_bf16_flags(cpuinfo: str = "/proc/cpuinfo") -> tuple[str, ...]:
+    """Which of BF16_CPU_FLAGS this CPU has (none where /proc/cpuinfo cannot be read)."""
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                if line.startswith("flags"):
+                    present = set(line.split(":", 1)[1].split())
+                    return tuple(flag for flag in BF16_CPU_FLAGS if flag in present)
+    except OSError:
+        pass
+    return ()
+
+
+def cpu_auto_dtype(flags: tuple[str, ...] | None = None) -> tuple[str, str]:
+    """(dtype, why) of `--dtype auto` on the CPU: $SHUTTLE_AUTO_CPU_DTYPE when set, else bfloat16 when the CPU has
+    a bf16 matrix flag (`flags`: cpu_bf16_flags() unless given), else float32."""
+    forced = os.environ.get(AUTO_CPU_DTYPE_ENV)
+    if forced:
+        if forced not in ("float32", "bfloat16", "float16"):
+            raise DeviceError(f"${AUTO_CPU_DTYPE_ENV}={forced!r} is not float32, bfloat16 or float16")
+        return forced, f"${AUTO_CPU_DTYPE_ENV}={forced}"
+    flags = cpu_bf16_flags() if flags is None else flags
+    if flags:
+        return "bfloat16", f"this CPU has {', '.join(flags)} (bf16 matrix instructions)"
+    return "float32", f"this CPU has none of {', '.join(BF16_CPU_FLAGS)} (bf16 would be widened to fp32)"
+
+
 def resolve_dtype(dtype: str, device: str) -> str:
-    """`--dtype auto` on `device`: bfloat16 on CUDA, float32 on the CPU; an explicit dtype is kept."""
-    return AUTO_DTYPE[device_type(device)] if dtype == "auto" else dtype
+    """`--dtype auto` on `device`: bfloat16 on CUDA, cpu_auto_dtype() on the CPU; an explicit dtype is kept."""
+    if dtype != "auto":
+        return dtype
+    return cpu_auto_dtype()[0] if device_type(device) == "cpu" else AUTO_DTYPE[device_type(device)]
+
+
+def auto_dtype_reason(device: str) -> str:
+    """The start-up line's account of `--dtype auto` on `device` ("bfloat16 (auto: this CPU has amx_bf16, ...)")."""
+    if device_type(device) != "cpu":
+        return f"{AUTO_DTYPE[device_type(device)]} (auto on {device_type(device)})"
+    dtype, why = cpu_auto_dtype()
+    return f"{dtype} (auto: {why}; --dtype float32 or bfloat16 to choose)"
 
 
 def resolve_attention_backend(name: str, device: str) -> str:
@@ -123,4 +166,8 @@ def resolve_config(config, local_groups: int, cuda_devices: int):
     worker = dataclasses.replace(config.worker, device=first,
                                  attention_backend=resolve_attention_backend(config.worker.attention_backend, first))
     model = dataclasses.replace(config.model, dtype=resolve_dtype(config.model.dtype, first))
+    kv_dtype = config.cache.kv_cache_dtype
+    if kv_dtype not in ("auto", model.dtype) and worker.attention_backend == "flex":
+        raise DeviceError(f"--kv-cache-dtype {kv_dtype} with a {model.dtype} model needs the cpu or reference "
+                          f"attention backend (flex attends in the model's dtype); drop it or use --dtype {kv_dtype}")
     return dataclasses.replace(config, worker=worker, model=model)

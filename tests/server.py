@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from common.devices import AUTO_CPU_DTYPE_ENV
 from launcher import local_server
 from launcher.local_server import pid_alive
 
@@ -13,6 +14,10 @@ __all__ = ["MODEL_DIR", "REPO", "ShuttleServer", "pid_alive"]
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL_DIR = Path(os.environ.get("SHUTTLE_TEST_MODEL", REPO.parent / "shared" / "models" / "stories260K"))
+
+# The suite's exactness references are fp32 transformers, so `--dtype auto` means float32 in every engine it builds and
+# every server it starts (they inherit this environment), also on a CPU whose bf16 units make auto pick bfloat16.
+os.environ[AUTO_CPU_DTYPE_ENV] = "float32"
 
 
 class ShuttleServer(local_server.ShuttleServer):

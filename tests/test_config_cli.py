@@ -11,6 +11,7 @@ from tests.server import MODEL_DIR
 # a value other than the default for each field, as it is typed on the command line
 NON_DEFAULTS = {
     "block_size": ("8", 8), "num_kv_blocks": ("100", 100), "kv_cache_memory": ("2MiB", 2 * 2**20),
+    "kv_cache_dtype": ("bfloat16", "bfloat16"),
     "max_num_seqs": ("7", 7), "max_num_batched_tokens": ("300", 300), "max_waiting_requests": ("9", 9),
     "scheduling_policy": ("priority", "priority"), "priority_aging_seconds": ("2.5", 2.5),
     "request_timeout": ("4", 4.0), "max_seqs_per_request": ("3", 3), "long_prefill_token_threshold": ("64", 64),

@@ -51,7 +51,7 @@ def main() -> None:
         sys.exit(2)
     kv = runner.kv_cache
     results.send(WorkerReady(rank, kv.num_blocks, kv.bytes_per_token, runner.weight_bytes, str(runner.device),
-                             runner.dtype_name, runner.backend.name, runner.activation_peak_bytes, runner.kv_budget))
+                             runner.dtype_label, runner.backend.name, runner.activation_peak_bytes, runner.kv_budget))
     report_ready(config, name, num_kv_blocks=kv.num_blocks)
     # Issue 9: a thread, so a long forward pass does not look like a hang; a frozen process (SIGSTOP) stops it
     # too. A step that never returns is the scheduler's step watchdog's to notice.

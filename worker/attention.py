@@ -109,8 +109,9 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     step = paged_attention
     key_cache, value_cache = step.kv_caches[module.layer_idx]
     slots = step.metadata.slot_mapping
-    key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, slots, key[0].transpose(0, 1))
-    value_cache.view(-1, *value_cache.shape[2:]).index_copy_(0, slots, value[0].transpose(0, 1))
+    # a cache of another dtype than the model's (--kv-cache-dtype) gets the step's K and V rounded to it here
+    key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, slots, key[0].transpose(0, 1).to(key_cache.dtype))
+    value_cache.view(-1, *value_cache.shape[2:]).index_copy_(0, slots, value[0].transpose(0, 1).to(value_cache.dtype))
     features = LayerFeatures(scaling if scaling is not None else query.shape[-1] ** -0.5,
                              sliding_window if sliding_window and sliding_window > 0 else None,
                              softcap if softcap else None, s_aux)

@@ -6,7 +6,8 @@ attention output; how it loops (or doesn't) is its own business.
 - `reference`: one sequence at a time; each sequence's context blocks are gathered and attended with torch's
   SDPA (or explicit math when the layer soft-caps or has sinks). Simple, every feature, any device and dtype.
 - `cpu` (the CPU default): decode rows all at once through the numba kernel of worker/decode_kernel.py, which
-  reads the cache in place; prefill chunks one sequence at a time as in `reference`. Measured on this 2-core
+  reads a float32 or bfloat16 cache in place and accumulates in float32 (queries of either dtype); prefill chunks
+  one sequence at a time as in `reference` (torch's CPU SDPA, which accumulates bfloat16 in float32 too). Measured on this 2-core
   CPU, the kernel beats the per-sequence loop for tiny models (the loop's Python overhead dominates) and for a
   110M Llama (no gather copy of the context), and a padded batched SDPA with a mask loses to both (torch falls
   back to its math path); see scripts/dev/bench_overhead.py.
@@ -121,9 +122,14 @@ class ReferenceBackend:
             first_block = key_start // bs
             blocks = meta.block_table[b, first_block:-(-context // bs)]
             key_start = first_block * bs
-            keys = key_cache[blocks].flatten(0, 1)[:context - key_start]
-            values = value_cache[blocks].flatten(0, 1)[:context - key_start]
+            # a --kv-cache-dtype other than the model's is widened (or rounded) to the queries' dtype here
+            keys = key_cache[blocks].flatten(0, 1)[:context - key_start].to(query.dtype)
+            values = value_cache[blocks].flatten(0, 1)[:context - key_start].to(query.dtype)
             out[q0:q1] = attend(query[q0:q1], keys, values, first_query, key_start, features, self._masks)
+
+
+# Query dtypes whose decode rows go through the numba kernel (float16 ones take the per-sequence loop).
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class CpuBackend(ReferenceBackend):
@@ -139,12 +145,13 @@ class CpuBackend(ReferenceBackend):
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                 value_cache: torch.Tensor, meta: AttentionMetadata, features: LayerFeatures) -> torch.Tensor:
         d = meta.num_decodes
-        if d == meta.num_seqs and query.dtype == torch.float32:
-            return self._decode(query, key_cache, value_cache, meta, features)
+        kernel = query.dtype in KERNEL_DTYPES and key_cache.dtype in self._kernel.CACHE_VIEWS
+        if d == meta.num_seqs and kernel:
+            return self._decode(query, key_cache, value_cache, meta, features).to(query.dtype)
         out = query.new_empty(query.shape[0], query.shape[1], value_cache.shape[3])
         first = 0
-        if d and query.dtype == torch.float32:
-            out[:d] = self._decode(query[:d], key_cache, value_cache, meta, features, d)
+        if d and kernel:
+            out[:d] = self._decode(query[:d], key_cache, value_cache, meta, features, d)  # rounded to out's dtype
             first = d
         self.attend_rows(range(first, meta.num_seqs), query, key, value, key_cache, value_cache, meta, features, out)
         return out

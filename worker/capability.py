@@ -57,6 +57,9 @@ def check_exactness(runner, max_model_len: int) -> float:
     # last-bit differences as bfloat16 weights do
     tolerance = TOLERANCE[torch.bfloat16] if getattr(runner, "quantized_linears", 0) else \
         TOLERANCE.get(runner.dtype, 0.25)
+    kv_dtype = getattr(runner, "kv_dtype", runner.dtype)
+    if kv_dtype != runner.dtype:  # a cache rounded to another dtype (--kv-cache-dtype): the looser tolerance
+        tolerance = max(tolerance, TOLERANCE.get(kv_dtype, 0.25))
     prefix = len(sequences["a"]) // 2  # the cached decode covers positions prefix - 1 .. len - 2
     disagreement = float((cached - reference["a"][prefix - 1:-1]).abs().max())
     if not disagreement <= tolerance:
@@ -83,7 +86,7 @@ def _paged_logprobs(runner, sequences: dict[str, list[int]]) -> dict[str, torch.
     """Run the sequences packed in four steps (chunked prefill, continuation, decodes); log-softmax per position."""
     bs = runner.block_size
     needed = sum(-(-len(ids) // bs) for ids in sequences.values())
-    cache = KVCache.allocate(runner.geometry, bs, runner.dtype, runner.device, needed, 0)
+    cache = KVCache.allocate(runner.geometry, bs, getattr(runner, "kv_dtype", runner.dtype), runner.device, needed, 0)
     batch = InputBatch(bs, cache.null_block, max(-(-len(ids) // bs) for ids in sequences.values()))
     tables, next_block = {}, 0
     for name, ids in sequences.items():

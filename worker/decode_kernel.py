@@ -6,6 +6,12 @@ every head are one contiguous row of the cache), a max-subtracted softmax per he
 soft-capping when the layer has them) and the weighted sum of V the same way. Accumulation is float32, the same
 as torch's CPU attention; results match it within ~1e-6.
 
+A bfloat16 cache is read in place too: numba has no bfloat16, so the kernel gets the cache viewed as uint16 and widens
+each element to float32 where it reads it (a bfloat16 is the top half of a float32: a 16-bit shift, exact). The
+same source compiles once per cache type; for a float32 cache the widening is the identity, so that machine code is
+the one it always was. Queries come in as float32 (the caller widens them, bfloat16 -> float32 being exact) and the
+output is float32, for the caller to round to the model's dtype.
+
 numba compiles on first use (a few seconds) and caches the machine code next to this file, so a worker warms it up
 at start-up (`warm_up`).
 """
@@ -16,7 +22,30 @@ import math
 
 import numpy as np
 import torch
-from numba import njit, prange, set_num_threads
+from llvmlite import ir
+from numba import njit, prange, set_num_threads, types
+from numba.extending import intrinsic, overload
+
+
+@intrinsic
+def _float32_of_bits(typingctx, bits):
+    """The float32 whose bit pattern is the uint32 `bits` (an LLVM bitcast)."""
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+    return types.float32(types.uint32), codegen
+
+
+def _widen(x):
+    """float32 of one cache element: itself for a float32, the shifted bits of a bfloat16 stored as uint16."""
+
+
+@overload(_widen, inline="always")
+def _widen_overload(x):
+    if isinstance(x, types.Float):
+        return lambda x: x
+    if x == types.uint16:
+        return lambda x: _float32_of_bits(np.uint32(x) << np.uint32(16))
+    return None
 
 
 # Reassociation lets LLVM vectorize the dot products; infinities and NaNs keep their IEEE meaning (masking uses -inf).
@@ -49,7 +78,7 @@ def _paged_decode(q, key_rows, value_rows, block_table, seq_lens, block_size, sc
                 for h in range(kv_head * group, (kv_head + 1) * group):
                     s = np.float32(0.0)
                     for d in range(head_dim):
-                        s += q[b, h, d] * key_rows[row, kv_head, d]
+                        s += q[b, h, d] * _widen(key_rows[row, kv_head, d])
                     s *= scale
                     if softcap > 0.0:
                         s = softcap * math.tanh(s / softcap)
@@ -77,7 +106,7 @@ def _paged_decode(q, key_rows, value_rows, block_table, seq_lens, block_size, sc
                 for h in range(kv_head * group, (kv_head + 1) * group):
                     p = scores[h, col]
                     for d in range(v_head_dim):
-                        acc[h, d] += p * value_rows[row, kv_head, d]
+                        acc[h, d] += p * _widen(value_rows[row, kv_head, d])
         for h in range(num_heads):
             for d in range(v_head_dim):
                 out[b, h, d] = acc[h, d]
@@ -85,37 +114,45 @@ def _paged_decode(q, key_rows, value_rows, block_table, seq_lens, block_size, sc
 
 _NO_SINKS = np.zeros(1, dtype=np.float32)
 
+# Cache dtypes the kernel reads, and the numpy view it reads each through.
+CACHE_VIEWS = {torch.float32: torch.float32, torch.bfloat16: torch.uint16}
+
 
 def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
                  seq_lens: torch.Tensor, scale: float, window: int | None, softcap: float | None,
                  sinks: torch.Tensor | None) -> torch.Tensor:
-    """Attention of one query token per sequence over its paged context.
+    """Attention of one query token per sequence over its paged context, accumulated in float32.
 
     Args:
-        query: float32 [B, num_heads, head_dim].
-        key_cache: float32 [num_blocks, block_size, num_kv_heads, head_dim]; value_cache: the same with v_head_dim.
+        query: [B, num_heads, head_dim], float32 or bfloat16 (widened to float32 here).
+        key_cache: float32 or bfloat16 [num_blocks, block_size, num_kv_heads, head_dim]; value_cache: the same dtype
+            with v_head_dim.
         block_table: int32 [B, W]; seq_lens: int32 [B] (context length, the query's own token included).
         scale: multiplier of q.k; window: attend only the last `window` positions (None: all);
         softcap: cap of tanh soft-capping (None: off); sinks: float [num_heads] sink logits (None: off).
     Returns:
         float32 [B, num_heads, v_head_dim].
     """
+    view = CACHE_VIEWS[key_cache.dtype]
     out = torch.empty(query.shape[0], query.shape[1], value_cache.shape[3], dtype=torch.float32)
     sink_array = sinks.detach().float().contiguous().numpy() if sinks is not None else _NO_SINKS
-    key_rows = key_cache.view(-1, *key_cache.shape[2:]).numpy()  # [blocks * block_size, kv_heads, head_dim]
-    value_rows = value_cache.view(-1, *value_cache.shape[2:]).numpy()
-    _paged_decode(query.contiguous().numpy(), key_rows, value_rows, block_table.contiguous().numpy(),
+    # [blocks * block_size, kv_heads, head_dim]
+    key_rows = key_cache.view(-1, *key_cache.shape[2:]).view(view).numpy()
+    value_rows = value_cache.view(-1, *value_cache.shape[2:]).view(view).numpy()
+    _paged_decode(query.float().contiguous().numpy(), key_rows, value_rows, block_table.contiguous().numpy(),
                   seq_lens.contiguous().numpy(), key_cache.shape[1], np.float32(scale), int(window or 0),
                   np.float32(softcap or 0.0), sink_array, sinks is not None, out.numpy())
     return out
 
 
-def warm_up(num_threads: int) -> None:
-    """Compile (or load the cached compilation) now, not on the first request, and match torch's threads."""
+def warm_up(num_threads: int, cache_dtypes=(torch.float32,)) -> None:
+    """Compile (or load the cached compilation) for each cache dtype now, not on the first request, and match
+    torch's threads."""
     set_num_threads(max(1, num_threads))
-    cache = torch.zeros(2, 4, 1, 2)
-    paged_decode(torch.zeros(1, 1, 2), cache, cache, torch.zeros(1, 1, dtype=torch.int32),
-                 torch.ones(1, dtype=torch.int32), 1.0, None, None, None)
+    for dtype in cache_dtypes:
+        cache = torch.zeros(2, 4, 1, 2, dtype=dtype)
+        paged_decode(torch.zeros(1, 1, 2), cache, cache, torch.zeros(1, 1, dtype=torch.int32),
+                     torch.ones(1, dtype=torch.int32), 1.0, None, None, None)
     # The first parallel launch starts numba's OpenMP pool, which sets the process's OpenMP thread count to
     # NUMBA_NUM_THREADS (the core count unless the launcher set it, common/cpu_threads.py) and with it torch's
     # intra-op threads: an in-process engine asked for 1 would get a second torch thread. Later launches keep it.
