@@ -36,7 +36,8 @@ import zmq
 from common.capacity import kv_cache_bytes, requests_that_fit
 from common.config import IpcConfig, ShuttleConfig
 from common.cpu_threads import CoreError, CorePlan, allowed_cores, plan_cores
-from common.devices import DeviceError, cuda_device_count, device_type, rank_device, resolve_config
+from common.devices import (DeviceError, auto_dtype_reason, cuda_device_count, device_type, rank_device,
+                            resolve_config)
 from common.errors import ModelDirError
 from common.ipc import CURVE_ENV, Channel, CurveKeys
 from common.messages import ControlMessage, EngineDown
@@ -98,6 +99,12 @@ def _say(message: str) -> None:
     print(f"shuttle: {message}", flush=True)
 
 
+def _say_auto_dtype(args: argparse.Namespace, config: ShuttleConfig) -> None:
+    """Under --dtype auto, one line on the dtype it chose and why (common/devices.py)."""
+    if getattr(args, "dtype", "auto") == "auto":
+        _say(f"dtype {auto_dtype_reason(config.worker.device)}")
+
+
 def serve(args: argparse.Namespace) -> int:
     """Run `shuttle serve`. Returns the exit status: 0 after Ctrl-C/SIGTERM, 1 if the group could not be kept
     up, 2 on bad input."""
@@ -139,6 +146,7 @@ def serve(args: argparse.Namespace) -> int:
             config = ShuttleConfig.from_args(args, ipc)
             # --device/--dtype/--attention-backend auto made concrete once; too few devices refused here
             config = resolve_config(config, len(groups), _cuda_devices(config))
+            _say_auto_dtype(args, config)
             check_scheduler_files(config.scheduler)
             if config.chat_template and not os.path.isfile(config.chat_template):
                 raise ModelDirError(f"--chat-template {config.chat_template} is not a readable file")
@@ -179,6 +187,7 @@ def engine(args: argparse.Namespace) -> int:
             check_model_dir(args.model_dir, tokenizer=False)  # the frontend, on another host, tokenizes
             config = ShuttleConfig.from_args(args, ipc)
             config = resolve_config(config, 1, _cuda_devices(config))
+            _say_auto_dtype(args, config)
             check_scheduler_files(config.scheduler)
             listen = tcp_listen(args.listen, "where frontends reach this engine, --listen")
             check_ports(([listen] if listen else []) + _rendezvous_listens(config, 1))
