@@ -304,7 +304,8 @@ def chat_request_of(body: ResponsesRequest, tools: list[FunctionTool] | None) ->
     sampling = {name: getattr(body, name) for name in ("temperature", "top_p") if getattr(body, name) is not None}
     return ChatCompletionRequest(
         messages=input_messages(body.instructions, body.input), model=body.model,
-        max_completion_tokens=body.max_output_tokens, seed=body.seed, stream=body.stream, **sampling, user=body.user, response_format=_response_format(body.text),
+        max_completion_tokens=body.max_output_tokens, seed=body.seed, stream=body.stream, **sampling, user=body.user,
+        response_format=_response_format(body.text),
         tools=None if tools is None else [Tool(type="function", function=FunctionDefinition(
             name=t.name, description=t.description, parameters=t.parameters, strict=t.strict)) for t in tools],
         tool_choice=choice, parallel_tool_calls=body.parallel_tool_calls)

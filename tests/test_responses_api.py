@@ -3,9 +3,9 @@
 In process (the real application over the scripted engine, tests/fake_engine.py): the response object's exact
 shape, input items as chat messages (the same prompt as the equivalent chat request), tools and text.format as the
 chat constraint, the refusals (status and param), the stream's event order and that its deltas make the whole text,
-and the official `openai` client and the openai-agents SDK's default model over it. End to end on the shared
-`server` (stories260K): greedy output equal to the chat endpoint's, streamed or not, `responses.parse` under the
-grammar and an agent run.
+and the official `openai` client, LangChain's use_responses_api and the openai-agents SDK's default model over it.
+End to end on the shared `server` (stories260K): greedy output equal to the chat endpoint's, streamed or not,
+`responses.parse` under the grammar and an agent run.
 """
 
 from __future__ import annotations
@@ -336,6 +336,18 @@ async def test_the_openai_client_create_stream_and_parse():
             if event.type == "response.output_text.delta":
                 text += event.delta
         assert text == STORY_TEXT
+
+
+async def test_langchain_use_responses_api_invokes_and_streams():
+    from langchain_openai import ChatOpenAI
+
+    async with served() as (client, _):
+        llm = ChatOpenAI(model="stories", base_url=str(client.make_url("/v1")), api_key="none", max_retries=0,
+                         use_responses_api=True, temperature=0, max_tokens=64)
+        message = await llm.ainvoke("Hi")
+        streamed = [chunk async for chunk in llm.astream("Hi")]
+    assert message.text == STORY_TEXT and message.usage_metadata["output_tokens"] == len(STORY)
+    assert "".join(chunk.text for chunk in streamed) == STORY_TEXT
 
 
 async def test_the_agents_sdk_round_trip_through_a_function_call():
