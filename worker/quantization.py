@@ -14,7 +14,8 @@ whole row rather than blocks of 32, as gpt-fast's `WeightOnlyInt8Linear` does):
 
 computed once from the loaded float32 / bfloat16 weights. The matmul is torch's own CPU kernel
 `torch.ops.aten._weight_int8pack_mm(x, q, s)`: x [M, K] 2-D and contiguous, q [N, K] int8, s [N] in x's dtype,
-returning [M, N] in x's dtype. K must be a multiple of 16 (its vectorised loop has no tail: other widths read
+returning [M, N] in x's dtype (used below DEQUANTIZED_ROWS rows; from there on a bfloat16 matmul over the
+widened q, scaled after, is faster). K must be a multiple of 16 (its vectorised loop has no tail: other widths read
 past the rows, returning garbage or crashing), so a layer of another width (stories260K's down_proj, K = 172) keeps
 zero columns in q and gets its input padded with zeros to match. On this torch (2.13, CPU) only its bfloat16 path is vectorised: float32 inputs ran
 10-20x slower than the float32 matmul it replaces at 16-64 rows, so activations enter the kernel as bfloat16 and its
@@ -33,6 +34,10 @@ from common.config import quantization_error
 
 QMAX = 127
 K_MULTIPLE = 16  # _weight_int8pack_mm's CPU kernel reads K in blocks of 16
+# From this many rows on (prefill chunks, large decode batches) the int8 weights are widened to bfloat16 for one
+# oneDNN bf16 matmul instead: at 2048 x 768 here, 64 rows took 0.6 ms that way against 1.2-2.8 ms in the int8 kernel
+# (512 rows: 1.2 against 10-14 ms), while at 16 rows the int8 kernel was faster (0.30 against 0.50 ms)
+DEQUANTIZED_ROWS = 32
 KERNEL_DTYPE = torch.bfloat16  # activations and scales as _weight_int8pack_mm's vectorised CPU path takes them
 
 
@@ -51,7 +56,8 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 class Int8Linear(torch.nn.Module):
     """nn.Linear with int8 weights: input [..., K] in the model's dtype, output [..., N] in the same dtype,
-    y = bf16(x) @ (q * s).T (+ bias), accumulated by _weight_int8pack_mm.
+    y = bf16(x) @ (q * s).T (+ bias), accumulated by _weight_int8pack_mm below DEQUANTIZED_ROWS rows, else by a
+    bfloat16 matmul over q widened to bfloat16 (nothing of it kept: the resident weights stay int8).
 
     The int8 weights and scales are frozen Parameters, so `model.parameters()` (ModelRunner.weight_bytes) counts
     them at their real size: N x K bytes (K padded to a multiple of 16) plus 2N for the scales.
@@ -71,7 +77,10 @@ class Int8Linear(torch.nn.Module):
         rows = x.reshape(-1, self.in_features).to(KERNEL_DTYPE).contiguous()  # [M, K]
         if self.pad:
             rows = torch.nn.functional.pad(rows, (0, self.pad))  # [M, K + pad]
-        out = torch.ops.aten._weight_int8pack_mm(rows, self.qweight, self.scales)  # [M, N] bfloat16
+        if rows.shape[0] < DEQUANTIZED_ROWS:
+            out = torch.ops.aten._weight_int8pack_mm(rows, self.qweight, self.scales)  # [M, N] bfloat16
+        else:  # q is exact in bfloat16 (7 bits); the scale is applied to the output, in float32
+            out = (rows @ self.qweight.to(KERNEL_DTYPE).T).float() * self.scales.float()  # [M, N]
         out = out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)  # [..., N]
         return out if self.bias is None else out + self.bias
 
