@@ -101,7 +101,8 @@ def _add_model_options(serve: argparse.ArgumentParser) -> None:
                             "typed")
     serve.add_argument("--dtype", default="auto", type=dtype_name, choices=["auto", "float32", "bfloat16", "float16"],
                        metavar="{auto,float32,float,bfloat16,float16,half}",
-                       help="weights and KV cache dtype; auto: bfloat16 on CUDA, float32 on the CPU")
+                       help="weights and KV cache dtype; auto: bfloat16 on CUDA, and on a CPU with amx_bf16 or "
+                            "avx512_bf16 (else float32); the start-up line says which and why")
     serve.add_argument("--max-model-len", type=token_count, default=None,
                        help="default: the model's position limit; 32k = 32000, 32K = 32768 (vLLM's suffixes)")
     serve.add_argument("--seed", type=int, default=0,
