@@ -155,11 +155,10 @@ def resolve_config(config, local_groups: int, cuda_devices: int):
         cuda_devices: CUDA devices present (cuda_device_count(); tests pass fabricated counts).
     Raises:
         DeviceError: too few CUDA devices, or a CUDA device asked for on a machine without one; --quantization
-            that cannot be served (common.config.quantization_error).
+            that cannot be served (quantization_error below).
     """
     first = resolve_device(config.worker.device, cuda_devices)
     check_device_count(first, max(local_groups, 1), config.parallel.tensor_parallel_size, cuda_devices)
-    from common.config import quantization_error  # common.config imports this module
     refusal = quantization_error(config.worker.quantization, config.parallel.tensor_parallel_size, device_type(first))
     if refusal:
         raise DeviceError(refusal)
@@ -171,3 +170,20 @@ def resolve_config(config, local_groups: int, cuda_devices: int):
         raise DeviceError(f"--kv-cache-dtype {kv_dtype} with a {model.dtype} model needs the cpu or reference "
                           f"attention backend (flex attends in the model's dtype); drop it or use --dtype {kv_dtype}")
     return dataclasses.replace(config, worker=worker, model=model)
+
+
+QUANTIZATIONS = ("none", "int8")  # --quantization's values (worker/quantization.py)
+
+
+def quantization_error(method: str, tensor_parallel_size: int = 1, device_type: str = "cpu") -> str | None:
+    """Why --quantization `method` cannot be served (None when it can): an unknown method, or int8 under tensor
+    parallel or on a device other than the CPU (neither verified)."""
+    if method not in QUANTIZATIONS:
+        return f"--quantization {method!r} is not supported; choose one of {', '.join(QUANTIZATIONS)}"
+    if method == "none":
+        return None
+    if tensor_parallel_size > 1:
+        return f"--quantization {method} runs without tensor parallel only (-tp 1), not -tp {tensor_parallel_size}"
+    if device_type != "cpu":
+        return f"--quantization {method} runs on the CPU only (--device cpu), not on {device_type}"
+    return None

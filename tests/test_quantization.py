@@ -9,9 +9,8 @@ import time
 import pytest
 import torch
 
-from common.config import (CacheConfig, IpcConfig, ModelConfig, SchedulerConfig, ShuttleConfig, WorkerConfig,
-                           quantization_error)
-from common.devices import DeviceError, resolve_config
+from common.config import CacheConfig, IpcConfig, ModelConfig, SchedulerConfig, ShuttleConfig, WorkerConfig
+from common.devices import DeviceError, quantization_error, resolve_config
 from common.messages import Submit
 from common.sampling import SamplingParams
 from scheduler.in_process import drive

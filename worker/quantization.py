@@ -23,14 +23,14 @@ output is cast back to the model's dtype. That rounding (2^-9 relative) is small
 of an output's magnitude); the agreement figures are in docs/operations.md.
 
 CPU only, without tensor parallel (rank shards would need their own scales): both are refused at start-up
-(common/config.py quantization_error, common/devices.py) and again here for an in-process engine.
+(common/devices.py quantization_error) and again here for an in-process engine.
 """
 
 from __future__ import annotations
 
 import torch
 
-from common.config import quantization_error
+from common.devices import quantization_error
 
 QMAX = 127
 K_MULTIPLE = 16  # _weight_int8pack_mm's CPU kernel reads K in blocks of 16

@@ -25,7 +25,6 @@ from worker.model_loader import DTYPES, architecture, load_model, probe_geometry
 from worker.output_projection import chunk_output_projection
 from worker.parallel import TensorParallel, local_device, local_numel
 from worker.quantization import quantize_model
-from worker.quantization import quantize_model
 from worker.sampler import LOGPROB_FLOOR, Sampler
 from worker.staging import StepStaging
 
@@ -89,7 +88,6 @@ class ModelRunner:
         self.staging = StepStaging(device)
         self.model = load_model(model_cfg.model_dir, self.dtype_name, device, **parallel.load_kwargs(),
                                 trust_remote_code=model_cfg.trust_remote_code)
-        self.quantized_linears = quantize_model(self.model, config.worker.quantization, device, parallel.enabled)
         self.quantized_linears = quantize_model(self.model, config.worker.quantization, device, parallel.enabled)
         self.architecture = architecture(self.model)
         chunk_output_projection(self.model, device, parallel.enabled)
