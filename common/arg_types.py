@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import re
 import sys
+from pathlib import Path
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
@@ -111,12 +113,52 @@ def unit_fraction(text: str) -> float:
 
 
 def origins(text: str) -> tuple[str, ...]:
-    """'https://a.example,https://b.example' -> a tuple of origins; '*' allows any."""
-    found = tuple(o.strip().rstrip("/") for o in text.split(",") if o.strip())
+    """'https://a.example,https://b.example', or vLLM's JSON list '["https://a.example", "https://b.example"]' -> a
+    tuple of origins; '*' allows any."""
+    if text.lstrip().startswith("["):
+        try:
+            listed = json.loads(text)
+        except ValueError:
+            listed = None
+        if not isinstance(listed, list) or not all(isinstance(o, str) for o in listed):
+            raise argparse.ArgumentTypeError(f"not a JSON list of origins: {text!r}")
+    else:
+        listed = text.split(",")
+    found = tuple(o.strip().rstrip("/") for o in listed if o.strip())
     for origin in found:
         if origin != "*" and not re.match(r"^https?://[^/\s]+$", origin):
             raise argparse.ArgumentTypeError(f"not an origin: {origin!r} (scheme://host[:port], or *)")
     return found
+
+
+JINJA_MARKS = ("{{", "{%")  # what makes a --chat-template value that names no file the template itself
+
+
+def chat_template_text(value: str) -> str:
+    """The template `--chat-template value` gives: the file `value` names, else `value` itself when it holds Jinja
+    syntax ({{ or {%), as vLLM takes it.
+
+    Raises:
+        argparse.ArgumentTypeError: an unreadable file, or neither a file nor a template.
+    """
+    try:
+        is_file = Path(value).is_file()
+    except (OSError, ValueError):  # a template longer than a file name, or holding a NUL
+        is_file = False
+    if is_file:
+        try:
+            return Path(value).read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise argparse.ArgumentTypeError(f"cannot read {value}: {getattr(exc, 'strerror', None) or exc}") from None
+    if any(mark in value for mark in JINJA_MARKS):
+        return value
+    raise argparse.ArgumentTypeError(f"{value!r} is neither a file nor a Jinja template (which holds {{{{ or {{%)")
+
+
+def chat_template(value: str) -> str:
+    """--chat-template's parser: `value` as given, once chat_template_text has read it."""
+    chat_template_text(value)
+    return value
 
 
 def add_config_options(parser, section, names: list[str] | None = None, **overrides) -> None:

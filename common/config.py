@@ -17,6 +17,7 @@ from common.arg_types import count, parse_bytes, positive, seconds, unit_fractio
 from common.cpu_threads import cpu_list
 from common.devices import parse_device
 from common.errors import ModelDirError
+from common.generation_config import AUTO, SamplingDefaults, generation_config_path, read_sampling_defaults
 from common.model_dir import read_json_object
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent.parent / "shared" / "models" / "stories260K"
@@ -38,6 +39,8 @@ class ModelConfig:
         seed: seeds the worker's generator, which samples the requests that set no seed.
         max_logprobs: most logprobs alternatives a request may ask for per token.
         trust_remote_code: let transformers run the model's own Python code (config.json auto_map).
+        sampling_defaults: request fields' defaults from generation_config.json (--generation-config;
+            common/generation_config.py).
     """
 
     model_dir: str
@@ -50,6 +53,7 @@ class ModelConfig:
     seed: int = 0
     max_logprobs: int = 20
     trust_remote_code: bool = False
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
 
     @property
     def served_model_names(self) -> tuple[str, ...]:
@@ -57,9 +61,10 @@ class ModelConfig:
 
     @staticmethod
     def from_dir(model_dir: str | os.PathLike, max_model_len: int | None = None,
-                 served_model_name: str | None = None, dtype: str = "float32", **options) -> "ModelConfig":
+                 served_model_name: str | None = None, dtype: str = "float32", generation_config: str = AUTO,
+                 **options) -> "ModelConfig":
         """Read config.json (and generation_config.json if present) from `model_dir`; `options`: the fields
-        after dtype.
+        after dtype. `generation_config`: where the sampling defaults come from (auto, vllm or a folder).
 
         Raises:
             ModelDirError: the directory or config.json is missing or malformed, or max_model_len exceeds
@@ -86,6 +91,7 @@ class ModelConfig:
             max_model_len=max_model_len,
             eos_token_ids=eos_ids,
             dtype=dtype,
+            sampling_defaults=read_sampling_defaults(generation_config_path(path, generation_config)),
             **options,
         )
 
@@ -125,7 +131,8 @@ def _model_config(args: argparse.Namespace) -> ModelConfig:
                                 tokenizer_dir=str(Path(tokenizer_dir).resolve()) if tokenizer_dir else "",
                                 served_model_aliases=names[1:], seed=getattr(args, "seed", 0),
                                 max_logprobs=getattr(args, "max_logprobs", 20),
-                                trust_remote_code=getattr(args, "trust_remote_code", False))
+                                trust_remote_code=getattr(args, "trust_remote_code", False),
+                                generation_config=getattr(args, "generation_config", AUTO))
 
 
 def _read_json(path: Path) -> dict:
@@ -241,6 +248,8 @@ class ParallelConfig:
     master_port: int = option(0, "port of that rendezvous (0: a free loopback port at each engine start)", type=count)
 
 
+LOG_LEVEL_ENV = "SHUTTLE_LOG_LEVEL"  # every process's log level (`shuttle serve --log-level` sets it)
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 TP_RANK_ENV = "SHUTTLE_TP_RANK"  # a worker process's tensor-parallel rank, set by the launcher (unset: 0)
 DP_GROUP_ENV = "SHUTTLE_DP_GROUP"  # a worker process's local serving group (data parallel), set likewise (unset: 0)
 
@@ -322,23 +331,6 @@ def tool_call_error(tools: ToolCallConfig) -> str | None:
                 f"{', '.join(TOOL_CALL_PARSERS)}")
     if tools.enable_auto_tool_choice and tools.tool_call_parser is None:
         return "--enable-auto-tool-choice needs --tool-call-parser (the format the model writes tool calls in)"
-    return None
-
-
-QUANTIZATIONS = ("none", "int8")  # --quantization's values (worker/quantization.py)
-
-
-def quantization_error(method: str, tensor_parallel_size: int = 1, device_type: str = "cpu") -> str | None:
-    """Why --quantization `method` cannot be served (None when it can): an unknown method, or int8 under tensor
-    parallel or on a device other than the CPU (neither verified)."""
-    if method not in QUANTIZATIONS:
-        return f"--quantization {method!r} is not supported; choose one of {', '.join(QUANTIZATIONS)}"
-    if method == "none":
-        return None
-    if tensor_parallel_size > 1:
-        return f"--quantization {method} runs without tensor parallel only (-tp 1), not -tp {tensor_parallel_size}"
-    if device_type != "cpu":
-        return f"--quantization {method} runs on the CPU only (--device cpu), not on {device_type}"
     return None
 
 

@@ -15,7 +15,7 @@ import time
 
 import zmq
 
-from common.config import ShuttleConfig
+from common.config import LOG_LEVEL_ENV, ShuttleConfig
 from common.ipc import Channel
 from common.messages import Heartbeat, ProcessReady
 
@@ -63,7 +63,7 @@ def child_main_args(name: str) -> ShuttleConfig:
     parser = argparse.ArgumentParser(prog=f"python -m {name}")
     parser.add_argument("--config", required=True, help="ShuttleConfig as JSON (written by the launcher)")
     args = parser.parse_args()
-    logging.basicConfig(level=os.environ.get("SHUTTLE_LOG_LEVEL", "INFO"),
+    logging.basicConfig(level=os.environ.get(LOG_LEVEL_ENV, "INFO").upper(),
                         format=f"%(asctime)s {name} %(levelname)s %(message)s", stream=sys.stderr)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))

@@ -8,6 +8,7 @@ from typing import Any, Callable
 
 from transformers.utils.chat_template_utils import render_jinja_template
 
+from common.arg_types import chat_template_text
 from common.errors import InvalidRequestError
 from frontend.protocol import ChatMessage
 
@@ -18,17 +19,19 @@ RESERVED_KWARGS = frozenset({"messages", "tools", "documents", "add_generation_p
 
 
 class ChatTemplate:
-    """The chat template of tokenizer_config.json, or the one in `template_file` when given.
+    """The chat template of tokenizer_config.json, or `template_file` when given (--chat-template: a file, or the
+    template itself).
 
     Raises:
-        OSError: template_file cannot be read.
+        argparse.ArgumentTypeError: template_file is neither a readable file nor a template.
     """
 
     def __init__(self, model_dir: str, template_file: str | None = None):
         config_path = Path(model_dir) / "tokenizer_config.json"
         config = json.loads(config_path.read_text()) if config_path.exists() else {}
         self.special = {name: _token_text(config.get(name)) for name in ("bos_token", "eos_token")}
-        template = Path(template_file).read_text() if template_file else config.get("chat_template")
+        # --chat-template: a file or the template itself (common/arg_types.py)
+        template = chat_template_text(template_file) if template_file else config.get("chat_template")
         if isinstance(template, list):  # [{"name": "default", "template": "..."}, ...]
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
             template = named.get("default") or next(iter(named.values()), None)

@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 import msgspec
 
 from common.errors import GenerationError, InvalidRequestError, ModelNotFoundError
+from common.generation_config import SamplingDefaults
 from common.sampling import MAX_LOGPROBS, SamplingParams, StructuredOutput
 from frontend.integral_floats import integral_floats_as_ints
 from frontend.tool_request import MessageToolCall, Tool, ToolChoice
@@ -80,6 +81,8 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     Structured outputs (frontend/structured_request.py, at most one per request): OpenAI's `response_format`
     (text, json_object, json_schema), vLLM's `structured_outputs` object and its older top-level `guided_json`,
     `guided_regex`, `guided_choice`, `guided_grammar` (`guided_decoding_backend`: "xgrammar" or "auto" only).
+    temperature, top_p, top_k, min_p, repetition_penalty and max_tokens left unset (or null) take the model's
+    generation_config.json default (common/generation_config.py, --generation-config), else SamplingParams' own.
     `timeout` (seconds from arrival) ends the request with an error (HTTP 408) if it has not finished by then.
     `ttft_slo_ms` is the request's own TTFT objective: refused at once (HTTP 503) when predicted to be missed.
     OpenAI's metadata-only fields (`user`, `metadata`, `store`, `service_tier`, `safety_identifier`,
@@ -88,10 +91,10 @@ class SamplingFields(msgspec.Struct, kw_only=True):
 
     model: str | None = None
     max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
     seed: int | None = None
     n: int = 1
     stream: bool = False
@@ -103,7 +106,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     min_tokens: int = 0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     priority: int = 0
     timeout: float | None = None
@@ -364,8 +367,11 @@ def completion_prompts(prompt: Any, tokenizer, max_model_len: int, add_special_t
 def sampling_params(request: SamplingFields, num_prompt_tokens: int, max_model_len: int, vocab_size: int,
                     max_tokens: int | None, logprobs: int | None, prompt_param: str = "prompt",
                     prompt_logprobs: int | None = None, max_tokens_param: str = "max_tokens",
-                    max_logprobs: int = MAX_LOGPROBS, structured: StructuredOutput | None = None) -> SamplingParams:
-    """SamplingParams of one prompt of a request; max_tokens defaults to what is left of max_model_len.
+                    max_logprobs: int = MAX_LOGPROBS, structured: StructuredOutput | None = None,
+                    defaults: SamplingDefaults = SamplingDefaults()) -> SamplingParams:
+    """SamplingParams of one prompt of a request; max_tokens defaults to what is left of max_model_len (at most
+    `defaults.max_tokens`). `defaults`: the model's generation_config.json values for the fields the request leaves
+    unset; a field neither sets keeps SamplingParams' default.
     `max_tokens_param` is the field the request gave it in (chat's max_completion_tokens), for errors.
     `structured`: the output constraint (frontend/structured_request.py, or the tools' for tool_choice).
 
@@ -383,7 +389,7 @@ def sampling_params(request: SamplingFields, num_prompt_tokens: int, max_model_l
     if not 1 <= request.n <= MAX_N:
         raise InvalidRequestError(f"n must be in [1, {MAX_N}]", param="n")
     for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
-        if not math.isfinite(getattr(request, name)):
+        if getattr(request, name) is not None and not math.isfinite(getattr(request, name)):
             raise InvalidRequestError(f"{name} must be a finite number", param=name)
     room = max_model_len - num_prompt_tokens
     if room < 1:
@@ -391,7 +397,7 @@ def sampling_params(request: SamplingFields, num_prompt_tokens: int, max_model_l
             f"This model's maximum context length is {max_model_len} tokens; the prompt has {num_prompt_tokens} "
             f"tokens, which leaves no room for output", param=prompt_param)
     if max_tokens is None:
-        max_tokens = room
+        max_tokens = min(room, defaults.max_tokens or room)
     elif max_tokens < 1:
         raise InvalidRequestError(f"{max_tokens_param} must be at least 1", param=max_tokens_param)
     elif max_tokens > room:
@@ -399,16 +405,24 @@ def sampling_params(request: SamplingFields, num_prompt_tokens: int, max_model_l
             f"This model's maximum context length is {max_model_len} tokens. However, you requested "
             f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} for the "
             f"completion)", param=max_tokens_param)
+    # each field: the request's value, else the model's default, else (left out) SamplingParams'
+    given = {name: getattr(request, name) for name in DEFAULTED if getattr(request, name) is not None}
+    chosen = {name: value for name, value in defaults.named().items() if name in DEFAULTED} | given
+    if chosen.get("top_k") == -1:
+        chosen["top_k"] = 0
     params = SamplingParams(
-        max_tokens=max_tokens, temperature=request.temperature, top_p=request.top_p,
-        top_k=0 if request.top_k == -1 else request.top_k, min_p=request.min_p, seed=request.seed,
+        max_tokens=max_tokens, **chosen, seed=request.seed,
         stop_token_ids=tuple(request.stop_token_ids or ()), ignore_eos=request.ignore_eos,
         min_tokens=request.min_tokens, presence_penalty=request.presence_penalty,
-        frequency_penalty=request.frequency_penalty, repetition_penalty=request.repetition_penalty,
+        frequency_penalty=request.frequency_penalty,
         logit_bias=_logit_bias(request.logit_bias), logprobs=logprobs, prompt_logprobs=prompt_logprobs,
         structured=structured)
     params.validate(vocab_size, max_logprobs)
     return params
+
+
+# the request fields whose default a generation_config.json may set (max_tokens aside: it caps the room left)
+DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:

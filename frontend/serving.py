@@ -77,7 +77,8 @@ def build_generations(state: FrontendState, body: SamplingFields, prompts: list[
     generations = []
     for p, ids in enumerate(prompts):
         base = sampling_params(body, len(ids), model.max_model_len, state.tokenizer.vocab_size, max_tokens, logprobs,
-                               prompt_param, prompt_logprobs, max_tokens_param, model.max_logprobs, structured)
+                               prompt_param, prompt_logprobs, max_tokens_param, model.max_logprobs, structured,
+                               model.sampling_defaults)
         for j in range(body.n):
             sampling = base if base.seed is None else msgspec.structs.replace(base, seed=(base.seed + j) % 2**64)
             index = p * body.n + j

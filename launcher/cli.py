@@ -13,10 +13,15 @@ flag's default and help live in one place.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-from common.arg_types import add_config_options, count, dtype_name, origins, parse_bytes, positive, token_count
-from common.config import DEFAULT_MODEL_DIR, SERVE_SECTIONS, CacheConfig, SchedulerConfig, WorkerConfig
+from common.arg_types import (add_config_options, chat_template, count, dtype_name, origins, parse_bytes, positive,
+                              token_count)
+from common.config import (DEFAULT_MODEL_DIR, LOG_LEVEL_ENV, LOG_LEVELS, SERVE_SECTIONS, CacheConfig, SchedulerConfig,
+                           WorkerConfig)
+from common.generation_config import AUTO
+from launcher.vllm_flags import ConfigFileError, add_refused_flags, expand_config_file
 
 __all__ = ["TOOLS", "build_parser", "main", "parse_bytes"]
 
@@ -48,8 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     for section in SERVE_SECTIONS:
         add_config_options(serve, section)
-    serve.add_argument("--chat-template", default=None, metavar="FILE",
-                       help="Jinja chat template overriding the one in tokenizer_config.json")
+    serve.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE", type=chat_template,
+                       help="Jinja chat template overriding the one in tokenizer_config.json: a file, or the "
+                            "template itself (a value that is no file and holds {{ or {%%}, as vLLM takes it)")
     serve.add_argument("--api-key", default=None,
                        help="require 'Authorization: Bearer KEY' on every endpoint but /health and /metrics and on "
                             "batch jobs (default: $SHUTTLE_API_KEY; prefer it or --api-key-file: a command line "
@@ -57,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key-file", default=None, metavar="FILE",
                        help="read the API key from the first line of FILE")
     serve.add_argument("--allowed-origins", type=origins, default=None, metavar="ORIGINS",
-                       help="comma-separated origins (e.g. https://app.example) whose browser pages may call the API "
+                       help="comma-separated origins, or vLLM's JSON list of them (e.g. https://app.example or "
+                            "'[\"https://app.example\"]'), whose browser pages may call the API "
                             "and open the WebSocket: CORS headers and preflight answers for them; '*' allows any "
                             "origin; None: no CORS headers, and WebSockets only from the server's own host")
     serve.add_argument("--batch-endpoint", default=None,
@@ -66,6 +73,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--zmq-transport", choices=["ipc", "tcp"], default="ipc",
                        help="ipc:// sockets in a private runtime directory, or tcp:// on loopback authenticated "
                             "with ZeroMQ CURVE keys made for each launch")
+    serve.add_argument("--config", default=None, metavar="FILE.yaml",
+                       help="flags from a YAML file: keys are long flag names (with - or _), values as on the command "
+                            "line (true/false for a switch, a list for several values); flags on the command line "
+                            "win over the file's")
+    serve.add_argument("--log-level", default=None, type=str.lower, choices=LOG_LEVELS,
+                       help=f"log level of every process (default: ${LOG_LEVEL_ENV}, else info)")
+    add_refused_flags(serve)  # vLLM's flags shuttle does not implement: refused by name (launcher/vllm_flags.py)
     _add_engine_parser(commands, serve)
     serve.add_argument("-dp", "--data-parallel-size", type=count, default=1, metavar="M",
                        help="serving groups (each a scheduler + its worker, with its own KV cache) behind the one "
@@ -110,10 +124,21 @@ def _add_model_options(serve: argparse.ArgumentParser) -> None:
                             "request's own seed is reproducible in any batch; these only for the same arrivals)")
     serve.add_argument("--max-logprobs", type=count, default=20,
                        help="most `logprobs` / `top_logprobs` alternatives a request may ask for per token")
+    serve.add_argument("--generation-config", default=AUTO, metavar="auto|vllm|FOLDER",
+                       help="where the defaults of the request fields temperature, top_p, top_k, min_p, "
+                            "repetition_penalty and max_tokens (max_new_tokens) come from: auto, the model's "
+                            "generation_config.json; vllm, none (the neutral defaults); or FOLDER's "
+                            "generation_config.json. A request that sets a field keeps its value")
     serve.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                        help="always on: long prompts are prefilled in chunks (--no-enable-chunked-prefill is refused)")
     serve.add_argument("--disable-log-requests", dest="enable_log_requests", action="store_false",
                        help="vLLM's older spelling: no request log line (the default)")
+
+
+def _command_parser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    """The subcommand `command`'s own parser."""
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return commands.choices[command]
 
 
 def _run_tool(name: str, argv: list[str]) -> int:
@@ -168,8 +193,20 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in TOOLS:
         return _run_tool(argv[0], argv[1:])
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    if argv and argv[0] in ("serve", "engine"):
+        try:
+            argv = expand_config_file(argv, _command_parser(parser, argv[0]))
+        except ConfigFileError as exc:
+            print(f"shuttle {argv[0]}: error: {exc}", file=sys.stderr)
+            return 2
+    args = parser.parse_args(argv)
     if args.command in ("serve", "engine"):
+        level = args.log_level or os.environ.get(LOG_LEVEL_ENV, "info").lower()
+        if level not in LOG_LEVELS:
+            print(f"shuttle: error: ${LOG_LEVEL_ENV} {level!r} is not one of {', '.join(LOG_LEVELS)}", file=sys.stderr)
+            return 2
+        os.environ[LOG_LEVEL_ENV] = level.upper()  # every child process reads it (common/process.py)
         from common.errors import ModelDirError
         from launcher.model_args import resolve_model_args
         try:

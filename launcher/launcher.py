@@ -33,12 +33,14 @@ from urllib.parse import urlsplit
 
 import zmq
 
+from common.arg_types import chat_template_text
 from common.capacity import kv_cache_bytes, requests_that_fit
 from common.config import IpcConfig, ShuttleConfig
 from common.cpu_threads import CoreError, CorePlan, allowed_cores, plan_cores
 from common.devices import (DeviceError, auto_dtype_reason, cuda_device_count, device_type, rank_device,
                             resolve_config)
 from common.errors import ModelDirError
+from common.generation_config import SamplingDefaults
 from common.ipc import CURVE_ENV, Channel, CurveKeys
 from common.messages import ControlMessage, EngineDown
 from common.model_dir import check_model_dir
@@ -146,18 +148,35 @@ def serve(args: argparse.Namespace) -> int:
             config = ShuttleConfig.from_args(args, ipc)
             # --device/--dtype/--attention-backend auto made concrete once; too few devices refused here
             config = resolve_config(config, len(groups), _cuda_devices(config))
-            _say_auto_dtype(args, config)
             check_scheduler_files(config.scheduler)
-            if config.chat_template and not os.path.isfile(config.chat_template):
-                raise ModelDirError(f"--chat-template {config.chat_template} is not a readable file")
+            if config.chat_template:
+                _check_chat_template(config.chat_template)
             check_ports(_frontend_listens(args, config) + _rendezvous_listens(config, len(groups)))
             plan_cores(allowed_cores(), len(groups) * tp, config.worker.worker_cores)  # refuses a bad --worker-cores
         except (ModelDirError, PortError, DeviceError, CoreError) as exc:
             print(f"shuttle: error: {exc}", file=sys.stderr)
             return 2
+        _say_auto_dtype(args, config)  # only once nothing is refused: a refusal is its one line alone
+        _say_sampling_defaults(config.model.sampling_defaults)
         return Launcher(config, api_key, groups).run()
     finally:
         shutil.rmtree(runtime_dir, ignore_errors=True)
+
+
+def _say_sampling_defaults(defaults: SamplingDefaults) -> None:
+    """Name the request defaults that come from a generation_config.json (--generation-config), if any."""
+    if defaults.source:
+        named = ", ".join(f"{name}={value}" for name, value in defaults.named().items())
+        _say(f"request defaults from {defaults.source}: {named} (a request that sets one keeps its value; "
+             f"--generation-config vllm ignores the file)")
+
+
+def _check_chat_template(value: str) -> None:
+    """Raise ModelDirError unless --chat-template `value` is a readable file or a template itself."""
+    try:
+        chat_template_text(value)
+    except argparse.ArgumentTypeError as exc:
+        raise ModelDirError(f"--chat-template: {exc}") from None
 
 
 def engine(args: argparse.Namespace) -> int:
@@ -187,7 +206,6 @@ def engine(args: argparse.Namespace) -> int:
             check_model_dir(args.model_dir, tokenizer=False)  # the frontend, on another host, tokenizes
             config = ShuttleConfig.from_args(args, ipc)
             config = resolve_config(config, 1, _cuda_devices(config))
-            _say_auto_dtype(args, config)
             check_scheduler_files(config.scheduler)
             listen = tcp_listen(args.listen, "where frontends reach this engine, --listen")
             check_ports(([listen] if listen else []) + _rendezvous_listens(config, 1))
@@ -195,6 +213,7 @@ def engine(args: argparse.Namespace) -> int:
         except (ModelDirError, PortError, DeviceError, CoreError) as exc:
             print(f"shuttle: error: {exc}", file=sys.stderr)
             return 2
+        _say_auto_dtype(args, config)
         return Launcher(config, None, [ipc], with_frontend=False).run()
     finally:
         shutil.rmtree(runtime_dir, ignore_errors=True)

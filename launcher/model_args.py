@@ -28,6 +28,8 @@ def resolve_model_args(args: argparse.Namespace) -> None:
         raise ModelDirError("--no-enable-chunked-prefill: shuttle always prefills long prompts in chunks within "
                             "--max-num-batched-tokens (set it to the longest prompt to prefill each in one step)")
     option = getattr(args, "model_option", None)
+    if option and args.model_dir == str(DEFAULT_MODEL_DIR):
+        args.model_dir = None  # the positional's default, not a MODEL typed beside --model
     if option and args.model_dir and option != args.model_dir:
         raise ModelDirError(f"MODEL {args.model_dir!r} and --model {option!r} disagree; give one")
     typed = option or args.model_dir
