@@ -11,7 +11,8 @@ from aiohttp import web
 from common.errors import GenerationError
 from frontend.http_server import request_body
 from frontend.protocol import ChatCompletionRequest, CompletionRequest, decode_body, error_body
-from frontend.responses_api import ResponsesCall, ResponsesRequest
+from frontend.responses_api import ResponsesCall
+from frontend.responses_request import ResponsesRequest
 from frontend.serving import Call, ChatCall, CompletionCall, check_model
 from frontend.state import RESPONSE_ID, STATE, FrontendState
 

@@ -13,7 +13,7 @@ import msgspec
 from common.messages import BatchRequest, BatchResponse
 from frontend.middleware import OPEN_PATHS
 from frontend.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from frontend.responses_api import ResponsesRequest
+from frontend.responses_request import ResponsesRequest
 from frontend.schema_constraints import constrain
 
 ERROR = {
