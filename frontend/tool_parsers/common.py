@@ -232,6 +232,70 @@ class HeldText:
             self._pos = len(self._buf)
 
 
+class TaggedBlocks(HeldText):
+    """A streamer for formats whose calls come in blocks opened by a tag (hermes `<tool_call>`, mistral
+    `[TOOL_CALLS]`): content is released as it comes, holding back only an end that may be the start of TAG; a
+    block is read by the subclass's `_block` and released when it is a call, or, when it is not, its TAG goes out as
+    content and the text after it is read again.
+
+    Subclasses set TAG and FIRST_PHASE (the block's phase just after TAG) and write `_block(final)`: True once the
+    block's calls are released (`_pos` after them), False once it is no call, None when more text is needed. The
+    phase "json" means the block's JSON value is being scanned (see HeldText).
+    """
+
+    TAG: str
+    FIRST_PHASE: str
+
+    def __init__(self) -> None:
+        self._out = Output()
+        self._buf = ""  # text not yet released; in a block it starts with TAG
+        self._in_block = False
+        self._phase = ""
+        self._pos = 0  # in a block: how far into _buf it has been read
+        self._scanner = JsonValueScanner()
+        self._chunks: list[str] = []  # see HeldText
+
+    def feed(self, delta: str) -> StreamPiece:
+        if self._scan_held(delta):
+            self._run(final=False)
+        return self._out.take()
+
+    def finish(self) -> StreamPiece:
+        self._join_held()
+        self._run(final=True)
+        return self._out.finish()
+
+    def _scanning(self) -> bool:
+        return self._in_block and self._phase == "json"
+
+    def _block(self, final: bool) -> bool | None:
+        raise NotImplementedError
+
+    def _run(self, final: bool) -> None:
+        tag = self.TAG
+        while True:
+            if not self._in_block:
+                start = self._buf.find(tag)
+                if start < 0:
+                    keep = 0 if final else partial_suffix(self._buf, tag)
+                    self._out.content(self._buf[:len(self._buf) - keep])
+                    self._buf = self._buf[len(self._buf) - keep:]
+                    return
+                self._out.content(self._buf[:start])
+                self._buf = self._buf[start:]
+                self._in_block, self._phase, self._pos = True, self.FIRST_PHASE, len(tag)
+                continue
+            verdict = self._block(final)
+            if verdict is None:
+                return
+            if verdict:
+                self._buf = self._buf[self._pos:]
+            else:
+                self._out.content(tag)
+                self._buf = self._buf[len(tag):]
+            self._in_block = False
+
+
 def parse_by_streaming(streamer: ToolStreamParser, text: str) -> ParsedMessage:
     """What a streamer gives for the whole text as one delta, assembled into a ParsedMessage."""
     content: list[str] = []

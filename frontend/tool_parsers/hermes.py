@@ -16,16 +16,14 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from frontend.tool_parsers.base import ParsedMessage, StreamPiece
+from frontend.tool_parsers.base import ParsedMessage
 from frontend.tool_parsers.common import (
-    HeldText,
+    TaggedBlocks,
     JsonValueScanner,
-    Output,
     call_of,
     load_json,
     match_tag,
     parse_by_streaming,
-    partial_suffix,
     skip_ws,
 )
 
@@ -60,55 +58,16 @@ class HermesToolParser:
         return HermesStreamer()
 
 
-class HermesStreamer(HeldText):
+class HermesStreamer(TaggedBlocks):
     """One output's hermes parser (see HermesToolParser)."""
 
+    TAG = OPEN
+    FIRST_PHASE = "open"
+
     def __init__(self) -> None:
-        self._out = Output()
-        self._buf = ""  # text not yet released; in a block it starts with OPEN
-        self._in_block = False
-        self._phase = ""  # in a block: "open" (whitespace before the JSON), "json", "close"
-        self._pos = 0  # in a block: how far into _buf it has been read
+        super().__init__()
         self._json_start = 0
         self._json_end = 0
-        self._scanner = JsonValueScanner()
-        self._chunks: list[str] = []  # see HeldText
-
-    def feed(self, delta: str) -> StreamPiece:
-        if self._scan_held(delta):
-            self._run(final=False)
-        return self._out.take()
-
-    def finish(self) -> StreamPiece:
-        self._join_held()
-        self._run(final=True)
-        return self._out.finish()
-
-    def _scanning(self) -> bool:
-        return self._in_block and self._phase == "json"
-
-    def _run(self, final: bool) -> None:
-        while True:
-            if not self._in_block:
-                start = self._buf.find(OPEN)
-                if start < 0:
-                    keep = 0 if final else partial_suffix(self._buf, OPEN)
-                    self._out.content(self._buf[:len(self._buf) - keep])
-                    self._buf = self._buf[len(self._buf) - keep:]
-                    return
-                self._out.content(self._buf[:start])
-                self._buf = self._buf[start:]
-                self._in_block, self._phase, self._pos = True, "open", len(OPEN)
-                continue
-            verdict = self._block(final)
-            if verdict is None:
-                return
-            if verdict:
-                self._buf = self._buf[self._pos:]
-            else:
-                self._out.content(OPEN)
-                self._buf = self._buf[len(OPEN):]
-            self._in_block = False
 
     def _block(self, final: bool) -> bool | None:
         """Reads on in the block: True once it is a call (released, `_pos` after `</tool_call>`), False once it

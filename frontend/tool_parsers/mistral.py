@@ -15,16 +15,14 @@ from __future__ import annotations
 import re
 from typing import ClassVar
 
-from frontend.tool_parsers.base import ParsedMessage, StreamPiece
+from frontend.tool_parsers.base import ParsedMessage
 from frontend.tool_parsers.common import (
-    HeldText,
+    TaggedBlocks,
     JsonValueScanner,
-    Output,
     call_of,
     load_json,
     match_tag,
     parse_by_streaming,
-    partial_suffix,
     skip_ws,
 )
 
@@ -61,56 +59,16 @@ class MistralToolParser:
         return MistralStreamer()
 
 
-class MistralStreamer(HeldText):
+class MistralStreamer(TaggedBlocks):
     """One output's mistral parser (see MistralToolParser)."""
 
+    TAG = TOOL_CALLS
+    FIRST_PHASE = "start"
+
     def __init__(self) -> None:
-        self._out = Output()
-        self._buf = ""  # text not yet released; in a block it starts with TOOL_CALLS
-        self._in_block = False
-        # in a block: "start", "name", "id_or_args", "id", "args", "open", "json"
-        self._phase = ""
-        self._pos = 0
+        super().__init__()
         self._name_start = self._name_end = self._json_start = 0
         self._array = False
-        self._scanner = JsonValueScanner()
-        self._chunks: list[str] = []  # see HeldText
-
-    def feed(self, delta: str) -> StreamPiece:
-        if self._scan_held(delta):
-            self._run(final=False)
-        return self._out.take()
-
-    def finish(self) -> StreamPiece:
-        self._join_held()
-        self._run(final=True)
-        return self._out.finish()
-
-    def _scanning(self) -> bool:
-        return self._in_block and self._phase == "json"
-
-    def _run(self, final: bool) -> None:
-        while True:
-            if not self._in_block:
-                start = self._buf.find(TOOL_CALLS)
-                if start < 0:
-                    keep = 0 if final else partial_suffix(self._buf, TOOL_CALLS)
-                    self._out.content(self._buf[:len(self._buf) - keep])
-                    self._buf = self._buf[len(self._buf) - keep:]
-                    return
-                self._out.content(self._buf[:start])
-                self._buf = self._buf[start:]
-                self._in_block, self._phase, self._pos = True, "start", len(TOOL_CALLS)
-                continue
-            verdict = self._block(final)
-            if verdict is None:
-                return
-            if verdict:
-                self._buf = self._buf[self._pos:]
-            else:
-                self._out.content(TOOL_CALLS)
-                self._buf = self._buf[len(TOOL_CALLS):]
-            self._in_block = False
 
     def _block(self, final: bool) -> bool | None:
         """Reads on in the block: True once its calls are released (`_pos` after them), False once it is no
