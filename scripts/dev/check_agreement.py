@@ -45,15 +45,15 @@ CPU = torch.device("cpu")
 NUM_BLOCKS = 1024
 
 
-def make_runner(model_dir: str, dtype: str, kv_cache_dtype: str):
-    """A CPU ModelRunner (cpu attention backend; start-up check passed) of these dtypes."""
+def make_runner(model_dir: str, dtype: str, kv_cache_dtype: str = "auto", quantization: str = "none"):
+    """A CPU ModelRunner (cpu attention backend; start-up check passed) of these dtypes and --quantization."""
     from worker.worker import ModelRunner
 
     model = ModelConfig.from_dir(model_dir, dtype=dtype)
     config = ShuttleConfig(model=model, ipc=IpcConfig.in_directory("/nonexistent"),
                            cache=CacheConfig(16, NUM_BLOCKS, kv_cache_dtype=kv_cache_dtype),
                            scheduler=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=512),
-                           worker=WorkerConfig(device="cpu", attention_backend="cpu"))
+                           worker=WorkerConfig(device="cpu", attention_backend="cpu", quantization=quantization))
     return model, ModelRunner(config, device=CPU)
 
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -35,53 +34,9 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts" / "dev"))
 
-from common.config import CacheConfig, IpcConfig, ModelConfig, SchedulerConfig, ShuttleConfig, WorkerConfig  # noqa
-from common.messages import Submit  # noqa: E402
-from common.sampling import SamplingParams  # noqa: E402
-from gpu_check import common_prefix, greedy, prompt_ids  # noqa: E402
-from scheduler.in_process import drive  # noqa: E402
-from scheduler.kv_cache import KVCacheManager  # noqa: E402
-from scheduler.scheduler import Scheduler  # noqa: E402
+from check_agreement import agreement, logprob_gap, make_runner, new_scheduler, shuttle_prompt_logprobs  # noqa
+from gpu_check import greedy, prompt_ids  # noqa: E402
 from worker.quantization import dequantize, quantize_per_channel  # noqa: E402
-
-NUM_BLOCKS = 1024
-SCHEDULER = SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=512)
-
-
-def make_runner(model_dir: str, quantization: str):
-    """A float32 CPU ModelRunner (cpu attention backend; start-up check passed) with `quantization`."""
-    from worker.worker import ModelRunner
-
-    model = ModelConfig.from_dir(model_dir, dtype="float32")
-    config = ShuttleConfig(model=model, ipc=IpcConfig.in_directory("/nonexistent"), cache=CacheConfig(16, NUM_BLOCKS),
-                           scheduler=SCHEDULER,
-                           worker=WorkerConfig(device="cpu", attention_backend="cpu", quantization=quantization))
-    return model, ModelRunner(config, device=torch.device("cpu"))
-
-
-def new_scheduler(model: ModelConfig, runner, prefix_caching: bool) -> Scheduler:
-    """A fresh scheduler (empty queue, empty block pool) for `runner`, whose earlier requests are dropped."""
-    for request_id in list(runner.batch.requests):
-        runner.batch.drop(request_id)
-    return Scheduler(SCHEDULER, KVCacheManager(NUM_BLOCKS, 16, prefix_caching), model.max_model_len,
-                     model.eos_token_ids)
-
-
-def shuttle_prompt_logprobs(scheduler, runner, prompts: list[list[int]]) -> list[list[float]]:
-    """The logprob of every prompt token after the first, from the engine's prompt_logprobs path."""
-    out: dict[str, list[float]] = {}
-    for i, prompt in enumerate(prompts):
-        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
-        scheduler.add_request(b"c", Submit(f"p{i}", prompt, params, time.time()))
-
-    def collect(batch) -> None:
-        for o in batch:
-            if o.prompt_logprobs:
-                out[o.request_id] = [t.logprob for t in o.prompt_logprobs]
-
-    drive(scheduler, runner, collect)
-    return [out.get(f"p{i}", []) for i in range(len(prompts))]
-
 
 def hf_model(model_dir: str, dequantized: bool) -> torch.nn.Module:
     """transformers' float32 model; `dequantized`: every linear but lm_head holds q * s of its int8 weights."""
@@ -114,22 +69,12 @@ def hf_runs(model_dir: str, dequantized: bool, prompts, tokens: int, multi) -> t
     return outputs, logprobs
 
 
-def agreement(ours: list[list[int]], theirs: list[list[int]], tokens: int) -> dict:
-    return {"identical": sum(a == b for a, b in zip(ours, theirs)) / len(ours),
-            "prefix": sum(common_prefix(a, b) / tokens for a, b in zip(ours, theirs)) / len(ours)}
-
-
-def logprob_gap(ours: list[list[float]], theirs: list[list[float]]) -> float:
-    diffs = [abs(a - b) for x, y in zip(ours, theirs) for a, b in zip(x, y)]
-    return sum(diffs) / max(len(diffs), 1)
-
-
 def check_model(model_dir: str, count: int, tokens: int) -> list[dict]:
     prompts = prompt_ids(model_dir, count)
     multi = [p for p in prompts if len(p) > 1]  # prompt logprobs need a second token
     fp32, fp32_lp = hf_runs(model_dir, False, prompts, tokens, multi)
     deq, deq_lp = hf_runs(model_dir, True, prompts, tokens, multi)
-    model, runner = make_runner(model_dir, "int8")
+    model, runner = make_runner(model_dir, "float32", quantization="int8")
     ours = greedy(new_scheduler(model, runner, True), runner, prompts, [tokens] * count)
     ours_lp = shuttle_prompt_logprobs(new_scheduler(model, runner, False), runner, multi)
     name = Path(model_dir).name
