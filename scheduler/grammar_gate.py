@@ -26,10 +26,11 @@ class GrammarGate:
         self._held: dict[str, list[Request]] = {}  # key -> requests waiting for it, in arrival order
         self._asked: set[str] = set()  # keys sent to the worker and not answered yet
         self._to_ask: dict[str, StructuredOutput] = {}
+        self._num_held = 0  # requests in _held (the queue bound counts them on every arrival)
 
     @property
     def num_held(self) -> int:
-        return sum(len(requests) for requests in self._held.values())
+        return self._num_held
 
     def hold(self, request: Request) -> bool:
         """True when `request` must wait for its grammar (it is held here); False when it may be queued now."""
@@ -41,6 +42,7 @@ class GrammarGate:
             self._ready.move_to_end(key)
             return False
         self._held.setdefault(key, []).append(request)
+        self._num_held += 1
         if key not in self._asked:
             self._asked.add(key)
             self._to_ask[key] = spec
@@ -53,6 +55,7 @@ class GrammarGate:
         if not waiting or request not in waiting:
             return False
         waiting.remove(request)
+        self._num_held -= 1
         if not waiting:
             del self._held[key]
         return True
@@ -69,6 +72,7 @@ class GrammarGate:
         for key, error in zip(message.keys, message.errors):
             self._asked.discard(key)
             requests = self._held.pop(key, [])
+            self._num_held -= len(requests)
             if error:
                 failed.extend((r, error) for r in requests)
                 continue
