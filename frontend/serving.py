@@ -87,8 +87,9 @@ def build_generations(state: FrontendState, body: SamplingFields, prompts: list[
                              group_id=request_id, ttft_slo_ms=body.ttft_slo_ms or 0.0, background=background)
             if state.config.observability.enable_log_requests:  # never the prompt's text
                 log.info("request %s: %d prompt tokens, %s", request.request_id, len(ids), sampling)
+            metrics = state.metrics.request(len(ids), n=body.n if j == 0 else 0)  # n observed once per prompt
             generations.append(TextGeneration(state.engine, state.tokenizer, request, index, stops,
-                                              body.include_stop_str_in_output, state.metrics.request(len(ids))))
+                                              body.include_stop_str_in_output, metrics))
     return generations
 
 

@@ -115,6 +115,7 @@ async def test_dashboard_series_exist_with_model_name(server):
 
     assert delta("shuttle:request_params_max_tokens_count") == 1
     assert delta("shuttle:request_params_max_tokens_sum") == 5
+    assert delta("shuttle:request_params_n_count") == 1 and delta("shuttle:request_params_n_sum") == 1
     assert delta("shuttle:request_generation_tokens_count") == 1
     assert delta("shuttle:request_generation_tokens_sum") == 5
     assert delta("shuttle:request_generation_tokens_bucket", le="5.0") == 1
