@@ -5,6 +5,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from tests.hf_cache import REPO_ID, cache_with
 from tests.server import MODEL_DIR, ShuttleServer
 
 
@@ -68,9 +69,15 @@ def server():
 
 
 @pytest.fixture(scope="session")
-def chunked_server():
-    """Chunked prefill at 16 tokens a step, at most 3 running sequences, no prefix caching."""
-    srv = ShuttleServer("--max-num-batched-tokens", "16", "--max-num-seqs", "3", "--no-enable-prefix-caching")
+def chunked_server(tmp_path_factory):
+    """Chunked prefill at 16 tokens a step, at most 3 running sequences, no prefix caching; MODEL is the Hugging Face
+    id `hf_cache.REPO_ID`, resolved offline from a cache laid out in a temporary HF_HOME (`srv.hf_home`)."""
+    hf_home = tmp_path_factory.mktemp("hf")
+    (hf_home / "hub").mkdir()
+    cache_with(hf_home / "hub")
+    srv = ShuttleServer("--max-num-batched-tokens", "16", "--max-num-seqs", "3", "--no-enable-prefix-caching",
+                        model_dir=REPO_ID, env={"HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1"})
+    srv.hf_home = hf_home
     yield srv
     srv.stop()
 

@@ -58,3 +58,24 @@ async def test_concurrent_greedy_matches_transformers(configured_server):
         full_blocks = (lengths[longest] - 1) // BLOCK_SIZE
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == full_blocks * BLOCK_SIZE
         assert again["choices"][0]["token_ids"] == results[longest]["choices"][0]["token_ids"]
+
+
+async def test_a_server_started_by_hugging_face_id_serves_it_by_that_id(chunked_server):
+    """`chunked_server` was started as `shuttle serve org/tiny-model` offline (its greedy output is checked above):
+    the id is what /v1/models lists and what requests name, and a client's tokenizer lookup by it succeeds."""
+    from transformers import AutoTokenizer
+    from tests.hf_cache import REPO_ID
+    async with aiohttp.ClientSession() as session:
+        async with session.get(f"{chunked_server.url}/v1/models") as response:
+            assert [m["id"] for m in (await response.json())["data"]] == [REPO_ID]
+        body = {"model": REPO_ID, "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0,
+                "return_token_ids": True}
+        async with session.post(f"{chunked_server.url}/v1/completions", json=body) as response:
+            assert response.status == 200, await response.text()
+            result = await response.json()
+    assert result["model"] == REPO_ID
+    # guidellm's default: the tokenizer loaded by the served model id (here from the server's cache, offline)
+    tokenizer = AutoTokenizer.from_pretrained(REPO_ID, cache_dir=str(chunked_server.hf_home / "hub"),
+                                              local_files_only=True)
+    ids = tokenizer("Once upon a time").input_ids
+    assert result["choices"][0]["token_ids"] == hf_greedy(ids, 8)

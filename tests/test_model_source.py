@@ -19,28 +19,9 @@ from common.model_source import is_repo_id, locate, resolve
 from common.version import shuttle_version
 from launcher.cli import build_parser
 from launcher.model_args import resolve_model_args
+from tests.hf_cache import COMMIT, REPO_ID, cache_with
 from tests.server import MODEL_DIR, REPO
 from tests.test_startup_refusals import assert_refused
-
-COMMIT = "0123456789abcdef0123456789abcdef01234567"
-REPO_ID = "org/tiny-model"
-
-
-def cache_with(hub, repo_id: str = REPO_ID, files=None, commit: str = COMMIT):
-    """Lay out `repo_id` at `commit` (refs/main) in the cache directory `hub` as huggingface_hub documents it
-    (models--org--name/blobs, snapshots/<commit>/..., refs/main), from the stories260K files named in `files`."""
-    repo = hub / f"models--{repo_id.replace('/', '--')}"
-    snapshot = repo / "snapshots" / commit
-    snapshot.mkdir(parents=True)
-    (repo / "blobs").mkdir()
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(commit)
-    for name in files if files is not None else os.listdir(MODEL_DIR):
-        blob = repo / "blobs" / f"blob-{name}"
-        shutil.copyfile(MODEL_DIR / name, blob)
-        os.symlink(os.path.relpath(blob, snapshot), snapshot / name)
-    return snapshot
-
 
 @pytest.fixture
 def hub(tmp_path):
