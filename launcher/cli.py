@@ -131,7 +131,8 @@ def _add_model_options(serve: argparse.ArgumentParser) -> None:
                             "generation_config.json. A request that sets a field keeps its value")
     serve.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                        help="always on: long prompts are prefilled in chunks (--no-enable-chunked-prefill is refused)")
-    serve.add_argument("--disable-log-requests", dest="enable_log_requests", action="store_false",
+    # default=False: a store_false action's own default (True) would otherwise become the shared dest's default
+    serve.add_argument("--disable-log-requests", dest="enable_log_requests", action="store_false", default=False,
                        help="vLLM's older spelling: no request log line (the default)")
 
 

@@ -57,6 +57,9 @@ def test_defaults_come_from_the_declarations():
     args = build_parser().parse_args(["serve", str(MODEL_DIR)])
     config = ShuttleConfig.from_args(args, IpcConfig.in_directory("/x"))
     assert (config.cache, config.scheduler, config.worker) == (CacheConfig(), SchedulerConfig(), WorkerConfig())
+    # every section, also those whose flags have a second spelling sharing the field (--disable-log-requests)
+    for built in (config.ops, config.parallel, config.observability, config.tool_calls):
+        assert built == type(built)(), type(built).__name__
 
 
 @pytest.mark.parametrize("flag,value", [("--max-num-seqs", "0"), ("--kv-cache-memory", "lots"),

@@ -14,7 +14,6 @@ from huggingface_hub import snapshot_download, try_to_load_from_cache
 
 from common.arg_types import token_count
 from common.config import IpcConfig, ShuttleConfig
-from common.errors import ModelDirError
 from common.model_source import is_repo_id, locate, resolve
 from common.version import shuttle_version
 from launcher.cli import build_parser
@@ -99,6 +98,8 @@ def test_vllm_aliases():
         (2, 3, "float16", 1024, 7)
     assert (args.enable_log_requests, args.max_logprobs, args.trust_remote_code) == (False, 5, True)
     assert serve_args("--dtype", "float").dtype == "float32"
+    assert serve_args().enable_log_requests is False  # vLLM's default: no request log
+    assert serve_args("--enable-log-requests").enable_log_requests is True
     assert serve_args("--enable-log-requests", "--disable-log-stats").disable_log_stats is True
 
 
