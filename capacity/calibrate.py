@@ -79,6 +79,10 @@ def grid(max_model_len: int, max_num_batched_tokens: int, max_num_seqs: int) -> 
     # and eight: a burst's first step packs as many prompts as fit, and the full budget is where a token costs most
     eighth = max(1, max_num_batched_tokens // 8)
     configs.append(("prefill", 8, min(max_model_len - 8, eighth), eighth))
+    # mixed steps, decodes beside a prompt's chunk: under load most steps of a chunked-prefill server are these
+    context = min(128, max(8, max_model_len // 4))
+    configs += [("mixed", b, context, q) for b in sorted({min(max_num_seqs - 1, b) for b in (8, 32, 64)} - {0})
+                for q in sorted({min(q, max_num_batched_tokens - b) for q in (64, 256)}) if q > 1]
     return configs
 
 
@@ -122,7 +126,14 @@ class Calibrator:
 
     def measure(self, kind: str, batch: int, prompt_len: int, chunk: int, repeats: int = 5,
                 seed: int = 0) -> list[Measurement]:
-        """Run one configuration; returns its prefill and decode medians (labelled)."""
+        """Run one configuration; returns its decode median, or its prefill or mixed steps one by one (labelled).
+
+        kind "decode": `batch` prompts of `prompt_len` prefilled, then their decode steps. "prefill": `batch` prompts
+        prefilled in chunks of `chunk` tokens each. "mixed": `batch` prompts of `prompt_len` prefilled, then, while
+        they decode, one prompt of 4 x `chunk` tokens (at most the model's length) prefilled in `chunk`s beside them.
+        """
+        if kind == "mixed":
+            return self._measure_mixed(batch, prompt_len, chunk, seed)
         budget = chunk * batch if kind == "prefill" else max(batch * prompt_len, batch)
         config = SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=budget)
         num_blocks = self.runner.kv_cache.num_blocks
@@ -151,6 +162,40 @@ class Calibrator:
                     for s, sec, sch in prefill]
         return [_median(label, decode)] if decode else []
 
+    def _measure_mixed(self, batch: int, prompt_len: int, chunk: int, seed: int) -> list[Measurement]:
+        long_len = min(self.model_config.max_model_len - 8, 4 * chunk)
+        config = SchedulerConfig(max_num_seqs=batch + 1, max_num_batched_tokens=batch + chunk)
+        scheduler = Scheduler(config, KVCacheManager(self.runner.kv_cache.num_blocks, self.block_size,
+                                                     enable_caching=False), self.model_config.max_model_len, ())
+        generator = torch.Generator().manual_seed(seed)
+        # the decoders outlive their own chunked prefill (the first is done long before the last) and the long one's
+        steps = -(-batch * prompt_len // (batch + chunk)) + -(-long_len // chunk) + 8
+        decoding = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
+        for i in range(batch):
+            prompt = torch.randint(3, self.vocab, (prompt_len,), generator=generator).tolist()
+            scheduler.add_request(b"cal", Submit(f"r{i}", prompt, decoding, float(i)))
+        while True:  # until every decoder has its prompt computed
+            step, _, _ = self.step(scheduler)
+            scheduler.take_outputs()
+            if all(n == 1 for n in (e.num_new for e in step.scheduled.values())):
+                break
+        prompt = torch.randint(3, self.vocab, (long_len,), generator=generator).tolist()
+        scheduler.add_request(b"cal", Submit("long", prompt, SamplingParams(max_tokens=1, temperature=0.0,
+                                                                            ignore_eos=True), float(batch)))
+        mixed = []
+        while scheduler.has_work:
+            step, seconds, sched = self.step(scheduler)
+            scheduler.take_outputs()
+            chunks = [(e.start, e.num_new, e.samples) for e in step.scheduled.values()]
+            if any(n > 1 for _, n, _ in chunks) and any(n == 1 for _, n, _ in chunks):
+                mixed.append((shape_of(chunks), seconds, sched))
+            if "long" not in scheduler.requests or scheduler.requests["long"].num_computed_tokens >= long_len:
+                break
+        scheduler.abort(list(scheduler.requests))
+        self.runner.batch.apply(scheduler.schedule().plan)
+        label = f"mixed {batch} decodes at {prompt_len} + chunk {chunk}"
+        return [Measurement(f"{label}, attention {s.prefill_attention}", s, sec, sch) for s, sec, sch in mixed]
+
     def calibrate(self, max_num_batched_tokens: int, max_num_seqs: int, repeats: int = 5,
                   progress=print) -> tuple[StepCostModel, list[Measurement]]:
         """Measure the grid and fit. Returns the model and the measurements it was fitted to."""
@@ -163,7 +208,7 @@ class Calibrator:
         configs = grid(self.model_config.max_model_len, max_num_batched_tokens, max_num_seqs)
         for i, (kind, batch, prompt_len, chunk) in enumerate(configs):
             with torch.inference_mode():
-                if kind == "prefill":  # each run gives one sample per chunk: run it `repeats` times, keep medians
+                if kind != "decode":  # each run gives one sample per chunk: run it `repeats` times, keep medians
                     runs = [self.measure(kind, batch, prompt_len, chunk, repeats, seed) for seed in range(repeats)]
                     found = [_median(same[0].label, [(m.shape, m.seconds, m.scheduler_seconds) for m in same])
                              for same in zip(*runs)]

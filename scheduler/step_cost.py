@@ -7,6 +7,8 @@ coefficients fitted on the serving machine:
 
     seconds = c_step                                  fixed cost per step (launch, packing, messaging, Python)
             + c_sequence * sequences                  per-sequence bookkeeping (metadata, block tables)
+            + c_prefill_sequence * prefill sequences  what a prompt's chunk costs beyond that (a CPU backend attends
+                                                      prefill rows one sequence at a time, decodes in one kernel)
             + c_token    * tokens                     per-token work that is neither FLOPs nor weight reads
             + c_dense    * max(dense FLOPs / peak FLOP/s, dense bytes / bandwidth)
             + c_prefill_attention * prefill attention FLOPs / peak FLOP/s
@@ -34,7 +36,7 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 
-FEATURES = ("step", "sequence", "token", "dense", "prefill_attention", "decode_attention")
+FEATURES = ("step", "sequence", "prefill_sequence", "token", "dense", "prefill_attention", "decode_attention")
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,8 +142,8 @@ def features(shape: StepShape, roofline: Roofline | None) -> tuple[float, ...]:
         dense, prefill, decode = float(shape.num_tokens), float(shape.prefill_attention), float(shape.decode_attention)
     else:
         dense, prefill, decode = roofline.seconds(shape)
-    return (1.0, float(shape.num_prefill_seqs + shape.num_decode_seqs), float(shape.num_tokens), dense, prefill,
-            decode)
+    return (1.0, float(shape.num_prefill_seqs + shape.num_decode_seqs), float(shape.num_prefill_seqs),
+            float(shape.num_tokens), dense, prefill, decode)
 
 
 def shape_of(chunks: Iterable[tuple[int, int, bool]]) -> StepShape:

@@ -39,4 +39,20 @@ def test_step_errors_by_kind():
     report = compare_inprocess.step_errors(cost, [(decode, 0.008), (decode, 0.0125), (prefill, 0.020)])
     assert report["decode"]["steps"] == 2 and report["decode"]["median_abs_error"] == pytest.approx(0.225)  # 1.25 and 0.8: errors 0.25 and 0.2
     assert report["prefill"] == {"steps": 1, "median_abs_error": pytest.approx(0.5), "p90_abs_error": pytest.approx(0.5),
-                                 "median_ratio": pytest.approx(0.5)}
+                                 "median_ratio": pytest.approx(0.5), "time_weighted_ratio": pytest.approx(0.5),
+                                 "measured_s": pytest.approx(0.020)}
+    assert report["mixed"]["steps"] == 0 and report["all"]["steps"] == 3
+    # predicted 0.030 s over measured 0.0405 s: what decides how fast a queue drains
+    assert report["all"]["time_weighted_ratio"] == pytest.approx(0.030 / 0.0405)
+
+
+def test_a_mixed_configuration_measures_decodes_beside_each_chunk_of_a_prompt():
+    """4 decodes at context 32 (and growing) beside a 64-token prompt (4 x the chunk) in chunks of 16: four steps,
+    each 4 decodes and one chunk, the chunk's context growing by 16 a step; the grid has such configurations."""
+    from capacity.calibrate import grid
+    calibrator = Calibrator(str(MODEL_DIR), num_kv_blocks=64)
+    found = calibrator.measure("mixed", 4, 32, 16)
+    assert [(m.shape.num_tokens, m.shape.num_prefill_seqs, m.shape.num_decode_seqs) for m in found] == [(20, 1, 4)] * 4
+    assert [m.shape.prefill_attention for m in found] == [16 * 16, 16 * 32, 16 * 48, 16 * 64]
+    assert all(m.seconds > 0 for m in found)
+    assert ("mixed", 64, 128, 256) in grid(512, 2048, 128)

@@ -8,7 +8,7 @@ import pytest
 
 from scheduler.step_cost import FEATURES, Roofline, StepCostModel, StepShape, features, shape_of
 
-TRUE = {"step": 2e-3, "sequence": 1e-4, "token": 3e-5, "dense": 1.5, "prefill_attention": 4.0,
+TRUE = {"step": 2e-3, "sequence": 1e-4, "prefill_sequence": 5e-4, "token": 3e-5, "dense": 1.5, "prefill_attention": 4.0,
         "decode_attention": 9.0}
 # a small model on a small device, dimensions chosen so that each term is easy to write out by hand
 ROOF = Roofline(hidden=8, layers=2, heads=2, kv_heads=1, head_dim=4, intermediate=16, vocab=32, dtype_bytes=2,
@@ -31,7 +31,7 @@ def test_shape_of_counts_tokens_sequences_and_attention_pairs():
     shape = shape_of([(10, 1, True), (0, 8, False), (8, 4, True), (99, 1, True)])
     assert shape == StepShape(num_tokens=14, num_prefill_seqs=2, num_decode_seqs=2,
                               prefill_attention=8 * 8 + 4 * 12, decode_attention=11 + 100, num_sampled=3)
-    assert features(shape, None) == (1.0, 4, 14, 14, 112, 111)
+    assert features(shape, None) == (1.0, 4, 2, 14, 14, 112, 111)
 
 
 def test_the_roofline_by_hand():
