@@ -115,8 +115,14 @@ def _headers(api_key: str | None) -> dict:
 
 
 async def run_benchmark(url: str, specs: list[RequestSpec], request_rate: float, max_concurrency: int | None,
-                        seed: int, progress: bool, api_key: str | None = None) -> tuple[list[RequestResult], float]:
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), headers=_headers(api_key),
+                        seed: int, progress: bool, api_key: str | None = None,
+                        keep_alive: bool = True) -> tuple[list[RequestResult], float]:
+    """Send `specs` (Poisson arrivals at `request_rate`, or all at once; at most `max_concurrency` in flight) and
+    return each request's result and the seconds from the first sent to the last done. keep_alive=False opens a
+    connection per request: a server that closes each connection after a streamed response while advertising
+    keep-alive (llama.cpp's llama-server) otherwise fails the requests that reuse one."""
+    connector = aiohttp.TCPConnector(limit=0, force_close=not keep_alive)
+    async with aiohttp.ClientSession(connector=connector, headers=_headers(api_key),
                                      timeout=aiohttp.ClientTimeout(total=3600)) as session:
         async with session.get(f"{url}/v1/models") as response:
             model = (await response.json())["data"][0]["id"]
@@ -233,17 +239,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--save-requests", default=None, metavar="JSONL",
                         help="also write one line per request: sent_s (since the first was sent), prompt_len, "
                              "output_tokens, ttft_s, e2e_s, itls_s, error")
+    parser.add_argument("--vocab-size", type=positive, default=None,
+                        help="random prompts draw token ids below this (default: the vocab_size the server's "
+                             "/v1/models reports; a server that reports none needs this flag)")
+    parser.add_argument("--no-keep-alive", action="store_true",
+                        help="one connection per request (for servers that close connections they advertise as "
+                             "kept alive)")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
 
     if args.dataset:
         specs = file_workload(args.dataset, args.num_prompts)
     else:
-        vocab_size = asyncio.run(served_vocab_size(args.url, args.api_key))
+        vocab_size = args.vocab_size or asyncio.run(served_vocab_size(args.url, args.api_key))
+        if vocab_size is None:
+            parser.error(f"{args.url}/v1/models reports no vocab_size: pass --vocab-size (token ids of random "
+                         "prompts must stay inside the model's vocabulary) or --dataset")
         specs = random_workload(args.num_prompts, args.input_len, args.output_len, args.range_ratio,
                                 args.shared_prefix_len, vocab_size, args.seed)
     results, duration = asyncio.run(run_benchmark(args.url, specs, args.request_rate, args.max_concurrency, args.seed,
-                                                  not args.no_progress, args.api_key))
+                                                  not args.no_progress, args.api_key, not args.no_keep_alive))
     summary = summarize(results, duration, args.ttft_slo_ms, args.tpot_slo_ms)
     summary["config"] = {k: v for k, v in vars(args).items() if k not in ("no_progress", "api_key")}
     summary["config"]["request_rate"] = str(args.request_rate)
@@ -259,7 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if summary["failed"] == 0 else 1
 
 
-async def served_vocab_size(url: str, api_key: str | None) -> int:
+async def served_vocab_size(url: str, api_key: str | None) -> int | None:
+    """The vocab_size the server's first model reports in /v1/models (shuttle does; vLLM and llama-server do
+    not: None)."""
     async with aiohttp.ClientSession(headers=_headers(api_key)) as session:
         async with session.get(f"{url}/v1/models") as response:
-            return (await response.json())["data"][0].get("vocab_size", 32000)
+            return (await response.json())["data"][0].get("vocab_size")
