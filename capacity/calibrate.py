@@ -20,6 +20,7 @@ the machine a user serves on.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import time
@@ -164,12 +165,15 @@ class Calibrator:
 
     def _measure_mixed(self, batch: int, prompt_len: int, chunk: int, seed: int) -> list[Measurement]:
         long_len = min(self.model_config.max_model_len - 8, 4 * chunk)
-        config = SchedulerConfig(max_num_seqs=batch + 1, max_num_batched_tokens=batch + chunk)
+        # the decoders' prompts are prefilled under a full budget (at batch + chunk tokens a step, 64 decoders of the
+        # 110M shape took a minute to start), then the budget becomes batch + chunk for the steps measured
+        warm_budget = max(batch + chunk, 2048)
+        config = SchedulerConfig(max_num_seqs=batch + 1, max_num_batched_tokens=warm_budget)
         scheduler = Scheduler(config, KVCacheManager(self.runner.kv_cache.num_blocks, self.block_size,
                                                      enable_caching=False), self.model_config.max_model_len, ())
         generator = torch.Generator().manual_seed(seed)
-        # the decoders outlive their own chunked prefill (the first is done long before the last) and the long one's
-        steps = -(-batch * prompt_len // (batch + chunk)) + -(-long_len // chunk) + 8
+        # the decoders outlive their own chunked prefill (the first is done before the last) and the long one's
+        steps = -(-batch * prompt_len // warm_budget) + -(-long_len // chunk) + 8
         decoding = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
         for i in range(batch):
             prompt = torch.randint(3, self.vocab, (prompt_len,), generator=generator).tolist()
@@ -179,6 +183,7 @@ class Calibrator:
             scheduler.take_outputs()
             if all(n == 1 for n in (e.num_new for e in step.scheduled.values())):
                 break
+        scheduler.config = dataclasses.replace(config, max_num_batched_tokens=batch + chunk)
         prompt = torch.randint(3, self.vocab, (long_len,), generator=generator).tolist()
         scheduler.add_request(b"cal", Submit("long", prompt, SamplingParams(max_tokens=1, temperature=0.0,
                                                                             ignore_eos=True), float(batch)))

@@ -12,18 +12,36 @@ from tests.server import MODEL_DIR, ShuttleServer
 SHARED_SERVERS = {"server", "chunked_server", "keyed_server", "slow_server"}
 
 
-def pytest_collection_modifyitems(items):
+def pytest_itemcollected(item):
     """Every test that starts real shuttle processes is `slow` (`pytest -m "not slow"` runs the lower rungs only):
-    those using a shared server fixture or living in a module that starts its own ShuttleServer."""
-    for item in items:
-        module = getattr(item, "module", None)
-        fixtures = set(getattr(item, "fixturenames", ()))
-        if SHARED_SERVERS & fixtures or (module is not None and "ShuttleServer" in vars(module)):
-            item.add_marker(pytest.mark.slow)
+    those using a shared server fixture or living in a module that starts its own ShuttleServer.
+
+    For pytest-xdist's `--dist loadgroup` (`pytest -n 2`), every test that uses a shared server is in one group and
+    every other test in its module's, so that each session- or module-scoped server starts once, on one worker.
+    (Marked as each item is collected: xdist reads the groups in its own collection_modifyitems.)"""
+    module = getattr(item, "module", None)
+    fixtures = set(getattr(item, "fixturenames", ()))
+    if SHARED_SERVERS & fixtures or (module is not None and "ShuttleServer" in vars(module)):
+        item.add_marker(pytest.mark.slow)
+    group = "shared-servers" if SHARED_SERVERS & fixtures else item.nodeid.split("::")[0]
+    item.add_marker(pytest.mark.xdist_group(group))
+
+
+_worker_launches: list[int] = []
+
+
+def pytest_sessionfinish(session):
+    if hasattr(session.config, "workeroutput"):  # an xdist worker: its count goes back to the controller
+        session.config.workeroutput["shuttle_launches"] = ShuttleServer.launches
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    _worker_launches.append(getattr(node, "workeroutput", {}).get("shuttle_launches", 0))
 
 
 def pytest_terminal_summary(terminalreporter):
-    terminalreporter.write_line(f"shuttle servers launched: {ShuttleServer.launches}")
+    terminalreporter.write_line(f"shuttle servers launched: {ShuttleServer.launches + sum(_worker_launches)}")
 
 
 torch.set_num_threads(1)  # the transformers reference: see tests/server.py on OpenMP threads on a shared machine

@@ -117,3 +117,18 @@ def test_fp32_model_over_a_bf16_cache_and_a_bf16_model_serve_in_process():
         assert [len(o) for o in outputs] == [24, 24]
         # bf16 is not token-exact with fp32, but on this trained model greedy agrees for a good while
         assert all(o[:4] == f[:4] for o, f in zip(outputs, fp32))
+
+
+def test_the_start_up_check_in_bf16_weighs_differences_by_probability():
+    """bfloat16 rounding moves the log-probs of tokens the model rules out; the check weighs each difference by the
+    reference probability, so stories260K in bf16 passes with a wide margin (the plain max is near 0.2 nats), while
+    the same log-probs compared one position off (a structural mistake) are far past the tolerance."""
+    from worker import capability
+    runner, _ = _greedy("bfloat16", "auto", [[1, 403]], 1)
+    assert runner.check_difference < 0.4 * capability.TOLERANCE[torch.bfloat16]  # 0.046 on an AMX CPU
+    g = torch.Generator().manual_seed(0)
+    reference = torch.randn(12, 512, generator=g).mul(3).log_softmax(-1)
+    rounded = reference.to(torch.bfloat16).float().log_softmax(-1)
+    assert capability.log_prob_difference(rounded, reference, exact=False) < 0.05
+    assert capability.log_prob_difference(reference[1:], reference[:-1], exact=False) > 4 * capability.TOLERANCE[torch.bfloat16]
+    assert capability.log_prob_difference(rounded, reference, exact=True) > capability.TOLERANCE[torch.float32]

@@ -12,9 +12,10 @@ BLOCK_SIZE = 16  # the servers' default --block-size
 
 
 @pytest.fixture(params=["server", "chunked_server"])
-def configured_server(request):
-    """The suite's default server, then one with 16-token prefill chunks, 3 running sequences and no prefix cache."""
-    return request.getfixturevalue(request.param), request.param == "server"  # (server, prefix caching on)
+def configured_server(request, server, chunked_server):
+    """The suite's default server, then one with 16-token prefill chunks, 3 running sequences and no prefix cache
+    (both named as fixtures, so that conftest puts these tests with the other users of the shared servers)."""
+    return {"server": server, "chunked_server": chunked_server}[request.param], request.param == "server"
 
 
 async def complete(session: aiohttp.ClientSession, url: str, prompt: str, max_tokens: int) -> dict:
