@@ -178,10 +178,10 @@ class Calibrator:
         for i in range(batch):
             prompt = torch.randint(3, self.vocab, (prompt_len,), generator=generator).tolist()
             scheduler.add_request(b"cal", Submit(f"r{i}", prompt, decoding, float(i)))
-        while True:  # until every decoder has its prompt computed
+        while scheduler.has_work:  # until every decoder has its prompt computed
             step, _, _ = self.step(scheduler)
             scheduler.take_outputs()
-            if all(n == 1 for n in (e.num_new for e in step.scheduled.values())):
+            if not step.is_empty and all(e.num_new == 1 for e in step.scheduled.values()):
                 break
         scheduler.config = dataclasses.replace(config, max_num_batched_tokens=batch + chunk)
         prompt = torch.randint(3, self.vocab, (long_len,), generator=generator).tolist()
