@@ -1,8 +1,12 @@
-"""Issue 5 acceptance 2 (tiny version): bench_serve.py runs against a live server and writes its JSON."""
+"""`shuttle bench` (capacity/bench_serve.py): against a live server (counts and its JSON), and against a raw server
+that behaves as llama.cpp's llama-server does (no vocab_size, connections closed after each response)."""
 
+import asyncio
 import json
 import subprocess
 import sys
+
+import pytest
 
 from capacity import bench_serve
 from tests.server import REPO
@@ -62,7 +66,6 @@ class ClosingServer:
 
 
 async def test_one_connection_per_request_against_a_server_that_closes_them(unused_tcp_port):
-    import asyncio
     fake = ClosingServer()
     listening = await asyncio.start_server(fake.handle, "127.0.0.1", unused_tcp_port)
     async with listening:
@@ -74,8 +77,6 @@ async def test_one_connection_per_request_against_a_server_that_closes_them(unus
 
 
 async def test_a_server_that_reports_no_vocab_size_needs_the_flag(unused_tcp_port, monkeypatch, capsys):
-    import asyncio
-    import pytest
     listening = await asyncio.start_server(ClosingServer().handle, "127.0.0.1", unused_tcp_port)
     async with listening:
         assert await bench_serve.served_vocab_size(f"http://127.0.0.1:{unused_tcp_port}", None) is None

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from capacity.calibrate import Calibrator
+from capacity.calibrate import Calibrator, grid
 from capacity.workload import SimRequest
 from common.config import SchedulerConfig
 from scheduler.step_cost import StepCostModel, StepShape
@@ -49,7 +49,6 @@ def test_step_errors_by_kind():
 def test_a_mixed_configuration_measures_decodes_beside_each_chunk_of_a_prompt():
     """4 decodes at context 32 (and growing) beside a 64-token prompt (4 x the chunk) in chunks of 16: four steps,
     each 4 decodes and one chunk, the chunk's context growing by 16 a step; the grid has such configurations."""
-    from capacity.calibrate import grid
     calibrator = Calibrator(str(MODEL_DIR), num_kv_blocks=64)
     found = calibrator.measure("mixed", 4, 32, 16)
     assert [(m.shape.num_tokens, m.shape.num_prefill_seqs, m.shape.num_decode_seqs) for m in found] == [(20, 1, 4)] * 4

@@ -4,8 +4,10 @@ import asyncio
 
 import aiohttp
 import pytest
+from transformers import AutoTokenizer
 
 from tests.conftest import hf_greedy, hf_tokenizer
+from tests.hf_cache import REPO_ID
 from capacity.story_prompts import MAX_TOKENS, story_prompts
 
 BLOCK_SIZE = 16  # the servers' default --block-size
@@ -64,8 +66,6 @@ async def test_concurrent_greedy_matches_transformers(configured_server):
 async def test_a_server_started_by_hugging_face_id_serves_it_by_that_id(chunked_server):
     """`chunked_server` was started as `shuttle serve org/tiny-model` offline (its greedy output is checked above):
     the id is what /v1/models lists and what requests name, and a client's tokenizer lookup by it succeeds."""
-    from transformers import AutoTokenizer
-    from tests.hf_cache import REPO_ID
     async with aiohttp.ClientSession() as session:
         async with session.get(f"{chunked_server.url}/v1/models") as response:
             assert [m["id"] for m in (await response.json())["data"]] == [REPO_ID]
