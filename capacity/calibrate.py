@@ -31,7 +31,8 @@ import msgspec
 import torch
 
 from common.arg_types import positive
-from common.config import CacheConfig, IpcConfig, ModelConfig, SchedulerConfig, ShuttleConfig, WorkerConfig
+from common.config import CacheConfig, IpcConfig, SchedulerConfig, ShuttleConfig, WorkerConfig
+from common.model_config import ModelConfig
 from common.messages import PlanMessage, Submit, WorkerMessage
 from common.sampling import SamplingParams
 from scheduler.step_cost import FEATURES, StepCostModel, StepShape, shape_of

@@ -17,7 +17,7 @@ from pathlib import Path
 from capacity import hardware
 from capacity.memory_plan import MiB, concurrency_table
 from common.capacity import kv_blocks_for_memory
-from common.config import ModelConfig
+from common.model_config import ModelConfig
 from scheduler.step_cost import Roofline, StepShape
 
 DEFAULT_UTILIZATION = 0.9

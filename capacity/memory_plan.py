@@ -28,7 +28,8 @@ import msgspec
 import torch
 
 from common.capacity import blocks_per_request, kv_blocks_for_memory, kv_cache_bytes, requests_that_fit
-from common.config import CacheConfig, IpcConfig, ModelConfig, SchedulerConfig, ShuttleConfig, WorkerConfig
+from common.config import CacheConfig, IpcConfig, SchedulerConfig, ShuttleConfig, WorkerConfig
+from common.model_config import ModelConfig
 from common.messages import FrontendMessage, Submit
 from common.sampling import SamplingParams
 from scheduler.kv_cache import KVCacheManager

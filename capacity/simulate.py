@@ -28,7 +28,8 @@ from capacity.simulator import SimResult, Simulator
 from capacity.workload import SimRequest, arrivals, from_trace
 from common.arg_types import add_config_options, positive, positive_number
 from common.capacity import kv_blocks_for_memory
-from common.config import CacheConfig, ModelConfig, SchedulerConfig
+from common.config import CacheConfig, SchedulerConfig
+from common.model_config import ModelConfig
 from common.errors import ModelDirError
 from common.model_dir import check_model_dir
 from scheduler.step_cost import StepCostModel

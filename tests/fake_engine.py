@@ -15,7 +15,8 @@ from typing import AsyncIterator, Iterator
 
 from aiohttp import web
 
-from common.config import IpcConfig, ModelConfig, ShuttleConfig
+from common.config import IpcConfig, ShuttleConfig
+from common.model_config import ModelConfig
 from common.messages import FinishReason, RequestOutput, SchedulerInfo, Submit, TokenLogprobs
 from frontend.app import build_app
 from frontend.chat import ChatTemplate

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field, replace
 
 from aiohttp import web
 
-from common.config import IpcConfig, ModelConfig, OpsConfig, ShuttleConfig
+from common.config import IpcConfig, OpsConfig, ShuttleConfig
+from common.model_config import ModelConfig
 from common.messages import FinishReason
 from frontend.app import BATCH, build_app
 from frontend.chat import ChatTemplate

@@ -6,7 +6,8 @@ import time
 import pytest
 import torch
 
-from common.config import CacheConfig, IpcConfig, ModelConfig, SchedulerConfig, ShuttleConfig, WorkerConfig
+from common.config import CacheConfig, IpcConfig, SchedulerConfig, ShuttleConfig, WorkerConfig
+from common.model_config import ModelConfig
 from common.devices import (AUTO_CPU_DTYPE_ENV, DeviceError, auto_dtype_reason, cpu_auto_dtype, cpu_bf16_flags,
                             resolve_config, resolve_dtype)
 from common.messages import Submit

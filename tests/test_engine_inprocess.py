@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from common.config import CacheConfig, IpcConfig, ModelConfig, SchedulerConfig, ShuttleConfig
+from common.config import CacheConfig, IpcConfig, SchedulerConfig, ShuttleConfig
+from common.model_config import ModelConfig
 from common.messages import Submit
 from common.sampling import SamplingParams
 from scheduler.kv_cache import KVCacheManager

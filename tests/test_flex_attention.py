@@ -14,7 +14,8 @@ import random
 import pytest
 import torch
 
-from common.config import CacheConfig, IpcConfig, ModelConfig, SchedulerConfig, ShuttleConfig, WorkerConfig
+from common.config import CacheConfig, IpcConfig, SchedulerConfig, ShuttleConfig, WorkerConfig
+from common.model_config import ModelConfig
 from launcher.cli import build_parser
 from worker import flex_attention as fx
 from worker import flex_masks as fm

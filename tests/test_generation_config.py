@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from common.config import ModelConfig
+from common.model_config import ModelConfig
 from common.errors import ModelDirError
 from common.sampling import SamplingParams
 from frontend.protocol import CompletionRequest, convert_body, sampling_params

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from common.capacity import kv_cache_bytes
-from common.config import IpcConfig, ModelConfig, ShuttleConfig, WorkerConfig
+from common.config import IpcConfig, ShuttleConfig, WorkerConfig
+from common.model_config import ModelConfig
 from common.devices import (DeviceError, check_device_count, parse_device, rank_device, resolve_attention_backend,
                             resolve_config, resolve_device, resolve_dtype)
 from launcher.cli import build_parser

@@ -15,7 +15,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from common.config import CacheConfig, IpcConfig, ModelConfig, SchedulerConfig, ShuttleConfig, WorkerConfig
+from common.config import CacheConfig, IpcConfig, SchedulerConfig, ShuttleConfig, WorkerConfig
+from common.model_config import ModelConfig
 from launcher.cli import build_parser
 from tests.test_flex_attention import make_cache, make_step
 from worker import flex_attention as fx

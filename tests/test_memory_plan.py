@@ -8,7 +8,8 @@ import torch
 from capacity.memory_plan import build_plan, concurrency_table
 from common.capacity import blocks_per_request, kv_blocks_for_memory, kv_cache_bytes, requests_that_fit
 from launcher.cli import build_parser
-from common.config import CacheConfig, IpcConfig, ModelConfig, ShuttleConfig
+from common.config import CacheConfig, IpcConfig, ShuttleConfig
+from common.model_config import ModelConfig
 from launcher.launcher import capacity_lines
 from tests.server import MODEL_DIR
 from worker.kv_cache import KVCache

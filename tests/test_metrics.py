@@ -6,7 +6,8 @@ import time
 
 import aiohttp
 
-from common.config import CacheConfig, IpcConfig, ModelConfig, ShuttleConfig
+from common.config import CacheConfig, IpcConfig, ShuttleConfig
+from common.model_config import ModelConfig
 from common.messages import RequestOutput, SchedulerInfo, SchedulerStats, Submit
 from common.sampling import SamplingParams
 from frontend.metrics import Metrics, one_two_five

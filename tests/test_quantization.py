@@ -9,7 +9,8 @@ import time
 import pytest
 import torch
 
-from common.config import CacheConfig, IpcConfig, ModelConfig, SchedulerConfig, ShuttleConfig, WorkerConfig
+from common.config import CacheConfig, IpcConfig, SchedulerConfig, ShuttleConfig, WorkerConfig
+from common.model_config import ModelConfig
 from common.devices import DeviceError, quantization_error, resolve_config
 from common.messages import Submit
 from common.sampling import SamplingParams

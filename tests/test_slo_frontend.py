@@ -3,7 +3,8 @@ scheduler, a refusal is HTTP 503 with the scheduler's Retry-After, and /metrics 
 
 from aiohttp.test_utils import TestClient, TestServer
 
-from common.config import IpcConfig, ModelConfig, SchedulerConfig, ShuttleConfig
+from common.config import IpcConfig, SchedulerConfig, ShuttleConfig
+from common.model_config import ModelConfig
 from frontend.app import build_app
 from frontend.chat import ChatTemplate
 from frontend.metrics import Metrics

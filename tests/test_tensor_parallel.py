@@ -20,9 +20,8 @@ import msgspec
 import pytest
 import zmq
 
-from common.config import (
-    CacheConfig, IpcConfig, ModelConfig, ParallelConfig, ShuttleConfig, tensor_parallel_error,
-)
+from common.config import CacheConfig, IpcConfig, ParallelConfig, ShuttleConfig, tensor_parallel_error
+from common.model_config import ModelConfig
 from common.ipc import Channel
 from launcher.supervised_unit import engine_roles, worker_rank
 from common.messages import PlanMessage, StepPlan, Submit, WorkerReady

@@ -26,7 +26,8 @@ from hypothesis import strategies as st
 
 from batch_jobs.client import AsyncBatchClient
 from launcher.cli import build_parser
-from common.config import CacheConfig, IpcConfig, ModelConfig, OpsConfig, ShuttleConfig
+from common.config import CacheConfig, IpcConfig, OpsConfig, ShuttleConfig
+from common.model_config import ModelConfig
 from common.ipc import AsyncChannel, Channel, MalformedMessage
 from common.messages import (
     BatchHeartbeat, BatchServerMessage, EngineDown, FrontendMessage, Heartbeat, Hello, PlanMessage,

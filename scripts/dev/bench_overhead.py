@@ -32,7 +32,8 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from common.config import CacheConfig, IpcConfig, ModelConfig, SchedulerConfig, ShuttleConfig  # noqa: E402
+from common.config import CacheConfig, IpcConfig, SchedulerConfig, ShuttleConfig  # noqa: E402
+from common.model_config import ModelConfig  # noqa: E402
 from common.messages import PlanMessage, StepOutputs, StepResult, Submit, WorkerMessage  # noqa: E402
 from common.sampling import SamplingParams  # noqa: E402
 from scheduler.kv_cache import KVCacheManager  # noqa: E402

@@ -35,7 +35,8 @@ import jsonschema
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from capacity.bench_serve import RequestSpec, run_benchmark, summarize  # noqa: E402
-from common.config import DEFAULT_MODEL_DIR, ModelConfig  # noqa: E402
+from common.config import DEFAULT_MODEL_DIR  # noqa: E402
+from common.model_config import ModelConfig  # noqa: E402
 from common.sampling import StructuredOutput  # noqa: E402
 from launcher.local_server import ShuttleServer  # noqa: E402
 

@@ -33,7 +33,8 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts" / "dev"))
 
-from common.config import CacheConfig, IpcConfig, ModelConfig, SchedulerConfig, ShuttleConfig, WorkerConfig  # noqa
+from common.config import CacheConfig, IpcConfig, SchedulerConfig, ShuttleConfig, WorkerConfig  # noqa: E402
+from common.model_config import ModelConfig  # noqa: E402
 from common.messages import Submit  # noqa: E402
 from common.sampling import SamplingParams  # noqa: E402
 from gpu_check import common_prefix, greedy, hf_greedy, prompt_ids  # noqa: E402

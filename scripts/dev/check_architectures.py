@@ -39,7 +39,8 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from common.config import CacheConfig, IpcConfig, ModelConfig, SchedulerConfig, ShuttleConfig  # noqa: E402
+from common.config import CacheConfig, IpcConfig, SchedulerConfig, ShuttleConfig  # noqa: E402
+from common.model_config import ModelConfig  # noqa: E402
 from common.messages import Submit  # noqa: E402
 from common.sampling import SamplingParams  # noqa: E402
 from scheduler.kv_cache import KVCacheManager  # noqa: E402

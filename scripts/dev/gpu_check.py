@@ -39,8 +39,8 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from common.config import (CacheConfig, IpcConfig, ModelConfig, SchedulerConfig, ShuttleConfig,  # noqa: E402
-                           WorkerConfig)
+from common.config import CacheConfig, IpcConfig, SchedulerConfig, ShuttleConfig, WorkerConfig  # noqa: E402
+from common.model_config import ModelConfig  # noqa: E402
 from common.messages import Submit  # noqa: E402
 from common.sampling import SamplingParams  # noqa: E402
 from scheduler.kv_cache import KVCacheManager  # noqa: E402

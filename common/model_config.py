@@ -1,0 +1,108 @@
+"""What shuttle serves, read once from the model's directory by the launcher: `ModelConfig`, whose fields every
+process gets in the ShuttleConfig JSON (common/config.py), and the model's context limit from its config.json."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from common.errors import ModelDirError
+from common.generation_config import AUTO, SamplingDefaults, generation_config_path, read_sampling_defaults
+from common.model_dir import read_json_object
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What the frontend, scheduler and worker need to know about the served model.
+
+    Attributes:
+        model_dir: Hugging Face model directory (config.json, weights, tokenizer files).
+        served_model_name: the name clients give in the ``model`` field.
+        max_model_len: longest context in tokens (prompt + output).
+        eos_token_ids: ids that end a sequence, from generation_config.json (else config.json).
+        dtype: torch dtype name of weights and KV cache ("float32", "bfloat16", "float16"; "auto" until the
+            launcher resolves it for the device, common/devices.py).
+        tokenizer_dir: the tokenizer's directory ("": model_dir).
+        served_model_aliases: further names clients may give (--served-model-name's second and later).
+        seed: seeds the worker's generator, which samples the requests that set no seed.
+        max_logprobs: most logprobs alternatives a request may ask for per token.
+        trust_remote_code: let transformers run the model's own Python code (config.json auto_map).
+        sampling_defaults: request fields' defaults from generation_config.json (--generation-config;
+            common/generation_config.py).
+    """
+
+    model_dir: str
+    served_model_name: str
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    dtype: str = "float32"
+    tokenizer_dir: str = ""
+    served_model_aliases: tuple[str, ...] = ()
+    seed: int = 0
+    max_logprobs: int = 20
+    trust_remote_code: bool = False
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
+
+    @property
+    def served_model_names(self) -> tuple[str, ...]:
+        return (self.served_model_name, *self.served_model_aliases)
+
+    def hf_config(self) -> dict:
+        """The model's config.json. Raises ModelDirError when it is missing, unreadable or not an object."""
+        return _read_json(Path(self.model_dir) / "config.json")
+
+    @staticmethod
+    def from_dir(model_dir: str | os.PathLike, max_model_len: int | None = None,
+                 served_model_name: str | None = None, dtype: str = "float32", generation_config: str = AUTO,
+                 **options) -> "ModelConfig":
+        """Read config.json (and generation_config.json if present) from `model_dir`; `options`: the fields
+        after dtype. `generation_config`: where the sampling defaults come from (auto, vllm or a folder).
+
+        Raises:
+            ModelDirError: the directory or config.json is missing or malformed, or max_model_len exceeds
+                the model's position limit.
+        """
+        path = Path(model_dir)
+        if not path.is_dir():
+            raise ModelDirError(f"model directory {str(path)!r} does not exist")
+        hf_config = _read_json(path / "config.json")
+        generation = _read_json(path / "generation_config.json") if (path / "generation_config.json").exists() else {}
+        limit = context_limit(hf_config)
+        if max_model_len is None:
+            if limit is None:
+                raise ModelDirError(f"{path / 'config.json'} names no context limit ({', '.join(CONTEXT_LIMIT_KEYS)}); "
+                                    f"pass --max-model-len")
+            max_model_len = limit
+        elif limit is not None and not 0 < max_model_len <= limit:
+            raise ModelDirError(f"--max-model-len {max_model_len} is outside 1..{limit} for this model")
+        eos = generation.get("eos_token_id", hf_config.get("eos_token_id"))
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
+        return ModelConfig(
+            model_dir=str(path.resolve()),
+            served_model_name=served_model_name or path.name,
+            max_model_len=max_model_len,
+            eos_token_ids=eos_ids,
+            dtype=dtype,
+            sampling_defaults=read_sampling_defaults(generation_config_path(path, generation_config)),
+            **options,
+        )
+
+
+# Names architectures give their position limit, in the order vLLM's and transformers' configs are read.
+CONTEXT_LIMIT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "max_seq_len",
+                      "n_ctx", "max_seq_length")
+
+
+def context_limit(hf_config: dict) -> int | None:
+    """The model's position limit in tokens from its config.json (or its text_config), None if it names none."""
+    for config in (hf_config, hf_config.get("text_config") or {}):
+        for key in CONTEXT_LIMIT_KEYS:
+            value = config.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return None
+
+
+def _read_json(path: Path) -> dict:
+    return read_json_object(path)  # common/model_dir.py: ModelDirError when missing, unreadable or not an object
