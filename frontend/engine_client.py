@@ -209,19 +209,27 @@ class EngineClient(ServingGroup):
         return self.info
 
     async def _listen(self, channel: AsyncChannel[SchedulerMessage]) -> None:
+        """Deliver every scheduler message. A message that cannot be taken (a stats hook that raised) is logged and
+        skipped: were this task to end, every request in flight and to come would wait forever."""
         while True:
             msg = await channel.recv()
-            if isinstance(msg, StepOutputs):
-                for output in msg.outputs:
-                    queue = self._queues.get(output.request_id)
-                    if queue is not None:
-                        queue.put_nowait(output)
-                if msg.stats is not None:
-                    self._on_stats(msg.stats)
-            elif isinstance(msg, SchedulerStats):
-                self._on_stats(msg)
-            elif isinstance(msg, SchedulerInfo):
-                self._serving(msg)
+            try:
+                self._take(msg)
+            except Exception:
+                log.exception("could not take a %s from the scheduler; skipped", type(msg).__name__)
+
+    def _take(self, msg: SchedulerMessage | None) -> None:
+        if isinstance(msg, StepOutputs):
+            for output in msg.outputs:
+                queue = self._queues.get(output.request_id)
+                if queue is not None:
+                    queue.put_nowait(output)
+            if msg.stats is not None:
+                self._on_stats(msg.stats)
+        elif isinstance(msg, SchedulerStats):
+            self._on_stats(msg)
+        elif isinstance(msg, SchedulerInfo):
+            self._serving(msg)
 
     async def _beat(self) -> None:
         """Tell the scheduler this frontend is alive; a silent one is taken as gone and its requests aborted."""

@@ -98,9 +98,9 @@ class SchedulerLoop:
         scheduler = self.scheduler
         while True:
             self.heartbeat.beat()  # proves this loop turns
-            self._reap_gone_frontends()
             idle = not self.in_flight and not scheduler.has_work
             self._drain_inbox(IDLE_POLL_MS if idle else 0)
+            self._reap_gone_frontends()  # after reading the inbox: a heartbeat queued there counts
             scheduler.expire(time.time())
             sent = len(self.in_flight) < self.max_in_flight and scheduler.has_work and self._plan_and_send()
             if self.in_flight and (not sent or len(self.in_flight) >= self.max_in_flight):
@@ -148,6 +148,7 @@ class SchedulerLoop:
             self.heartbeat.beat()
             if self.frontends.socket in ready:
                 self._drain_inbox(0)
+            self._reap_gone_frontends()  # on every turn, so that FrontendWatch sees no gap a long step would make
             if self.results.socket in ready:
                 msg = self.results.recv()
                 if msg is None:
@@ -200,11 +201,14 @@ class SchedulerLoop:
                 log.warning("ignoring unexpected worker message %s", type(msg).__name__)
 
     def _reap_gone_frontends(self) -> None:
-        """Issue 9: a frontend silent past FRONTEND_TIMEOUT_S is gone; abort its requests, stop sending to it."""
+        """Issue 9: a frontend silent past FRONTEND_TIMEOUT_S is gone; end its requests (each with a 503 it gets
+        if it is alive after all) and stop sending it stats."""
         for client in self.frontend_watch.gone():
             self.clients.discard(client)
-            aborted = self.scheduler.abort_client(client)
-            log.warning("a frontend went silent; aborted its %d request(s) and freed their blocks", len(aborted))
+            aborted = self.scheduler.abort_client(
+                client, f"the scheduler heard nothing from this frontend for {self.frontend_watch.timeout:g} s and "
+                        f"ended its requests; retry")
+            log.warning("a frontend went silent; ended its %d request(s) and freed their blocks", len(aborted))
 
     def _publish(self) -> None:
         """Send each frontend its outputs with the stats riding along; stats go out on their own only when they

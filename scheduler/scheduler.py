@@ -168,12 +168,14 @@ class Scheduler:
             if entry.request.is_live:
                 self._finish(entry.request, FinishReason.ERROR, status, message)
 
-    def abort_client(self, client: bytes) -> list[str]:
-        """End every request of a frontend that is gone, freeing their blocks; their outputs are dropped.
-        Returns the ids (the loop calls this for frontends that stopped heartbeating)."""
+    def abort_client(self, client: bytes, message: str) -> list[str]:
+        """End every request of a frontend taken for gone (it stopped heartbeating), freeing their blocks. Each still
+        gets its terminal output, a 503 carrying `message`: a frontend that is really gone never receives it (a
+        ROUTER drops what it cannot route), and one that was only slow learns that its requests ended instead of
+        waiting on them forever. Returns the ids."""
         request_ids = [r.request_id for r in self.requests.values() if r.client == client]
-        self.abort(request_ids)
-        self._pending_outputs.pop(client, None)
+        for request_id in request_ids:
+            self._finish(self.requests[request_id], FinishReason.ERROR, 503, message)
         return request_ids
 
     def _emit(self, request: Request, token_ids: list[int], reason: FinishReason | None = None,

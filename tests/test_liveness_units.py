@@ -2,9 +2,9 @@
 its own tests are in test_retry_after.py), the step watchdog, silent frontends, and the scheduler aborting a gone
 frontend's requests."""
 
-import time
-
 import pytest
+
+from common.messages import FinishReason
 
 from scheduler.liveness import FrontendWatch, StepWatchdog, WorkerHung
 from tests.test_scheduler import make_scheduler, run_step, submit
@@ -28,25 +28,75 @@ def test_scheduler_stats_count_admissions_resumptions_and_tokens():
     assert stats.num_scheduled_tokens > 4
 
 
+class FakeClock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def test_step_watchdog_fires_only_when_a_step_is_overdue():
-    watchdog = StepWatchdog(timeout=0.05)
+    clock = FakeClock()
+    watchdog = StepWatchdog(timeout=5.0, clock=clock)
     watchdog.sent(7)
     watchdog.check()  # just sent: fine
-    assert 1 <= watchdog.poll_ms() <= 51
-    deadline = time.monotonic() + 30
+    assert watchdog.poll_ms() == 1000  # bounded: the loop checks at least once a second
+    for _ in range(5):
+        clock.now += 1.0
+        watchdog.check()  # 5.0 s: not over the limit yet
+    assert watchdog.poll_ms() == 1
+    clock.now += 0.5
     with pytest.raises(WorkerHung, match="step 7"):
-        while time.monotonic() < deadline:
-            watchdog.check()
-            time.sleep(0.01)
+        watchdog.check()
     StepWatchdog(timeout=0).check()  # 0: no limit
 
 
+def test_step_watchdog_does_not_count_time_the_scheduler_was_not_running():
+    """A 30 s gap between two checks (the machine paused) counts as MAX_LOOK_GAP_S of the step's time."""
+    clock = FakeClock()
+    watchdog = StepWatchdog(timeout=5.0, clock=clock)
+    watchdog.sent(3)
+    clock.now += 30.0
+    watchdog.check()  # 2 s counted
+    for _ in range(3):
+        clock.now += 1.0
+        watchdog.check()  # 5 s counted
+    clock.now += 0.1
+    with pytest.raises(WorkerHung, match="step 3"):
+        watchdog.check()
+
+
 def test_silent_frontend_is_named_once():
-    watch = FrontendWatch(timeout=0.0)
+    clock = FakeClock()
+    watch = FrontendWatch(timeout=10.0, clock=clock)
     watch.seen(b"a")
-    time.sleep(0.001)
+    watch.seen(b"b")
+    for _ in range(10):
+        clock.now += 1.0
+        watch.seen(b"b")  # b heartbeats every second
+        assert watch.gone() == []  # a: 10 s silent, not more
+    clock.now += 1.0
+    assert watch.gone() == [b"a"]  # 11 s
+    clock.now += 1.0
+    assert watch.gone() == []  # named once
+
+
+def test_a_pause_of_the_scheduler_is_not_silence_of_its_frontends():
+    """The machine stops for 12 s (the scheduler and the frontend alike): on waking, the frontend has not sent its
+    next heartbeat yet, and is not taken for gone; it is once it stays silent while the scheduler runs."""
+    clock = FakeClock()
+    watch = FrontendWatch(timeout=10.0, clock=clock)
+    watch.seen(b"a")
+    clock.now += 0.5
+    assert watch.gone() == []
+    clock.now += 12.0  # nobody ran
+    assert watch.gone() == []  # 0.5 + 2 s counted
+    for _ in range(7):
+        clock.now += 1.0
+        assert watch.gone() == []  # 9.5 s counted
+    clock.now += 1.0
     assert watch.gone() == [b"a"]
-    assert watch.gone() == []  # named once (and checked at most once a second)
 
 
 def test_abort_client_frees_every_block_of_that_frontend_only():
@@ -56,10 +106,13 @@ def test_abort_client_frees_every_block_of_that_frontend_only():
     submit(s, "kept", 10, client=b"kept")
     run_step(s)
     assert s.kv.pool.num_free < s.kv.pool.num_blocks
-    assert sorted(s.abort_client(b"gone")) == ["gone0", "gone1", "gone2"]
+    assert sorted(s.abort_client(b"gone", "silent")) == ["gone0", "gone1", "gone2"]
     s.kv.pool.check_invariants()
     assert list(s.requests) == ["kept"]
-    assert b"gone" not in s.take_outputs()  # nobody to send them to
+    # each still gets its one terminal output: a frontend taken for gone that was only slow must not wait forever
+    ended = [o for o in s.take_outputs()[b"gone"] if o.finish_reason is not None]
+    assert sorted((o.request_id, o.finish_reason, o.error_status, o.error_message) for o in ended) == [
+        (f"gone{i}", FinishReason.ERROR, 503, "silent") for i in range(3)]
     while s.has_work:
         run_step(s)
     assert s.kv.pool.num_free == s.kv.pool.num_blocks

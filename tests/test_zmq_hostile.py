@@ -30,8 +30,9 @@ from common.config import CacheConfig, IpcConfig, OpsConfig, ShuttleConfig
 from common.model_config import ModelConfig
 from common.ipc import AsyncChannel, Channel, MalformedMessage
 from common.messages import (
-    BatchHeartbeat, BatchServerMessage, EngineDown, FrontendMessage, Heartbeat, Hello, PlanMessage,
-    SchedulerInfo, Shutdown, StepPlan, StepResult, Submit, WorkerMessage, WorkerReady,
+    BatchHeartbeat, BatchServerMessage, EngineDown, FinishReason, FrontendMessage, Heartbeat, Hello, PlanMessage,
+    RequestOutput, SchedulerInfo, SchedulerStats, Shutdown, StepOutputs, StepPlan, StepResult, Submit, WorkerMessage,
+    WorkerReady,
 )
 from common.sampling import SamplingParams
 from common.wire_guard import nesting_exceeds
@@ -429,6 +430,45 @@ async def test_the_frontend_reads_on_past_malformed_scheduler_and_launcher_messa
         client.close()
         scheduler.close()
         launcher.close()
+
+
+async def test_a_stats_hook_that_raises_loses_no_output(tmp_path, caplog):
+    """The frontend's one listener delivers every request's outputs; a hook that raises on a message (a metrics or
+    dashboard bug) is logged, and the outputs of that message and the next still reach their request."""
+    from frontend.engine_client import EngineClient
+    ctx = zmq.asyncio.Context.instance()
+    encode = msgspec.msgpack.encode
+    scheduler = ctx.socket(zmq.ROUTER)
+    scheduler.bind(f"ipc://{tmp_path}/requests.sock")
+    client = EngineClient(f"ipc://{tmp_path}/requests.sock")
+
+    def broken_hook(stats):
+        raise ZeroDivisionError("a metrics bug")
+
+    client.on_stats = broken_hook
+    try:
+        await client.start(wait=False)
+        identity, _ = await asyncio.wait_for(scheduler.recv_multipart(), HANG)  # its Hello
+        await scheduler.send_multipart([identity, encode(SchedulerInfo(4, 16, 64))])
+        await asyncio.wait_for(client.wait_up(), HANG)
+        outputs = client.generate(Submit(request_id="r", prompt_token_ids=[1, 2], sampling=SamplingParams(max_tokens=2),
+                                         arrival_time=time.time()))
+        first = asyncio.ensure_future(outputs.__anext__())
+        while True:  # the Submit reached the scheduler (heartbeats may come first)
+            _, frame = await asyncio.wait_for(scheduler.recv_multipart(), HANG)
+            if isinstance(msgspec.msgpack.decode(frame, type=FrontendMessage), Submit):
+                break
+        stats = SchedulerStats(num_running=1)
+        await scheduler.send_multipart([identity, encode(StepOutputs([RequestOutput("r", [5])], stats))])
+        await scheduler.send_multipart([identity, encode(StepOutputs(
+            [RequestOutput("r", [6], FinishReason.LENGTH)], stats))])
+        got = [await asyncio.wait_for(first, HANG)]
+        got += [output async for output in outputs]
+        assert [(o.new_token_ids, o.finish_reason) for o in got] == [([5], None), ([6], FinishReason.LENGTH)]
+        assert caplog.text.count("ZeroDivisionError: a metrics bug") == 2
+    finally:
+        client.close()
+        scheduler.close()
 
 
 def test_the_launcher_reads_on_past_malformed_control_messages(tmp_path):
