@@ -4,8 +4,9 @@ Each configuration is driven by a real Scheduler (no prefix caching) exactly as 
 requests are prefilled in chunks, then decode steps run; every step goes through the worker's critical path as in
 the server (plan decoded from msgpack, applied, packed, forward, sample, result encoded) and is timed whole, so the
 engine's per-step overhead is part of what is fitted. The scheduler's own time per step (plan + settle) is
-measured alongside and saved as `scheduler_s`. Per configuration the median step is kept (a loaded machine
-throws outliers). The device's peaks are measured first (capacity/hardware.py), and the roofline's corrections are
+measured alongside and fitted as `scheduler_s` per step plus `scheduler_sequence_s` per sequence. Per configuration the median step is fitted (a loaded machine
+throws outliers), and how far each step lies from its configuration's median is kept as the profile's `spread`,
+which the simulator draws step times from. The device's peaks are measured first (capacity/hardware.py), and the roofline's corrections are
 fitted by non-negative least squares on relative error.
 
 `shuttle calibrate` (main) runs the grid on the machine it is on, prints each measurement next to its fit and writes
@@ -35,7 +36,7 @@ from common.config import CacheConfig, IpcConfig, SchedulerConfig, ShuttleConfig
 from common.model_config import ModelConfig
 from common.messages import PlanMessage, Submit, WorkerMessage
 from common.sampling import SamplingParams
-from scheduler.step_cost import FEATURES, StepCostModel, StepShape, shape_of
+from scheduler.step_cost import FEATURES, StepCostModel, StepShape, shape_of, spread_of, fit_scheduler_seconds
 from capacity import hardware, simulate
 from capacity.simulator import RequestRecord, SimResult
 from capacity.workload import SimRequest
@@ -58,12 +59,14 @@ class InProcessRun:
 
 @dataclass
 class Measurement:
-    """One configuration's median step: its shape, seconds, and the scheduler's seconds for it."""
+    """One configuration's median step: its shape, seconds, and the scheduler's seconds for it; `samples`: every
+    step's seconds it is the median of (the spread of steps of one shape on this machine)."""
 
     label: str
     shape: StepShape
     seconds: float
     scheduler_seconds: float
+    samples: tuple[float, ...] = ()
 
 
 def grid(max_model_len: int, max_num_batched_tokens: int, max_num_seqs: int) -> list[tuple[str, int, int, int]]:
@@ -227,10 +230,14 @@ class Calibrator:
         progress(f"{device.name}: {device.peak_flops / 1e9:.1f} GFLOP/s, {device.bandwidth / 1e9:.1f} GB/s "
                  f"({device.source})")
         roofline = hardware.roofline_for(self.model_config.model_dir, self.model_config.dtype, device)
+        # the spread: each step against the median of its configuration, where a configuration ran more than once
+        ratios = [x / m.seconds for m in measurements if len(m.samples) > 1 for x in m.samples]
+        per_step, per_sequence = fit_scheduler_seconds([m.shape for m in measurements],
+                                                       [m.scheduler_seconds for m in measurements])
         model = StepCostModel.fit([m.shape for m in measurements], [m.seconds for m in measurements],
                                   roofline=roofline,
-                                  scheduler_s=statistics.median(m.scheduler_seconds for m in measurements),
-                                  meta=self.meta())
+                                  scheduler_s=per_step, scheduler_sequence_s=per_sequence,
+                                  spread=spread_of(ratios), meta=self.meta())
         return model, measurements
 
     def serve(self, workload: list[SimRequest], config: SchedulerConfig, num_blocks: int) -> InProcessRun:
@@ -287,7 +294,7 @@ class Calibrator:
 def _median(label: str, rows: list[tuple[StepShape, float, float]]) -> Measurement:
     ordered = sorted(rows, key=lambda r: r[1])
     shape, seconds, _ = ordered[len(ordered) // 2]
-    return Measurement(label, shape, seconds, statistics.median(r[2] for r in rows))
+    return Measurement(label, shape, seconds, statistics.median(r[2] for r in rows), tuple(r[1] for r in ordered))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -313,7 +320,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{m.label:<60}{m.seconds * 1e3:10.2f}{model.predict(m.shape) * 1e3:10.2f}")
     model.meta["seconds"] = round(time.time() - start, 1)
     print("coefficients: " + ", ".join(f"{name} {model.coefficients[name]:.3g}" for name in FEATURES))
-    print(f"relative RMS error {model.meta['rel_rmse']:.3f}; scheduler {model.scheduler_s * 1e3:.3f} ms/step")
+    print(f"relative RMS error {model.meta['rel_rmse']:.3f}; scheduler {model.scheduler_s * 1e3:.3f} ms/step + "
+          f"{model.scheduler_sequence_s * 1e6:.2f} us/sequence")
     model.save(args.out)
     print(f"wrote {args.out}")
     return 0

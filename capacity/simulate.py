@@ -82,7 +82,8 @@ def build_simulator(args: argparse.Namespace, cost: StepCostModel, ttft_slo_ms: 
                              scheduling_policy=args.scheduling_policy, async_scheduling=args.async_scheduling,
                              ttft_slo_ms=ttft_slo_ms)
     return Simulator(config, blocks, args.block_size, max_model_len, cost,
-                     enable_prefix_caching=args.enable_prefix_caching, max_concurrency=args.max_concurrency)
+                     enable_prefix_caching=args.enable_prefix_caching, max_concurrency=args.max_concurrency,
+                     seed=args.seed)
 
 
 def build_workload(args: argparse.Namespace, cost: StepCostModel, request_rate: float | None = None) -> list[SimRequest]:

@@ -3,10 +3,10 @@ virtual clock and a step-cost model instead of a worker.
 
 It models the in-process engine (scheduler and worker in one loop, no HTTP; capacity/calibrate.py's
 `Calibrator.serve`), which is what carries over to other hardware: the worker runs each step for the cost model's
-prediction of its shape (scheduler/step_cost.py), the scheduler plans and settles it (scheduler_s per step, half
-each), and every token reaches its client client_s after the step that sampled it. What a full server adds on a
-given machine (HTTP, tokenization, the frontend's and the clients' CPU) is measured and reported
-(docs/capacity.md), not modelled.
+prediction of its shape (scheduler/step_cost.py), the scheduler plans and settles it (scheduler_s per step and
+scheduler_sequence_s per sequence, half each), and every token reaches its client client_s after the step that
+sampled it. What a full server adds on a given machine (HTTP, tokenization, the frontend's and the clients' CPU) is
+measured and reported (docs/capacity.md), not modelled.
 
 The scheduler has the overlapped loop's semantics (scheduler/loop.py): with async scheduling up to two plans are in
 flight, step N+1 is planned as soon as step N was sent, the worker runs plans in order, and the scheduler settles a
@@ -15,7 +15,11 @@ step when its result is back and it is free, taking in requests whenever they ar
 everything else (chunked prefill, KV blocks, prefix cache, preemption, admission, SLO refusals) is the real code's
 behaviour.
 
-Deterministic: the same workload, configuration and cost model give the same result, bit for bit.
+Each step lasts its prediction times a factor drawn from the profile's `spread` (how much steps of one shape vary
+on the calibrated machine; none without one), as a function of (seed, step number): near saturation the queue
+grows with the variance of service times, not only their mean.
+
+Deterministic: the same workload, configuration, cost model and seed give the same result, bit for bit.
 """
 
 from __future__ import annotations
@@ -99,6 +103,7 @@ class _Flight:
     step: ScheduledStep
     result_back: bool = False
     sent_at: float = math.nan  # when the scheduler handed it to the worker
+    scheduler_s: float = 0.0  # the scheduler's plan + settle seconds for it
 
 
 @dataclass
@@ -173,6 +178,16 @@ class _Lane:
 
 
 _ORDER = itertools.count()  # ties in time keep submission order
+_MASK64 = (1 << 64) - 1
+
+
+def uniform(seed: int, index: int) -> float:
+    """A number in [0, 1) that is a function of (seed, index) alone: SplitMix64's finaliser (Steele, Lea and Flood,
+    "Fast splittable pseudorandom number generators", OOPSLA 2014) over the pair."""
+    z = (seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return ((z ^ (z >> 31)) >> 11) / float(1 << 53)
 
 
 class Simulator:
@@ -189,13 +204,15 @@ class Simulator:
         max_concurrency: closed loop: at most this many unfinished requests; the next one is sent when one ends.
         admission_cost: the cost model SLO admission predicts with (default: `cost`); None with
             use_online_admission fits it online from the simulated steps, as a server without a profile does.
+        seed: picks each step's factor from `cost.spread`.
     """
 
     def __init__(self, config: SchedulerConfig, num_blocks: int, block_size: int, max_model_len: int,
                  cost: StepCostModel, enable_prefix_caching: bool = True, max_concurrency: int | None = None,
-                 admission_cost: StepCostModel | None = None, use_online_admission: bool = False):
+                 admission_cost: StepCostModel | None = None, use_online_admission: bool = False, seed: int = 0):
         self.config = config
         self.cost = cost
+        self.seed = seed
         self.max_in_flight = 2 if config.async_scheduling else 1
         self.max_concurrency = max_concurrency
         self._clock = [0.0]  # the virtual time in seconds, shared with the lanes
@@ -276,7 +293,8 @@ class Simulator:
                     samples.append(Sample(self.now, scheduler.num_waiting, len(scheduler.running),
                                           (pool.num_blocks - pool.num_free) / pool.num_blocks, step.num_tokens))
                     shape = shape_of((e.start, e.num_new, e.samples) for e in step.scheduled.values())
-                    work = cost.predict(shape)
+                    work = cost.predict(shape) * cost.spread_factor(uniform(self.seed, len(samples)))
+                    flight.scheduler_s = cost.scheduler_seconds(shape)
 
                     def result_back(t: float) -> None:
                         nonlocal news, worker_done
@@ -290,19 +308,20 @@ class Simulator:
                         flight.sent_at = t
                         worker.submit(work, result_back)
 
-                    planner.submit(cost.scheduler_s / 2, planned)
+                    planner.submit(flight.scheduler_s / 2, planned)
                     return True
                 if not in_flight and next_send() == math.inf and not events:
                     raise RuntimeError("the scheduler can make no progress: nothing fits and nothing runs")
                 blocked_until = math.inf if in_flight else self.now + IDLE_POLL_S
             if in_flight and in_flight[0].result_back:
-                step = in_flight.popleft().step
+                settled = in_flight.popleft()
+                step, settle = settled.step, settled.scheduler_s
                 sampled = step.sampling_ids
                 scheduler.update_from_output(step, StepResult(step.plan.step_id, sampled,
                                                               [FILLER_TOKEN] * len(sampled)))
                 unblock()
                 deliver()
-                planner.submit(cost.scheduler_s / 2, unblock)  # settling
+                planner.submit(settle / 2, unblock)  # settling
                 return True
             return False
 

@@ -173,17 +173,25 @@ class StepCostModel:
         roofline: the model on the device (None: raw counts, as an online fit without a profile has).
         scheduler_s: scheduler CPU seconds per step (plan + settle), spent while the worker runs the step before
             (hidden with two steps in flight unless it exceeds the step).
+        scheduler_sequence_s: and per sequence of the step (the scheduler books and settles each one).
         client_s: seconds a token spends between the worker and its client, added to each token time.
+        spread: how much one step's time varies around the prediction for its shape on the calibrated machine:
+            quantiles of (a step's seconds / the median seconds of its shape) at probabilities (i + 0.5) / n,
+            ascending (`shuttle calibrate` measures them; empty: every step takes exactly its prediction). The
+            simulator draws each step's factor from them (capacity/simulator.py); `predict` never uses them.
         meta: where and how it was measured (model, dtype, threads, rmse).
 
     Raises:
-        ValueError: an unknown feature, or a negative coefficient or latency.
+        ValueError: an unknown feature, a negative coefficient or latency, or a spread that is not ascending
+            positive factors.
     """
 
     coefficients: dict[str, float]
     roofline: Roofline | None = None
     scheduler_s: float = 0.0
+    scheduler_sequence_s: float = 0.0
     client_s: float = 0.0
+    spread: tuple[float, ...] = ()
     meta: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -194,6 +202,9 @@ class StepCostModel:
         negative += [f"coefficient {name}" for name, c in self.coefficients.items() if not c >= 0]
         if negative:  # every one is seconds: a negative one is a bad file
             raise ValueError(f"negative or missing values: {', '.join(negative)}")
+        self.spread = tuple(float(q) for q in self.spread)
+        if not all(q > 0 for q in self.spread) or list(self.spread) != sorted(self.spread):
+            raise ValueError(f"spread must be ascending positive factors, got {list(self.spread)}")
         self._weights = tuple(float(self.coefficients.get(name, 0.0)) for name in FEATURES)
 
     def predict(self, shape: StepShape) -> float:
@@ -201,6 +212,22 @@ class StepCostModel:
         if shape.num_tokens == 0:
             return 0.0
         return sum(w * x for w, x in zip(self._weights, features(shape, self.roofline)))
+
+    def scheduler_seconds(self, shape: StepShape) -> float:
+        """The scheduler's CPU seconds to plan and settle a step of this shape."""
+        return self.scheduler_s + self.scheduler_sequence_s * (shape.num_prefill_seqs + shape.num_decode_seqs)
+
+    def spread_factor(self, u: float) -> float:
+        """The step-time factor at probability `u` in [0, 1) of the spread (linear between its quantiles, its
+        ends held beyond them); 1.0 without a spread."""
+        spread = self.spread
+        if not spread:
+            return 1.0
+        x = u * len(spread) - 0.5  # quantile i sits at probability (i + 0.5) / n
+        i = min(max(int(math.floor(x)), 0), len(spread) - 1)
+        j = min(i + 1, len(spread) - 1)
+        w = min(max(x - i, 0.0), 1.0)
+        return spread[i] + (spread[j] - spread[i]) * w
 
     def decode_run(self, num_seqs: int, context_sum: int, num_steps: int) -> float:
         """Seconds for `num_steps` consecutive decode steps of `num_seqs` sequences whose contexts sum to
@@ -216,7 +243,8 @@ class StepCostModel:
 
     def to_json(self) -> dict:
         return {"coefficients": dict(self.coefficients), **{name: getattr(self, name) for name in _SCALARS},
-                "roofline": self.roofline.to_json() if self.roofline else None, "meta": self.meta}
+                "roofline": self.roofline.to_json() if self.roofline else None,
+                "spread": [round(q, 4) for q in self.spread], "meta": self.meta}
 
     def save(self, path: str | Path) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -242,7 +270,7 @@ class StepCostModel:
             floats = {name: float(data[name]) for name in _SCALARS if name in data}
             roofline = Roofline.from_json(data["roofline"]) if data.get("roofline") is not None else None
             return StepCostModel({name: float(c) for name, c in data["coefficients"].items()}, roofline,
-                                 meta=dict(data.get("meta", {})), **floats)
+                                 spread=tuple(data.get("spread", ())), meta=dict(data.get("meta", {})), **floats)
         except (ValueError, TypeError, KeyError) as exc:
             raise ValueError(f"{path} is not a step-cost profile (`shuttle calibrate` writes them): {exc}") from None
 
@@ -253,7 +281,7 @@ class StepCostModel:
         """Non-negative least squares on relative error: minimise sum(((x_i . c) - y_i) / y_i)^2 with c >= 0.
 
         Features that never vary in the data (all zero) get coefficient 0. Other keyword arguments go to the
-        model (roofline, scheduler_s, client_s, meta); meta gains the fit's relative RMS error ("rel_rmse").
+        model (roofline, scheduler_s, scheduler_sequence_s, client_s, spread, meta); meta gains the fit's relative RMS error ("rel_rmse").
 
         Raises:
             ValueError: fewer measurements than features, or a non-positive duration.
@@ -279,4 +307,38 @@ class StepCostModel:
         return model
 
 
-_SCALARS = ("scheduler_s", "client_s")
+_SCALARS = ("scheduler_s", "scheduler_sequence_s", "client_s")
+
+
+def spread_of(ratios: Sequence[float], quantiles: int = 40) -> tuple[float, ...]:
+    """The `spread` of step times from their ratios to their shape's median: `quantiles` values at probabilities
+    (i + 0.5) / quantiles, read from the sorted ratios by linear interpolation (empty for no ratios)."""
+    ordered = sorted(ratios)
+    if not ordered:
+        return ()
+    last = len(ordered) - 1
+    out = []
+    for i in range(quantiles):
+        x = (i + 0.5) / quantiles * last
+        lo = int(math.floor(x))
+        hi = min(lo + 1, last)
+        out.append(ordered[lo] + (ordered[hi] - ordered[lo]) * (x - lo))
+    return tuple(out)
+
+
+def fit_scheduler_seconds(shapes: Sequence[StepShape], seconds: Sequence[float]) -> tuple[float, float]:
+    """(seconds per step, seconds per sequence) of the scheduler's plan + settle, by non-negative least squares on
+    relative error over measured steps (scipy.optimize.nnls); (0, 0) for no steps."""
+    import numpy as np
+    from scipy.optimize import nnls
+
+    y = np.asarray(seconds, dtype=np.float64)
+    keep = y > 0
+    if not keep.any():
+        return 0.0, 0.0
+    x = np.asarray([(1.0, s.num_prefill_seqs + s.num_decode_seqs) for s in shapes], dtype=np.float64)[keep]
+    x, y = x / y[keep][:, None], np.ones(int(keep.sum()))
+    scale = np.linalg.norm(x, axis=0)
+    scale[scale == 0] = 1.0
+    per_step, per_sequence = nnls(x / scale, y)[0] / scale
+    return float(per_step), float(per_sequence)

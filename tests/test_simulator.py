@@ -46,6 +46,14 @@ def test_one_step_in_flight_without_async_scheduling():
     assert result.records[0].token_times == pytest.approx([0.011, 0.023, 0.035])
 
 
+def test_the_schedulers_time_grows_with_the_steps_sequences():
+    """1 ms a step and 1 ms a sequence: two requests prefilled together cost 4 ms of scheduling (2 to plan, 2 to
+    settle) around their 10 ms step."""
+    cost = StepCostModel({"step": 0.010}, scheduler_s=0.001, scheduler_sequence_s=0.001)
+    result = sim(cost, async_scheduling=False).run([request(0.0, 4, 1), request(0.0, 4, 1)])
+    assert [r.token_times for r in result.records] == [pytest.approx([0.0115])] * 2
+
+
 def test_requests_sent_together_share_the_first_step():
     """In process there is no frontend between the client and the scheduler: three requests sent at 0 are
     prefilled together in the first step (0-10 ms) and decode together (10-20 ms)."""
@@ -92,6 +100,24 @@ def test_deterministic_for_a_workload():
     assert a.summary() == b.summary()
     assert a.summary() != c.summary()
     assert a.summary()["completed"] == 300 and a.summary()["max_waiting"] > 0
+
+
+def test_each_step_lasts_its_prediction_times_a_factor_drawn_from_the_spread():
+    """A spread of nine quantiles at 1 and one at 3: a lone request's inter-token times (each one step) are 10 ms
+    below probability 0.85, 30 ms from 0.95 up and in between linearly; the same for the same seed, not for
+    another."""
+    cost = StepCostModel({"step": 0.010}, spread=(1.0,) * 9 + (3.0,))
+
+    def itls(seed):
+        [record] = Simulator(SchedulerConfig(), 200, 4, 1024, cost, seed=seed).run([request(0.0, 4, 400)]).records
+        return [round(i / 0.010, 6) for i in record.itls]
+
+    first = itls(0)
+    assert all(1.0 <= f <= 3.0 for f in first)
+    assert 0.80 < first.count(1.0) / len(first) < 0.90
+    assert 0.02 < first.count(3.0) / len(first) < 0.08
+    assert first == itls(0) and first != itls(1)
+    assert sim().run([request(0.0, 4, 50)]).records[0].itls == pytest.approx([0.010] * 49)  # no spread: exact
 
 
 def test_arrivals_have_the_asked_rate_and_burstiness():

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from scheduler.step_cost import FEATURES, Roofline, StepCostModel, StepShape, features, shape_of
+from scheduler.step_cost import FEATURES, Roofline, StepCostModel, StepShape, features, fit_scheduler_seconds, shape_of, spread_of
 
 TRUE = {"step": 2e-3, "sequence": 1e-4, "prefill_sequence": 5e-4, "token": 3e-5, "dense": 1.5, "prefill_attention": 4.0,
         "decode_attention": 9.0}
@@ -95,7 +95,8 @@ def test_decode_run_is_the_sum_of_its_steps():
 
 
 def test_profile_round_trips_through_json(tmp_path):
-    model = StepCostModel(TRUE, ROOF, scheduler_s=1e-4, client_s=2e-3, meta={"model": "x"})
+    model = StepCostModel(TRUE, ROOF, scheduler_s=1e-4, scheduler_sequence_s=3e-6, client_s=2e-3,
+                          spread=(0.9, 1.0, 1.25), meta={"model": "x"})
     model.save(tmp_path / "p.json")
     loaded = StepCostModel.load(tmp_path / "p.json")
     assert loaded == model  # every field, each set to a value other than its default
@@ -110,6 +111,30 @@ def test_unknown_features_and_negative_values_are_refused():
         StepCostModel({"bogus": 1.0})
     with pytest.raises(ValueError, match="scheduler_s"):
         StepCostModel({"step": 1e-3}, scheduler_s=-1.0)
+
+
+def test_the_spread_is_quantiles_of_the_step_ratios_and_is_read_back_by_probability():
+    spread = spread_of([1.0, 3.0, 2.0, 5.0, 4.0], quantiles=4)  # sorted 1..5: probabilities 1/8, 3/8, 5/8, 7/8
+    assert spread == pytest.approx((1.5, 2.5, 3.5, 4.5))
+    model = StepCostModel({"step": 1e-3}, spread=spread)
+    assert model.spread_factor(1 / 8) == pytest.approx(1.5)  # at a quantile's probability: that quantile
+    assert model.spread_factor(0.5) == pytest.approx(3.0)  # between two: linear
+    assert (model.spread_factor(0.0), model.spread_factor(0.999)) == (1.5, 4.5)  # ends held
+    assert StepCostModel({"step": 1e-3}).spread_factor(0.9) == 1.0  # no spread: every step its prediction
+    assert spread_of([]) == ()
+    for bad in [(1.2, 1.0), (0.0, 1.0), (-1.0,)]:
+        with pytest.raises(ValueError, match="spread must be ascending positive"):
+            StepCostModel({"step": 1e-3}, spread=bad)
+
+
+def test_scheduler_seconds_per_step_and_per_sequence_are_fitted_from_measured_steps():
+    shapes = [shape_of([(0, 1, True)] * n) for n in (1, 4, 16, 64)]
+    seconds = [5e-5 + 4e-6 * n for n in (1, 4, 16, 64)]
+    per_step, per_sequence = fit_scheduler_seconds(shapes, seconds)
+    assert (per_step, per_sequence) == (pytest.approx(5e-5), pytest.approx(4e-6))
+    model = StepCostModel({"step": 1e-3}, scheduler_s=per_step, scheduler_sequence_s=per_sequence)
+    assert model.scheduler_seconds(shape_of([(0, 1, True)] * 10 + [(0, 32, True)])) == pytest.approx(5e-5 + 44e-6)
+    assert fit_scheduler_seconds([], []) == (0.0, 0.0)
 
 
 def test_a_profile_with_a_bad_roofline_is_named(tmp_path):

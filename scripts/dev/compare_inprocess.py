@@ -7,7 +7,8 @@ Calibrator.serve). Then it simulates the same workload with the profile, and pri
 
 - each step's predicted time against its measured one, for decode steps and for steps with prefill apart: the
   median and p90 of |predicted / measured - 1| and the median ratio;
-- TTFT and ITL p50 and p99, measured and simulated, and the gap.
+- TTFT and ITL p50 and p99, measured and simulated, and the gap; and simulated again with every step exactly its
+  prediction (the profile's spread left out), to show what the spread adds.
 
 Nothing is fitted to the run. --rounds repeats calibration, serving and simulation and reports the median gaps,
 since on a shared machine the drift between a calibration and the run after it decides much of a round's gap. On a shared machine whose speed drifts, --recalibrate first measures the grid
@@ -23,6 +24,7 @@ saturation of stories260K:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -85,10 +87,11 @@ def main(argv: list[str] | None = None) -> int:
                             args.block_size, num_kv_blocks=max(blocks, grid_blocks if args.recalibrate else 0))
     rounds = [one_round(args, calibrator, cost, blocks, i) for i in range(args.rounds)]
     if args.rounds > 1:
-        print(f"median over {args.rounds} rounds: " + ", ".join(
-            f"{name} {100 * statistics.median(r['gaps'][name] for r in rounds):+.1f}%" for name in rounds[0]["gaps"])
-            + "; time-weighted step ratio " + ", ".join(f"{r['steps']['all']['time_weighted_ratio']:.3f}"
-                                                        for r in rounds))
+        for key, label in (("gaps", "with the profile's spread"), ("gaps_without_spread", "without it")):
+            print(f"median over {args.rounds} rounds, {label}: " + ", ".join(
+                f"{name} {100 * statistics.median(r[key][name] for r in rounds):+.1f}%" for name in rounds[0][key]))
+        print("time-weighted step ratio " + ", ".join(f"{r['steps']['all']['time_weighted_ratio']:.3f}"
+                                                     for r in rounds))
     if args.result_json:
         Path(args.result_json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.result_json).write_text(json.dumps({"rounds": rounds}, indent=2) + "\n")
@@ -114,6 +117,8 @@ def one_round(args, calibrator: Calibrator, cost: StepCostModel, blocks: int, in
     print(f"serving {len(workload)} requests in process ({blocks} KV blocks)", flush=True)
     measured = calibrator.serve(workload, simulator.config, blocks)
     simulated = simulator.run(workload).summary()
+    # the same simulation with every step exactly its prediction: what the profile's spread adds
+    steady = simulate.build_simulator(args, dataclasses.replace(cost, spread=())).run(workload).summary()
     real = measured.result.summary()
     steps = step_errors(cost, measured.steps)
     for kind, row in steps.items():
@@ -121,16 +126,19 @@ def one_round(args, calibrator: Calibrator, cost: StepCostModel, blocks: int, in
             print(f"{kind} steps: {row['steps']}, |predicted / measured - 1| median {row['median_abs_error']:.3f}, "
                   f"p90 {row['p90_abs_error']:.3f}; median ratio {row['median_ratio']:.3f}, time-weighted "
                   f"{row['time_weighted_ratio']:.3f} over {row['measured_s']:.2f} s")
-    gaps = {}
-    print(f"{'':<10}{'measured ms':>14}{'simulated ms':>14}{'gap':>8}")
+    gaps, steady_gaps = {}, {}
+    print(f"{'':<10}{'measured ms':>14}{'simulated ms':>14}{'gap':>8}{'without spread':>16}{'gap':>8}")
     for metric in ("ttft", "itl"):
         for stat in ("median", "p99"):
-            a, b = real[f"{metric}_ms"][stat], simulated[f"{metric}_ms"][stat]
+            a, b, c = (x[f"{metric}_ms"][stat] for x in (real, simulated, steady))
             gaps[f"{metric}_{stat}"] = b / a - 1 if a else None
-            print(f"{metric + ' ' + stat:<10}{a:14.2f}{b:14.2f}{100 * (b / a - 1) if a else 0:7.1f}%")
+            steady_gaps[f"{metric}_{stat}"] = c / a - 1 if a else None
+            print(f"{metric + ' ' + stat:<10}{a:14.2f}{b:14.2f}{100 * (b / a - 1) if a else 0:7.1f}%"
+                  f"{c:16.2f}{100 * (c / a - 1) if a else 0:7.1f}%")
     print(f"throughput {real['request_throughput']:.2f} req/s measured, {simulated['request_throughput']:.2f} "
           f"simulated; {real['num_steps']} / {simulated['num_steps']} steps", flush=True)
-    return {"request_rate": args.request_rate, "measured": real, "simulated": simulated, "gaps": gaps, "steps": steps}
+    return {"request_rate": args.request_rate, "measured": real, "simulated": simulated, "gaps": gaps,
+            "gaps_without_spread": steady_gaps, "steps": steps}
 
 
 if __name__ == "__main__":
