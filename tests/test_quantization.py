@@ -19,7 +19,7 @@ from scheduler.kv_cache import KVCacheManager
 from scheduler.scheduler import Scheduler
 from tests.server import MODEL_DIR
 from tests.test_startup_refusals import no_launch, refusal  # noqa: F401  (a fixture and its helper)
-from worker.quantization import Int8Linear, dequantize, quantize_model, quantize_per_channel
+from worker.quantization import DEQUANTIZED_ROWS, Int8Linear, dequantize, quantize_model, quantize_per_channel
 from worker.worker import ModelRunner
 
 
@@ -47,16 +47,19 @@ def test_round_trip_error_is_at_most_half_a_scale_step(out_features, in_features
 @pytest.mark.parametrize("out_features, in_features, bias", [(96, 64, False), (64, 172, True), (2048, 768, False)])
 @pytest.mark.parametrize("rows", [1, 5, 64, 300])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int8_linear_is_the_matmul_with_its_dequantized_weights(out_features, in_features, bias, rows, dtype):
+@pytest.mark.parametrize("wide_dtype", [torch.bfloat16, torch.float32])
+def test_int8_linear_is_the_matmul_with_its_dequantized_weights(out_features, in_features, bias, rows, dtype,
+                                                                wide_dtype):
     layer = linear(out_features, in_features, bias).to(dtype)
-    module = Int8Linear(layer)
+    module = Int8Linear(layer, wide_dtype)
     x = torch.randn(2, rows, in_features).to(dtype)  # [B, M, K]
     with torch.inference_mode():
         y = module(x)
     assert y.shape == (2, rows, out_features) and y.dtype == dtype
-    # The reference takes x as the kernel does (bfloat16) and is accumulated in float32; the kernel's output is
-    # rounded to bfloat16 (and again with a bfloat16 bias added): 2^-8 of the magnitudes summed bounds that rounding
-    xb = x.to(torch.bfloat16).float()
+    # The reference takes x as the kernel does (bfloat16 below DEQUANTIZED_ROWS rows, else wide_dtype) and is
+    # accumulated in float32; the kernel's output is rounded to bfloat16 (and again with a bfloat16 bias added):
+    # 2^-8 of the magnitudes summed bounds that rounding
+    xb = x.to(torch.bfloat16 if 2 * rows < DEQUANTIZED_ROWS else wide_dtype).float()
     weight = dequantize(module.qweight[:, :in_features], module.scales)
     bias = torch.zeros(out_features) if layer.bias is None else layer.bias.detach().float()
     expected = xb @ weight.T + bias

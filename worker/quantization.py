@@ -14,10 +14,14 @@ whole row rather than blocks of 32, as gpt-fast's `WeightOnlyInt8Linear` does):
 
 computed once from the loaded float32 / bfloat16 weights. The matmul is torch's own CPU kernel
 `torch.ops.aten._weight_int8pack_mm(x, q, s)`: x [M, K] 2-D and contiguous, q [N, K] int8, s [N] in x's dtype,
-returning [M, N] in x's dtype (used below DEQUANTIZED_ROWS rows; from there on a bfloat16 matmul over the
-widened q, scaled after, is faster). K must be a multiple of 16 (its vectorised loop has no tail: other widths read
-past the rows, returning garbage or crashing), so a layer of another width (stories260K's down_proj, K = 172) keeps
-zero columns in q and gets its input padded with zeros to match. On this torch (2.13, CPU) only its bfloat16 path is vectorised: float32 inputs ran
+returning [M, N] in x's dtype (used below DEQUANTIZED_ROWS rows; from there on one matmul over the widened q,
+scaled after, is faster: in bfloat16 on a CPU with bf16 matrix units, in float32 on one without, where torch widens
+a bfloat16 matmul to float32 internally: with 2048 x 768 weights, 16-512 rows and 2 threads on an AVX2-only CPU,
+the bfloat16 matmul took 2.9-8.6x as long as float32's own, the float32 one over widened int8 1.0-1.2x). K must be
+a multiple of 16 (its vectorised loop has no tail: other widths read past the rows, returning garbage or
+crashing), so a layer of another width (stories260K's down_proj, K = 172) keeps zero columns in q and gets its
+input padded with zeros to match.
+On this torch (2.13, CPU) only its bfloat16 path is vectorised: float32 inputs ran
 10-20x slower than the float32 matmul it replaces at 16-64 rows, so activations enter the kernel as bfloat16 and its
 output is cast back to the model's dtype. That rounding (2^-9 relative) is small next to the weights' own (about 1%
 of an output's magnitude); the agreement figures are in docs/operations.md.
@@ -30,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from common.devices import quantization_error
+from common.devices import cpu_bf16_flags, quantization_error
 
 QMAX = 127
 K_MULTIPLE = 16  # _weight_int8pack_mm's CPU kernel reads K in blocks of 16
@@ -39,6 +43,12 @@ K_MULTIPLE = 16  # _weight_int8pack_mm's CPU kernel reads K in blocks of 16
 # (512 rows: 1.2 against 10-14 ms), while at 16 rows the int8 kernel was faster (0.30 against 0.50 ms)
 DEQUANTIZED_ROWS = 32
 KERNEL_DTYPE = torch.bfloat16  # activations and scales as _weight_int8pack_mm's vectorised CPU path takes them
+
+
+def wide_matmul_dtype() -> torch.dtype:
+    """The dtype of the matmul over widened weights (DEQUANTIZED_ROWS rows and more): bfloat16 where the CPU has
+    bf16 matrix units (common/devices.py's flags), else float32."""
+    return torch.bfloat16 if cpu_bf16_flags() else torch.float32
 
 
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,15 +66,17 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 class Int8Linear(torch.nn.Module):
     """nn.Linear with int8 weights: input [..., K] in the model's dtype, output [..., N] in the same dtype,
-    y = bf16(x) @ (q * s).T (+ bias), accumulated by _weight_int8pack_mm below DEQUANTIZED_ROWS rows, else by a
-    bfloat16 matmul over q widened to bfloat16 (nothing of it kept: the resident weights stay int8).
+    y = bf16(x) @ (q * s).T (+ bias), accumulated by _weight_int8pack_mm below DEQUANTIZED_ROWS rows, else
+    y = (x @ q.T) * s by one matmul in `wide_dtype` (bfloat16 or float32; default wide_matmul_dtype()) over q
+    widened for the call (nothing of it kept: the resident weights stay int8).
 
     The int8 weights and scales are frozen Parameters, so `model.parameters()` (ModelRunner.weight_bytes) counts
     them at their real size: N x K bytes (K padded to a multiple of 16) plus 2N for the scales.
     """
 
-    def __init__(self, linear: torch.nn.Linear):
+    def __init__(self, linear: torch.nn.Linear, wide_dtype: torch.dtype | None = None):
         super().__init__()
+        self.wide_dtype = wide_matmul_dtype() if wide_dtype is None else wide_dtype
         self.in_features, self.out_features = linear.in_features, linear.out_features
         q, scales = quantize_per_channel(linear.weight)
         self.pad = -self.in_features % K_MULTIPLE
@@ -74,18 +86,20 @@ class Int8Linear(torch.nn.Module):
         self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).to(KERNEL_DTYPE).contiguous()  # [M, K]
+        small = x.numel() < DEQUANTIZED_ROWS * self.in_features
+        rows = x.reshape(-1, self.in_features).to(KERNEL_DTYPE if small else self.wide_dtype).contiguous()  # [M, K]
         if self.pad:
             rows = torch.nn.functional.pad(rows, (0, self.pad))  # [M, K + pad]
-        if rows.shape[0] < DEQUANTIZED_ROWS:
+        if small:
             out = torch.ops.aten._weight_int8pack_mm(rows, self.qweight, self.scales)  # [M, N] bfloat16
         else:  # q is exact in bfloat16 (7 bits); the scale is applied to the output, in float32
-            out = (rows @ self.qweight.to(KERNEL_DTYPE).T).float() * self.scales.float()  # [M, N]
+            out = (rows @ self.qweight.to(self.wide_dtype).T).float() * self.scales.float()  # [M, N]
         out = out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)  # [..., N]
         return out if self.bias is None else out + self.bias
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"wide_dtype={self.wide_dtype}")
 
 
 def quantize_model(model: torch.nn.Module, method: str, device: torch.device, tensor_parallel: bool) -> int:
@@ -103,7 +117,8 @@ def quantize_model(model: torch.nn.Module, method: str, device: torch.device, te
     head = model.get_output_embeddings()
     targets = [(name, module) for name, module in model.named_modules()
                if type(module) is torch.nn.Linear and module is not head]
+    wide_dtype = wide_matmul_dtype()
     for name, linear in targets:
         parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), child, Int8Linear(linear))
+        setattr(model.get_submodule(parent_name), child, Int8Linear(linear, wide_dtype))
     return len(targets)
