@@ -52,6 +52,8 @@ from transformers.generation.streamers import BaseStreamer
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))  # scheduler.step_log reads shuttle's step log
 
+from llama_server import convert_to_gguf  # noqa: E402  (scripts/dev, this script's own directory)
+
 
 def percentile(values: list[float], q: float) -> float | None:
     """The q-quantile (0..1) of `values` by the nearest-rank rule, None when empty."""
@@ -254,22 +256,6 @@ def summarize_profile(path: Path) -> dict[str, float]:
 
 
 # ---- llama.cpp ------------------------------------------------------------------------------------------------------
-
-LLAMA_CPP_SRC = REPO / ".venv" / "llama-cpp-src"
-
-
-def convert_to_gguf(model_dir: str) -> Path:
-    """The model as an f32 GGUF (cached next to the model under /tmp), by llama.cpp's own converter."""
-    converters = sorted(LLAMA_CPP_SRC.glob("llama_cpp_python-*/vendor/llama.cpp/convert_hf_to_gguf.py"))
-    if not converters:
-        raise RuntimeError("llama.cpp's converter is missing: run scripts/dev/install_llama_cpp.sh")
-    out = Path("/tmp/shuttle-gguf") / f"{Path(model_dir).resolve().name}-f32.gguf"
-    if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        subprocess.run([sys.executable, str(converters[-1]), model_dir, "--outfile", str(out), "--outtype", "f32"],
-                       check=True, stdout=subprocess.DEVNULL)
-    return out
-
 
 def load_llama_cpp(model_dir: str, requests, threads: int):
     from llama_cpp import Llama

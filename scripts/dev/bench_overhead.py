@@ -113,6 +113,7 @@ class _NamedKernel:
 
     def __init__(self, kernel):
         self._kernel = kernel
+        self.CACHE_VIEWS = kernel.CACHE_VIEWS  # the backend asks which cache dtypes the kernel reads
 
     def paged_decode(self, *args):
         with torch.profiler.record_function("shuttle::paged_decode"):
