@@ -174,9 +174,9 @@ def tensor_parallel_error(hf_config: dict, tensor_parallel_size: int) -> str | N
     kv_heads = config.get("num_key_value_heads") or heads
     if not isinstance(heads, int) or not isinstance(kv_heads, int):
         return "config.json names no num_attention_heads, so its heads cannot be split between ranks"
-    for name, count in (("attention heads", heads), ("KV heads", kv_heads)):
-        if count % tensor_parallel_size:
-            return (f"--tensor-parallel-size {tensor_parallel_size} does not divide the model's {count} {name} "
+    for name, number in (("attention heads", heads), ("KV heads", kv_heads)):
+        if number % tensor_parallel_size:
+            return (f"--tensor-parallel-size {tensor_parallel_size} does not divide the model's {number} {name} "
                     f"(each rank must hold the same number of whole heads)")
     return None
 

@@ -1,7 +1,6 @@
 """Bad input to the capacity tools (`shuttle simulate`, `tune`, `calibrate`): a one-line
 usage error naming what is wrong (exit status 2), never a traceback, and never a table of nonsense."""
 
-import json
 import sys
 from pathlib import Path
 from types import SimpleNamespace

@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import json
 import random
-import statistics
 import sys
 import time
 from pathlib import Path
