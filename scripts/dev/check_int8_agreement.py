@@ -98,7 +98,7 @@ def main() -> int:
     rows = [row for model in args.models for row in check_model(model, args.prompts, args.tokens)]
     print(f"{args.prompts} prompts x {args.tokens} greedy tokens; logprobs: mean |difference| over every prompt "
           f"token after the first")
-    print("| model | run | against | identical sequences | mean common prefix | mean |logprob diff| |")
+    print("| model | run | against | identical sequences | mean common prefix | mean \\|logprob diff\\| |")
     print("|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['model']} | {r['run']} | {r['against']} | {100 * r['identical']:.0f}% | {100 * r['prefix']:.0f}% "
