@@ -88,8 +88,10 @@ class ShuttleServer:
         ready = threading.Event()
         threading.Thread(target=self._read, args=(ready,), daemon=True).start()
         if not ready.wait(start_timeout) or self.ready_info is None:
-            self.stop()
-            raise RuntimeError(f"shuttle {command} did not become ready:\n" + "\n".join(self.output))
+            status = self.stop()
+            # its stderr (where a refusal's one line goes) is the caller's own, printed above
+            said = "\n".join(self.output) or "(nothing on stdout; its error, if any, is on stderr)"
+            raise RuntimeError(f"shuttle {command} did not become ready (exit status {status}):\n{said}")
 
     def __enter__(self) -> ShuttleServer:
         return self

@@ -33,7 +33,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from bench_threads import start_hogs, stop_hogs  # scripts/dev, this script's own directory
-from llama_server import LlamaServer, convert_to_gguf
+from llama_server import LLAMA_SERVER, LlamaServer, convert_to_gguf
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
@@ -75,6 +75,14 @@ def main() -> int:
     args = parser.parse_args()
     conditions = ["alone"] + ([f"beside {args.hogs} hogs"] if args.hogs else [])
     runs: list[dict] = []
+    if not Path(args.model, "config.json").exists():
+        parser.error(f"{args.model} is not a model directory (no config.json)")
+    try:  # the peers' files before any server starts, so that a missing build fails at once
+        ggufs = {outtype: convert_to_gguf(args.model, outtype) for outtype in args.peers}
+        if args.peers and not LLAMA_SERVER.exists():
+            raise RuntimeError(f"{LLAMA_SERVER} is missing: run scripts/dev/build_llama_server.sh")
+    except RuntimeError as exc:
+        parser.error(str(exc))
     with ExitStack() as stack:
         servers = {}
         for name in args.settings:  # the server's own thread count: one per core it may use
@@ -86,7 +94,7 @@ def main() -> int:
         for outtype in args.peers:
             name = f"llama-server {outtype}"
             servers[name] = stack.enter_context(LlamaServer(
-                convert_to_gguf(args.model, outtype), slots=max(args.concurrency),
+                ggufs[outtype], slots=max(args.concurrency),
                 context_per_slot=args.input_len + args.output_len + 16, threads=len(os.sched_getaffinity(0))))
             print(f"{name}: {servers[name].url} ({' '.join(servers[name].command[1:])})", flush=True)
         for name, server in servers.items():  # warm-up: first steps of every shape class

@@ -36,7 +36,8 @@ def convert_to_gguf(model_dir: str | Path, outtype: str = "f32") -> Path:
     """
     converters = sorted(LLAMA_CPP_SRC.glob("llama_cpp_python-*/vendor/llama.cpp/convert_hf_to_gguf.py"))
     if not converters:
-        raise RuntimeError("llama.cpp's converter is missing: run scripts/dev/build_llama_server.sh")
+        raise RuntimeError("llama.cpp's converter is missing: run scripts/dev/build_llama_server.sh (or "
+                           "install_llama_cpp.sh), which unpack it")
     out = GGUF_CACHE / f"{Path(model_dir).resolve().name}-{outtype}.gguf"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
