@@ -3,7 +3,8 @@
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from worker.output_projection import MIN_COLUMNS, ColumnChunkedLinear, chunk_output_projection
+from worker.output_projection import (MIN_COLUMNS, WIDEN_CHUNK, ColumnChunkedLinear, chunk_output_projection,
+                                      widen_bf16_linears)
 
 
 def test_chunked_linear_equals_linear_bit_for_bit():
@@ -39,3 +40,38 @@ def test_small_heads_other_dtypes_and_tensor_parallel_keep_the_plain_head():
     assert not chunk_output_projection(_tiny_llama(MIN_COLUMNS, tie=False), torch.device("cpu"), tensor_parallel=True)
     assert not chunk_output_projection(_tiny_llama(MIN_COLUMNS, tie=False).to(torch.bfloat16), torch.device("cpu"),
                                        tensor_parallel=False)
+
+
+def test_widened_bf16_linear_is_the_float32_product_of_its_bf16_values_rounded_once():
+    torch.manual_seed(0)
+    for out_features, bias in ((600, True), (MIN_COLUMNS, False)):  # a partial last chunk; no bias
+        linear = torch.nn.Linear(96, out_features, bias=bias).to(torch.bfloat16)
+        hidden = torch.randn(3, 5, 96).to(torch.bfloat16)
+        with torch.inference_mode():
+            out = ColumnChunkedLinear(linear, WIDEN_CHUNK, widen=True)(hidden)
+            # the same dot products in float64 from the same bf16 values, rounded to bf16 once
+            exact = torch.nn.functional.linear(hidden.double(), linear.weight.double(),
+                                               None if linear.bias is None else linear.bias.double())
+        assert out.dtype == torch.bfloat16 and out.shape == (3, 5, out_features)
+        rounded = exact.to(torch.bfloat16)
+        # float32 accumulation can land on the neighbouring bf16 value when the exact sum sits near a tie
+        assert (out.double() - rounded.double()).abs().le(rounded.double().abs() * 2 ** -7 + 1e-6).all()
+        assert (out == rounded).float().mean() > 0.95
+
+
+def test_widening_swaps_every_bf16_linear_keeps_tied_weights_and_only_without_bf16_units():
+    model = _tiny_llama(512, tie=True).to(torch.bfloat16)
+    linears = sum(type(m) is torch.nn.Linear for m in model.modules())
+    cpu = torch.device("cpu")
+    assert widen_bf16_linears(model, cpu, tensor_parallel=False, has_bf16_units=True) == 0
+    assert widen_bf16_linears(model, cpu, tensor_parallel=True, has_bf16_units=False) == 0
+    assert widen_bf16_linears(model, cpu, tensor_parallel=False, has_bf16_units=False) == linears
+    wrapped = {id(m.linear) for m in model.modules() if isinstance(m, ColumnChunkedLinear) and m.widen}
+    assert len(wrapped) == linears  # every plain linear left is one a widening wrapper holds
+    assert all(id(m) in wrapped for m in model.modules() if type(m) is torch.nn.Linear)
+    head = model.get_output_embeddings()
+    assert isinstance(head, ColumnChunkedLinear) and head.widen
+    assert head.weight is model.get_input_embeddings().weight  # still tied
+    ids = torch.tensor([[1, 5, 9, 13]])
+    with torch.inference_mode():
+        assert model(ids).logits.dtype == torch.bfloat16

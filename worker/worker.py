@@ -10,7 +10,7 @@ import torch
 from common.capacity import blocks_per_request, kv_cache_bytes
 from common.config import ShuttleConfig
 from common.cpu_threads import WORKER_THREADS_ENV
-from common.devices import resolve_dtype
+from common.devices import cpu_bf16_flags, resolve_dtype
 from common.messages import PromptLogprobs, StepPlan, StepResult, TokenLogprobs
 from worker.attention import StepAttention
 from worker.attention_backends import make_backend
@@ -22,7 +22,7 @@ from worker.input_batch import InputBatch, StepInputs
 from worker.kv_cache import KVCache
 from worker.kv_sizing import CUDA_GRAPH_ALLOWANCE, KVPlan, plan_kv_blocks, profile_peak, profile_plan, snapshot
 from worker.model_loader import DTYPES, architecture, load_model, probe_geometry
-from worker.output_projection import chunk_output_projection
+from worker.output_projection import chunk_output_projection, widen_bf16_linears
 from worker.parallel import TensorParallel, local_device, local_numel
 from worker.quantization import quantize_model
 from worker.sampler import LOGPROB_FLOOR, Sampler
@@ -91,6 +91,10 @@ class ModelRunner:
         self.quantized_linears = quantize_model(self.model, config.worker.quantization, device, parallel.enabled)
         self.architecture = architecture(self.model)
         chunk_output_projection(self.model, device, parallel.enabled)
+        self.widened_linears = widen_bf16_linears(self.model, device, parallel.enabled, bool(cpu_bf16_flags()))
+        if self.widened_linears:
+            log.info("%d bfloat16 linear layers computed in float32 chunks: this CPU has no bf16 matrix units",
+                     self.widened_linears)
         self.geometry = probe_geometry(self.model)  # under tensor parallel: this rank's KV heads
         parallel.check_model(self.model, self.geometry)
         self.backend = make_backend(config.worker.attention_backend, self.block_size, device)  # auto as devices.py
