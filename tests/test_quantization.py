@@ -72,13 +72,13 @@ def test_quantize_model_replaces_every_linear_but_the_lm_head():
     model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=172, num_hidden_layers=2,
                                          num_attention_heads=4, num_key_value_heads=2, vocab_size=300,
                                          tie_word_embeddings=False)).eval()
-    assert quantize_model(model, "int8", torch.device("cpu"), tensor_parallel=False) == 2 * 7
+    assert quantize_model(model, "int8", torch.device("cpu"), tensor_parallel=False, has_bf16_units=False) == 2 * 7
     assert type(model.lm_head) is torch.nn.Linear
     assert not any(type(m) is torch.nn.Linear for name, m in model.named_modules() if name != "lm_head")
     with pytest.raises(ValueError, match="runs without tensor parallel"):
-        quantize_model(model, "int8", torch.device("cpu"), tensor_parallel=True)
+        quantize_model(model, "int8", torch.device("cpu"), tensor_parallel=True, has_bf16_units=False)
     with pytest.raises(ValueError, match="CPU only"):
-        quantize_model(model, "int8", torch.device("cuda"), tensor_parallel=False)
+        quantize_model(model, "int8", torch.device("cuda"), tensor_parallel=False, has_bf16_units=False)
 
 
 def config_for(quantization: str) -> ShuttleConfig:

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from common.devices import cpu_bf16_flags, quantization_error
+from common.devices import quantization_error
 
 QMAX = 127
 K_MULTIPLE = 16  # _weight_int8pack_mm's CPU kernel reads K in blocks of 16
@@ -44,11 +44,6 @@ K_MULTIPLE = 16  # _weight_int8pack_mm's CPU kernel reads K in blocks of 16
 DEQUANTIZED_ROWS = 32
 KERNEL_DTYPE = torch.bfloat16  # activations and scales as _weight_int8pack_mm's vectorised CPU path takes them
 
-
-def wide_matmul_dtype() -> torch.dtype:
-    """The dtype of the matmul over widened weights (DEQUANTIZED_ROWS rows and more): bfloat16 where the CPU has
-    bf16 matrix units (common/devices.py's flags), else float32."""
-    return torch.bfloat16 if cpu_bf16_flags() else torch.float32
 
 
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,16 +62,16 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 class Int8Linear(torch.nn.Module):
     """nn.Linear with int8 weights: input [..., K] in the model's dtype, output [..., N] in the same dtype,
     y = bf16(x) @ (q * s).T (+ bias), accumulated by _weight_int8pack_mm below DEQUANTIZED_ROWS rows, else
-    y = (x @ q.T) * s by one matmul in `wide_dtype` (bfloat16 or float32; default wide_matmul_dtype()) over q
-    widened for the call (nothing of it kept: the resident weights stay int8).
+    y = (x @ q.T) * s by one matmul in `wide_dtype` (bfloat16 where the CPU has bf16 matrix units, else float32)
+    over q widened for the call (nothing of it kept: the resident weights stay int8).
 
     The int8 weights and scales are frozen Parameters, so `model.parameters()` (ModelRunner.weight_bytes) counts
     them at their real size: N x K bytes (K padded to a multiple of 16) plus 2N for the scales.
     """
 
-    def __init__(self, linear: torch.nn.Linear, wide_dtype: torch.dtype | None = None):
+    def __init__(self, linear: torch.nn.Linear, wide_dtype: torch.dtype):
         super().__init__()
-        self.wide_dtype = wide_matmul_dtype() if wide_dtype is None else wide_dtype
+        self.wide_dtype = wide_dtype
         self.in_features, self.out_features = linear.in_features, linear.out_features
         q, scales = quantize_per_channel(linear.weight)
         self.pad = -self.in_features % K_MULTIPLE
@@ -102,9 +97,11 @@ class Int8Linear(torch.nn.Module):
                 f"wide_dtype={self.wide_dtype}")
 
 
-def quantize_model(model: torch.nn.Module, method: str, device: torch.device, tensor_parallel: bool) -> int:
+def quantize_model(model: torch.nn.Module, method: str, device: torch.device, tensor_parallel: bool,
+                   has_bf16_units: bool) -> int:
     """Replace, in place, every nn.Linear of `model` but its output embeddings by an Int8Linear when `method` is
-    "int8" ("none": nothing). Returns how many were replaced.
+    "int8" ("none": nothing), whose wide matmul runs in bfloat16 when `has_bf16_units` (the CPU's flags, as
+    common/devices.py reads them), else in float32. Returns how many were replaced.
 
     Raises:
         ValueError: an unknown method, a CUDA device or tensor parallel (quantization_error's refusals).
@@ -117,7 +114,7 @@ def quantize_model(model: torch.nn.Module, method: str, device: torch.device, te
     head = model.get_output_embeddings()
     targets = [(name, module) for name, module in model.named_modules()
                if type(module) is torch.nn.Linear and module is not head]
-    wide_dtype = wide_matmul_dtype()
+    wide_dtype = torch.bfloat16 if has_bf16_units else torch.float32
     for name, linear in targets:
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, Int8Linear(linear, wide_dtype))

@@ -88,10 +88,12 @@ class ModelRunner:
         self.staging = StepStaging(device)
         self.model = load_model(model_cfg.model_dir, self.dtype_name, device, **parallel.load_kwargs(),
                                 trust_remote_code=model_cfg.trust_remote_code)
-        self.quantized_linears = quantize_model(self.model, config.worker.quantization, device, parallel.enabled)
+        bf16_units = bool(cpu_bf16_flags())  # what the int8 and bf16 linears' matmul dtype follows
+        self.quantized_linears = quantize_model(self.model, config.worker.quantization, device, parallel.enabled,
+                                                bf16_units)
         self.architecture = architecture(self.model)
         chunk_output_projection(self.model, device, parallel.enabled)
-        self.widened_linears = widen_bf16_linears(self.model, device, parallel.enabled, bool(cpu_bf16_flags()))
+        self.widened_linears = widen_bf16_linears(self.model, device, parallel.enabled, bf16_units)
         if self.widened_linears:
             log.info("%d bfloat16 linear layers computed in float32 chunks: this CPU has no bf16 matrix units",
                      self.widened_linears)
