@@ -242,6 +242,24 @@ def test_compiled_path_has_no_graph_break_and_no_recompile_within_buckets():
             run_both(make_step([(9, 1)] * 5, 48, 16, seed=9), feature, 16, backend=backend)
 
 
+def test_eager_flex_calls_the_operator_without_dynamo(monkeypatch):
+    """Outside torch.compile, flex_attention traces itself with dynamo once per new shape unless its private module
+    flag says not to (torch 2.13.0); the CPU path sets it around each call. Fails if the flag is gone or ignored."""
+    import torch.nn.attention.flex_attention as torch_flex
+    assert torch_flex._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG is False
+
+    def no_compile(*args, **kwargs):
+        raise AssertionError("eager flex went through torch.compile")
+    monkeypatch.setattr(torch, "compile", no_compile)
+    query = torch.randn(1, 2, 5, 8)
+    out = fx.flex_function(torch.device("cpu"))(query, query, query)
+    want = torch.nn.functional.scaled_dot_product_attention(query, query, query)
+    assert (out - want).abs().max() < 1e-6
+    assert torch_flex._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG is False  # restored after the call
+    with pytest.raises(AssertionError, match="torch.compile"):  # the check itself bites without the flag
+        torch_flex.flex_attention(query, query, query)
+
+
 # --- selection and the engine ----------------------------------------------------------------------------------
 
 

@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import warnings
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.nn.attention.flex_attention as torch_flex
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
 from worker.attention import AttentionMetadata, LayerFeatures
@@ -86,9 +86,19 @@ def _compiled(backend: str) -> Callable:
 
 
 def _eager(*args, **kwargs):
-    with warnings.catch_warnings():  # eager is chosen on purpose here; flex warns that it is unfused
-        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+    """flex_attention run as plain torch ops, without dynamo.
+
+    Called outside torch.compile, flex_attention (torch 2.13) still traces its operator with dynamo's eager backend,
+    once per new shape: seconds of tracing per bucket on a CPU, for the same dense math. Its module flag
+    `_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG` (private, checked against torch 2.13.0) calls the operator directly
+    instead; tests/test_flex_attention.py fails if the flag disappears. The worker is one thread, so setting the flag
+    around the call does not leak into another caller's flex."""
+    previous = torch_flex._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG
+    torch_flex._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = True
+    try:
         return flex_attention(*args, **kwargs)
+    finally:
+        torch_flex._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = previous
 
 
 def flex_function(device: torch.device, compile_backend: str | None = None) -> Callable:
