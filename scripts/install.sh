@@ -14,6 +14,7 @@ if ! command -v chromium >/dev/null && command -v apt-get >/dev/null && [ "$(id 
   { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver; } >/dev/null \
     || echo "install.sh: could not install chromium; tests/test_dashboard_browser.py will be skipped" >&2
 fi
-# Compile the CPU paged-attention kernel once now (numba caches it beside worker/decode_kernel.py), so no worker
-# pays the compilation at start-up.
-.venv/bin/python -c "from worker import decode_kernel; decode_kernel.warm_up(1)"
+# Compile the CPU paged-attention kernel once now for both cache dtypes (numba caches it beside
+# worker/decode_kernel.py; bfloat16 is `--dtype auto` on a CPU with bf16 units), so no worker pays the compilation
+# (5-7 s each on two cores) at start-up.
+.venv/bin/python -c "import torch; from worker import decode_kernel; decode_kernel.warm_up(1, (torch.float32, torch.bfloat16))"

@@ -27,6 +27,20 @@ def pytest_itemcollected(item):
     item.add_marker(pytest.mark.xdist_group(group))
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items):
+    """Run order for `-n 2 --dist loadgroup` (with pyproject's `--no-loadscope-reorder`, which keeps this order):
+    the shared-server group, then every other group that starts processes, then the in-process tests. xdist hands a
+    worker its next group as it runs dry, so the long groups start first and the many short ones fill in at the end;
+    its default order (most tests first) left one-test groups like the GPU check's dry run for last, on one worker."""
+    def group(item):
+        mark = item.get_closest_marker("xdist_group")
+        return mark.args[0] if mark else item.nodeid.split("::")[0]
+    slow_groups = {group(item) for item in items if item.get_closest_marker("slow")}
+    rank = {name: (0 if name == "shared-servers" else 1 if name in slow_groups else 2) for name in map(group, items)}
+    items.sort(key=lambda item: rank[group(item)])  # stable: collection order within a rank
+
+
 _worker_launches: list[int] = []
 
 

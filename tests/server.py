@@ -20,9 +20,18 @@ MODEL_DIR = Path(os.environ.get("SHUTTLE_TEST_MODEL", REPO.parent / "shared" / "
 os.environ[AUTO_CPU_DTYPE_ENV] = "float32"
 
 
+KV_SIZING_FLAGS = ("--kv-cache-memory", "--num-kv-blocks", "--gpu-memory-utilization")
+TEST_KV_CACHE_MEMORY = "64MiB"  # 3,275 blocks of stories260K, far more than any test fills
+
+
 class ShuttleServer(local_server.ShuttleServer):
-    """local_server.ShuttleServer with the test model and the repository as defaults; `ShuttleServer.launches` is
-    the count its base keeps (the suite's budget is about 20: conftest reports it)."""
+    """local_server.ShuttleServer with the test model and the repository as defaults, and a 64 MiB KV cache where
+    the test does not size it: the CPU default (1 GiB) costs each worker start half a second of zero-filling and the
+    suite's live servers a GiB of memory each, for blocks no test uses. `ShuttleServer.launches` is the count its
+    base keeps (the suite's budget is about 20: conftest reports it)."""
 
     def __init__(self, *args: str, model_dir: Path = MODEL_DIR, cwd: Path = REPO, **kwargs):
+        if kwargs.get("command", "serve") in ("serve", "engine") and \
+                not any(a.split("=")[0] in KV_SIZING_FLAGS for a in args):
+            args = (*args, "--kv-cache-memory", TEST_KV_CACHE_MEMORY)
         super().__init__(*args, model_dir=model_dir, cwd=cwd, **kwargs)

@@ -58,9 +58,10 @@ def small_cache_server():
 
 async def test_preemption_under_memory_pressure_keeps_outputs_exact(small_cache_server):
     rng = random.Random(2)
-    prompts = [[1] + [rng.randrange(3, 512) for _ in range(rng.randrange(40, 160))] for _ in range(24)]
-    max_tokens = [rng.randrange(50, 125) for _ in prompts]  # 24 x ~190 tokens against 48 x 16 slots of KV
-    assert sum(len(p) + m for p, m in zip(prompts, max_tokens)) > 5 * 48 * 16
+    # 16 x ~115 tokens against 48 x 16 slots of KV; test_engine_inprocess checks preemption's exactness more widely
+    prompts = [[1] + [rng.randrange(3, 512) for _ in range(rng.randrange(30, 100))] for _ in range(16)]
+    max_tokens = [rng.randrange(30, 70) for _ in prompts]
+    assert sum(len(p) + m for p, m in zip(prompts, max_tokens)) > 2 * 48 * 16
     async with unlimited_session() as session:
         before = (await health(session, small_cache_server.url))["scheduler"]["num_preemptions"]
         results = await asyncio.gather(*(greedy_ids(session, small_cache_server.url, p, m)
@@ -113,11 +114,11 @@ async def test_high_priority_requests_start_before_queued_low_priority_ones():
     try:
         async with unlimited_session() as session:
             job = {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
-            # Lows run 16 tokens, so a running slot frees only every ~8 steps: the 5 highs reach the scheduler
+            # Lows run 12 tokens, so a running slot frees only every ~6 steps: the 5 highs reach the scheduler
             # well before that even on a loaded machine.
             lows = [asyncio.create_task(stream_first_token_time(session, srv.url, priority=10,
-                                                                **{**job, "max_tokens": 16})) for _ in range(50)]
-            while (await health(session, srv.url))["scheduler"]["num_waiting"] < 45:
+                                                                **{**job, "max_tokens": 12})) for _ in range(24)]
+            while (await health(session, srv.url))["scheduler"]["num_waiting"] < 20:
                 await asyncio.sleep(0.01)
             highs_submitted = time.monotonic()
             highs = await asyncio.gather(*(stream_first_token_time(session, srv.url, priority=0, **job)
@@ -129,7 +130,7 @@ async def test_high_priority_requests_start_before_queued_low_priority_ones():
     # Lows not yet started when the highs arrived; only the (at most max_num_seqs) lows already being admitted in
     # the step then in flight may show their first token before the last high's.
     late_lows = [first for first, _ in lows if first > highs_submitted]
-    assert len(late_lows) >= 40
+    assert len(late_lows) >= 18
     assert sum(first < last_high_start for first in late_lows) <= 2
 
 
