@@ -100,9 +100,6 @@ else
     say "setup: skipped in the dry run ($CARRY/wheels absent; the venv has every package)"
     export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 fi
-"$PYTHON" -c "import torch, transformers, zmq, msgspec
-print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'transformers', transformers.__version__,
-      'pyzmq', zmq.__version__, 'msgspec', msgspec.__version__)" 2>&1 | tee -a "$LOG"
 
 # ---- the in-process stages ------------------------------------------------------------------------------------
 RESERVE_S=180  # the bench's: slow correctness stages must not leave it too little to start shuttle at 1B

@@ -111,6 +111,22 @@ async def test_explicit_null_on_the_websocket():
         assert engine.submitted[-1].sampling.temperature == 1.0
 
 
+async def test_priority_reaches_the_scheduler_from_every_entry_point():
+    """The request's `priority` is the Submit's (the scheduler's ordering by it, with aging, is tests/test_scheduler.py
+    and tests/test_batch_priority.py, on fabricated clocks)."""
+    async with served() as (client, engine):
+        assert (await post(client, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "priority": 7}))[0] == 200
+        assert engine.submitted[-1].priority == 7
+        assert (await post(client, "/v1/chat/completions", {"messages": USER, "max_tokens": 2, "priority": -3}))[0] == 200
+        assert engine.submitted[-1].priority == -3
+        async with client.ws_connect("/v1/ws") as ws:
+            await ws.send_json({"type": "generate", "id": "p", "prompt": PROMPT, "max_tokens": 1, "priority": 5})
+            assert (await ws.receive_json(timeout=10))["type"] == "delta"
+        assert engine.submitted[-1].priority == 5
+        assert (await post(client, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2}))[0] == 200
+        assert engine.submitted[-1].priority == 0
+
+
 # ---- 2. min_tokens holds back stop strings too ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("min_tokens, text", [

@@ -20,6 +20,8 @@ def test_dry_run_passes_every_stage(tmp_path):
                           text=True, timeout=380)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     table = (tmp_path / "table.txt").read_text()
+    log = (tmp_path / "gpu_check.log").read_text()
+    assert any(line.startswith("torch ") and " transformers " in line for line in log.splitlines()), log[:2000]
     assert "shuttle GPU check (dry run, device cpu)" in table
     for stage in STAGES:
         record = json.loads((tmp_path / f"{stage}.json").read_text())

@@ -318,6 +318,12 @@ def main() -> int:
     if unknown:
         parser.error(f"unknown stage(s) {', '.join(sorted(unknown))}; choose from {', '.join(STAGES)}")
     args.device = torch.device(args.device)
+    import msgspec
+    import transformers
+    import zmq
+    # the versions the stages ran with, in the log (a GPU machine brings its own torch, triton and transformers)
+    print("torch", torch.__version__, "cuda", torch.cuda.is_available(), "transformers", transformers.__version__,
+          "pyzmq", zmq.__version__, "msgspec", msgspec.__version__, flush=True)
     failed = False
     for name in args.stages:
         began = time.perf_counter()
