@@ -301,6 +301,16 @@ def print_table(results_dir: Path) -> int:
     return 1 if failed else 0
 
 
+def print_versions() -> None:
+    """One line of the library versions this process runs the stages with, for the log: a GPU machine brings its
+    own torch, triton and transformers (on a GPU each stage is its own process, so the line repeats per stage)."""
+    import msgspec
+    import transformers
+    import zmq
+    print("torch", torch.__version__, "cuda", torch.cuda.is_available(), "transformers", transformers.__version__,
+          "pyzmq", zmq.__version__, "msgspec", msgspec.__version__, flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("stages", nargs="+", help=f"one or more of {', '.join(STAGES)} (run in turn, in one process), "
@@ -318,12 +328,7 @@ def main() -> int:
     if unknown:
         parser.error(f"unknown stage(s) {', '.join(sorted(unknown))}; choose from {', '.join(STAGES)}")
     args.device = torch.device(args.device)
-    import msgspec
-    import transformers
-    import zmq
-    # the versions the stages ran with, in the log (a GPU machine brings its own torch, triton and transformers)
-    print("torch", torch.__version__, "cuda", torch.cuda.is_available(), "transformers", transformers.__version__,
-          "pyzmq", zmq.__version__, "msgspec", msgspec.__version__, flush=True)
+    print_versions()
     failed = False
     for name in args.stages:
         began = time.perf_counter()
