@@ -1,10 +1,14 @@
 """Issue 9 acceptance 1: the engine fails and comes back while the frontend keeps its socket.
 
-One real server for the module, slowed by the SHUTTLE_DEBUG_STEP_DELAY test hook (ShuttleServer's step_delay) so requests stay in flight. In turn: kill -9 of
-the worker, kill -9 of the scheduler, SIGSTOP of the worker (found by --step-timeout 5), SIGSTOP of the
-scheduler (found by the launcher's heartbeat timeout), kill -9 of the frontend. Each time every open
-request ends with exactly one terminal error, /health answers 503 and then 200 again, and a greedy request is
-token-exact afterwards. Waits are bounds that only a hang exceeds; the measured times are printed.
+One real server for the module, slowed by the SHUTTLE_DEBUG_STEP_DELAY test hook (ShuttleServer's step_delay) so
+requests stay in flight. In turn: kill -9 of the worker, SIGSTOP of the worker (found by the scheduler's step
+watchdog, --step-timeout 3, which exits 3), kill -9 of the frontend. Each time every open request ends with exactly
+one terminal error, /health answers 503 and then 200 again, and a greedy request is token-exact afterwards. Waits
+are bounds that only a hang exceeds; the measured times are printed.
+
+The launcher's side of the other faults is tested without a server (tests/test_supervised_unit.py): a dead process
+of any role fails its unit the same way, and a stopped one is found by its missing heartbeat and killed; after that
+the restart is the one exercised here.
 """
 
 import asyncio
@@ -26,8 +30,7 @@ LONG = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "te
 
 @pytest.fixture(scope="module")
 def srv():
-    srv = ShuttleServer("--step-timeout", "3", "--heartbeat-timeout", "4",
-                        "--max-restarts", "10", step_delay=0.05)
+    srv = ShuttleServer("--step-timeout", "3", "--max-restarts", "10", step_delay=0.05)
     yield srv
     srv.stop()
 
@@ -117,18 +120,9 @@ async def test_kill_worker(srv):
     assert any("worker" in line and "SIGKILL" in line and "restarts in" in line for line in srv.output)
 
 
-async def test_kill_scheduler(srv):
-    await fail_and_recover(srv, lambda: os.kill(srv.pids["scheduler"], signal.SIGKILL))
-
-
 async def test_stopped_worker_is_found_by_the_step_watchdog(srv):
     await fail_and_recover(srv, lambda: os.kill(srv.pids["worker"], signal.SIGSTOP))
     assert any("scheduler" in line and "exited with status 3" in line for line in srv.output), srv.output[-5:]
-
-
-async def test_stopped_scheduler_is_found_by_its_missing_heartbeat(srv):
-    await fail_and_recover(srv, lambda: os.kill(srv.pids["scheduler"], signal.SIGSTOP))
-    assert any("scheduler" in line and "sent no heartbeat" in line for line in srv.output), srv.output[-5:]
 
 
 async def test_killed_frontend_frees_all_its_blocks(srv):
