@@ -5,6 +5,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from common.config import LOG_LEVEL_ENV
 from tests.hf_cache import REPO_ID, cache_with
 from tests.server import MODEL_DIR, ShuttleServer
 
@@ -39,6 +40,18 @@ def pytest_collection_modifyitems(items):
     slow_groups = {group(item) for item in items if item.get_closest_marker("slow")}
     rank = {name: (0 if name == "shared-servers" else 1 if name in slow_groups else 2) for name in map(group, items)}
     items.sort(key=lambda item: rank[group(item)])  # stable: collection order within a rank
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    """serve() and engine() in process, failing the test if they get as far as starting the processes (so that a
+    refusal can be tested without a new interpreter, whose imports alone take seconds)."""
+    import launcher.launcher
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the launcher started processes")
+    monkeypatch.setattr(launcher.launcher, "Launcher", refuse)
+    monkeypatch.delenv(LOG_LEVEL_ENV, raising=False)  # launcher.cli.main sets it for its children; restored after
 
 
 _worker_launches: list[int] = []

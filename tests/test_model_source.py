@@ -1,6 +1,7 @@
 """MODEL as a Hugging Face id (common/model_source.py, launcher/model_args.py), vLLM's flag spellings, and GET
 /version: offline, against a Hugging Face cache in a temporary directory that huggingface_hub itself resolves; no
-server is launched (the refusals run `shuttle serve`, which exits before any process starts)."""
+server is launched (the refusals run `shuttle serve`, which exits before any process starts; those that load
+transformers' tokenizer code run it in this process)."""
 
 import argparse
 import os
@@ -16,6 +17,7 @@ from common.arg_types import token_count
 from common.config import IpcConfig, ShuttleConfig
 from common.model_source import is_repo_id, locate, resolve
 from common.version import shuttle_version
+import launcher.cli
 from launcher.cli import build_parser
 from launcher.model_args import resolve_model_args
 from tests.hf_cache import COMMIT, REPO_ID, cache_with
@@ -108,6 +110,15 @@ def shuttle(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
                           timeout=60, env={**os.environ, **(env or {})})
 
 
+def cli_refusal(capsys, *argv: str) -> str:
+    """`shuttle *argv` in this process (with the no_launch fixture): its one line on stderr, after exit status 2.
+    In process because these refusals load transformers' tokenizer code, seconds of imports in a new interpreter."""
+    status = launcher.cli.main(list(argv))
+    captured = capsys.readouterr()
+    assert status == 2 and captured.err.count("\n") == 1 and captured.out == "", captured.err[-2000:]
+    return captured.err
+
+
 def test_version_flag():
     result = shuttle("--version")
     assert result.returncode == 0 and result.stdout.strip() == shuttle_version() != "unknown"
@@ -130,21 +141,21 @@ def test_a_bad_cached_model_is_one_line_before_any_process(hub, files, message):
     assert_refused(shuttle("serve", REPO_ID, "--port", "0", env=env), message)
 
 
-def test_a_sentencepiece_only_tokenizer_that_transformers_cannot_load_is_one_line(tmp_path):
+def test_a_sentencepiece_only_tokenizer_that_transformers_cannot_load_is_one_line(tmp_path, no_launch, capsys):
     for name in ("config.json", "model.safetensors", "tokenizer_config.json"):
         shutil.copyfile(MODEL_DIR / name, tmp_path / name)
     (tmp_path / "tokenizer.model").write_bytes(b"not a sentencepiece model")
-    assert_refused(shuttle("serve", str(tmp_path), "--port", "0"), "has a SentencePiece tokenizer.model")
+    assert "has a SentencePiece tokenizer.model" in cli_refusal(capsys, "serve", str(tmp_path), "--port", "0")
 
 
-def test_a_model_that_needs_remote_code_is_refused_without_the_flag(tmp_path):
+def test_a_model_that_needs_remote_code_is_refused_without_the_flag(tmp_path, no_launch, capsys):
     import json
     for name in ("model.safetensors", "tokenizer.json"):
         shutil.copyfile(MODEL_DIR / name, tmp_path / name)
     config = json.loads((MODEL_DIR / "config.json").read_text())
     config.update(model_type="my_own_llama", auto_map={"AutoModelForCausalLM": "modeling_mine.MyLlama"})
     (tmp_path / "config.json").write_text(json.dumps(config))
-    assert_refused(shuttle("serve", str(tmp_path), "--port", "0"), "pass --trust-remote-code to run it")
+    assert "pass --trust-remote-code to run it" in cli_refusal(capsys, "serve", str(tmp_path), "--port", "0")
 
 
 def test_no_enable_chunked_prefill_is_refused_by_name():

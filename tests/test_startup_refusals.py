@@ -70,14 +70,6 @@ def test_the_batch_endpoint_on_port_plus_one_is_named_when_taken():
     assert "is in use" in result.stderr
 
 
-@pytest.fixture
-def no_launch(monkeypatch):
-    """serve() and engine() in process, failing the test if they get as far as starting the processes."""
-    def refuse(*args, **kwargs):
-        raise AssertionError("the launcher started processes")
-    monkeypatch.setattr(launcher.launcher, "Launcher", refuse)
-
-
 def refusal(capsys, *argv: str) -> str:
     args = build_parser().parse_args(argv)
     status = (launcher.launcher.serve if args.command == "serve" else launcher.launcher.engine)(args)
