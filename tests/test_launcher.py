@@ -8,12 +8,15 @@ import signal
 import socket
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import aiohttp
 
 from tests.client import post_completion
 from tests.conftest import API_KEY
-from tests.server import REPO, ShuttleServer, pid_alive
+from common.process import die_with_parent
+from tests.server import MODEL_DIR, REPO, ShuttleServer, pid_alive
 
 HANG = 60.0
 
@@ -29,13 +32,38 @@ def test_ctrl_c_leaves_no_process():
         srv.stop()
 
 
-def test_killed_launcher_takes_its_children_along():
-    srv = ShuttleServer()
+def children(pid: int) -> list[int]:
+    """The live children of process `pid` (Linux: /proc's children list of its main thread)."""
     try:
-        os.kill(srv.proc.pid, signal.SIGKILL)  # no chance to clean up: the parent-death signal does it
-        assert srv.wait_gone(HANG) == [], "children outlived their launcher"
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except FileNotFoundError:
+        return []
+
+
+def test_killed_launcher_takes_its_children_along():
+    """Killed while its three processes start (the worker mid-import or mid-load, the state a crash of the launcher
+    most often meets, and no model work spent on a server that would be killed anyway)."""
+    launcher = subprocess.Popen([sys.executable, "-m", "launcher.cli", "serve", str(MODEL_DIR), "--port", "0"],
+                                cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True, preexec_fn=die_with_parent)
+    started: list[int] = []
+    try:
+        deadline = time.monotonic() + HANG
+        while len(started := children(launcher.pid)) < 3:  # the engine's two and the frontend
+            assert launcher.poll() is None and time.monotonic() < deadline, started
+            time.sleep(0.01)
+        launcher.kill()  # no chance to clean up: the parent-death signal does it
+        launcher.wait()
+        while alive := [pid for pid in started if pid_alive(pid)]:
+            assert time.monotonic() < deadline, f"children outlived their launcher: {alive}"
+            time.sleep(0.05)
     finally:
-        srv.stop()
+        for pid in started:
+            if pid_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
