@@ -18,7 +18,7 @@ from scheduler.in_process import drive
 from scheduler.kv_cache import KVCacheManager
 from scheduler.scheduler import Scheduler
 from tests.server import MODEL_DIR
-from tests.test_startup_refusals import no_launch, refusal  # noqa: F401  (a fixture and its helper)
+from tests.test_startup_refusals import refusal
 from worker.quantization import DEQUANTIZED_ROWS, Int8Linear, dequantize, quantize_model, quantize_per_channel
 from worker.worker import ModelRunner
 
@@ -125,7 +125,7 @@ def test_the_refusals_name_what_is_supported():
     assert "CPU only" in quantization_error("int8", 1, "cuda")
 
 
-def test_serve_refuses_an_unknown_method_and_tensor_parallel_in_one_line(no_launch, capsys):  # noqa: F811
+def test_serve_refuses_an_unknown_method_and_tensor_parallel_in_one_line(no_launch, capsys):
     err = refusal(capsys, "serve", str(MODEL_DIR), "--port", "0", "--quantization", "awq")
     assert "--quantization 'awq' is not supported; choose one of none, int8" in err
     err = refusal(capsys, "serve", str(MODEL_DIR), "--port", "0", "--quantization", "int8", "-tp", "2")
