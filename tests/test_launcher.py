@@ -16,7 +16,7 @@ import aiohttp
 from tests.client import post_completion
 from tests.conftest import API_KEY
 from common.process import die_with_parent
-from tests.server import MODEL_DIR, REPO, ShuttleServer, pid_alive
+from tests.server import MODEL_DIR, REPO, TEST_KV_CACHE_MEMORY, ShuttleServer, pid_alive
 
 HANG = 60.0
 
@@ -43,7 +43,8 @@ def children(pid: int) -> list[int]:
 def test_killed_launcher_takes_its_children_along():
     """Killed while its three processes start (the worker mid-import or mid-load, the state a crash of the launcher
     most often meets, and no model work spent on a server that would be killed anyway)."""
-    launcher = subprocess.Popen([sys.executable, "-m", "launcher.cli", "serve", str(MODEL_DIR), "--port", "0"],
+    launcher = subprocess.Popen([sys.executable, "-m", "launcher.cli", "serve", str(MODEL_DIR), "--port", "0",
+                                 "--kv-cache-memory", TEST_KV_CACHE_MEMORY, "--worker-threads", "1"],
                                 cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                 start_new_session=True, preexec_fn=die_with_parent)
     started: list[int] = []
