@@ -18,7 +18,7 @@ from common.sampling import SamplingParams
 from worker import attention
 from worker.input_batch import InputBatch
 from worker.kv_cache import KVCache
-from worker.model_loader import UnsupportedModelError, architecture
+from worker.model_loader import UnsupportedModelError, architecture, cache_kwargs
 
 # Tolerated difference (nats) between the paths: in float32 the max |log-probability difference| over every position
 # and vocabulary entry; in reduced precision (bfloat16, float16, int8 linears) the max over positions of the
@@ -154,11 +154,11 @@ def _eager_logprobs(model, sequences: dict[str, list[int]],
             out[name] = logits.float().log_softmax(-1)
         ids = sequences["a"]
         prefix = len(ids) // 2
-        cache = DynamicCache(config=model.config)
-        step = model(input_ids=torch.tensor([ids[:prefix]], device=device), cache=cache, use_cache=True)
+        cache = cache_kwargs(model, DynamicCache(config=model.config))
+        step = model(input_ids=torch.tensor([ids[:prefix]], device=device), **cache, use_cache=True)
         cached = [step.logits[0, -1]]
         for token in ids[prefix:-1]:
-            step = model(input_ids=torch.tensor([[token]], device=device), cache=cache, use_cache=True)
+            step = model(input_ids=torch.tensor([[token]], device=device), **cache, use_cache=True)
             cached.append(step.logits[0, -1])
         return out, torch.stack(cached).float().log_softmax(-1)
     finally:

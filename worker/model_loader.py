@@ -8,6 +8,7 @@ must hold.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -78,6 +79,15 @@ def architecture(model: torch.nn.Module) -> str:
 
 
 @torch.inference_mode()
+def cache_kwargs(model: torch.nn.Module, cache) -> dict:
+    """The keyword argument that hands transformers' own KV cache (a DynamicCache) to `model`'s forward:
+    `{"cache": cache}` on transformers releases whose forward takes `cache` (5.25 renamed it), else
+    `{"past_key_values": cache}` (5.17, the GPU machine's release). An unknown keyword would be swallowed by the
+    forward's **kwargs, and every step would then run without the cache."""
+    parameters = inspect.signature(model.forward).parameters
+    return {"cache": cache} if "cache" in parameters else {"past_key_values": cache}
+
+
 def probe_geometry(model: torch.nn.Module) -> list[LayerGeometry]:
     """Run a 3-token forward with a recording attention function; returns one LayerGeometry per layer index.
 

@@ -53,6 +53,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))  # scheduler.step_log reads shuttle's step log
 
 from llama_server import convert_to_gguf  # noqa: E402  (scripts/dev, this script's own directory)
+from worker.model_loader import cache_kwargs  # noqa: E402
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -400,15 +401,15 @@ def bare_forward_ms(model, batch: int, context: int, vocab: int, repeats: int = 
     dense cache of about `context` tokens: the model's cost with no serving engine around it."""
     generator = torch.Generator().manual_seed(0)
     with torch.inference_mode():
-        cache = DynamicCache()
+        cache = cache_kwargs(model, DynamicCache())
         prompt = torch.randint(3, vocab, (batch, context), generator=generator).to(model.device)
-        model(input_ids=prompt, past_key_values=cache, use_cache=True)
+        model(input_ids=prompt, **cache, use_cache=True)
         token = torch.randint(3, vocab, (batch, 1), generator=generator).to(model.device)
         times = []
         for i in range(repeats + 2):  # the context grows by one token a step: `context` is far larger than repeats
             _sync(model)
             began = time.perf_counter()
-            model(input_ids=token, past_key_values=cache, use_cache=True)
+            model(input_ids=token, **cache, use_cache=True)
             _sync(model)
             if i >= 2:  # the first two warm up
                 times.append(1000 * (time.perf_counter() - began))

@@ -38,6 +38,7 @@ from common.messages import PlanMessage, StepOutputs, StepResult, Submit, Worker
 from common.sampling import SamplingParams  # noqa: E402
 from scheduler.kv_cache import KVCacheManager  # noqa: E402
 from scheduler.scheduler import Scheduler  # noqa: E402
+from worker.model_loader import cache_kwargs  # noqa: E402
 from worker.worker import ModelRunner  # noqa: E402
 
 PHASES = ("plan", "encode/send", "input prep", "forward", "sample", "apply")
@@ -126,12 +127,12 @@ def bare_forward(model, batch: int, context: int, steps: int) -> float:
     ids = torch.randint(3, vocab, (batch, context), generator=torch.Generator().manual_seed(0))
     times = []
     with torch.inference_mode():
-        cache = DynamicCache(config=model.config)
-        out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+        cache = cache_kwargs(model, DynamicCache(config=model.config))
+        out = model(input_ids=ids, **cache, use_cache=True, logits_to_keep=1)
         token = out.logits[:, -1].argmax(-1, keepdim=True)
         for i in range(min(steps, 10)):
             start = time.perf_counter()
-            out = model(input_ids=token, cache=cache, use_cache=True)
+            out = model(input_ids=token, **cache, use_cache=True)
             token = out.logits[:, -1].argmax(-1, keepdim=True)
             times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times)
