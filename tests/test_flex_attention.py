@@ -243,6 +243,34 @@ def test_compiled_path_has_no_graph_break_and_no_recompile_within_buckets():
             run_both(make_step([(9, 1)] * 5, 48, 16, seed=9), feature, 16, backend=backend)
 
 
+def test_fixed_width_leaves_token_and_decode_buckets_the_only_compiled_shapes():
+    """With max_blocks_per_seq (what ModelRunner passes), tables of any width and any number of prefill rows run
+    the shapes compiled for their token and decode buckets: steps of 2 to 10 table columns and 1 to 5 prefill rows
+    in the 64-token bucket compile nothing after the first (without the fixed width and the rows padded to the token
+    bucket, 10 columns and 5 prefill rows were buckets of their own, compiled while their requests waited). A new
+    token bucket still compiles."""
+    torch._dynamo.reset()
+    backend = fx.FlexBackend(16, compile_backend="eager", max_blocks_per_seq=16)
+    feature = features()
+    got, want = run_both(make_step([(3, 1), (0, 40)], 48, 16, seed=1), feature, 16, backend=backend)
+    assert (got - want).abs().max() < 1e-5
+    with fx.no_recompiles():
+        for seed, rows in enumerate([[(20, 1), (0, 9), (0, 9), (5, 9), (0, 9), (1, 9)],  # 5 rows, 2 columns
+                                     [(150, 1), (20, 40)],  # 10 columns
+                                     [(2, 1), (0, 33), (0, 2)]]):
+            got, want = run_both(make_step(rows, 48, 16, seed=seed + 5), feature, 16, backend=backend)
+            assert (got - want).abs().max() < 1e-5
+        with pytest.raises(RuntimeError, match="recompil"):  # 17 prefill tokens: the 32-token bucket
+            run_both(make_step([(3, 1), (0, 17)], 48, 16, seed=9), feature, 16, backend=backend)
+
+
+def test_token_buckets_cover_every_prefill_size():
+    assert fx.token_buckets(2048) == [16, 32, 64, 128, 256, 512, 1024, 2048]
+    assert fx.token_buckets(3000)[-1] == 4096 and fx.token_buckets(8) == [16]
+    for tokens in range(2, 3001):
+        assert fx.token_bucket(tokens) in fx.token_buckets(3000)
+
+
 def test_eager_flex_calls_the_operator_without_dynamo(monkeypatch):
     """Outside torch.compile, flex_attention traces itself with dynamo once per new shape unless its private module
     flag says not to (torch 2.13.0); the CPU path sets it around each call. Fails if the flag is gone or ignored."""

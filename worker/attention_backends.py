@@ -168,9 +168,10 @@ class CpuBackend(ReferenceBackend):
 BACKENDS = {backend.name: backend for backend in (ReferenceBackend, CpuBackend, FlexBackend)}
 
 
-def make_backend(name: str, block_size: int, device: torch.device):
+def make_backend(name: str, block_size: int, device: torch.device, max_blocks_per_seq: int | None = None):
     """The attention backend `name` ("auto": `cpu` on a CPU, `flex` on CUDA, else `reference`; common/devices.py
-    resolves it the same way for the launcher).
+    resolves it the same way for the launcher). `max_blocks_per_seq` (KV blocks of one max_model_len sequence)
+    fixes the compiled flex backend's table width (see FlexBackend).
 
     Raises:
         ValueError: an unknown name, or a CPU-only backend on another device.
@@ -182,5 +183,5 @@ def make_backend(name: str, block_size: int, device: torch.device):
     if name == "cpu" and device.type != "cpu":
         raise ValueError("the cpu attention backend runs on the CPU only")
     if name == "flex":
-        return FlexBackend(block_size, device)
+        return FlexBackend(block_size, device, max_blocks_per_seq=max_blocks_per_seq)
     return BACKENDS[name](block_size)

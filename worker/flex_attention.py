@@ -13,8 +13,10 @@ scales the sink-free output by Z / (Z + e^s) = sigmoid(lse - s).
 
 **Compiled or eager.** `flex_function(device)` is the seam: `torch.compile(flex_attention, fullgraph=True,
 dynamic=False)` on CUDA (its Triton templates are the fast path; the int32-offset cap of `max_kv_blocks` applies),
-plain eager flex elsewhere. Compiled shapes are static per bucket (`decode_bucket`, `token_bucket`,
-`width_bucket`); the BlockMask of each step is built once per distinct sliding window and reused by every layer.
+plain eager flex elsewhere. Compiled shapes are static per bucket (`decode_bucket`, `token_bucket`, and
+`width_bucket` of the widest table a sequence can have), so every shape is compiled at start-up, none while a
+request waits (each costs inductor seconds); the BlockMask of each step is built once per distinct sliding window
+and reused by every layer.
 Nothing in the per-layer path reads the metadata's Python lists or calls `.item()`.
 """
 
@@ -135,6 +137,14 @@ def token_bucket(tokens: int) -> int:
     return max(QUERY_BLOCK, 1 << max(tokens - 1, 0).bit_length())
 
 
+def token_buckets(max_tokens: int) -> list[int]:
+    """Every token_bucket a packed prefill of 2 to `max_tokens` tokens can fall in, smallest first."""
+    buckets = [QUERY_BLOCK]
+    while buckets[-1] < token_bucket(max_tokens):
+        buckets.append(2 * buckets[-1])
+    return buckets
+
+
 def width_bucket(width: int) -> int:
     """Block-table columns padded to a power of two (at least 8)."""
     return max(8, 1 << max(width - 1, 0).bit_length())
@@ -177,15 +187,23 @@ class FlexBackend:
         device: the cache's device; CUDA compiles flex, other devices run it eagerly.
         compile_backend: force compilation with this dynamo backend (see flex_function).
         pad_shapes: pad rows, tokens and table width to their buckets (default: when compiled, so each bucket
-            compiles once; tests turn it on eagerly to check that padding changes nothing).
+            compiles once; tests turn it on eagerly to check that padding changes nothing). The packed form's rows
+            are padded to its token bucket (a step never has more prefill rows than tokens), so they add no
+            compile dimension of their own.
+        max_blocks_per_seq: with padding, every step's table is padded to width_bucket(this), the widest table a
+            max_model_len sequence needs, so the width adds no compile dimension either: compiled shapes are then
+            the token buckets and the decode buckets alone, all compiled at start-up (ModelRunner's warm-up and
+            graph capture) rather than while a request waits. None: each step's width to its own bucket.
         check_invariants: check the one-logical-index-per-block invariant each step (syncs; for tests).
     """
 
     name = "flex"
 
     def __init__(self, block_size: int, device: torch.device = torch.device("cpu"),
-                 compile_backend: str | None = None, pad_shapes: bool | None = None, check_invariants: bool = False):
+                 compile_backend: str | None = None, pad_shapes: bool | None = None,
+                 max_blocks_per_seq: int | None = None, check_invariants: bool = False):
         self.block_size = block_size
+        self.max_blocks_per_seq = max_blocks_per_seq
         self.device = device
         self.compiled = compile_backend is not None or device.type == "cuda"
         self.flex = flex_function(device, compile_backend)
@@ -211,7 +229,7 @@ class FlexBackend:
         num_rows, width = table.shape
         d = meta.num_decodes
         pad = self.pad_shapes
-        padded_width = width_bucket(width) if pad else width
+        padded_width = width_bucket(max(width, self.max_blocks_per_seq or 0)) if pad else width
         p2l = logical_block_map(table, lens, key_cache.shape[0], bs)
         decode = None
         if d:
@@ -221,8 +239,8 @@ class FlexBackend:
             starts = meta.query_start_loc.to(device, torch.int32, non_blocking=True)[d:] - d
             prefill_rows = num_rows - d
             tokens = token_bucket(prefill_tokens) if pad else -(-prefill_tokens // QUERY_BLOCK) * QUERY_BLOCK
-            packed = packed_inputs(table[d:], lens[d:], starts, prefill_tokens,
-                                   decode_bucket(prefill_rows) if pad else prefill_rows, padded_width, tokens)
+            packed = packed_inputs(table[d:], lens[d:], starts, prefill_tokens, tokens if pad else prefill_rows,
+                                   padded_width, tokens)
         return _StepMasks(d, prefill_tokens, decode, packed, p2l, {})
 
     def _masks(self, step: _StepMasks, window: int | None, num_cache_blocks: int):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import torch
 
@@ -15,12 +16,14 @@ from common.messages import PromptLogprobs, StepPlan, StepResult, TokenLogprobs
 from worker.attention import StepAttention
 from worker.attention_backends import make_backend
 from worker.capability import check_exactness
-from worker.flex_attention import max_kv_blocks_for
+from worker.flex_attention import max_kv_blocks_for, token_buckets
 from worker.grammar import GrammarCompiler, GrammarMasks
 from worker.graph_runner import graph_runner_for, graphs_off_reason
 from worker.input_batch import InputBatch, StepInputs
 from worker.kv_cache import KVCache
-from worker.kv_sizing import CUDA_GRAPH_ALLOWANCE, KVPlan, plan_kv_blocks, profile_peak, profile_plan, snapshot
+from worker.kv_sizing import (
+    CUDA_GRAPH_ALLOWANCE, KVPlan, plan_kv_blocks, prefill_plan, profile_peak, profile_plan, snapshot,
+)
 from worker.model_loader import DTYPES, architecture, load_model, probe_geometry
 from worker.output_projection import chunk_output_projection, widen_bf16_linears
 from worker.parallel import TensorParallel, local_device, local_numel
@@ -61,7 +64,7 @@ class ModelRunner:
         config: the serving group's configuration; `auto` in its device, dtype and attention backend is resolved here
             when the launcher has not (common/devices.py).
         device: where weights and cache live (None: config.worker.device, for this rank of serving group 0; CPU is
-            the reference path).
+            the reference path; a bare "cuda" means the current CUDA device).
         parallel: this process's tensor-parallel rank (the default: no tensor parallelism).
     Raises:
         UnsupportedModelError: the model cannot be served exactly (the message says why).
@@ -73,6 +76,8 @@ class ModelRunner:
                  parallel: TensorParallel = TensorParallel()):
         if device is None:
             device = local_device(config.worker.device, 0, parallel.rank, parallel.size)
+        if device.type == "cuda" and device.index is None:  # torch 2.11's set_device refuses a bare "cuda"
+            device = torch.device("cuda", torch.cuda.current_device())
         set_worker_threads(config.worker.worker_threads)
         self.device = device
         self.parallel = parallel
@@ -99,7 +104,8 @@ class ModelRunner:
                      self.widened_linears)
         self.geometry = probe_geometry(self.model)  # under tensor parallel: this rank's KV heads
         parallel.check_model(self.model, self.geometry)
-        self.backend = make_backend(config.worker.attention_backend, self.block_size, device)  # auto as devices.py
+        self.backend = make_backend(config.worker.attention_backend, self.block_size, device,  # auto as devices.py
+                                    blocks_per_request(model_cfg.max_model_len, self.block_size))
         if self.backend.name == "cpu":
             from worker import decode_kernel
             decode_kernel.warm_up(torch.get_num_threads(), (self.kv_dtype,))
@@ -132,6 +138,9 @@ class ModelRunner:
                                         model_cfg.eos_token_ids, model_cfg.trust_remote_code) \
             if parallel.is_driver else None
         self._masks: GrammarMasks | None = None  # built on the first constrained step
+        self.warm_up_seconds = 0.0
+        if getattr(self.backend, "compiled", False):
+            self.warm_up_prefill_shapes(config.scheduler.max_num_batched_tokens, model_cfg.max_model_len)
         self.graphs = graph_runner_for(self, config)  # decode-only steps from CUDA graphs (None: all eager)
 
     @property
@@ -180,6 +189,28 @@ class ModelRunner:
         requests = inputs.sampled_requests
         if requests and self.parallel.is_driver:
             Sampler(())(logits[:len(requests)], [r.sampling for r in requests], [r.token_ids for r in requests])
+
+    def warm_up_prefill_shapes(self, max_num_batched_tokens: int, max_model_len: int) -> None:
+        """Compile a compiled attention backend (flex on CUDA) for every prefill shape before serving: one
+        prefill-only step per packed-token bucket up to max_num_batched_tokens, over the real cache (its blocks hold
+        junk until requests write them, and only written blocks become prefix-cache hits). The decode shapes are
+        compiled by graph capture, which follows. Without this, each new bucket compiled (seconds of inductor)
+        while the requests of that step waited: the first GPU bench's TTFT p50 was 5 s for that alone.
+
+        A bucket whose step would need more blocks than the cache has is skipped: no step of that size fits."""
+        began = time.perf_counter()
+        vocab = self.model.get_output_embeddings().weight.shape[0]
+        done = []
+        for bucket in token_buckets(max_num_batched_tokens):
+            plan, blocks = prefill_plan(min(bucket, max_num_batched_tokens), max_model_len, self.block_size, vocab)
+            if blocks <= self.kv_cache.num_blocks and plan.new_requests:
+                self.profile_step(plan, self.kv_cache, max_model_len)
+                done.append(bucket)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.warm_up_seconds = time.perf_counter() - began
+        log.info("compiled the %s backend for %d prefill token buckets (%s) in %.1f s", self.backend.name, len(done),
+                 ", ".join(map(str, done)), self.warm_up_seconds)
 
     def forward(self, inputs: StepInputs, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 logits_rows: torch.Tensor) -> torch.Tensor:

@@ -179,6 +179,15 @@ class ShuttleServer:
         chosen = batch if batch in sizes else max(sizes)
         return chosen, 1000 * statistics.median(s.seconds for s in decodes if s.num_decode_seqs == chosen)
 
+    def slowest_steps(self, count: int = 3) -> str:
+        """The `count` longest served steps of the log as "ms (tokens, prefill seqs, decode seqs)": where a stall
+        (a compile, a sync) shows."""
+        from scheduler.step_log import read_step_log
+
+        steps = sorted(read_step_log(self.step_log), key=lambda s: -s.seconds)[:count]
+        return ", ".join(f"{1000 * s.seconds:.0f} ({s.num_tokens}, {s.num_prefill_seqs}, {s.num_decode_seqs})"
+                         for s in steps)
+
     def stop(self) -> None:
         for _, _, p in self.profilers:
             p.send_signal(signal.SIGINT)
@@ -495,10 +504,11 @@ def main() -> int:
             for outcome in found:
                 rounds[outcome.name].append(outcome)
         step = server.decode_step_ms(args.bare_batch)
+        slowest = server.slowest_steps()
     finally:
         server.stop()
     outcomes = [_median_round(runs) for runs in rounds.values()]
-    engine = {"kv_blocks": server.kv_blocks}
+    engine = {"kv_blocks": server.kv_blocks, "slowest_steps_ms": slowest}
     if step is not None:
         bare = bare_forward_ms(model, step[0], args.bare_context, model.config.vocab_size)
         engine.update({"decode_batch": step[0], "shuttle_step_ms": step[1], "bare_forward_ms": bare,
