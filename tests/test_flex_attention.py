@@ -264,6 +264,24 @@ def test_fixed_width_leaves_token_and_decode_buckets_the_only_compiled_shapes():
             run_both(make_step([(3, 1), (0, 17)], 48, 16, seed=9), feature, 16, backend=backend)
 
 
+def test_compiled_flex_refuses_heads_below_sixteen(monkeypatch):
+    """Inductor's flex lowering refuses head_dim < 16 (seen on an H200): a worker with a compiled flex backend
+    refuses such a model (stories260K: head_dim 8) at start-up by name, pointing at the reference backend."""
+    from tests.server import MODEL_DIR
+    from worker import worker as worker_module
+    from worker.model_loader import LayerGeometry, UnsupportedModelError
+
+    assert fx.compiled_head_dim_problem([LayerGeometry(2, 16, 16)]) is None
+    assert "head_dim 8" in fx.compiled_head_dim_problem([LayerGeometry(2, 16, 16), LayerGeometry(2, 8, 16)])
+    monkeypatch.setattr(worker_module, "make_backend",
+                        lambda name, bs, device, width: fx.FlexBackend(bs, device, compile_backend="eager",
+                                                                       max_blocks_per_seq=width))
+    config = ShuttleConfig(model=ModelConfig.from_dir(MODEL_DIR), ipc=IpcConfig.in_directory("/nonexistent"),
+                           cache=CacheConfig(16, 40), worker=WorkerConfig(attention_backend="flex"))
+    with pytest.raises(UnsupportedModelError, match="head_dim 8 is below the 16 .* --attention-backend reference"):
+        worker_module.ModelRunner(config)
+
+
 def test_token_buckets_cover_every_prefill_size():
     assert fx.token_buckets(2048) == [16, 32, 64, 128, 256, 512, 1024, 2048]
     assert fx.token_buckets(3000)[-1] == 4096 and fx.token_buckets(8) == [16]

@@ -28,7 +28,7 @@ def test_dry_run_passes_every_stage(tmp_path):
         assert record["status"] in ("pass", "skipped"), record
         assert f"\n{stage:<10}{record['status']:<9}" in table
     assert json.loads((tmp_path / "exact.json").read_text())["mismatched"] == []
-    assert json.loads((tmp_path / "compiles.json").read_text())["graphs_after_warmup"] == 0
+    assert json.loads((tmp_path / "compiles.json").read_text())["second_run_graphs"] == 0
     bench = json.loads((tmp_path / "bench.json").read_text())
     shuttle = bench["rows"][0]
     assert shuttle["method"] == "shuttle" and shuttle["ttft_p50_ms"] > 0 and shuttle["itl_p50_ms"] > 0

@@ -38,6 +38,9 @@ from worker.flex_masks import (
 )
 
 MAX_VIEW_ELEMENTS = 2**31 - 1  # flex's Triton kernels compute K/V offsets in int32
+# inductor's flex lowering refuses smaller heads (torch 2.11 on an H200: "NYI: embedding dimension of the query, key,
+# and value must be at least 16")
+MIN_COMPILED_HEAD_DIM = 16
 RECOMPILE_LIMIT = 256  # dynamo's default (8) is far below buckets x windows x soft-caps; see configure_dynamo
 
 
@@ -54,6 +57,16 @@ def max_kv_blocks_for(geometry, block_size: int) -> int:
     """max_kv_blocks over a model's layers; `geometry` is a list of worker.model_loader.LayerGeometry (or anything
     with num_kv_heads, head_dim and v_head_dim). KV sizing caps its block count with this under `flex`."""
     return min(max_kv_blocks(block_size, g.num_kv_heads, max(g.head_dim, g.v_head_dim)) for g in geometry)
+
+
+def compiled_head_dim_problem(geometry) -> str | None:
+    """Why compiled flex cannot run a model whose layers have `geometry` (worker.model_loader.LayerGeometry list),
+    or None when it can."""
+    smallest = min(min(g.head_dim, g.v_head_dim) for g in geometry)
+    if smallest < MIN_COMPILED_HEAD_DIM:
+        return (f"its head_dim {smallest} is below the {MIN_COMPILED_HEAD_DIM} that compiled flex kernels take; "
+                f"serve it with --attention-backend reference")
+    return None
 
 
 def check_cache_fits(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:

@@ -16,7 +16,7 @@ from common.messages import PromptLogprobs, StepPlan, StepResult, TokenLogprobs
 from worker.attention import StepAttention
 from worker.attention_backends import make_backend
 from worker.capability import check_exactness
-from worker.flex_attention import max_kv_blocks_for, token_buckets
+from worker.flex_attention import compiled_head_dim_problem, max_kv_blocks_for, token_buckets
 from worker.grammar import GrammarCompiler, GrammarMasks
 from worker.graph_runner import graph_runner_for, graphs_off_reason
 from worker.input_batch import InputBatch, StepInputs
@@ -24,7 +24,7 @@ from worker.kv_cache import KVCache
 from worker.kv_sizing import (
     CUDA_GRAPH_ALLOWANCE, KVPlan, plan_kv_blocks, prefill_plan, profile_peak, profile_plan, snapshot,
 )
-from worker.model_loader import DTYPES, architecture, load_model, probe_geometry
+from worker.model_loader import DTYPES, UnsupportedModelError, architecture, load_model, probe_geometry
 from worker.output_projection import chunk_output_projection, widen_bf16_linears
 from worker.parallel import TensorParallel, local_device, local_numel
 from worker.quantization import quantize_model
@@ -106,6 +106,9 @@ class ModelRunner:
         parallel.check_model(self.model, self.geometry)
         self.backend = make_backend(config.worker.attention_backend, self.block_size, device,  # auto as devices.py
                                     blocks_per_request(model_cfg.max_model_len, self.block_size))
+        problem = compiled_head_dim_problem(self.geometry) if getattr(self.backend, "compiled", False) else None
+        if problem:
+            raise UnsupportedModelError(f"{self.architecture}: {problem}")
         if self.backend.name == "cpu":
             from worker import decode_kernel
             decode_kernel.warm_up(torch.get_num_threads(), (self.kv_dtype,))

@@ -152,15 +152,16 @@ def stage_exact(args) -> dict:
     count, cap = (3, 3) if args.dry_run else (16, None)
     prompts = prompt_ids(args.model, count)
     max_tokens = [min(m, cap or m) for m in MAX_TOKENS[:count]]
-    scheduler, runner = make_engine(args.model, "float32", args.device, backend="flex")
+    scheduler, runner = make_engine(args.model, "float32", args.device, backend=args.backend)
     ours = greedy(scheduler, runner, prompts, max_tokens)
     theirs = hf_greedy(args.model, "float32", args.device, prompts, max_tokens)
     mismatched = [i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b]
     first = [(i, common_prefix(ours[i], theirs[i])) for i in mismatched]
     return {"status": "fail" if mismatched else "pass",
             "summary": f"{len(prompts) - len(mismatched)}/{len(prompts)} prompts equal transformers' generate "
-                       f"({sum(max_tokens)} tokens)" + (f"; first differing token (prompt, index): {first[:4]}"
-                                                        if mismatched else ""),
+                       + ("" if args.backend == "flex" else f"with --attention-backend {args.backend} ")
+                       + f"({sum(max_tokens)} tokens)"
+                       + (f"; first differing token (prompt, index): {first[:4]}" if mismatched else ""),
             "check_difference": runner.check_difference, "mismatched": mismatched}
 
 
@@ -325,6 +326,7 @@ def main() -> int:
     parser.add_argument("--model", default=str(REPO.parent / "shared" / "models" / "stories260K"))
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dry-run", action="store_true", help="tiny workloads, for a CPU")
+    parser.add_argument("--backend", default="flex", help="the exact stage's attention backend (the others: flex)")
     parser.add_argument("--out-dir", type=Path, help="where each stage's record goes, as STAGE.json")
     args = parser.parse_args()
     if args.stages[0] == "table":

@@ -26,6 +26,10 @@ SHAPES = {
     # The 1B shape's kind (GQA, the 32000-token vocabulary) at a size a CPU builds in a second: gpu_check --dry-run.
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  intermediate_size=128, max_position_embeddings=512),
+    # The GPU check's in-process stages (GQA, head_dim 32): stories260K's head_dim 8 is below the 16 that
+    # inductor's flex kernels take, so on CUDA flex refuses it.
+    "check": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                  intermediate_size=688, max_position_embeddings=1024),
     "15m": dict(hidden_size=288, num_hidden_layers=6, num_attention_heads=6, num_key_value_heads=6,
                 intermediate_size=768, max_position_embeddings=256),
 }
