@@ -116,7 +116,7 @@ STAGE_ARGS=(--device "$DEVICE" --model "$TEST_MODEL")
 if [ "$DRY_RUN" = 1 ]; then  # one process for all four: on a small CPU each start-up costs seconds
     run stages 200 "$PYTHON" scripts/dev/gpu_check.py exact bf16 compiles graphs "${STAGE_ARGS[@]}" --out-dir "$RESULTS"
 else  # one process each, so a stage that hangs or breaks the CUDA context leaves the others their run
-    for stage in exact:75 bf16:60 compiles:90 graphs:75; do
+    for stage in exact:90 bf16:100 compiles:90 graphs:75; do
         name=${stage%%:*}
         run "$name" "${stage##*:}" "$PYTHON" scripts/dev/gpu_check.py "$name" "${STAGE_ARGS[@]}" --out-dir "$RESULTS"
     done

@@ -42,3 +42,29 @@ def test_serve_refuses_with_exit_status_2_and_one_line(tmp_path):
     refusals = [line for line in proc.stderr.splitlines() if "cannot serve this model" in line]
     assert len(refusals) == 1 and "BloomForCausalLM" in refusals[0], proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
+
+
+def test_transformers_cache_goes_under_the_keyword_the_forward_takes():
+    """By transformers 5.25 forward's past_key_values is named cache; 5.17 (the GPU machine's) has the old name and
+    takes the new one into **kwargs without a word, so the start-up check's cached decode ran cacheless there and
+    refused every model. Both spellings, and the real model's."""
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    from worker.model_loader import cache_kwargs
+
+    class Renamed(torch.nn.Module):
+        def forward(self, input_ids, cache=None, **kwargs):
+            return cache
+
+    class Older(torch.nn.Module):
+        def forward(self, input_ids, past_key_values=None, **kwargs):
+            return past_key_values
+
+    marker = object()
+    assert cache_kwargs(Renamed(), marker) == {"cache": marker}
+    assert cache_kwargs(Older(), marker) == {"past_key_values": marker}
+    model = AutoModelForCausalLM.from_pretrained(MODEL_DIR)
+    renamed = tuple(int(p) for p in transformers.__version__.split(".")[:2]) >= (5, 25)
+    assert list(cache_kwargs(model, marker)) == ["cache" if renamed else "past_key_values"]

@@ -81,7 +81,7 @@ def architecture(model: torch.nn.Module) -> str:
 @torch.inference_mode()
 def cache_kwargs(model: torch.nn.Module, cache) -> dict:
     """The keyword argument that hands transformers' own KV cache (a DynamicCache) to `model`'s forward:
-    `{"cache": cache}` on transformers releases whose forward takes `cache` (5.25 renamed it), else
+    `{"cache": cache}` on transformers releases whose forward takes `cache` (renamed by 5.25), else
     `{"past_key_values": cache}` (5.17, the GPU machine's release). An unknown keyword would be swallowed by the
     forward's **kwargs, and every step would then run without the cache."""
     parameters = inspect.signature(model.forward).parameters

@@ -198,7 +198,9 @@ def stage_compiles(args) -> dict:
     if args.device.type == "cpu":  # eager flex traces nothing; dynamo's eager backend checks guards without codegen
         runner.backend = fx.FlexBackend(runner.block_size, args.device, compile_backend="eager",
                                         max_blocks_per_seq=own_backend.max_blocks_per_seq)
-        runner.warm_up_prefill_shapes(512, own_backend.max_blocks_per_seq * runner.block_size)  # as at start-up
+        # as at start-up, up to the most prefill tokens this workload can put in one step (tracing is slow here)
+        max_model_len = own_backend.max_blocks_per_seq * runner.block_size
+        runner.warm_up_prefill_shapes(min(512, sum(map(len, prompts))), max_model_len)
         how = "dynamo eager backend (CPU: decode shapes compile in the first run, not in a graph capture)"
     try:
         return _count_compiles(scheduler, runner, prompts, max_tokens, how)
