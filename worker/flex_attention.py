@@ -65,7 +65,7 @@ def compiled_head_dim_problem(geometry) -> str | None:
     smallest = min(min(g.head_dim, g.v_head_dim) for g in geometry)
     if smallest < MIN_COMPILED_HEAD_DIM:
         return (f"its head_dim {smallest} is below the {MIN_COMPILED_HEAD_DIM} that compiled flex kernels take; "
-                f"serve it with --attention-backend reference")
+                f"serve it with --attention-backend reference or --device cpu")
     return None
 
 
