@@ -127,7 +127,8 @@ def main(args) -> int:
               f"datasheet's accelerator", file=sys.stderr)
         return 2
     try:
-        plan = build(args.model_dir, args.device, args.dtype, args.max_model_len, args.block_size,
+        dtype = "bfloat16" if args.dtype == "auto" else args.dtype  # an accelerator's datasheet: serve's CUDA auto
+        plan = build(args.model_dir, args.device, dtype, args.max_model_len, args.block_size,
                      args.max_num_seqs, args.max_num_batched_tokens, args.gpu_memory_utilization)
     except (ModelDirError, ValueError) as exc:
         print(f"shuttle: error: {exc}", file=sys.stderr)

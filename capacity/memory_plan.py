@@ -251,14 +251,15 @@ def _profile_steps(runner, max_model_len: int, max_num_batched_tokens: int, max_
             peak = rss_bytes("VmHWM") - before
             tokens = step.num_tokens
             if peak > worst[0]:
-                worst = (peak, f"{label}: {len(step.scheduled)} sequences, {tokens} tokens")
+                count = len(step.scheduled)
+                worst = (peak, f"{label}: {count} sequence{'s' * (count != 1)}, {tokens} tokens")
             scheduler.update_from_output(step, result)
             scheduler.take_outputs()
         runner.batch.apply(scheduler.schedule().plan)
     return worst
 
 
-def build_plan(model_dir: str, max_model_len: int | None = None, dtype: str = "float32",
+def build_plan(model_dir: str, max_model_len: int | None = None, dtype: str = "auto",
                kv_cache_memory: int | None = None, gpu_memory_utilization: float | None = None,
                num_kv_blocks: int | None = None, block_size: int = 16, max_num_seqs: int = 128,
                max_num_batched_tokens: int = 2048, max_waiting_requests: int = 4096, attention_backend: str = "auto",
@@ -321,7 +322,7 @@ def build_plan(model_dir: str, max_model_len: int | None = None, dtype: str = "f
     overhead = measure_process_overhead(model.model_dir) if measure_processes else {}
     queue_fixed, queue_per_token = measure_queue_memory(vocab_size, min(512, model.max_model_len))
     return MemoryPlan(
-        model_dir=model.model_dir, dtype=dtype, device=device, max_model_len=model.max_model_len,
+        model_dir=model.model_dir, dtype=runner.dtype_name, device=device, max_model_len=model.max_model_len,
         block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
         max_waiting_requests=max_waiting_requests, weight_bytes=runner.weight_bytes,
         kv_bytes_per_token=bytes_per_token, kv_budget_bytes=budget, kv_budget_source=source, num_kv_blocks=blocks,

@@ -350,7 +350,7 @@ def completion_prompts(prompt: Any, tokenizer, max_model_len: int, add_special_t
         prompts = prompt
     else:
         raise InvalidRequestError("prompt must be a string, a list of strings, a list of token ids or a list of "
-                                  "lists of token ids (none of them empty)", param="prompt")
+                                  "lists of token ids (no list empty)", param="prompt")
     if len(prompts) > MAX_PROMPTS:
         raise InvalidRequestError(f"at most {MAX_PROMPTS} prompts per request", param="prompt")
     result = []

@@ -172,7 +172,10 @@ def _add_plan_parser(commands, default_model: str | None) -> None:
                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     plan.add_argument("model_dir", nargs="?", default=default_model, metavar="MODEL_DIR")
     plan.add_argument("--max-model-len", type=positive, default=None, help="default: the model's position limit")
-    plan.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    plan.add_argument("--dtype", default="auto", type=dtype_name, choices=["auto", "float32", "bfloat16", "float16"],
+                      metavar="{auto,float32,float,bfloat16,float16,half}",
+                      help="as shuttle serve resolves it here (auto: bfloat16 on CUDA, and on a CPU with amx_bf16 or "
+                           "avx512_bf16, else float32); with --device, auto is bfloat16")
     budget = plan.add_mutually_exclusive_group()
     add_config_options(budget, CacheConfig, ["kv_cache_memory", "num_kv_blocks", "gpu_memory_utilization"],
                        kv_cache_memory={"default": None, "help": f"bytes for the KV cache (default "

@@ -74,6 +74,14 @@ def pytest_terminal_summary(terminalreporter):
 torch.set_num_threads(1)  # the transformers reference: see tests/server.py on OpenMP threads on a shared machine
 
 
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """Every test starts at one torch thread: numba's first parallel launch (the CPU decode kernel) raises the
+    process's OpenMP threads, and a test that ran after it at two threads saw other roundings."""
+    if torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
+
+
 @functools.cache
 def hf_model():
     return AutoModelForCausalLM.from_pretrained(MODEL_DIR).eval()

@@ -47,6 +47,8 @@ def test_shuttle_plan_device_prints_a_plan_for_a_device_that_is_not_here(capsys)
     out = capsys.readouterr().out
     assert "on h100 (NVIDIA H100 SXM datasheet: 989 TFLOP/s, 3.35 TB/s, 80 GB)" in out
     assert "KV bytes per token                                     640 B" in out
+    assert shuttle(["plan", "--device", "h100", str(MODEL_DIR)]) == 0  # --dtype auto: bfloat16, as serve on CUDA
+    assert "(bfloat16) on h100" in capsys.readouterr().out
     assert shuttle(["plan", "--device", "tpu", str(MODEL_DIR)]) == 2
     assert "unknown device 'tpu'" in capsys.readouterr().err
 

@@ -45,8 +45,8 @@ def test_worker_allocates_what_the_arithmetic_says():
 
 @pytest.fixture(scope="module")
 def plan():
-    return build_plan(str(MODEL_DIR), kv_cache_memory=64 * MiB, gpu_memory_utilization=0.9, max_num_seqs=64,
-                      max_num_batched_tokens=512, measure_processes=False)
+    return build_plan(str(MODEL_DIR), dtype="float32", kv_cache_memory=64 * MiB, gpu_memory_utilization=0.9,
+                      max_num_seqs=64, max_num_batched_tokens=512, measure_processes=False)
 
 
 def test_plan_agrees_with_the_start_up_line(plan):
@@ -88,3 +88,16 @@ def test_cli_accepts_one_kv_budget_only():
         build_parser().parse_args(["plan", "m", "--gpu-memory-utilization", "0.8", "--kv-cache-memory", "1GiB"])
     with pytest.raises(SystemExit):
         build_parser().parse_args(["plan", "m", "--gpu-memory-utilization", "1.5"])
+
+
+def test_plan_resolves_auto_dtype_as_serve_does():
+    """`shuttle plan` defaults to --dtype auto and plans the dtype `shuttle serve` picks on this machine (bfloat16 on a
+    CPU with bf16 matrix units): a new user's plan said float32 where the server started in bfloat16."""
+    from common.devices import resolve_dtype
+    from launcher.cli import build_parser
+
+    assert build_parser().parse_args(["plan"]).dtype == "auto"
+    auto = build_plan(str(MODEL_DIR), kv_cache_memory=16 * MiB, max_num_seqs=8, max_num_batched_tokens=64,
+                      measure_processes=False)
+    assert auto.dtype == resolve_dtype("auto", "cpu")
+    assert auto.kv_bytes_per_token == (640 if auto.dtype == "bfloat16" else 1280)

@@ -137,6 +137,7 @@ def test_a_constraint_that_does_not_compile_ends_with_400_before_running(spec, r
     bad, good = results
     assert bad["finish"] == FinishReason.ERROR and bad["ids"] == []
     assert reason in bad["error"], bad["error"]
+    assert ".cc:" not in bad["error"] and not re.search(r"\[\d\d:\d\d:\d\d\]", bad["error"])  # no C++ log prefix
     assert good["finish"] == FinishReason.STOP
     assert scheduler.num_waiting == 0
 

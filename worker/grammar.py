@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -33,6 +34,9 @@ log = logging.getLogger("shuttle.worker")
 # scheduler lets run is nearly always here; if not, it is compiled again on the step (correct, only slower).
 WORKER_CACHE_ENTRIES = 2 * GRAMMAR_CACHE_ENTRIES
 MAX_ERROR_CHARS = 500  # of xgrammar's message, in the 400 a client gets
+# xgrammar's C++ messages start with its log prefix, "[15:40:37] /project/cpp/json_schema_converter.cc:5082: ": a
+# time and a source path of its build, nothing a client can act on
+XGRAMMAR_LOG_PREFIX = re.compile(r"^\[\d{2}:\d{2}:\d{2}\] \S+:\d+: ")
 
 
 class GrammarError(ValueError):
@@ -188,8 +192,8 @@ class GrammarCompiler:
                 return compiler.compile_grammar(spec.spec)
         except Exception as exc:  # xgrammar raises RuntimeError / ValueError with its parser's message
             message = str(exc).strip().splitlines()
-            raise GrammarError(f"the {spec.kind} constraint does not compile: "
-                               f"{(message[-1] if message else type(exc).__name__)[:MAX_ERROR_CHARS]}") from None
+            reason = XGRAMMAR_LOG_PREFIX.sub("", message[-1]) if message else type(exc).__name__
+            raise GrammarError(f"the {spec.kind} constraint does not compile: {reason[:MAX_ERROR_CHARS]}") from None
         raise GrammarError(f"unknown structured output kind {spec.kind!r}")
 
 
