@@ -17,6 +17,7 @@ from pathlib import Path
 from capacity import hardware
 from capacity.memory_plan import MiB, concurrency_table
 from common.capacity import kv_blocks_for_memory
+from common.devices import resolve_dtype
 from common.model_config import ModelConfig
 from scheduler.step_cost import Roofline, StepShape
 
@@ -127,7 +128,7 @@ def main(args) -> int:
               f"datasheet's accelerator", file=sys.stderr)
         return 2
     try:
-        dtype = "bfloat16" if args.dtype == "auto" else args.dtype  # an accelerator's datasheet: serve's CUDA auto
+        dtype = resolve_dtype(args.dtype, "cuda")  # a datasheet accelerator: auto as serve resolves it on CUDA
         plan = build(args.model_dir, args.device, dtype, args.max_model_len, args.block_size,
                      args.max_num_seqs, args.max_num_batched_tokens, args.gpu_memory_utilization)
     except (ModelDirError, ValueError) as exc:

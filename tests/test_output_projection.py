@@ -8,18 +8,8 @@ from worker.output_projection import (MIN_COLUMNS, WIDEN_CHUNK, ColumnChunkedLin
 
 
 def test_chunked_linear_equals_linear_bit_for_bit():
-    """At one torch thread (the suite's; tests/conftest.py). With more, torch's single-row product splits its work
-    by the column count, so chunks round differently from the whole in the last bit: numba's first parallel launch
-    in the same test process can raise the thread count, which made this order-dependent."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        _check_chunked_equals_whole()
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _check_chunked_equals_whole():
+    """At one torch thread (tests/conftest.py starts every test so). With more, torch's single-row product splits
+    its work by the column count, so chunks round differently from the whole in the last bit."""
     generator = torch.Generator().manual_seed(0)
     for bias in (False, True):
         linear = torch.nn.Linear(96, MIN_COLUMNS + 300, bias=bias)  # a last chunk shorter than the others

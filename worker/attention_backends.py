@@ -90,6 +90,7 @@ class ReferenceBackend:
     """One sequence at a time over its gathered context blocks (the reference every other backend must match)."""
 
     name = "reference"
+    compiled = False  # runs eagerly: no shapes to compile at start-up (FlexBackend's is per device)
 
     def __init__(self, block_size: int):
         self.block_size = block_size

@@ -189,30 +189,6 @@ def profile_plan(max_num_batched_tokens: int, max_num_seqs: int, max_model_len: 
     return StepPlan(step_id, requests, []), next_block
 
 
-def prefill_plan(num_tokens: int, max_model_len: int, block_size: int, vocab_size: int,
-                 step_id: int = -1) -> tuple[StepPlan, int]:
-    """A prefill-only step of `num_tokens` tokens (one fewer where only a 1-token row could hold the last one) as a
-    StepPlan of new requests over blocks numbered from 0: as few requests as max_model_len allows, each of at least
-    2 tokens (a 1-token row would be a decode row). The compiled attention backend's start-up warm-up runs one per
-    token bucket (ModelRunner).
-
-    Returns:
-        (plan, blocks): the plan and how many blocks its requests use.
-    """
-    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    requests, next_block, left = [], 0, num_tokens
-    while left >= 2:
-        length = min(left, max_model_len)
-        if left - length == 1 and length > 2:  # leave no 1-token remainder
-            length -= 1
-        count = blocks_per_request(length, block_size)
-        token_ids = [(7 * len(requests) + j) % vocab_size for j in range(length)]
-        requests.append(NewRequestData(f"warm-up-{len(requests)}", token_ids, params,
-                                       list(range(next_block, next_block + count)), 0, length))
-        next_block, left = next_block + count, left - length
-    return StepPlan(step_id, requests, []), next_block
-
-
 def snapshot(device: torch.device) -> MemorySnapshot:
     """The device's memory now (CUDA only; syncs with the device)."""
     torch.cuda.synchronize(device)

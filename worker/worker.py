@@ -22,7 +22,7 @@ from worker.graph_runner import graph_runner_for, graphs_off_reason
 from worker.input_batch import InputBatch, StepInputs
 from worker.kv_cache import KVCache
 from worker.kv_sizing import (
-    CUDA_GRAPH_ALLOWANCE, KVPlan, plan_kv_blocks, prefill_plan, profile_peak, profile_plan, snapshot,
+    CUDA_GRAPH_ALLOWANCE, KVPlan, plan_kv_blocks, profile_peak, profile_plan, snapshot,
 )
 from worker.model_loader import DTYPES, UnsupportedModelError, architecture, load_model, probe_geometry
 from worker.output_projection import chunk_output_projection, widen_bf16_linears
@@ -106,7 +106,7 @@ class ModelRunner:
         parallel.check_model(self.model, self.geometry)
         self.backend = make_backend(config.worker.attention_backend, self.block_size, device,  # auto as devices.py
                                     blocks_per_request(model_cfg.max_model_len, self.block_size))
-        problem = compiled_head_dim_problem(self.geometry) if getattr(self.backend, "compiled", False) else None
+        problem = compiled_head_dim_problem(self.geometry) if self.backend.compiled else None
         if problem:
             raise UnsupportedModelError(f"{self.architecture}: {problem}")
         if self.backend.name == "cpu":
@@ -142,7 +142,7 @@ class ModelRunner:
             if parallel.is_driver else None
         self._masks: GrammarMasks | None = None  # built on the first constrained step
         self.warm_up_seconds = 0.0
-        if getattr(self.backend, "compiled", False):
+        if self.backend.compiled:
             self.warm_up_prefill_shapes(config.scheduler.max_num_batched_tokens, model_cfg.max_model_len)
         self.graphs = graph_runner_for(self, config)  # decode-only steps from CUDA graphs (None: all eager)
 
@@ -205,7 +205,8 @@ class ModelRunner:
         vocab = self.model.get_output_embeddings().weight.shape[0]
         done = []
         for bucket in token_buckets(max_num_batched_tokens):
-            plan, blocks = prefill_plan(min(bucket, max_num_batched_tokens), max_model_len, self.block_size, vocab)
+            tokens = min(bucket, max_num_batched_tokens)  # as few sequences as max_model_len allows
+            plan, blocks = profile_plan(tokens, -(-tokens // max_model_len), max_model_len, self.block_size, vocab)
             if blocks <= self.kv_cache.num_blocks and plan.new_requests:
                 self.profile_step(plan, self.kv_cache, max_model_len)
                 done.append(bucket)
