@@ -9,6 +9,8 @@ from common.config import LOG_LEVEL_ENV
 from tests.hf_cache import REPO_ID, cache_with
 from tests.server import MODEL_DIR, ShuttleServer
 
+pytest_plugins = ["tests.loop_guard", "pytester"]
+
 
 SHARED_SERVERS = {"server", "chunked_server", "keyed_server", "slow_server"}
 

@@ -53,8 +53,9 @@ def client(server):
 
 
 @pytest.fixture
-def aclient(server):
-    return openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+async def aclient(server):
+    async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0) as api:
+        yield api
 
 
 def test_parse_returns_the_pydantic_object(client):

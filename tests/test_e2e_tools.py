@@ -110,11 +110,14 @@ def test_openai_agents_function_tool(server):
         seen.append(city)
         return f"sunny in {city}"
 
-    model = OpenAIChatCompletionsModel(model="stories260K", openai_client=openai.AsyncOpenAI(
-        base_url=f"{server.url}/v1", api_key="none", max_retries=0))
-    agent = Agent(name="weather", instructions="Answer about the weather.", model=model, tools=[get_weather],
-                  model_settings=ModelSettings(tool_choice="required", parallel_tool_calls=False, temperature=0,
-                                               max_tokens=60),
-                  tool_use_behavior="stop_on_first_tool")
-    result = asyncio.run(Runner.run(agent, "Tom asked about the weather."))
+
+    async def run_agent():
+        async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0) as api:
+            model = OpenAIChatCompletionsModel(model="stories260K", openai_client=api)
+            agent = Agent(name="weather", instructions="Answer about the weather.", model=model, tools=[get_weather],
+                          model_settings=ModelSettings(tool_choice="required", parallel_tool_calls=False,
+                                                       temperature=0, max_tokens=60),
+                          tool_use_behavior="stop_on_first_tool")
+            return await Runner.run(agent, "Tom asked about the weather.")
+    result = asyncio.run(run_agent())
     assert seen and result.final_output == f"sunny in {seen[0]}"

@@ -17,8 +17,9 @@ def client(keyed_server):
 
 
 @pytest.fixture
-def aclient(keyed_server):
-    return openai.AsyncOpenAI(base_url=f"{keyed_server.url}/v1", api_key=API_KEY, max_retries=0)
+async def aclient(keyed_server):
+    async with openai.AsyncOpenAI(base_url=f"{keyed_server.url}/v1", api_key=API_KEY, max_retries=0) as api:
+        yield api
 
 
 PROMPT = "Once upon a time"

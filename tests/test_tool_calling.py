@@ -362,15 +362,14 @@ async def test_each_choice_parses_its_own_calls_with_ids_of_its_own():
 
 async def test_the_openai_client_reads_the_calls():
     async with served(HERMES_TEXT, AUTO) as (client, _):
-        api = openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="unused")
-        response = await api.chat.completions.create(model="stories", messages=USER, tools=TOOLS)
-        message = response.choices[0].message
-        assert message.content == "Let me check."
-        assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == \
-            [("get_weather", {"city": "Paris"}), ("get_time", {})]
-        assert response.choices[0].finish_reason == "tool_calls"
-        streamed = await api.chat.completions.create(model="stories", messages=USER, tools=TOOLS, stream=True)
-        names = [c.function.name async for chunk in streamed for c in chunk.choices[0].delta.tool_calls or []
-                 if c.function and c.function.name]
-        assert names == ["get_weather", "get_time"]
-        await api.close()
+        async with openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="unused") as api:
+            response = await api.chat.completions.create(model="stories", messages=USER, tools=TOOLS)
+            message = response.choices[0].message
+            assert message.content == "Let me check."
+            assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == \
+                [("get_weather", {"city": "Paris"}), ("get_time", {})]
+            assert response.choices[0].finish_reason == "tool_calls"
+            streamed = await api.chat.completions.create(model="stories", messages=USER, tools=TOOLS, stream=True)
+            names = [c.function.name async for chunk in streamed for c in chunk.choices[0].delta.tool_calls or []
+                     if c.function and c.function.name]
+            assert names == ["get_weather", "get_time"]
