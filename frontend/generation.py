@@ -104,9 +104,14 @@ class TextGeneration:
             self.prompt_logprobs = output.prompt_logprobs
         matcher, detokenizer, held = self._matcher, self._detokenizer, self._held
         pieces = []
+        # the stop token that ended the sequence (an end-of-sequence or stop_token_ids id) counts and travels in
+        # token_ids, but its text is not output unless include_stop_str_in_output (vLLM's rule): a plain-text EOS
+        # from generation_config would otherwise end a JSON answer with a stray word
+        stop_token = len(output.new_token_ids) - 1 if output.finish_reason == FinishReason.STOP and \
+            not self.include_stop else -1
         for i, token_id in enumerate(output.new_token_ids):
             held.append((self._text_length, token_id, output.logprobs[i] if output.logprobs else None))
-            piece = detokenizer.add([token_id])
+            piece = "" if i == stop_token else detokenizer.add([token_id])
             self._text_length += len(piece)
             if self.num_output_tokens + i + 1 == self.request.sampling.min_tokens:
                 matcher.protect(self._text_length)

@@ -43,7 +43,7 @@ class FakeEngine(ServingGroup):
     Args:
         script: token ids every request generates, one per output (cut at max_tokens).
         step_delay: seconds before each output.
-        script_end: the finish reason at the script's end (STOP: the model's end of sequence).
+        script_end: the finish reason at the script's end (STOP: the model's end-of-sequence token, eos[0], follows the script when max_tokens leaves room).
         error: (status, message) to end every request with instead of tokens; `retry_after_s` and `rejection` go
             with it (as the scheduler's SLO refusal).
         top: the (token id, logprob) alternatives of every step, most likely first; a request asking for k
@@ -114,6 +114,9 @@ class FakeEngine(ServingGroup):
                                 rejection=self.rejection)
             return
         steps = self.script[:sampling.max_tokens]
+        if self.script_end == FinishReason.STOP and len(steps) < sampling.max_tokens and self.eos and \
+                (not steps or steps[-1] not in self.eos):
+            steps = steps + [self.eos[0]]  # the model's end of sequence is a token, as the scheduler sees it
         for position, token_id in enumerate(steps):
             finish = None
             if token_id in self.eos and not sampling.ignore_eos and position + 1 >= sampling.min_tokens:

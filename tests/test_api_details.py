@@ -12,6 +12,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from tokenizers import Tokenizer
 from transformers.utils.chat_template_utils import render_jinja_template
 
+from common.messages import FinishReason
 from frontend.tokenizer import TextTokenizer
 from tests.fake_engine import SERVED, TEMPLATES, FakeEngine, frontend_app, sampled_logprob
 from tests.server import MODEL_DIR
@@ -22,6 +23,7 @@ PROMPT_IDS = [1, 403, 407, 261, 378]
 # ' there', ' was', ' a', ' little', ' g', 'ir', 'l', ' named', ' Lily', '.', ' She', ' had', ' a', ' g', 'ir', 'l',
 # ' do', 'll', '.'  ("girl" is spelled " g" + "ir" + "l", twice)
 STORY = TOK.encode("there was a little girl named Lily. She had a girl doll.")[1:]
+EOS = 2  # the fake engine's end-of-sequence id (stories260K's </s>)
 STORY_TEXT = " there was a little girl named Lily. She had a girl doll."
 USER = [{"role": "user", "content": "Tom had a ball."}]
 
@@ -31,11 +33,19 @@ async def served(engine: FakeEngine | None = None, **kwargs):
     """An in-process server on a real loopback port; yields (aiohttp test client, engine)."""
     engine = engine or FakeEngine(script=list(STORY))
     async with TestClient(TestServer(frontend_app(engine, **kwargs))) as client:
-        yield client, engine
+        client.openai_clients = []
+        try:
+            yield client, engine
+        finally:
+            for api in client.openai_clients:
+                await api.close()
 
 
 def openai_client(client: TestClient, api_key: str = "unused", **kwargs) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key=api_key, **kwargs)
+    """An openai client on `client`'s server, closed when its served() block ends (tests/loop_guard.py)."""
+    api = openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key=api_key, **kwargs)
+    client.openai_clients.append(api)
+    return api
 
 
 async def post(client: TestClient, path: str, body: dict, **kwargs) -> tuple[int, dict]:
@@ -225,7 +235,7 @@ def text_of(token_id: int) -> str:
 
 
 async def test_logprobs_zero_lists_the_sampled_token():
-    async with served(FakeEngine(script=STORY[:4])) as (client, _):
+    async with served(FakeEngine(script=STORY[:4], script_end=FinishReason.LENGTH)) as (client, _):
         status, result = await post(client, "/v1/completions", {"prompt": PROMPT, "logprobs": 0})
         lp = result["choices"][0]["logprobs"]
         logprob = [sampled_logprob(0), -2.5, -0.1, sampled_logprob(3)]  # " was" and " a" are among the fake's top
@@ -339,11 +349,12 @@ async def test_chat_return_token_ids():
     async with served(FakeEngine(script=STORY[:5])) as (client, engine):
         status, chat = await post(client, "/v1/chat/completions", {"messages": USER, "return_token_ids": True})
         prompt_ids = engine.submitted[-1].prompt_token_ids
-        assert chat["prompt_token_ids"] == prompt_ids and chat["choices"][0]["token_ids"] == STORY[:5]
+        # the end-of-sequence token that ended the choice is among its token ids (vLLM's), its text is not output
+        assert chat["prompt_token_ids"] == prompt_ids and chat["choices"][0]["token_ids"] == STORY[:5] + [EOS]
         events = await stream(client, "/v1/chat/completions", {"messages": USER, "return_token_ids": True})
         assert events[0]["prompt_token_ids"] == prompt_ids
         assert all("prompt_token_ids" not in e for e in events[1:])
-        assert [t for e in events for t in e["choices"][0].get("token_ids", [])] == STORY[:5]
+        assert [t for e in events for t in e["choices"][0].get("token_ids", [])] == STORY[:5] + [EOS]
         status, chat = await post(client, "/v1/chat/completions", {"messages": USER})
         assert "prompt_token_ids" not in chat and "token_ids" not in chat["choices"][0]
 
@@ -385,8 +396,24 @@ async def test_a_stop_string_completed_by_a_byte_token_stops_whatever_follows(ma
         assert events[-1]["choices"][0]["finish_reason"] == "stop"
 
 
+@pytest.mark.parametrize("include_stop", [False, True])
+async def test_the_text_of_the_stop_token_is_not_output(include_stop):
+    """An end-of-sequence id that is plain text (a generation_config EOS such as " e", or a stop_token_ids id) ends
+    the choice; its text is left out unless include_stop_str_in_output, its id stays in token_ids (vLLM's rule)."""
+    plain_eos = STORY[3]  # " little"
+    body = {"prompt": PROMPT, "return_token_ids": True, "include_stop_str_in_output": include_stop}
+    async with served(FakeEngine(script=STORY[:4], eos=(plain_eos,))) as (client, _):
+        status, result = await post(client, "/v1/completions", body)
+        events = await stream(client, "/v1/completions", body)
+    [choice] = result["choices"]
+    expected = " there was a" + (" little" if include_stop else "")
+    assert (status, choice["text"], choice["finish_reason"], choice["token_ids"]) == (200, expected, "stop", STORY[:4])
+    assert "".join(e["choices"][0]["text"] for e in events) == expected
+    assert [t for e in events for t in e["choices"][0].get("token_ids") or []] == STORY[:4]
+
+
 async def test_echo_logprobs_describe_the_echoed_text():
-    async with served(FakeEngine(script=STORY[:2])) as (client, _):
+    async with served(FakeEngine(script=STORY[:2], script_end=FinishReason.LENGTH)) as (client, _):
         for prompt in (PROMPT, PROMPT_IDS):
             status, result = await post(client, "/v1/completions", {"prompt": prompt, "echo": True, "logprobs": 0})
             choice = result["choices"][0]

@@ -42,7 +42,7 @@ CHAT_TOOLS = [{"type": "function", "function": {"name": "get_weather", "descript
 async def served_tools(text: str, template: str = "tools_chat.jinja", **config):
     """An in-process server (with the tools chat template) whose engine writes `text`."""
     engine = FakeEngine(script=script(text), script_end=FinishReason.LENGTH)
-    async with TestClient(TestServer(frontend_app(engine, template=template, **config))) as client:
+    async with served(engine, template=template, **config) as (client, engine):
         yield client, engine
 
 
@@ -78,7 +78,8 @@ async def test_a_string_input_answers_one_message_item_with_usage_and_the_echoed
     assert chat["choices"][0]["message"]["content"] == STORY_TEXT
     assert engine.submitted[0].prompt_token_ids == engine.submitted[1].prompt_token_ids
     prompt = len(engine.submitted[0].prompt_token_ids)
-    assert body["usage"] == {"input_tokens": prompt, "output_tokens": len(STORY), "total_tokens": prompt + len(STORY),
+    generated = len(STORY) + 1  # and the end-of-sequence token
+    assert body["usage"] == {"input_tokens": prompt, "output_tokens": generated, "total_tokens": prompt + generated,
                              "input_tokens_details": {"cached_tokens": 0},
                              "output_tokens_details": {"reasoning_tokens": 0}}
     expected = {"object": "response", "status": "completed", "background": False, "error": None,
@@ -346,7 +347,7 @@ async def test_langchain_use_responses_api_invokes_and_streams():
                          use_responses_api=True, temperature=0, max_tokens=64)
         message = await llm.ainvoke("Hi")
         streamed = [chunk async for chunk in llm.astream("Hi")]
-    assert message.text == STORY_TEXT and message.usage_metadata["output_tokens"] == len(STORY)
+    assert message.text == STORY_TEXT and message.usage_metadata["output_tokens"] == len(STORY) + 1
     assert "".join(chunk.text for chunk in streamed) == STORY_TEXT
 
 
@@ -419,9 +420,12 @@ def test_an_openai_agents_run_to_a_final_output(server):
         mood: Literal["happy", "sad"]
 
     set_tracing_disabled(True)
-    model = OpenAIResponsesModel(model="stories260K", openai_client=openai.AsyncOpenAI(
-        base_url=f"{server.url}/v1", api_key="none", max_retries=0))
-    agent = Agent(name="storyteller", instructions="Answer in one word.", model=model, output_type=Answer,
-                  model_settings=ModelSettings(temperature=0, max_tokens=60))
-    result = asyncio.run(Runner.run(agent, "Hi", max_turns=2))
+
+    async def run_agent():
+        async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0) as api:
+            model = OpenAIResponsesModel(model="stories260K", openai_client=api)
+            agent = Agent(name="storyteller", instructions="Answer in one word.", model=model, output_type=Answer,
+                          model_settings=ModelSettings(temperature=0, max_tokens=60))
+            return await Runner.run(agent, "Hi", max_turns=2)
+    result = asyncio.run(run_agent())
     assert isinstance(result.final_output, Answer)
