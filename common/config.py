@@ -185,8 +185,10 @@ def tensor_parallel_error(hf_config: dict, tensor_parallel_size: int) -> str | N
 class OpsConfig:
     """Supervision, shutdown and connection limits. Each field's help says what it means."""
 
-    step_timeout: float = option(60.0, "seconds the scheduler waits for one step of the worker before it declares "
-                                       "the worker hung; the engine then restarts (0: never)", type=seconds)
+    step_timeout: float = option(60.0, "seconds a step of the worker may go without progress (its step thread "
+                                       "using no CPU time) before the scheduler declares the worker hung and the "
+                                       "engine restarts; a slow but working step may take 10 times as long "
+                                       "(0: never)", type=seconds)
     heartbeat_timeout: float = option(30.0, "seconds without a heartbeat after which the launcher declares a "
                                             "process hung and restarts it (0: never)", type=seconds)
     max_restarts: int = option(5, "restarts in a row of the engine (scheduler + worker) or of the frontend before "

@@ -126,3 +126,13 @@ class HeartbeatSender:
                 time.sleep(HEARTBEAT_INTERVAL_S / 4)
 
         threading.Thread(target=run, name="heartbeat", daemon=True).start()
+
+
+def boot_id() -> str:
+    """This host's boot id (Linux's /proc/sys/kernel/random/boot_id); "" where there is none. Two processes that
+    read the same one share a kernel, so one can read the other's /proc entries."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""

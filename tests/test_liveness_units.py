@@ -2,11 +2,19 @@
 its own tests are in test_retry_after.py), the step watchdog, silent frontends, and the scheduler aborting a gone
 frontend's requests."""
 
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
 import pytest
 
 from common.messages import FinishReason
 
-from scheduler.liveness import FrontendWatch, StepWatchdog, WorkerHung
+from common.process import boot_id
+from scheduler.liveness import FrontendWatch, StepThreadClocks, StepWatchdog, WorkerHung
 from tests.test_scheduler import make_scheduler, run_step, submit
 
 
@@ -65,6 +73,93 @@ def test_step_watchdog_does_not_count_time_the_scheduler_was_not_running():
     clock.now += 0.1
     with pytest.raises(WorkerHung, match="step 3"):
         watchdog.check()
+
+
+class FakeWork:
+    """Per-rank CPU seconds the test moves by hand."""
+
+    def __init__(self, ranks: int):
+        self.cpu: list[float | None] = [0.0] * ranks
+
+    def __call__(self) -> list[float | None]:
+        return list(self.cpu)
+
+
+def test_a_slow_step_whose_worker_keeps_using_cpu_is_not_hung():
+    """Starved or compiling, the worker's step thread keeps running: 30 s into a 5 s --step-timeout, not hung."""
+    clock, work = FakeClock(), FakeWork(2)
+    watchdog = StepWatchdog(timeout=5.0, clock=clock, work=work)
+    watchdog.sent(4)
+    for _ in range(60):
+        clock.now += 0.5
+        work.cpu = [c + 0.01 for c in work.cpu]  # a sliver of a core each half second
+        watchdog.check()
+        assert 1 <= watchdog.poll_ms() <= 1000
+    assert watchdog.poll_ms() > 1  # the next deadline is ahead: no busy polling while it waits
+
+
+def test_a_stopped_rank_is_hung_within_the_step_timeout_even_while_another_works():
+    clock, work = FakeClock(), FakeWork(2)
+    watchdog = StepWatchdog(timeout=5.0, clock=clock, work=work)
+    watchdog.sent(9)
+    for _ in range(10):  # 5 s: rank 1 stopped (SIGSTOP: its CPU time stands still), rank 0 spins in a collective
+        clock.now += 0.5
+        work.cpu[0] += 0.5
+        watchdog.check()
+    clock.now += 0.5
+    work.cpu[0] += 0.5
+    with pytest.raises(WorkerHung, match=r"no progress on step 9 .* rank\(s\) \[1\]"):
+        watchdog.check()
+
+
+def test_a_step_that_keeps_using_cpu_is_hung_after_ten_timeouts():
+    clock, work = FakeClock(), FakeWork(1)
+    watchdog = StepWatchdog(timeout=5.0, clock=clock, work=work)
+    watchdog.sent(2)
+    while clock.now < 100.0 + 50.0:
+        clock.now += 0.5
+        work.cpu[0] += 0.5
+        watchdog.check()
+    clock.now += 0.5
+    work.cpu[0] += 0.5
+    with pytest.raises(WorkerHung, match="step 2 within 10 x 5 s"):
+        watchdog.check()
+
+
+def test_an_unreadable_rank_falls_back_to_the_wall_clock():
+    clock, work = FakeClock(), FakeWork(1)
+    work.cpu = [None]  # the worker on another host
+    watchdog = StepWatchdog(timeout=5.0, clock=clock, work=work)
+    watchdog.sent(5)
+    for _ in range(10):
+        clock.now += 0.5
+        watchdog.check()
+    clock.now += 0.1
+    with pytest.raises(WorkerHung, match="step 5 within 5 s"):
+        watchdog.check()
+
+
+def test_step_thread_clocks_read_a_working_thread_and_a_stopped_process():
+    """The /proc reading itself: this process's busy main thread advances; a SIGSTOPped busy child stands still;
+    another host's boot id, or a process that is gone, reads None."""
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        clocks = StepThreadClocks([(boot_id(), os.getpid(), threading.get_native_id()),
+                                   (boot_id(), busy.pid, busy.pid), ("another-host", busy.pid, busy.pid)])
+        first = clocks()
+        deadline = time.monotonic() + 30
+        while clocks()[1] == first[1] or clocks()[0] == first[0]:  # the tick is 10 ms: spin until both moved
+            assert time.monotonic() < deadline, "neither thread's CPU time moved in 30 s"
+        assert first[2] is None
+        busy.send_signal(signal.SIGSTOP)
+        time.sleep(0.1)  # the stop lands
+        stopped = clocks()[1]
+        time.sleep(0.3)
+        assert clocks()[1] == stopped
+    finally:
+        busy.kill()
+        busy.wait()
+    assert clocks()[1] is None  # reaped: gone
 
 
 def test_silent_frontend_is_named_once():

@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import sys
+import threading
 from pathlib import Path
 
 import zmq
@@ -15,7 +16,7 @@ from common.devices import DeviceError
 from common.errors import ModelDirError
 from common.ipc import Channel
 from common.messages import PlanMessage, WorkerReady
-from common.process import HeartbeatSender, child_main_args, report_ready
+from common.process import HeartbeatSender, boot_id, child_main_args, report_ready
 from worker.graph_runner import GraphCaptureError
 from worker.kv_sizing import KVSizingError
 from worker.loop import STEP_DELAY_ENV, WorkerLoop
@@ -50,8 +51,11 @@ def main() -> None:
         log.error("cannot start: %s", exc)
         sys.exit(2)
     kv = runner.kv_cache
-    results.send(WorkerReady(rank, kv.num_blocks, kv.bytes_per_token, runner.weight_bytes, str(runner.device),
-                             runner.dtype_label, runner.backend.name, runner.activation_peak_bytes, runner.kv_budget))
+    results.send(WorkerReady(rank=rank, num_kv_blocks=kv.num_blocks, kv_bytes_per_token=kv.bytes_per_token,
+                             weight_bytes=runner.weight_bytes, device=str(runner.device), dtype=runner.dtype_label,
+                             attention_backend=runner.backend.name,
+                             activation_peak_bytes=runner.activation_peak_bytes, kv_budget=runner.kv_budget,
+                             boot_id=boot_id(), pid=os.getpid(), step_thread_id=threading.get_native_id()))
     report_ready(config, name, num_kv_blocks=kv.num_blocks)
     # Issue 9: a thread, so a long forward pass does not look like a hang; a frozen process (SIGSTOP) stops it
     # too. A step that never returns is the scheduler's step watchdog's to notice.
