@@ -28,6 +28,7 @@ from common.messages import (
 )
 from frontend.backpressure import RestartClock, RetryAfterEstimator
 from frontend.engine_api import GroupState
+from frontend.stat_totals import StatTotals
 
 log = logging.getLogger("shuttle.frontend")
 
@@ -43,7 +44,8 @@ class ServingGroup(abc.ABC):
 
     Attributes:
         info: the scheduler's cache geometry (from its answer to Hello).
-        stats: the scheduler's latest stats.
+        stats: the scheduler's latest stats, its counters totals over every scheduler the group has had
+            (frontend/stat_totals.py).
         down_reason: why the group is down, or None while it serves.
         draining: set by the shutdown drain; new requests are refused.
         times_down: failures seen since the frontend started. routed: sequences the router sent here.
@@ -53,6 +55,7 @@ class ServingGroup(abc.ABC):
         self._endpoint = endpoint
         self.info: SchedulerInfo | None = None
         self.stats = SchedulerStats()
+        self._totals = StatTotals()
         self.on_stats = None  # called with every SchedulerStats message (the metrics' per-step histograms)
         self.down_reason: str | None = None
         self.draining = False
@@ -132,7 +135,7 @@ class ServingGroup(abc.ABC):
         self.times_down += 1
         self._restart.down(time.monotonic(), retry_after)
         self._up.clear()
-        self.stats = SchedulerStats()  # the dead scheduler's queues are gone; the new one reports its own
+        self.stats = self._totals.restarted()  # its queues are gone; its counts stay in the totals
         self.fail_all(503, f"the engine stopped ({reason}); it is restarting, retry shortly")
 
     def _serving(self, info: SchedulerInfo) -> None:
@@ -145,7 +148,7 @@ class ServingGroup(abc.ABC):
         self._up.set()
 
     def _on_stats(self, stats: SchedulerStats) -> None:
-        self.stats = stats
+        stats = self.stats = self._totals.add(stats)
         self._retry_after.observe(time.monotonic(), stats.num_admitted, stats.num_waiting, stats.num_running,
                                   stats.num_preemptions)
         if self.on_stats is not None:

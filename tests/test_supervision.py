@@ -20,12 +20,18 @@ import time
 import aiohttp
 import pytest
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from tests.client import post_completion
 from tests.conftest import hf_greedy
 from tests.server import ShuttleServer
 
 HANG = 120.0
 LONG = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "temperature": 0}
+
+
+SCHEDULER_COUNTERS = {"shuttle:prefix_cache_queries_total", "shuttle:prefix_cache_hits_total",
+                      "shuttle:num_preemptions_total"}
 
 
 @pytest.fixture(scope="module")
@@ -86,10 +92,23 @@ async def assert_greedy_exact(session, url) -> None:
     assert body["choices"][0]["token_ids"] == hf_greedy(ids, 24)
 
 
+async def scheduler_counters(session, url) -> dict[str, float]:
+    """The scheduler's counters on /metrics (shuttle:*_total series that come from its stats)."""
+    async with session.get(f"{url}/metrics") as response:
+        text = await response.text()
+    return {sample.name: sample.value for family in text_string_to_metric_families(text)
+            for sample in family.samples if sample.name in SCHEDULER_COUNTERS}
+
+
 async def fail_and_recover(srv: ShuttleServer, fault) -> None:
+    """Open five requests, apply `fault`, check each ends with exactly one terminal error, the engine comes back
+    exact, and no counter on /metrics went down across the restart (the frontend carries the dead scheduler's)."""
     restarts = srv.restarts
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=HANG)) as session:
         await wait_health(session, srv.url, 200)
+        await assert_greedy_exact(session, srv.url)  # counts something in every counter but preemptions
+        before = await scheduler_counters(session, srv.url)
+        assert before["shuttle:prefix_cache_queries_total"] > 0 and len(before) == len(SCHEDULER_COUNTERS)
         started = [asyncio.Event() for _ in range(5)]
         tasks = [asyncio.create_task(sse(session, srv.url, started[i])) for i in range(3)]
         tasks.append(asyncio.create_task(websocket(session, srv.url, started[3])))
@@ -112,6 +131,8 @@ async def fail_and_recover(srv: ShuttleServer, fault) -> None:
         await wait_health(session, srv.url, 200)
         print(f"/health 200 again {time.monotonic() - faulted:.2f} s after the fault")
         srv.wait_restarts(restarts + 1)
+        after = await scheduler_counters(session, srv.url)  # before the new scheduler counted anything
+        assert all(after[name] >= before[name] for name in before), (before, after)
         await assert_greedy_exact(session, srv.url)
 
 
