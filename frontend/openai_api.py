@@ -10,6 +10,7 @@ from aiohttp import web
 
 from common.errors import GenerationError
 from frontend.http_server import request_body
+from frontend.off_loop import convert
 from frontend.protocol import ChatCompletionRequest, CompletionRequest, decode_body, error_body
 from frontend.responses_api import ResponsesCall
 from frontend.responses_request import ResponsesRequest
@@ -22,23 +23,27 @@ DONE = b"data: [DONE]\n\n"  # the stream's last event
 
 
 async def create_completion(request: web.Request) -> web.StreamResponse:
-    body = decode_body(await request_body(request), CompletionRequest)
-    return await _respond(request, CompletionCall(request.app[STATE], body))
+    return await _respond(request, await _call_of(request, CompletionCall, CompletionRequest))
 
 
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
-    body = decode_body(await request_body(request), ChatCompletionRequest)
-    return await _respond(request, ChatCall(request.app[STATE], body))
+    return await _respond(request, await _call_of(request, ChatCall, ChatCompletionRequest))
 
 
 async def create_response(request: web.Request) -> web.StreamResponse:
     """The Responses API's stream is named events (`event:` lines) with no [DONE]; a failure after the first is an
     `error` event."""
-    call = ResponsesCall(request.app[STATE], decode_body(await request_body(request), ResponsesRequest))
+    call = await _call_of(request, ResponsesCall, ResponsesRequest)
     if not call.body.stream:
         return await _respond(request, call)
     request[RESPONSE_ID] = call.request_id
     return await _stream(request, call, _named_event, call.error_event, done=b"")
+
+
+async def _call_of(request: web.Request, call_class, body_class) -> Call:
+    """The request's body decoded as `body_class` and made a `call_class`, off the event loop for a large body."""
+    raw, state = await request_body(request), request.app[STATE]
+    return await convert(lambda: call_class(state, decode_body(raw, body_class)), len(raw))
 
 
 async def _respond(request: web.Request, call: Call) -> web.StreamResponse:

@@ -34,6 +34,7 @@ from yarl import URL
 
 from common.errors import InvalidRequestError
 from frontend.choices import usage
+from frontend.off_loop import convert
 from frontend.protocol import CompletionRequest, client_error, decode_body, error_body
 from frontend.serving import CompletionCall
 from frontend.state import STATE, FrontendState
@@ -151,9 +152,10 @@ class _Session:
             if unsupported:
                 raise InvalidRequestError(f"not supported on the websocket: {', '.join(unsupported)} (it streams one "
                                           f"choice's text per generate)", param=unsupported[0])
-            body = decode_body(json.dumps(fields).encode(), CompletionRequest)
-            stream.call = CompletionCall(self.state, body, "ws",
-                                         one_prompt="the websocket takes one prompt per generate")
+            raw = json.dumps(fields).encode()
+            stream.call = await convert(lambda: CompletionCall(
+                self.state, decode_body(raw, CompletionRequest), "ws",
+                one_prompt="the websocket takes one prompt per generate"), len(raw))
             async with aclosing(stream.call.deltas()) as deltas:  # one choice: its own deltas
                 async for delta in deltas:
                     if delta.text or delta.token_ids:

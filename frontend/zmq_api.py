@@ -34,6 +34,7 @@ import zmq.asyncio
 
 from common.ipc import AsyncChannel, MalformedMessage
 from common.messages import BatchClientMessage, BatchHeartbeat, BatchRequest, BatchResponse
+from frontend.off_loop import convert
 from frontend.protocol import client_error, error_body
 from frontend.serving import open_call
 from frontend.state import FrontendState
@@ -131,7 +132,7 @@ class BatchEndpoint:
     async def _run(self, identity: bytes, client: _Client, job: BatchRequest) -> None:
         call = None  # once made, errors are answered under its request_id
         try:
-            call = open_call(self.state, job.url, job.body, self.background)
+            call = await convert(lambda: open_call(self.state, job.url, job.body, self.background), None)
             response = BatchResponse(job_id=job.job_id, status_code=200, body=await call.collect(),
                                      request_id=call.request_id)
         except asyncio.CancelledError:
