@@ -187,16 +187,19 @@ class Shutdown(msgspec.Struct, **_WIRE):
     """Stop the worker loop."""
 
 
-# Compiled grammars the scheduler counts as ready without asking again (scheduler/grammar_gate.py); the worker keeps
-# more (worker/grammar.py), so that what the scheduler counts on is nearly always still there.
+# Bounds on the compiled grammars no queued or running request needs, kept in the worker for their next requests;
+# the scheduler decides what goes (scheduler/grammar_gate.py). One large enum schema compiles to tens of MiB.
 GRAMMAR_CACHE_ENTRIES = 512
+GRAMMAR_CACHE_BYTES = 256 * 2**20
 
 
 class CompileGrammars(msgspec.Struct, **_WIRE):
-    """To rank 0 only, before any plan holding a request with one of these constraints: compile them off the step
-    loop; each is answered by a GrammarsCompiled (cache hits too)."""
+    """To rank 0 only, before any plan holding a request with one of these constraints: drop the compiled grammars
+    keyed `evict` (first), then compile `specs` off the step loop; each spec is answered by a GrammarsCompiled
+    (cache hits too). The worker keeps every compiled grammar until it is evicted here."""
 
     specs: list[StructuredOutput]
+    evict: list[str] = []
 
 
 PlanMessage = StepPlan | Shutdown | CompileGrammars
@@ -258,10 +261,12 @@ class WorkerFailed(msgspec.Struct, **_WIRE):
 
 class GrammarsCompiled(msgspec.Struct, **_WIRE):
     """Answers to CompileGrammars, sent whenever compiles finish (between steps or while idle): `errors[i]` is ""
-    when the constraint keyed `keys[i]` (StructuredOutput.key) compiled, else why it cannot (its requests get 400)."""
+    when the constraint keyed `keys[i]` (StructuredOutput.key) compiled, else why it cannot (its requests get 400);
+    `sizes[i]`: the compiled grammar's bytes in the worker (0 for an error)."""
 
     keys: list[str]
     errors: list[str]
+    sizes: list[int] = []
 
 
 WorkerMessage = WorkerReady | StepResult | WorkerFailed | GrammarsCompiled

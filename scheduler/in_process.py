@@ -29,9 +29,9 @@ def drive(scheduler: Scheduler, runner: StepRunner, on_outputs: Callable[[list[R
     """
     in_flight: deque = deque()
     while scheduler.has_work or in_flight or scheduler.grammars.num_held:
-        specs = scheduler.grammars.take_requests()
-        if specs:  # the served worker compiles on a thread of its own; here the answer is awaited
-            scheduler.on_grammars_compiled(runner.grammars.compile_now(specs))
+        specs, evict = scheduler.grammars.take_requests(), scheduler.grammars.take_evictions()
+        if specs or evict:  # the served worker compiles on a thread of its own; here the answer is awaited
+            scheduler.on_grammars_compiled(runner.grammars.compile_now(specs, evict))
         planned = False
         if len(in_flight) < max_in_flight and scheduler.has_work:
             step = scheduler.schedule()

@@ -191,9 +191,15 @@ class SchedulerLoop:
                 self.frontends.send(SchedulerInfo(kv.pool.num_blocks, kv.block_size, self.scheduler.max_model_len),
                                     identity=client)
                 self._last_broadcast = None  # make sure the newcomer gets stats at once
-        specs = self.scheduler.grammars.take_requests()
-        if specs:  # rank 0 samples, so it alone compiles; sent before any plan that could hold these requests
-            self.plans[0].send(CompileGrammars(specs))
+        self._send_grammar_work()
+
+    def _send_grammar_work(self) -> None:
+        """Compiles and evictions for rank 0 (it alone samples, so it alone holds grammars), sent before any plan
+        that could hold these requests."""
+        gate = self.scheduler.grammars
+        specs, evict = gate.take_requests(), gate.take_evictions()
+        if specs or evict:
+            self.plans[0].send(CompileGrammars(specs, evict))
 
     def _take_grammar_answers(self) -> None:
         while self.results.poll(0):

@@ -201,6 +201,7 @@ class Scheduler:
             self._leave_running(request)
         elif not self.grammars.release(request):
             self.waiting.remove(request)
+        self.grammars.done(request)  # past the gate: its grammar's pin goes
         self.shares.leave(request)
         self.kv.free(request)
         request.status = RequestStatus.FINISHED

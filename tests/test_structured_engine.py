@@ -155,3 +155,63 @@ def test_equal_constraints_compile_once_and_wait_outside_the_queue():
     assert len(scheduler.waiting) == 2 and scheduler.grammars.num_held == 0
     scheduler.add_request(b"c", Submit("3", PROMPT_IDS, SamplingParams(structured=spec), time.time()))
     assert len(scheduler.waiting) == 3 and scheduler.grammars.take_requests() == []  # known ready: no round trip
+
+
+def regex_spec(i: int) -> StructuredOutput:
+    return StructuredOutput("regex", f"[a-z]{{{i + 1}}}")
+
+
+def test_the_gate_never_evicts_the_grammar_of_a_queued_or_running_request():
+    """The repro of a client's schema stopping the engine: a request queued with its grammar compiled, then more
+    distinct grammars than the cache holds pass through. The queued request's grammar stays pinned (never in an
+    eviction), and goes once the request ends; the worker's copy follows the gate's book exactly."""
+    scheduler, runner = make_engine(256, 64)
+    gate = scheduler.grammars = type(scheduler.grammars)(cache_entries=2)
+    waiting = regex_spec(0)
+
+    runner.grammars.evict(list(runner.grammars.resident_keys))  # the runner is shared with earlier tests
+
+    def settle():  # the served loop's exchange with the worker, until nothing is left to send
+        while True:
+            specs, evict = gate.take_requests(), gate.take_evictions()
+            if not specs and not evict:
+                break
+            assert waiting.key not in evict or not gate.pins(waiting.key)
+            scheduler.on_grammars_compiled(runner.grammars.compile_now(specs, evict))
+        assert runner.grammars.resident_keys == set(gate.resident)
+
+    scheduler.add_request(b"c", Submit("queued", PROMPT_IDS, SamplingParams(structured=waiting), time.time()))
+    settle()
+    assert gate.pins(waiting.key) == 1 and len(scheduler.waiting) == 1
+    for i in range(1, 8):  # each compiles, passes the gate and ends: unpinned, evicted beyond two entries
+        scheduler.add_request(b"c", Submit(f"r{i}", PROMPT_IDS, SamplingParams(structured=regex_spec(i)),
+                                           time.time()))
+        settle()
+        scheduler.abort([f"r{i}"])
+        settle()
+    assert waiting.key in gate.resident and len(gate.resident) == 2
+    scheduler.abort(["queued"])
+    scheduler.add_request(b"c", Submit("r8", PROMPT_IDS, SamplingParams(structured=regex_spec(8)), time.time()))
+    settle()
+    assert waiting.key not in runner.grammars.resident_keys and gate.pins(waiting.key) == 0
+
+
+def test_many_distinct_grammars_through_a_tiny_cache_never_compile_on_the_step():
+    """Twelve requests over six distinct regexes through a gate that keeps two unpinned grammars, under overlapped
+    scheduling: every output follows its regex and no grammar is compiled on the step."""
+    scheduler, runner = make_engine(256, 64)
+    scheduler.grammars = type(scheduler.grammars)(cache_entries=2)
+    results = {}
+    step_compiles = runner.grammars.step_compiles  # the runner is shared with earlier tests
+
+    def collect(batch):
+        for out in batch:
+            results.setdefault(out.request_id, []).extend(out.new_token_ids)
+    for i in range(12):
+        params = SamplingParams(max_tokens=20, temperature=1.0, seed=i, structured=regex_spec(i % 6))
+        scheduler.add_request(b"c", Submit(str(i), PROMPT_IDS, params, time.time()))
+    drive(scheduler, runner, collect, 2)
+    tok = TextTokenizer(MODEL_DIR)
+    for i in range(12):
+        assert re.fullmatch(f"[a-z]{{{i % 6 + 1}}}", tok.decode(results[str(i)], skip_special_tokens=True))
+    assert runner.grammars.step_compiles == step_compiles

@@ -30,9 +30,9 @@ from common.sampling import StructuredOutput
 
 log = logging.getLogger("shuttle.worker")
 
-# The worker keeps twice the compiled grammars the scheduler counts as ready (common/messages.py), so a grammar the
-# scheduler lets run is nearly always here; if not, it is compiled again on the step (correct, only slower).
-WORKER_CACHE_ENTRIES = 2 * GRAMMAR_CACHE_ENTRIES
+# Compiled grammars stay until the scheduler evicts them (scheduler/grammar_gate.py keeps the book); the reasons
+# constraints did not compile are small and kept, most recent first, up to this many.
+ERROR_CACHE_ENTRIES = 2 * GRAMMAR_CACHE_ENTRIES
 MAX_ERROR_CHARS = 500  # of xgrammar's message, in the 400 a client gets
 # xgrammar's C++ messages start with its log prefix, "[15:40:37] /project/cpp/json_schema_converter.cc:5082: ": a
 # time and a source path of its build, nothing a client can act on
@@ -65,25 +65,41 @@ class GrammarCompiler:
         self.trust_remote_code = trust_remote_code
         self._compiler = None  # xgrammar.GrammarCompiler, built on first use
         self._build_lock = threading.Lock()
-        self._cache: OrderedDict[str, object] = OrderedDict()  # key -> CompiledGrammar, or GrammarError
+        self._cache: dict[str, object] = {}  # key -> CompiledGrammar, until the scheduler evicts it
+        self._errors: OrderedDict[str, GrammarError] = OrderedDict()  # key -> why it does not compile
         self._cache_lock = threading.Lock()
+        self.step_compiles = 0  # grammars compiled on the step: missing when a request needed them (never, by design)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
         self._pending: dict[str, Future] = {}
-        self._answers: list[tuple[str, str]] = []  # (key, error or "") to report, cache hits included
+        self._answers: list[tuple[str, object]] = []  # (key, CompiledGrammar or GrammarError), cache hits included
         # The tokenizer's grammar tables are built now, on the compile thread, so no first request waits for them
         self._warm_up = self._pool.submit(self._xgrammar_compiler)
 
     # ---- asked by the scheduler -------------------------------------------------------------------------
 
-    def submit(self, specs: list[StructuredOutput]) -> None:
-        """Start compiling each spec not compiled or compiling yet; each is answered by `take_finished`."""
+    def submit(self, specs: list[StructuredOutput], evict: list[str] = ()) -> None:
+        """Drop the compiled grammars keyed `evict`, then start compiling each spec not compiled or compiling yet;
+        each spec is answered by `take_finished`."""
+        self.evict(evict)
         for spec in specs:
             key = spec.key
             cached = self._cached(key)
             if cached is not None:
-                self._answers.append((key, str(cached) if isinstance(cached, GrammarError) else ""))
+                self._answers.append((key, cached))
             elif key not in self._pending:
                 self._pending[key] = self._pool.submit(self._compile_and_cache, spec)
+
+    def evict(self, keys: list[str]) -> None:
+        """Drop these compiled grammars (the scheduler's word: no queued or running request needs them)."""
+        with self._cache_lock:
+            for key in keys:
+                self._cache.pop(key, None)
+
+    @property
+    def resident_keys(self) -> set[str]:
+        """The keys of the compiled grammars held now."""
+        with self._cache_lock:
+            return set(self._cache)
 
     @property
     def has_pending(self) -> bool:
@@ -99,20 +115,19 @@ class GrammarCompiler:
                 if error is not None:
                     log.error("grammar compile raised: %r", error)
                 cached = self._cached(key)
-                self._answers.append((key, str(cached) if isinstance(cached, GrammarError) or cached is None
-                                      else "" if error is None else f"internal error: {error}"))
+                if cached is None:
+                    cached = GrammarError(f"internal error: {error or 'the compiled grammar is gone'}")
+                self._answers.append((key, cached))
         if not self._answers:
             return None
         answers, self._answers = self._answers, []
-        return GrammarsCompiled([k for k, _ in answers], [e for _, e in answers])
+        return _answer(answers)
 
-    def compile_now(self, specs: list[StructuredOutput]) -> GrammarsCompiled:
-        """Compile `specs` on the caller's thread and answer them all (the in-process engine, scheduler/in_process.py)."""
-        errors = []
-        for spec in specs:
-            value = self._cached(spec.key) or self._compile_and_cache(spec)
-            errors.append(str(value) if isinstance(value, GrammarError) else "")
-        return GrammarsCompiled([spec.key for spec in specs], errors)
+    def compile_now(self, specs: list[StructuredOutput], evict: list[str] = ()) -> GrammarsCompiled:
+        """`submit`, compiling on the caller's thread and answering every spec (the in-process engine,
+        scheduler/in_process.py)."""
+        self.evict(evict)
+        return _answer([(spec.key, self._cached(spec.key) or self._compile_and_cache(spec)) for spec in specs])
 
     # ---- used by the step -------------------------------------------------------------------------------
 
@@ -127,7 +142,9 @@ class GrammarCompiler:
         import xgrammar as xgr
 
         compiled = self._cached(spec.key)
-        if compiled is None:
+        if compiled is None:  # the scheduler pins a queued request's grammar: only a bug gets here
+            self.step_compiles += 1
+            log.error("grammar %s is not compiled when its request runs: compiling it on the step", spec.key[:16])
             pending = self._pending.get(spec.key)
             compiled = pending.result() if pending is not None else None
             compiled = self._cached(spec.key) or self._compile_and_cache(spec)
@@ -146,21 +163,21 @@ class GrammarCompiler:
     # ---- compiling --------------------------------------------------------------------------------------
 
     def _cached(self, key: str):
+        """The CompiledGrammar or GrammarError of `key`, or None."""
         with self._cache_lock:
-            value = self._cache.get(key)
-            if value is not None:
-                self._cache.move_to_end(key)
-            return value
+            return self._cache.get(key) or self._errors.get(key)
 
     def _compile_and_cache(self, spec: StructuredOutput):
         try:
             value = self._compile(spec)
         except GrammarError as exc:
-            value = exc
+            with self._cache_lock:
+                self._errors[spec.key] = exc
+                while len(self._errors) > ERROR_CACHE_ENTRIES:
+                    self._errors.popitem(last=False)
+            return exc
         with self._cache_lock:
             self._cache[spec.key] = value
-            while len(self._cache) > WORKER_CACHE_ENTRIES:
-                self._cache.popitem(last=False)
         return value
 
     def _xgrammar_compiler(self):
@@ -195,6 +212,13 @@ class GrammarCompiler:
             reason = XGRAMMAR_LOG_PREFIX.sub("", message[-1]) if message else type(exc).__name__
             raise GrammarError(f"the {spec.kind} constraint does not compile: {reason[:MAX_ERROR_CHARS]}") from None
         raise GrammarError(f"unknown structured output kind {spec.kind!r}")
+
+
+def _answer(answers: list[tuple[str, object]]) -> GrammarsCompiled:
+    """GrammarsCompiled of (key, CompiledGrammar or GrammarError) pairs: the error's text or "", and the bytes."""
+    errors = [str(value) if isinstance(value, GrammarError) else "" for _, value in answers]
+    sizes = [0 if isinstance(value, GrammarError) else value.memory_size_bytes for _, value in answers]
+    return GrammarsCompiled([key for key, _ in answers], errors, sizes)
 
 
 def choice_grammar(choices: list[str]) -> str:

@@ -54,7 +54,7 @@ class WorkerLoop:
                 return
             if isinstance(plan, CompileGrammars):
                 if grammars is not None:
-                    grammars.submit(plan.specs)
+                    grammars.submit(plan.specs, plan.evict)
                 continue
             self._run_step(plan)
 
