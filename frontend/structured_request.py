@@ -23,6 +23,7 @@ import msgspec
 
 from common.errors import InvalidRequestError
 from common.sampling import StructuredOutput
+from frontend.schema_support import check_regex, check_schema
 
 MAX_CHOICES = 1024  # most entries of a choice list
 MAX_PATTERN_BYTES = 64 * 1024  # a regex or a grammar, UTF-8
@@ -116,6 +117,8 @@ def _structured_outputs(value) -> StructuredOutput:
         return StructuredOutput("json_object")
     if key == "choice":
         return StructuredOutput("choice", _choice_spec(item, param, where))
+    if key == "regex":
+        return StructuredOutput(key, _regex_spec(item, param, where))
     return StructuredOutput(key, _text_spec(item, param, where))
 
 
@@ -143,6 +146,7 @@ def _schema_spec(schema: Any, param: str, where: str) -> str:
         raise InvalidRequestError(f"{where} is nested too deeply", param=param) from None
     if len(spec) > MAX_SCHEMA_BYTES:
         raise InvalidRequestError(f"{where} is over {MAX_SCHEMA_BYTES // 1024} KiB", param=param)
+    check_schema(schema, param, where)
     return spec.decode()
 
 
@@ -168,11 +172,17 @@ def _text_spec(text: str, param: str, where: str) -> str:
     return text
 
 
+def _regex_spec(text: str, param: str, where: str) -> str:
+    spec = _text_spec(text, param, where)
+    check_regex(spec, param, where)
+    return spec
+
+
 _READERS = {
     "response_format": _response_format,
     "structured_outputs": _structured_outputs,
     "guided_json": lambda value: StructuredOutput("json", _schema_spec(value, "guided_json", "guided_json")),
-    "guided_regex": lambda value: StructuredOutput("regex", _text_spec(value, "guided_regex", "guided_regex")),
+    "guided_regex": lambda value: StructuredOutput("regex", _regex_spec(value, "guided_regex", "guided_regex")),
     "guided_choice": lambda value: StructuredOutput("choice", _choice_spec(value, "guided_choice", "guided_choice")),
     "guided_grammar": lambda value: StructuredOutput("grammar", _text_spec(value, "guided_grammar",
                                                                            "guided_grammar")),

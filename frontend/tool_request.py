@@ -14,6 +14,7 @@ As in vLLM: tools given and tool_choice absent means "auto", which needs the ser
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Sequence
 
@@ -21,6 +22,8 @@ import msgspec
 
 from common.errors import InvalidRequestError
 from common.sampling import StructuredOutput
+from frontend.schema_support import MAX_SCHEMA_DEPTH, check_schema
+from frontend.structured_request import MAX_SCHEMA_BYTES
 
 NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function names
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}  # a function's parameters when it declares none
@@ -107,10 +110,12 @@ def tool_use_of(tools: list[Tool] | None, tool_choice: ToolChoice | None, parall
     """
     tools = tuple(tools or ())
     names = [t.function.name for t in tools]
-    repeated = sorted({n for n in names if names.count(n) > 1})
+    repeated = sorted(name for name, count in Counter(names).items() if count > 1)
     if repeated:
         raise InvalidRequestError(f"tools must have distinct names; {', '.join(repeated)} is listed more than once",
                                   param="tools")
+    for i, tool in enumerate(tools):
+        _check_size(tool.function.schema, f"tools[{i}].function.parameters")
     if tool_choice is None:
         tool_choice = "auto" if tools else "none"
     if tool_choice == "none":
@@ -132,22 +137,78 @@ def tool_use_of(tools: list[Tool] | None, tool_choice: ToolChoice | None, parall
 def tool_constraint(use: ToolUse) -> StructuredOutput | None:
     """The grammar that forces tool calls: for "required" a JSON array of at least one {"name", "parameters"}
     object (at most one without parallel_tool_calls), each naming a listed tool with arguments that match its
-    schema; for a named function its arguments object; None for "none" and "auto" (the model decides)."""
+    schema; for a named function its arguments object; None for "none" and "auto" (the model decides).
+
+    For "required" a tool's schema that holds references moves under the array schema's `$defs` (as `tool_<i>`),
+    its local references rewritten to point there, so `$defs`/`$ref` inside a tool's parameters (every pydantic
+    model's) still resolve; the others are written in place.
+
+    Raises:
+        InvalidRequestError: a forced tool's schema asks for what the grammar engine would not keep
+            (frontend/schema_support.py), or the constraint is over MAX_SCHEMA_BYTES (param "tools").
+    """
     if use.choice == "function":
-        tool = next(t for t in use.tools if t.function.name == use.function)
+        i, tool = next((i, t) for i, t in enumerate(use.tools) if t.function.name == use.function)
+        check_schema(tool.function.schema, "tools", f"tools[{i}].function.parameters")
         return _json(tool.function.schema)
     if use.choice != "required":
         return None
-    calls = [{"type": "object",
-              "properties": {"name": {"enum": [t.function.name]}, "parameters": t.function.schema},
-              "required": ["name", "parameters"], "additionalProperties": False} for t in use.tools]
+    calls, defs = [], {}
+    for i, tool in enumerate(use.tools):
+        parameters = tool.function.schema
+        check_schema(parameters, "tools", f"tools[{i}].function.parameters")
+        if '"$ref"' in msgspec.json.encode(parameters).decode():
+            defs[f"tool_{i}"] = _rebased(parameters, f"#/$defs/tool_{i}")
+            parameters = {"$ref": f"#/$defs/tool_{i}"}
+        calls.append({"type": "object", "properties": {"name": {"enum": [tool.function.name]}, "parameters": parameters},
+                      "required": ["name", "parameters"], "additionalProperties": False})
     schema = {"type": "array", "minItems": 1, **({} if use.parallel else {"maxItems": 1}),
-              "items": {"anyOf": calls}}
+              "items": {"anyOf": calls}, **({"$defs": defs} if defs else {})}
     return _json(schema)
 
 
 def _json(schema: dict[str, Any]) -> StructuredOutput:
-    return StructuredOutput(kind="json", spec=msgspec.json.encode(schema).decode())
+    spec = msgspec.json.encode(schema)
+    if len(spec) > MAX_SCHEMA_BYTES:
+        raise InvalidRequestError(f"the forced tool calls' schema (the tools' parameters together) is over "
+                                  f"{MAX_SCHEMA_BYTES // 1024} KiB", param="tools")
+    return StructuredOutput(kind="json", spec=spec.decode())
+
+
+def _rebased(schema: Any, base: str) -> Any:
+    """`schema` with each local `$ref` ("#", "#/...") made relative to `base` (where the schema will sit)."""
+    if isinstance(schema, list):
+        return [_rebased(item, base) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: _rebased(value, base) for key, value in schema.items() if key != "$ref"}
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+        out["$ref"] = base + ref[1:]
+    elif "$ref" in schema:
+        out["$ref"] = ref
+    return out
+
+
+def _check_size(schema: dict[str, Any], where: str) -> None:
+    """A tool's parameters within MAX_SCHEMA_BYTES and MAX_SCHEMA_DEPTH (the template and the grammar read them).
+
+    Raises:
+        InvalidRequestError: param "tools".
+    """
+    stack = [(schema, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_SCHEMA_DEPTH:
+            raise InvalidRequestError(f"{where} is nested more than {MAX_SCHEMA_DEPTH} deep", param="tools")
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    try:
+        size = len(msgspec.json.encode(schema))
+    except (TypeError, ValueError) as exc:
+        raise InvalidRequestError(f"{where} is not a JSON value: {exc}", param="tools") from None
+    if size > MAX_SCHEMA_BYTES:
+        raise InvalidRequestError(f"{where} is over {MAX_SCHEMA_BYTES // 1024} KiB", param="tools")
 
 
 def template_tools(tools: Sequence[Tool]) -> list[dict[str, Any]] | None:

@@ -1,0 +1,260 @@
+"""What the grammar engine keeps of a JSON schema or a regex, checked before anything is compiled.
+
+xgrammar (0.2.x) compiles some constraints into a weaker grammar than the schema says, with only a warning on the
+worker's stderr: `maxLength` beside `pattern` is dropped, `uniqueItems` ignored, `"required": ["a"]` without a
+property "a" gives `{}`, a remote `$ref` accepts any value, `\\A` in a regex matches the letter A. Served as they
+are, those outputs would break the promise that the output follows the schema. So every schema (response_format,
+structured_outputs, guided_json, tool parameters) and every regex is walked here first, and each construct the
+engine would not keep is refused with a 400 that names it and where it is. KEYWORDS is the table of every keyword
+and how it fares; tests/test_schema_support.py checks each row against the engine itself, and docs/
+structured-outputs.md holds the table as `scripts/dev/schema_keyword_table.py` prints it.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from common.errors import InvalidRequestError
+
+MAX_SCHEMA_DEPTH = 64  # nested subschemas; deeper is refused before any walk or compile could recurse on it
+
+ENFORCED, REFUSED, ANNOTATION = "enforced", "refused", "annotation (not a constraint)"
+# keyword -> (how it fares, the condition or the reason)
+KEYWORDS: dict[str, tuple[str, str]] = {
+    "type": (ENFORCED, "one type or a list of types"),
+    "enum": (ENFORCED, ""),
+    "const": (ENFORCED, ""),
+    "properties": (ENFORCED, ""),
+    "required": (ENFORCED, "each name must be one of `properties`; refused otherwise (the engine writes `{}`)"),
+    "additionalProperties": (ENFORCED, ""),
+    "patternProperties": (ENFORCED, ""),
+    "propertyNames": (ENFORCED, ""),
+    "unevaluatedProperties": (ENFORCED, ""),
+    "minProperties": (ENFORCED, "refused by the engine when more than the properties it can write"),
+    "maxProperties": (ENFORCED, ""),
+    "items": (ENFORCED, "a schema or a boolean"),
+    "prefixItems": (ENFORCED, ""),
+    "unevaluatedItems": (ENFORCED, ""),
+    "minItems": (ENFORCED, ""),
+    "maxItems": (ENFORCED, ""),
+    "minimum": (ENFORCED, "with `type` integer or number; refused without a `type`"),
+    "maximum": (ENFORCED, "with `type` integer or number; refused without a `type`"),
+    "exclusiveMinimum": (ENFORCED, "with `type` integer or number; refused without a `type`"),
+    "exclusiveMaximum": (ENFORCED, "with `type` integer or number; refused without a `type`"),
+    "multipleOf": (ENFORCED, "with `type` integer or number; refused without a `type`"),
+    "minLength": (ENFORCED, "with `type` string and neither `pattern` nor `format` beside it; refused otherwise"),
+    "maxLength": (ENFORCED, "with `type` string and neither `pattern` nor `format` beside it; refused otherwise"),
+    "pattern": (ENFORCED, "with `type` string; the regex rules below apply"),
+    "format": (ENFORCED, "email, date, time, date-time, duration, uuid, ipv4, ipv6, hostname, uri, uri-reference, "
+                         "uri-template, json-pointer, relative-json-pointer; regex, iri, iri-reference, idn-email "
+                         "and idn-hostname are refused; other names are annotations"),
+    "anyOf": (ENFORCED, ""),
+    "oneOf": (ENFORCED, "when its branches are disjoint: distinct types, distinct const/enum values, or objects "
+                        "with a required property whose const/enum values differ (a discriminated union); refused "
+                        "otherwise (the engine would allow an output that matches two branches)"),
+    "allOf": (ENFORCED, "with one entry; refused with more"),
+    "$ref": (ENFORCED, "to this schema (`#` or `#/...`); a remote reference is refused"),
+    "$defs": (ENFORCED, ""),
+    "definitions": (ENFORCED, ""),
+    "$dynamicRef": (ENFORCED, "to this schema"),
+    "$anchor": (ENFORCED, ""),
+    "$dynamicAnchor": (ENFORCED, ""),
+    "uniqueItems": (REFUSED, "not enforced by the engine (pydantic writes it for `set[...]`: use a list)"),
+    "not": (REFUSED, "not enforced by the engine"),
+    "if": (REFUSED, "not enforced by the engine"),
+    "then": (REFUSED, "not enforced by the engine"),
+    "else": (REFUSED, "not enforced by the engine"),
+    "dependentRequired": (REFUSED, "not enforced by the engine"),
+    "dependentSchemas": (REFUSED, "not enforced by the engine"),
+    "dependencies": (REFUSED, "not enforced by the engine"),
+    "additionalItems": (REFUSED, "the engine keeps no output under it: use `prefixItems` and `items`"),
+    "contains": (REFUSED, "not enforced by the engine (it allows arrays without a matching item)"),
+    "minContains": (REFUSED, "not enforced by the engine"),
+    "maxContains": (REFUSED, "not enforced by the engine"),
+    "$recursiveRef": (REFUSED, "not enforced by the engine: use `$ref`"),
+    "title": (ANNOTATION, ""), "description": (ANNOTATION, ""), "default": (ANNOTATION, ""),
+    "examples": (ANNOTATION, ""), "$comment": (ANNOTATION, ""), "$schema": (ANNOTATION, ""),
+    "$id": (ANNOTATION, ""), "deprecated": (ANNOTATION, ""), "readOnly": (ANNOTATION, ""),
+    "writeOnly": (ANNOTATION, ""), "contentEncoding": (ANNOTATION, ""), "contentMediaType": (ANNOTATION, ""),
+    "contentSchema": (ANNOTATION, ""), "discriminator": (ANNOTATION, "OpenAPI's; `oneOf` decides"),
+    "$vocabulary": (ANNOTATION, ""),
+}
+ENFORCED_FORMATS = frozenset({"email", "date", "time", "date-time", "duration", "uuid", "ipv4", "ipv6", "hostname",
+                              "uri", "uri-reference", "uri-template", "json-pointer", "relative-json-pointer"})
+REFUSED_FORMATS = frozenset({"regex", "iri", "iri-reference", "idn-email", "idn-hostname"})
+_NUMERIC = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
+_LENGTH = ("minLength", "maxLength")
+_STRING = (*_LENGTH, "pattern", "format")
+# subschema positions: keyword -> how its value holds subschemas
+_ONE = ("additionalProperties", "items", "contains", "propertyNames", "unevaluatedProperties", "unevaluatedItems",
+        "not", "if", "then", "else", "additionalItems", "contentSchema")
+_LIST = ("prefixItems", "anyOf", "oneOf", "allOf")
+_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+# Regex escapes xgrammar reads as meant: classes, control characters, and escaped punctuation (the character
+# itself). An unknown letter escape (\A, \z, \Z, \G, \h, \Q...) it matches as the letter, so it is refused; \b, \B,
+# \p, \k, backreferences and malformed \x / \u it refuses itself.
+_REGEX_LETTER_ESCAPES = frozenset("dDwWsSntrfvae0")
+
+
+def check_schema(schema: dict[str, Any], param: str, where: str) -> None:
+    """Refuse a JSON schema (already decoded, at most MAX_SCHEMA_BYTES) that asks for anything the grammar engine
+    would not keep (see KEYWORDS).
+
+    Raises:
+        InvalidRequestError: naming the keyword and its path (`where` then a JSON pointer), param `param`.
+    """
+    stack: list[tuple[Any, str, int]] = [(schema, "", 0)]
+    while stack:
+        node, path, depth = stack.pop()
+        if isinstance(node, bool):
+            continue
+        if not isinstance(node, dict):
+            _refuse(param, where, path, "a schema must be an object or a boolean")
+        if depth > MAX_SCHEMA_DEPTH:
+            _refuse(param, where, path, f"subschemas are nested more than {MAX_SCHEMA_DEPTH} deep")
+        _check_node(node, schema, param, where, path)
+        for keyword, value in node.items():
+            here = f"{path}/{keyword}"
+            if keyword in _ONE:
+                stack.append((value, here, depth + 1))
+            elif keyword in _LIST and isinstance(value, list):
+                stack.extend((item, f"{here}/{i}", depth + 1) for i, item in enumerate(value))
+            elif keyword in _MAP and isinstance(value, dict):
+                stack.extend((item, f"{here}/{_pointer(name)}", depth + 1) for name, item in value.items())
+
+
+def check_regex(pattern: str, param: str, where: str) -> None:
+    """Refuse a regex with a letter escape the engine would match as the letter itself (\\A, \\z, \\Z, ...).
+
+    Raises:
+        InvalidRequestError: naming the escape and its position, param `param`.
+    """
+    i = pattern.find("\\")
+    while 0 <= i < len(pattern) - 1:
+        char = pattern[i + 1]
+        if char.isalpha() and char not in _REGEX_LETTER_ESCAPES and char not in "bBpPkxuc":
+            raise InvalidRequestError(
+                f"{where}: the escape \\{char} at position {i} is not supported by the grammar engine (it would "
+                f"match the letter {char}){' (anchors: the whole output is matched already)' if char in 'AzZ' else ''}",
+                param=param)
+        i = pattern.find("\\", i + 2)
+
+
+def _check_node(node: dict[str, Any], root: dict[str, Any], param: str, where: str, path: str) -> None:
+    for keyword, value in node.items():
+        fate = KEYWORDS.get(keyword)
+        if fate is not None and fate[0] == REFUSED and not (keyword == "uniqueItems" and value is False):
+            _refuse(param, where, f"{path}/{keyword}", f"`{keyword}` is refused: {fate[1]}")
+    types = node.get("type")
+    types = {types} if isinstance(types, str) else set(types) if isinstance(types, list) else set()
+    typed_values = "enum" in node or "const" in node
+    for keyword in _NUMERIC:
+        if keyword in node and not types & {"integer", "number"} and not typed_values:
+            _refuse(param, where, f"{path}/{keyword}", f"`{keyword}` needs `\"type\": \"integer\"` or `\"number\"` "
+                                                      f"beside it (the engine ignores it otherwise)")
+    for keyword in _STRING:
+        if keyword in node and "string" not in types and not typed_values:
+            _refuse(param, where, f"{path}/{keyword}", f"`{keyword}` needs `\"type\": \"string\"` beside it (the "
+                                                      f"engine ignores it otherwise)")
+    lengths = [k for k in _LENGTH if k in node]
+    shaped = [k for k in ("pattern", "format") if k in node]
+    if lengths and shaped:
+        _refuse(param, where, f"{path}/{lengths[0]}", f"`{lengths[0]}` beside `{shaped[0]}` is not enforced by the "
+                                                      f"engine: put the length into the pattern")
+    fmt = node.get("format")
+    if fmt in REFUSED_FORMATS:
+        _refuse(param, where, f"{path}/format", f"format {fmt!r} is not enforced by the engine")
+    if isinstance(node.get("pattern"), str):
+        check_regex(node["pattern"], param, f"{where}{path}/pattern")
+    for name in node.get("patternProperties") or {}:
+        check_regex(name, param, f"{where}{path}/patternProperties")
+    ref = node.get("$ref")
+    if isinstance(ref, str) and not (ref == "#" or ref.startswith("#/")):
+        _refuse(param, where, f"{path}/$ref", f"the reference {ref[:100]!r} is not to this schema: only local "
+                                              f"references (#/...) are resolved")
+    required, properties = node.get("required"), node.get("properties") or {}
+    if isinstance(required, list):
+        missing = [name for name in required if name not in properties]
+        if missing:
+            _refuse(param, where, f"{path}/required", f"required property {missing[0]!r} is not in `properties` "
+                                                      f"(the engine cannot write it)")
+    all_of = node.get("allOf")
+    if isinstance(all_of, list) and len(all_of) > 1:
+        _refuse(param, where, f"{path}/allOf", f"`allOf` with {len(all_of)} entries is not enforced by the engine: "
+                                               f"merge them into one schema")
+    one_of = node.get("oneOf")
+    if isinstance(one_of, list) and len(one_of) > 1 and not _disjoint([_resolve(b, root) for b in one_of]):
+        _refuse(param, where, f"{path}/oneOf", "`oneOf` branches that may overlap are enforced as `anyOf` by the "
+                                               "engine: use `anyOf`, or make them disjoint (distinct types, or a "
+                                               "required property with a distinct const in each)")
+
+
+def _disjoint(branches: list[Any]) -> bool:
+    """Whether no JSON value can match two of `branches` (by their types, their const/enum values, or a required
+    discriminating property). A conservative reading: False when unsure."""
+    if not all(isinstance(b, dict) for b in branches):
+        return False
+    values = [_values(b) for b in branches]
+    if all(v is not None for v in values) and _pairwise_disjoint(values):
+        return True
+    types = [_types(b) for b in branches]
+    if all(t is not None for t in types) and _pairwise_disjoint(types):
+        return True
+    common = set.intersection(*(set(b.get("required") or ()) for b in branches))
+    for name in common:
+        tags = [_values(b.get("properties", {}).get(name)) for b in branches]
+        if all(t is not None for t in tags) and _pairwise_disjoint(tags):
+            return True
+    return False
+
+
+def _types(branch: dict[str, Any]) -> set[str] | None:
+    types = branch.get("type")
+    types = {types} if isinstance(types, str) else set(types) if isinstance(types, list) else None
+    if types is not None and "number" in types:
+        types.add("integer")  # every integer is a number
+    return types
+
+
+def _values(branch: Any) -> set[str] | None:
+    """The values a branch allows (JSON text of each), when it lists them (const or enum)."""
+    if not isinstance(branch, dict):
+        return None
+    if "const" in branch:
+        return {json.dumps(branch["const"], sort_keys=True)}
+    if isinstance(branch.get("enum"), list):
+        return {json.dumps(v, sort_keys=True) for v in branch["enum"]}
+    return None
+
+
+def _pairwise_disjoint(sets: list[set]) -> bool:
+    seen: set = set()
+    for s in sets:
+        if seen & s:
+            return False
+        seen |= s
+    return True
+
+
+def _resolve(branch: Any, root: dict[str, Any]) -> Any:
+    """A branch that is a local `$ref` alone, followed (once per step, at most 16 steps)."""
+    for _ in range(16):
+        if not (isinstance(branch, dict) and isinstance(branch.get("$ref"), str) and branch["$ref"].startswith("#/")):
+            return branch
+        target: Any = root
+        for part in branch["$ref"][2:].split("/"):
+            part = part.replace("~1", "/").replace("~0", "~")
+            if not isinstance(target, dict) or part not in target:
+                return None
+            target = target[part]
+        branch = target
+    return None
+
+
+def _pointer(name: str) -> str:
+    return str(name).replace("~", "~0").replace("/", "~1")
+
+
+def _refuse(param: str, where: str, path: str, message: str) -> None:
+    raise InvalidRequestError(f"{where}{' at ' + path if path else ''}: {message}", param=param)
