@@ -316,19 +316,17 @@ class ChatCall(Call):
                                  structured=self.structured_output())
 
     def structured_output(self) -> StructuredOutput | None:
-        """The body's own constraint, or the one tool_choice "required" or a named function makes (never both).
+        """The constraint that tool_choice "required" or a named function makes, else the body's own.
+
+        A forced call beside response_format or structured_outputs is served as the call, as OpenAI and vLLM do (the
+        Agents SDK sends an agent's output type with every turn, tool_choice "required" included): the format is
+        for a text answer, and a forced call's output is never one. The body's own constraint is still checked.
 
         Raises:
-            InvalidRequestError: as Call.structured_output, or a forced tool choice beside a constraint of the body's
-                (param "tool_choice").
+            InvalidRequestError: as Call.structured_output.
         """
         own = super().structured_output()
-        forced = tool_constraint(self.tool_use)
-        if forced is not None and own is not None:
-            raise InvalidRequestError("tool_choice \"required\" or a named function constrains the output to tool "
-                                      "calls, so it cannot be combined with response_format or structured_outputs",
-                                      param="tool_choice")
-        return forced or own
+        return tool_constraint(self.tool_use) or own
 
     def final_choice(self, choice: CollectedChoice) -> dict:
         g = choice.generation

@@ -187,6 +187,20 @@ async def test_required_calls_are_function_call_items_in_order():
     assert added == [0, 1]
 
 
+async def test_required_calls_beside_a_text_format_are_served_as_the_calls():
+    """The Agents SDK sends its output type (text.format) with tool_choice "required": the calls are served."""
+    text_format = {"format": {"type": "json_schema", "name": "answer",
+                              "schema": {"type": "object", "properties": {"mood": {"enum": ["happy", "sad"]}},
+                                         "required": ["mood"]}}}
+    async with served_tools(REQUIRED_TEXT) as (client, engine):
+        status, body = await post(client, URL, {"input": "Weather?", "tools": TOOLS, "tool_choice": "required",
+                                                "text": text_format})
+    assert status == 200, body
+    assert [(i["type"], i["name"]) for i in body["output"]] == [("function_call", "get_weather"),
+                                                                ("function_call", "get_time")]
+    assert '"parameters"' in engine.submitted[0].sampling.structured.spec  # the calls' grammar, not the format's
+
+
 async def test_auto_with_a_parser_gives_text_then_calls():
     text = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
     async with served_tools(text, tool_calls=ToolCallConfig(enable_auto_tool_choice=True,

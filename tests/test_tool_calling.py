@@ -25,7 +25,8 @@ from frontend.tokenizer import TextTokenizer
 from frontend.tool_parsers import PARSERS
 from common.sampling import StructuredOutput
 from frontend.protocol import ChatMessage
-from frontend.tool_request import AUTO_NEEDS, NamedToolChoice, Tool, template_tools, tool_constraint, tool_use_of
+from frontend.tool_request import (AUTO_NEEDS, NamedToolChoice, Tool, ToolChoice, template_tools, tool_constraint,
+                                   tool_use_of)
 from tests.fake_engine import TEMPLATES, FakeEngine, frontend_app
 from tests.server import MODEL_DIR
 
@@ -153,8 +154,8 @@ REFUSALS = [
     (AUTO, {"tools": [{"type": "function", "function": {"name": "f", "parameters": "{}"}}]}, "tools"),
     (AUTO, {"tools": [{"type": "function", "function": {"name": "f", "examples": []}}]}, "tools"),
     (AUTO, {"tools": TOOLS, "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
-    (AUTO, {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
-    (AUTO, {"tools": TOOLS, "tool_choice": NAMED, "structured_outputs": {"regex": "[a-z]+"}}, "tool_choice"),
+    (AUTO, {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_schema"}},
+     "response_format"),  # the body's own constraint is still checked beside a forced call
     (AUTO, {"functions": [TOOLS[0]["function"]]}, "functions"),
     (AUTO, {"function_call": "auto"}, "function_call"),
     (AUTO, {"messages": USER + BAD_ARGUMENTS}, "messages"),
@@ -373,3 +374,23 @@ async def test_the_openai_client_reads_the_calls():
             names = [c.function.name async for chunk in streamed for c in chunk.choices[0].delta.tool_calls or []
                      if c.function and c.function.name]
             assert names == ["get_weather", "get_time"]
+
+
+@pytest.mark.parametrize("choice, text, calls", [
+    ("required", REQUIRED_TEXT, [("get_weather", {"city": "Paris"}), ("get_time", {})]),
+    (NAMED, NAMED_TEXT, [("get_weather", {"city": "Paris"})]),
+])
+async def test_a_forced_call_beside_response_format_is_served_as_the_call(choice, text, calls):
+    """The Agents SDK's pattern (an output type on every turn, tool_choice "required" on one): the call's grammar
+    constrains the output, and the openai client reads the calls."""
+    response_format = {"type": "json_schema", "json_schema": {"name": "answer", "schema": {
+        "type": "object", "properties": {"mood": {"enum": ["happy", "sad"]}}, "required": ["mood"]}}}
+    async with served(text) as (client, engine):
+        async with openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="unused", max_retries=0) as api:
+            response = await api.chat.completions.create(model="stories", messages=USER, tools=TOOLS,
+                                                         tool_choice=choice, response_format=response_format)
+    message = response.choices[0].message
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == calls
+    forced = tool_constraint(tool_use_of(msgspec.convert(TOOLS, list[Tool]), msgspec.convert(choice, ToolChoice),
+                                         True, False))
+    assert engine.submitted[0].sampling.structured == forced
