@@ -15,12 +15,14 @@ class GenerationError(ShuttleError):
 
     Attributes:
         retry_after: with status 503, the predicted seconds until a retry is admitted (None: unknown).
+        param: the request field the error is about, when it is one (a 400's).
     """
 
-    def __init__(self, status: int, message: str, retry_after: float | None = None):
+    def __init__(self, status: int, message: str, retry_after: float | None = None, param: str | None = None):
         super().__init__(message)
         self.status = status
         self.retry_after = retry_after
+        self.param = param
 
 
 class ModelNotFoundError(ShuttleError):

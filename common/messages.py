@@ -187,6 +187,11 @@ class Shutdown(msgspec.Struct, **_WIRE):
     """Stop the worker loop."""
 
 
+# Words in an engine's 400 that tell the frontend which request field it is about (frontend/generation.py): a
+# constraint the grammar engine refused (worker/grammar.py), a prompt + max_tokens no cache holds (the scheduler).
+CONSTRAINT_REFUSAL = "constraint does not compile"
+NEVER_FITS = "tokens of KV cache"
+
 # Bounds on the compiled grammars no queued or running request needs, kept in the worker for their next requests;
 # the scheduler decides what goes (scheduler/grammar_gate.py). One large enum schema compiles to tens of MiB.
 GRAMMAR_CACHE_ENTRIES = 512

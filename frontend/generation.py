@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from common.errors import GenerationError
-from common.messages import FinishReason, RequestOutput, Submit, TokenLogprobs
+from common.messages import CONSTRAINT_REFUSAL, NEVER_FITS, FinishReason, RequestOutput, Submit, TokenLogprobs
 from frontend.engine_api import Engine
 from frontend.metrics import RequestMetrics
 from frontend.stop import StopStringMatcher
@@ -44,6 +44,9 @@ class TextGeneration:
     stop: list[str] = field(default_factory=list)
     include_stop: bool = False
     metrics: RequestMetrics | None = None
+    # the fields an engine's 400 names: (the output constraint's, max_tokens'): a constraint that does not compile,
+    # or a prompt + max_tokens that no cache could hold
+    refusal_params: tuple[str | None, str] = (None, "max_tokens")
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
@@ -144,4 +147,9 @@ class TextGeneration:
         retry_after = None
         if status == 503:  # the scheduler's own estimate (an SLO refusal) beats the queue-drain estimate
             retry_after = output.retry_after_s or self.engine.refusal_retry_after()
-        return GenerationError(status, output.error_message, retry_after)
+        param = None
+        if status == 400:
+            constraint, length = self.refusal_params
+            message = output.error_message
+            param = constraint if CONSTRAINT_REFUSAL in message else length if NEVER_FITS in message else None
+        return GenerationError(status, output.error_message, retry_after, param)

@@ -460,7 +460,7 @@ def client_error(exc: BaseException) -> tuple[int, str | None] | None:
     if isinstance(exc, ModelNotFoundError):
         return 404, "model"
     if isinstance(exc, GenerationError):
-        return exc.status, None
+        return exc.status, exc.param
     return None
 
 

@@ -17,7 +17,7 @@ from frontend.choices import collect, usage
 from frontend.generation import TextDelta, TextGeneration
 from frontend.protocol import error_body
 from frontend.responses_request import (
-    ResponsesRequest, chat_request_of, function_tools, new_id, refusals, responses_params,
+    ResponsesRequest, chat_request_of, function_tools, new_id, refusals, responses_param, responses_params,
 )
 from frontend.serving import ChatCall, build_generations
 from frontend.state import FrontendState
@@ -50,7 +50,8 @@ class ResponsesCall(ChatCall):
         with responses_params():
             return build_generations(self.state, self.body, [self.prompt], self.request_id,
                                      self.body.max_completion_tokens, None, prompt_param="input",
-                                     max_tokens_param="max_output_tokens", structured=self.structured_output())
+                                     max_tokens_param="max_output_tokens", structured=self.structured_output(),
+                                     constraint_param=responses_param(self.constraint_param))
 
     async def collect(self) -> dict:
         """The response object.

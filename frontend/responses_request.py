@@ -313,6 +313,11 @@ _CHAT_PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens
                 "response_format": "text"}
 
 
+def responses_param(param: str | None) -> str | None:
+    """The Responses field of a chat field's name (messages -> input, ...)."""
+    return _CHAT_PARAMS.get(param, param)
+
+
 @contextmanager
 def responses_params() -> Iterator[None]:
     """An error of the chat machinery named by the Responses field (messages -> input, ...)."""

@@ -35,7 +35,7 @@ from frontend.protocol import (
 )
 from frontend.responses import chat_logprobs, completion_logprobs, prompt_logprobs_object
 from frontend.state import FrontendState
-from frontend.structured_request import structured_output_of
+from frontend.structured_request import constraint_source, structured_output_of
 from frontend.tool_calls import ToolCallChoices, tool_parser_of
 from frontend.tool_request import template_tools, tool_constraint, tool_use_of
 
@@ -60,10 +60,12 @@ def build_generations(state: FrontendState, body: SamplingFields, prompts: list[
                       max_tokens: int | None, logprobs: int | None, prompt_param: str = "prompt",
                       prompt_logprobs: int | None = None, background: bool = False,
                       max_tokens_param: str = "max_tokens",
-                      structured: StructuredOutput | None = None) -> list[TextGeneration]:
+                      structured: StructuredOutput | None = None,
+                      constraint_param: str | None = None) -> list[TextGeneration]:
     """One TextGeneration per (prompt, choice); choice index = prompt index * n + j. With a seed, choice j of a
     prompt samples with seed + j, so the n choices differ yet each is reproducible. `background`: batch work,
-    which the scheduler runs behind every interactive request. `structured`: every choice's output constraint.
+    which the scheduler runs behind every interactive request. `structured`: every choice's output constraint, from
+    the field `constraint_param` (which an engine's refusal of it names, as max_tokens_param names a length one).
 
     Raises:
         InvalidRequestError: a parameter out of range for any prompt.
@@ -89,7 +91,8 @@ def build_generations(state: FrontendState, body: SamplingFields, prompts: list[
                 log.info("request %s: %d prompt tokens, %s", request.request_id, len(ids), sampling)
             metrics = state.metrics.request(len(ids), n=body.n if j == 0 else 0)  # n observed once per prompt
             generations.append(TextGeneration(state.engine, state.tokenizer, request, index, stops,
-                                              body.include_stop_str_in_output, metrics))
+                                              body.include_stop_str_in_output, metrics,
+                                              refusal_params=(constraint_param, max_tokens_param)))
     return generations
 
 
@@ -133,6 +136,7 @@ class Call:
         self.envelope = envelope
         self.generations: list[TextGeneration] = []
         self.first_fields: dict = {}
+        self.constraint_param: str | None = None  # the field of the output constraint (set by structured_output)
 
     def build(self) -> list[TextGeneration]:
         raise NotImplementedError
@@ -140,10 +144,14 @@ class Call:
     def structured_output(self) -> StructuredOutput | None:
         """The output constraint of every choice: the body's response_format / structured_outputs / guided_*.
 
+        Sets `constraint_param`, the field it came from.
+
         Raises:
             InvalidRequestError: a malformed constraint, or several at once (param names the field).
         """
-        return structured_output_of(self.body)
+        found = structured_output_of(self.body)
+        self.constraint_param = constraint_source(self.body) if found is not None else None
+        return found
 
     def final_choice(self, choice: CollectedChoice) -> dict:
         raise NotImplementedError
@@ -235,7 +243,8 @@ class CompletionCall(Call):
         # echo with logprobs also scores the prompt (how lm-eval-harness computes loglikelihoods)
         generations = build_generations(state, body, self.prompts, self.request_id, body.max_tokens, self.logprobs,
                                         prompt_logprobs=self.logprobs if body.echo else None,
-                                        background=self.background, structured=self.structured_output())
+                                        background=self.background, structured=self.structured_output(),
+                                        constraint_param=self.constraint_param)
         if body.echo:
             several = isinstance(body.prompt, list) and not isinstance(body.prompt[0], int)
             originals = body.prompt if several else [body.prompt]
@@ -313,7 +322,7 @@ class ChatCall(Call):
                                  body.max_completion_tokens if newer else body.max_tokens, self.logprobs,
                                  prompt_param="messages", background=self.background,
                                  max_tokens_param="max_completion_tokens" if newer else "max_tokens",
-                                 structured=self.structured_output())
+                                 structured=self.structured_output(), constraint_param=self.constraint_param)
 
     def structured_output(self) -> StructuredOutput | None:
         """The constraint that tool_choice "required" or a named function makes, else the body's own.
@@ -326,7 +335,10 @@ class ChatCall(Call):
             InvalidRequestError: as Call.structured_output.
         """
         own = super().structured_output()
-        return tool_constraint(self.tool_use) or own
+        forced = tool_constraint(self.tool_use)
+        if forced is not None:
+            self.constraint_param = "tools"
+        return forced or own
 
     def final_choice(self, choice: CollectedChoice) -> dict:
         g = choice.generation

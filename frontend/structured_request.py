@@ -80,6 +80,11 @@ def structured_output_of(body) -> StructuredOutput | None:
     return found
 
 
+def constraint_source(body) -> str | None:
+    """The field of `body` that holds its output constraint (checked by structured_output_of), or None."""
+    return next((source for source in SOURCES if getattr(body, source) is not None), None)
+
+
 def _response_format(value) -> StructuredOutput | None:
     kind = value.__struct_config__.tag
     if kind == "text":

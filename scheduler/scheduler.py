@@ -25,7 +25,7 @@ from operator import attrgetter
 
 from common.config import SchedulerConfig
 from common.messages import (
-    CachedRequestData, FinishReason, GrammarsCompiled, NewRequestData, RequestOutput, SchedulerStats, StepPlan,
+    NEVER_FITS, CachedRequestData, FinishReason, GrammarsCompiled, NewRequestData, RequestOutput, SchedulerStats, StepPlan,
     StepResult, Submit, TokenLogprobs,
 )
 from scheduler.admission import AdmissionView, SloAdmission
@@ -91,7 +91,7 @@ class Scheduler:
         max_len = min(len(submit.prompt_token_ids) + submit.sampling.max_tokens, self.max_model_len)
         if self.kv.blocks_needed(max_len) > self.kv.pool.num_blocks:
             return self._reject(client, submit.request_id, 400,
-                                f"prompt + max_tokens needs {max_len} tokens of KV cache; the whole cache holds "
+                                f"prompt + max_tokens needs {max_len} {NEVER_FITS}; the whole cache holds "
                                 f"{self.kv.pool.num_blocks * self.kv.block_size}")
         request = Request(submit.request_id, client, list(submit.prompt_token_ids), submit.sampling,
                           submit.arrival_time, submit.priority, submit.group_id or submit.request_id,

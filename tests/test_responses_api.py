@@ -19,12 +19,12 @@ import msgspec
 import openai
 import pydantic
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient
 
 from common.config import ToolCallConfig
 from common.messages import FinishReason
 from common.sampling import StructuredOutput
-from tests.fake_engine import FakeEngine, frontend_app
+from tests.fake_engine import FakeEngine
 from tests.test_api_details import PROMPT, STORY, STORY_TEXT, openai_client, post, served
 from tests.test_tool_calling import NAMED_TEXT, REQUIRED_TEXT, script
 

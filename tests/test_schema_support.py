@@ -210,3 +210,35 @@ async def test_a_forced_tool_whose_parameters_are_too_large_or_weakened_is_a_400
                                           {"messages": USER, "tools": tools, "tool_choice": choice})
                 assert status == 400 and body["error"]["param"] == "tools" and named in body["error"]["message"]
     assert engine.submitted == []
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/completions", {"structured_outputs": {"regex": "[a-z]+"}}, "structured_outputs"),
+    ("/v1/chat/completions", {"guided_json": {"type": "object"}}, "guided_json"),
+    ("/v1/chat/completions", {"tool_choice": "required", "response_format": {"type": "json_object"}, "tools": [
+        {"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("/v1/responses", {"text": {"format": {"type": "json_object"}}}, "text"),
+])
+async def test_the_engines_refusal_of_a_constraint_names_the_field_it_came_from(path, body, param):
+    from tests.fake_engine import FakeEngine
+    from tests.test_api_details import USER, post, served
+
+    engine = FakeEngine(error=(400, "the json constraint does not compile: no"))
+    prompt = {"input": "Hi"} if path == "/v1/responses" else {"prompt": "Hi"} if "/completions" == path[3:] \
+        else {"messages": USER}
+    async with served(engine) as (client, _):
+        status, answer = await post(client, path, {**prompt, **body})
+    assert (status, answer["error"]["param"]) == (400, param), answer
+
+
+async def test_a_prompt_and_max_tokens_no_cache_holds_names_max_tokens():
+    from tests.fake_engine import FakeEngine
+    from tests.test_api_details import USER, post, served
+
+    engine = FakeEngine(error=(400, "prompt + max_tokens needs 900 tokens of KV cache; the whole cache holds 320"))
+    async with served(engine) as (client, _):
+        chat = await post(client, "/v1/chat/completions", {"messages": USER, "max_completion_tokens": 800})
+        responses = await post(client, "/v1/responses", {"input": "Hi", "max_output_tokens": 800})
+    assert [(s, a["error"]["param"]) for s, a in (chat, responses)] == [(400, "max_completion_tokens"),
+                                                                          (400, "max_output_tokens")]

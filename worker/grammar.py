@@ -25,7 +25,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from common.messages import GRAMMAR_CACHE_ENTRIES, GrammarsCompiled
+from common.messages import CONSTRAINT_REFUSAL, GRAMMAR_CACHE_ENTRIES, GrammarsCompiled
 from common.sampling import StructuredOutput
 
 log = logging.getLogger("shuttle.worker")
@@ -210,7 +210,7 @@ class GrammarCompiler:
         except Exception as exc:  # xgrammar raises RuntimeError / ValueError with its parser's message
             message = str(exc).strip().splitlines()
             reason = XGRAMMAR_LOG_PREFIX.sub("", message[-1]) if message else type(exc).__name__
-            raise GrammarError(f"the {spec.kind} constraint does not compile: {reason[:MAX_ERROR_CHARS]}") from None
+            raise GrammarError(f"the {spec.kind} {CONSTRAINT_REFUSAL}: {reason[:MAX_ERROR_CHARS]}") from None
         raise GrammarError(f"unknown structured output kind {spec.kind!r}")
 
 

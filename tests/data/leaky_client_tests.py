@@ -1,7 +1,10 @@
 """Run by tests/test_loop_guard.py in a pytester subprocess (not collected here: no test_ prefix): the first test leaves an
 openai client open on a server that outlives it; the second collects the garbage and starts a new server, whose
 listening socket gets the freed fd number and, without the guard, is never polled."""
-import asyncio, gc, os
+
+import asyncio
+import gc
+
 import openai
 from aiohttp import web
 from aiohttp.test_utils import TestServer
