@@ -20,8 +20,8 @@ import json
 import logging
 import re
 import threading
-from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+import time
+from collections import OrderedDict, deque
 
 import torch
 
@@ -39,41 +39,76 @@ MAX_ERROR_CHARS = 500  # of xgrammar's message, in the 400 a client gets
 XGRAMMAR_LOG_PREFIX = re.compile(r"^\[\d{2}:\d{2}:\d{2}\] \S+:\d+: ")
 
 
+# Compiles run in two lanes, each one compile at a time on a thread of its own (xgrammar releases the GIL): specs
+# under LARGE_SPEC_BYTES in one, larger ones in the other, so a trivial constraint never waits behind a huge schema.
+# A compile still running after COMPILE_PATIENCE_S is answered as refused (a 400 naming the field) and left to finish
+# unseen, and its lane goes on with the next one; at most MAX_ABANDONED such compiles may still run, and past that
+# the large lane refuses at once until one ends (each holds a core until xgrammar returns).
+LARGE_SPEC_BYTES = 16 * 1024
+COMPILE_PATIENCE_S = 30.0
+MAX_ABANDONED = 2
+
+
 class GrammarError(ValueError):
     """A StructuredOutput xgrammar cannot compile (the message says why)."""
 
 
+class _Job:
+    """One compile: its spec, its thread once started, and its result once done."""
+
+    def __init__(self, spec: StructuredOutput):
+        self.spec = spec
+        self.started = 0.0
+        self.thread: threading.Thread | None = None
+        self.result = None  # CompiledGrammar or GrammarError
+        self.done = threading.Event()
+
+
+class _Lane:
+    """Compiles waiting in order, and the one running."""
+
+    def __init__(self):
+        self.queue: deque[_Job] = deque()
+        self.running: _Job | None = None
+
+
 class GrammarCompiler:
-    """Compiles StructuredOutputs for one model's vocabulary, off the step loop, and caches them by key.
+    """Compiles StructuredOutputs for one model's vocabulary, off the step loop, and keeps them by key until the
+    scheduler evicts them (scheduler/grammar_gate.py keeps the book).
 
     JSON is compiled without free whitespace (xgrammar's `any_whitespace=False`: ", " and ": " between items), so a
     model cannot spend its max_tokens on blank lines inside an object, which small and sampled models otherwise do.
 
     Args:
-        tokenizer_dir: the Hugging Face tokenizer's directory (transformers' AutoTokenizer loads it once, on the
-            compile thread, as soon as the compiler is built).
+        tokenizer_dir: the Hugging Face tokenizer's directory (transformers' AutoTokenizer loads it once, on a
+            thread of its own, as soon as the compiler is built).
         vocab_size: the logits' width (the model's output rows; may exceed the tokenizer's vocabulary).
         eos_token_ids: the ids that end a sequence: a grammar allows them exactly where its output may end.
         trust_remote_code: passed to AutoTokenizer.
+        patience_s: seconds a compile may run before it is answered as refused (COMPILE_PATIENCE_S).
+        clock: time source in seconds (time.monotonic; tests pass their own).
     """
 
     def __init__(self, tokenizer_dir: str, vocab_size: int, eos_token_ids: tuple[int, ...],
-                 trust_remote_code: bool = False):
+                 trust_remote_code: bool = False, patience_s: float = COMPILE_PATIENCE_S, clock=time.monotonic):
         self.tokenizer_dir = tokenizer_dir
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
         self.trust_remote_code = trust_remote_code
-        self._compiler = None  # xgrammar.GrammarCompiler, built on first use
+        self.patience_s = patience_s
+        self.clock = clock
+        self._info = None  # xgrammar.TokenizerInfo, built on first use
         self._build_lock = threading.Lock()
         self._cache: dict[str, object] = {}  # key -> CompiledGrammar, until the scheduler evicts it
         self._errors: OrderedDict[str, GrammarError] = OrderedDict()  # key -> why it does not compile
         self._cache_lock = threading.Lock()
         self.step_compiles = 0  # grammars compiled on the step: missing when a request needed them (never, by design)
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
-        self._pending: dict[str, Future] = {}
+        self._lanes = (_Lane(), _Lane())  # small specs, large specs
+        self._jobs: dict[str, _Job] = {}  # key -> its job, queued or running
+        self._abandoned: list[_Job] = []  # compiles past their patience, still running
         self._answers: list[tuple[str, object]] = []  # (key, CompiledGrammar or GrammarError), cache hits included
-        # The tokenizer's grammar tables are built now, on the compile thread, so no first request waits for them
-        self._warm_up = self._pool.submit(self._xgrammar_compiler)
+        # The tokenizer's grammar tables are built now, on a thread, so no first request waits for them
+        threading.Thread(target=self._tokenizer_info, name="grammar-warm-up", daemon=True).start()
 
     # ---- asked by the scheduler -------------------------------------------------------------------------
 
@@ -86,8 +121,10 @@ class GrammarCompiler:
             cached = self._cached(key)
             if cached is not None:
                 self._answers.append((key, cached))
-            elif key not in self._pending:
-                self._pending[key] = self._pool.submit(self._compile_and_cache, spec)
+            elif key not in self._jobs:
+                job = self._jobs[key] = _Job(spec)
+                self._lanes[len(spec.spec) >= LARGE_SPEC_BYTES].queue.append(job)
+        self._pump()
 
     def evict(self, keys: list[str]) -> None:
         """Drop these compiled grammars (the scheduler's word: no queued or running request needs them)."""
@@ -103,21 +140,27 @@ class GrammarCompiler:
 
     @property
     def has_pending(self) -> bool:
-        """Compiles running or answers not yet taken (the worker loop polls instead of blocking on plans)."""
-        return bool(self._pending or self._answers)
+        """Compiles queued or running, or answers not yet taken (the worker loop polls instead of blocking)."""
+        return bool(self._jobs or self._answers)
 
     def take_finished(self) -> GrammarsCompiled | None:
-        """The answers since the last call (None when there are none): `errors[i]` is "" when keys[i] compiled."""
-        for key, future in list(self._pending.items()):
-            if future.done():
-                del self._pending[key]
-                error = future.exception()  # _compile_and_cache caches GrammarErrors; anything else is a bug
-                if error is not None:
-                    log.error("grammar compile raised: %r", error)
-                cached = self._cached(key)
-                if cached is None:
-                    cached = GrammarError(f"internal error: {error or 'the compiled grammar is gone'}")
-                self._answers.append((key, cached))
+        """The answers since the last call (None when there are none): finished compiles, and refusals of those past
+        their patience."""
+        now = self.clock()
+        for lane in self._lanes:
+            job = lane.running
+            if job is None:
+                continue
+            if job.done.is_set():
+                self._settle(job, job.result)
+                lane.running = None
+            elif now - job.started > self.patience_s:
+                self._abandoned.append(job)
+                self._settle(job, GrammarError(
+                    f"the {job.spec.kind} {CONSTRAINT_REFUSAL} within {self.patience_s:g} s (the server's limit on "
+                    f"one compile): make it smaller or simpler"))
+                lane.running = None
+        self._pump()
         if not self._answers:
             return None
         answers, self._answers = self._answers, []
@@ -127,14 +170,22 @@ class GrammarCompiler:
         """`submit`, compiling on the caller's thread and answering every spec (the in-process engine,
         scheduler/in_process.py)."""
         self.evict(evict)
-        return _answer([(spec.key, self._cached(spec.key) or self._compile_and_cache(spec)) for spec in specs])
+        answers = []
+        for spec in specs:
+            value = self._cached(spec.key)
+            if value is None:
+                value = self._compile_or_error(spec)
+                self._keep(spec.key, value)
+            answers.append((spec.key, value))
+        return _answer(answers)
 
     # ---- used by the step -------------------------------------------------------------------------------
 
     def matcher(self, spec: StructuredOutput, outputs: list[int]) -> GrammarState:
         """A fresh matcher for `spec` that has accepted `outputs` (the request's known output tokens: more than none
-        after a preemption). Compiles on the spot if the grammar is not cached (evicted since the scheduler was
-        told it was ready), waiting for a compile already running.
+        after a preemption). The grammar is compiled already (the scheduler let the request run only once it was,
+        and keeps it here while the request lives); if it were not, it would be compiled on the spot (counted in
+        `step_compiles`, logged as the bug it is).
 
         Raises:
             GrammarError: the spec does not compile, or `outputs` do not follow it (a bug: they were sampled under it).
@@ -145,9 +196,8 @@ class GrammarCompiler:
         if compiled is None:  # the scheduler pins a queued request's grammar: only a bug gets here
             self.step_compiles += 1
             log.error("grammar %s is not compiled when its request runs: compiling it on the step", spec.key[:16])
-            pending = self._pending.get(spec.key)
-            compiled = pending.result() if pending is not None else None
-            compiled = self._cached(spec.key) or self._compile_and_cache(spec)
+            compiled = self._compile_or_error(spec)
+            self._keep(spec.key, compiled)
         if isinstance(compiled, GrammarError):
             raise compiled
         state = GrammarState(xgr.GrammarMatcher(compiled, override_stop_tokens=self.eos_token_ids or None),
@@ -158,7 +208,7 @@ class GrammarCompiler:
         return state
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Nothing to stop: compile threads are daemons, and a compile's result is only read by take_finished."""
 
     # ---- compiling --------------------------------------------------------------------------------------
 
@@ -167,31 +217,73 @@ class GrammarCompiler:
         with self._cache_lock:
             return self._cache.get(key) or self._errors.get(key)
 
-    def _compile_and_cache(self, spec: StructuredOutput):
-        try:
-            value = self._compile(spec)
-        except GrammarError as exc:
-            with self._cache_lock:
-                self._errors[spec.key] = exc
+    def _keep(self, key: str, value) -> None:
+        with self._cache_lock:
+            if isinstance(value, GrammarError):
+                self._errors[key] = value
                 while len(self._errors) > ERROR_CACHE_ENTRIES:
                     self._errors.popitem(last=False)
-            return exc
-        with self._cache_lock:
-            self._cache[spec.key] = value
-        return value
+            else:
+                self._cache[key] = value
 
-    def _xgrammar_compiler(self):
+    def _settle(self, job: _Job, value) -> None:
+        """A job's answer: kept (a compiled grammar, until evicted; an error, among the recent ones) and reported."""
+        del self._jobs[job.spec.key]
+        if value is None:
+            value = GrammarError("internal error: the compile ended without a result")
+        self._keep(job.spec.key, value)
+        self._answers.append((job.spec.key, value))
+
+    def _pump(self) -> None:
+        """Start the next queued compile of each idle lane; past MAX_ABANDONED over-long compiles still running,
+        the large lane's queue is refused instead."""
+        self._abandoned = [job for job in self._abandoned if not job.done.is_set()]
+        for large, lane in enumerate(self._lanes):
+            if large and len(self._abandoned) >= MAX_ABANDONED:
+                while lane.queue:
+                    self._settle(lane.queue.popleft(), GrammarError(
+                        f"the {CONSTRAINT_REFUSAL} now: the server is still running {len(self._abandoned)} "
+                        f"over-long compiles; retry later or send a smaller constraint"))
+            if lane.running is None and lane.queue:
+                job = lane.running = lane.queue.popleft()
+                job.started = self.clock()
+                job.thread = threading.Thread(target=self._run, args=(job,), name="grammar-compile", daemon=True)
+                job.thread.start()
+
+    def _run(self, job: _Job) -> None:
+        try:
+            job.result = self._compile_or_error(job.spec)
+        except Exception as exc:  # _compile raises GrammarError; anything else is a bug, answered as one
+            log.error("grammar compile raised: %r", exc)
+            job.result = GrammarError(f"internal error: {exc}")
+        finally:
+            job.done.set()
+
+    def _compile_or_error(self, spec: StructuredOutput):
+        try:
+            return self._compile(spec)
+        except GrammarError as exc:
+            return exc
+
+    def _tokenizer_info(self):
+        """xgrammar's tables of the tokenizer, built once (seconds for a large vocabulary)."""
         with self._build_lock:
-            if self._compiler is None:
+            if self._info is None:
                 import xgrammar as xgr
                 from transformers import AutoTokenizer
 
                 tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_dir, trust_remote_code=self.trust_remote_code)
-                info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
-                                                          stop_token_ids=self.eos_token_ids or None)
-                # one thread: compiles are already off the step loop, and the step's own threads need the cores
-                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-            return self._compiler
+                self._info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
+                                                                stop_token_ids=self.eos_token_ids or None)
+            return self._info
+
+    def _xgrammar_compiler(self):
+        """An xgrammar GrammarCompiler of this thread's own (microseconds to build; the lanes' compiles may run at
+        once, and nothing here relies on one compiler being safe to share), with one thread: compiles are off the
+        step loop already, and the step's own threads need the cores."""
+        import xgrammar as xgr
+
+        return xgr.GrammarCompiler(self._tokenizer_info(), max_threads=1, cache_enabled=False)
 
     def _compile(self, spec: StructuredOutput):
         """The CompiledGrammar of `spec`. Raises GrammarError with xgrammar's reason."""
