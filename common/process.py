@@ -22,6 +22,10 @@ from common.messages import Heartbeat, ProcessReady
 log = logging.getLogger("shuttle")
 
 HEARTBEAT_INTERVAL_S = 1.0
+# When the launcher replaces a live frontend: this signal (then SIGCONT), this long to end its open streams with an
+# error itself (frontend/last_words.py), then SIGKILL.
+LAST_WORDS_SIGNAL = signal.SIGUSR2
+LAST_WORDS_S = 2.0
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 

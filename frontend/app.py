@@ -11,6 +11,7 @@ from aiohttp import web
 
 from common.config import ShuttleConfig
 from common.version import shuttle_version
+from frontend import last_words
 from frontend.backpressure import refusal_headers
 from frontend.chat import ChatTemplate
 from frontend.engine_client import EngineClient
@@ -142,6 +143,7 @@ async def serve(config: ShuttleConfig, on_ready) -> None:
     await runner.setup()
     shutdown = Shutdown()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, shutdown.on_signal)
+    last_words.install()  # the launcher's SIGUSR2 when it replaces this process: open streams end with an error
     server = await listen(runner, config.host, config.port, config.ops)
     port = server.sockets[0].getsockname()[1]
     url = f"http://{config.host}:{port}"

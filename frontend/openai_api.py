@@ -9,6 +9,7 @@ from contextlib import aclosing
 from aiohttp import web
 
 from common.errors import GenerationError
+from frontend import last_words
 from frontend.http_server import request_body
 from frontend.off_loop import convert
 from frontend.protocol import ChatCompletionRequest, CompletionRequest, decode_body, error_body
@@ -67,6 +68,10 @@ async def _stream(request: web.Request, call: Call, frame=None, error=error_body
         first = await anext(chunks, None)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
+        # if the launcher replaces this process mid-stream, the stream still ends with one error event
+        chunked = "chunked" in response.headers.get("Transfer-Encoding", "")  # as prepare() decided (HTTP/1.1)
+        token = last_words.register(request.transport, lambda: last_words.sse_chunk(
+            frame(error(503, last_words.MESSAGE)) + done, chunked))
         try:
             chunk = first
             while chunk is not None:
@@ -79,6 +84,8 @@ async def _stream(request: web.Request, call: Call, frame=None, error=error_body
         except Exception:
             request.app.logger.exception("stream failed")
             await response.write(frame(error(500, "internal server error")))
+        finally:
+            last_words.unregister(token)
     if done:
         await response.write(done)
     await response.write_eof()

@@ -33,6 +33,7 @@ from aiohttp import WSMsgType, web
 from yarl import URL
 
 from common.errors import InvalidRequestError
+from frontend import last_words
 from frontend.choices import usage
 from frontend.off_loop import convert
 from frontend.protocol import CompletionRequest, client_error, decode_body, error_body
@@ -211,6 +212,9 @@ async def websocket_handler(request: web.Request) -> web.StreamResponse:
         return _not_a_handshake(request, exc.text or "")
     session = _Session(ws, state, request.remote)
     state.websockets.add(ws)
+    # if the launcher replaces this process, each open generate gets its error frame, then a close with 1012
+    token = last_words.register(request.transport, lambda: last_words.websocket_frames(
+        [last_words.websocket_error(client_id) for client_id in list(session.streams)]))
     try:
         async for message in ws:
             if message.type == WSMsgType.TEXT:
@@ -218,6 +222,7 @@ async def websocket_handler(request: web.Request) -> web.StreamResponse:
             elif message.type == WSMsgType.BINARY:
                 await session.error(None, 400, "send JSON as text frames; binary frames are not accepted")
     finally:
+        last_words.unregister(token)
         state.websockets.discard(ws)
         for stream in list(session.streams.values()):
             if stream.task is not None:

@@ -46,7 +46,7 @@ from common.messages import ControlMessage, EngineDown
 from common.model_dir import check_model_dir
 from launcher.ports import Listen, PortError, check_ports, tcp_listen
 from launcher.scheduler_files import check_scheduler_files
-from common.process import raise_fd_limit
+from common.process import LAST_WORDS_S, raise_fd_limit
 from launcher.supervised_unit import FRONTEND, RESTART_RESET_S, Unit, describe_exit, engine_roles, free_tcp_endpoints
 
 STOP_TIMEOUT_S = 4.0  # SIGTERM to SIGKILL for the engine's processes at shutdown
@@ -392,8 +392,9 @@ class Launcher:
                     return 1
 
     def _recover(self, unit: Unit, reason: str) -> bool:
-        """Kill the unit, tell the frontend if the engine went, and schedule a restart. False: give up."""
-        unit.kill()
+        """Kill the unit, tell the frontend if the engine went, and schedule a restart. False: give up. A frontend
+        that is still alive gets its last words first: its open streams end with an error, not a cut."""
+        unit.kill(LAST_WORDS_S if unit is self.frontend else 0.0)
         give_up = unit.failures_in_a_row >= self.config.ops.max_restarts
         backoff = unit.next_backoff()
         if unit is not self.frontend and self.to_frontend is not None:

@@ -16,7 +16,7 @@ import time
 from common.config import DP_GROUP_ENV, TP_RANK_ENV, ShuttleConfig
 from common.cpu_threads import CorePlan, other_env, pin, worker_env
 from common.messages import ControlMessage, Heartbeat, ProcessReady
-from common.process import die_with_parent
+from common.process import LAST_WORDS_SIGNAL, die_with_parent
 
 RESTART_RESET_S = 60.0  # a unit that served this long after a restart starts counting its failures afresh
 BACKOFF_FIRST_S, BACKOFF_MAX_S = 0.5, 10.0
@@ -150,8 +150,21 @@ class Unit:
                     return f"{role} (pid {self.procs[role].pid}) sent no heartbeat for {now - last:.0f} s"
         return None
 
-    def kill(self) -> None:
-        """SIGKILL every process of the unit (a stopped or hung one too) and reap it."""
+    def kill(self, last_words_s: float = 0.0) -> None:
+        """SIGKILL every process of the unit (a stopped or hung one too) and reap it. With `last_words_s`, each
+        live process first gets LAST_WORDS_SIGNAL and SIGCONT (in case it was stopped) and that many seconds to exit on its
+        own: the frontend ends its open streams with an error then (frontend/last_words.py)."""
+        if last_words_s > 0:
+            live = [proc for proc in self.procs.values() if proc.poll() is None]
+            for proc in live:
+                proc.send_signal(LAST_WORDS_SIGNAL)
+                proc.send_signal(signal.SIGCONT)
+            deadline = time.monotonic() + last_words_s
+            for proc in live:
+                try:
+                    proc.wait(timeout=max(deadline - time.monotonic(), 0.01))
+                except subprocess.TimeoutExpired:
+                    pass
         for proc in self.procs.values():
             if proc.poll() is None:
                 proc.kill()

@@ -36,7 +36,7 @@ SCHEDULER_COUNTERS = {"shuttle:prefix_cache_queries_total", "shuttle:prefix_cach
 
 @pytest.fixture(scope="module")
 def srv():
-    srv = ShuttleServer("--step-timeout", "3", "--max-restarts", "10", step_delay=0.05)
+    srv = ShuttleServer("--step-timeout", "3", "--heartbeat-timeout", "6", "--max-restarts", "10", step_delay=0.05)
     yield srv
     srv.stop()
 
@@ -167,3 +167,26 @@ async def test_killed_frontend_frees_all_its_blocks(srv):
             assert time.monotonic() < deadline, stats
             await asyncio.sleep(0.1)
         await assert_greedy_exact(session, srv.url)
+
+
+async def test_a_replaced_frontend_ends_every_open_stream_with_one_error(srv):
+    """SIGSTOP of the frontend: its heartbeat stops, and after --heartbeat-timeout the launcher replaces it, first
+    asking for its last words (SIGUSR2, SIGCONT): each open SSE stream ends with exactly one error event and
+    [DONE], the WebSocket generate with an error frame, instead of a cut connection. Then it serves again, exact."""
+    restarts = srv.restarts
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=HANG)) as session:
+        await wait_health(session, srv.url, 200)
+        started = [asyncio.Event() for _ in range(4)]
+        tasks = [asyncio.create_task(sse(session, srv.url, started[i])) for i in range(3)]
+        tasks.append(asyncio.create_task(websocket(session, srv.url, started[3])))
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), HANG)
+        os.kill(srv.pids["frontend"], signal.SIGSTOP)
+        *streams, ws_end = await asyncio.wait_for(asyncio.gather(*tasks), HANG)
+        for events in streams:
+            assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == 503, events[-3:]
+            assert all("error" not in json.loads(e) for e in events[:-2])  # exactly one terminal error
+        assert ws_end["type"] == "error" and ws_end["error"]["code"] == 503, ws_end
+        srv.wait_restarts(restarts + 1)
+        await wait_health(session, srv.url, 200)
+        await assert_greedy_exact(session, srv.url)
+    assert any("frontend" in line and "sent no heartbeat" in line for line in srv.output), srv.output[-5:]
