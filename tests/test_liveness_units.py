@@ -152,7 +152,9 @@ def test_step_thread_clocks_read_a_working_thread_and_a_stopped_process():
             assert time.monotonic() < deadline, "neither thread's CPU time moved in 30 s"
         assert first[2] is None
         busy.send_signal(signal.SIGSTOP)
-        time.sleep(0.1)  # the stop lands
+        while open(f"/proc/{busy.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "T":  # the stop lands
+            assert time.monotonic() < deadline, "the child did not stop"
+            time.sleep(0.01)
         stopped = clocks()[1]
         time.sleep(0.3)
         assert clocks()[1] == stopped
