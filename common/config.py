@@ -185,7 +185,7 @@ def tensor_parallel_error(hf_config: dict, tensor_parallel_size: int) -> str | N
 class OpsConfig:
     """Supervision, shutdown and connection limits. Each field's help says what it means."""
 
-    step_timeout: float = option(60.0, "seconds a step of the worker may go without progress (its step thread "
+    step_timeout: float = option(60.0, "seconds a step of the worker may go without progress (its process "
                                        "using no CPU time) before the scheduler declares the worker hung and the "
                                        "engine restarts; a slow but working step may take 10 times as long "
                                        "(0: never)", type=seconds)

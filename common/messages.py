@@ -219,8 +219,8 @@ class WorkerReady(msgspec.Struct, **_WIRE):
         device, dtype, attention_backend: what the rank runs on and with ("cuda:0", "bfloat16", "flex").
         activation_peak_bytes: the profiling step's torch peak on CUDA (0: not profiled, as on the CPU).
         kv_budget: how the KV cache was sized ("--kv-cache-memory 1024 MiB", "--gpu-memory-utilization 0.9 of ...").
-        boot_id, pid, step_thread_id: the host's boot id, the process id and the native id of the thread that runs
-            the steps; the scheduler's step watchdog reads that thread's CPU time to tell slow from hung.
+        boot_id, pid: the host's boot id and the worker's process id; the scheduler's step watchdog reads that
+            process's CPU time to tell slow from hung.
     """
 
     rank: int
@@ -234,7 +234,6 @@ class WorkerReady(msgspec.Struct, **_WIRE):
     kv_budget: str = ""
     boot_id: str = ""
     pid: int = 0
-    step_thread_id: int = 0
 
 
 class StepResult(msgspec.Struct, **_WIRE):

@@ -34,9 +34,9 @@ class StepWatchdog:
     """Declares the worker hung when the step in flight makes no progress for --step-timeout seconds.
 
     Progress is read from what the worker does, not from the wall clock: with `work` (a function returning each
-    rank's step-thread CPU seconds, see StepThreadClocks), a step is overdue only once some rank's step thread has
-    used no CPU time for `timeout` seconds (a SIGSTOPped, deadlocked or blocked worker), so a worker starved by other
-    processes on a busy host, or compiling kernels in its first step, is slow but never taken for hung. A step in
+    rank's CPU seconds, see WorkerCpuClocks), a step is overdue only once some rank has used no CPU time for
+    `timeout` seconds (a SIGSTOPped, deadlocked or blocked worker), so a worker starved by other processes on a busy
+    host, or compiling kernels in its first step, is slow but never taken for hung. A step in
     flight for WORKING_STEP_LIMIT x timeout is hung regardless. Without `work`, or where a rank's CPU time cannot
     be read (the worker on another host), a step is overdue `timeout` seconds after it was sent.
 
@@ -46,7 +46,7 @@ class StepWatchdog:
     Args:
         timeout: seconds one step may go without progress (0: no limit).
         clock: time source in seconds (time.monotonic; tests pass their own).
-        work: per-rank CPU seconds of the worker's step threads (None for a rank that cannot be read), or None.
+        work: per-rank CPU seconds of the worker processes (None for a rank that cannot be read), or None.
     """
 
     def __init__(self, timeout: float, clock: Callable[[], float] = time.monotonic,
@@ -55,16 +55,18 @@ class StepWatchdog:
         self.clock = clock
         self.work = work
         self._step_id = -1
-        self._sent_at = 0.0
+        self._sent_at = self._watched_from = 0.0
         self._last_look = clock()
         self._readings: list[float | None] = []  # each rank's CPU seconds at its last advance
         self._advanced_at: list[float] = []  # when each rank's CPU time was last seen to advance
         self._read_at = -math.inf
 
     def sent(self, step_id: int, at: float | None = None) -> None:
-        """Time step `step_id` from `at` (clock seconds when it was sent; now by default)."""
+        """Time step `step_id` from `at` (clock seconds when it was sent; now by default). The progress rule and
+        WORKING_STEP_LIMIT count from now, when the step became the one waited for."""
         self._last_look = self.clock()
         self._step_id, self._sent_at = step_id, self._last_look if at is None else at
+        self._watched_from = self._last_look
         self._readings, self._advanced_at, self._read_at = [], [], -math.inf
 
     def poll_ms(self) -> int:
@@ -78,6 +80,7 @@ class StepWatchdog:
         now = self.clock()
         unwatched = _unwatched(now - self._last_look)
         self._sent_at += unwatched
+        self._watched_from += unwatched
         self._advanced_at = [t + unwatched for t in self._advanced_at]
         self._last_look = now
         if self.timeout <= 0:
@@ -85,7 +88,7 @@ class StepWatchdog:
         if self.work is not None and (now - self._read_at >= 0.5 or now > self._deadline()):
             self._read_work(now)
         if now > self._deadline():
-            if self._advanced_at and now - self._sent_at <= self.timeout * WORKING_STEP_LIMIT:
+            if self._advanced_at and now - self._watched_from <= self.timeout * WORKING_STEP_LIMIT:
                 stalled = [rank for rank, t in enumerate(self._advanced_at) if now - t > self.timeout]
                 raise WorkerHung(f"the worker made no progress on step {self._step_id} for {self.timeout:g} s "
                                  f"(--step-timeout): rank(s) {stalled} used no CPU time")
@@ -98,41 +101,46 @@ class StepWatchdog:
     def _deadline(self) -> float:
         if not self._advanced_at:
             return self._sent_at + self.timeout
-        return min(min(self._advanced_at) + self.timeout, self._sent_at + self.timeout * WORKING_STEP_LIMIT)
+        return min(min(self._advanced_at) + self.timeout, self._watched_from + self.timeout * WORKING_STEP_LIMIT)
 
     def _read_work(self, now: float) -> None:
         """Sample each rank's CPU time; a rank whose reading moved has advanced now. The first sample of a step
-        counts as an advance at the step's sending (what ran before it is not known). An unreadable rank drops
-        the watchdog to the wall-clock rule for this step."""
+        counts as an advance now: under overlapped scheduling a step is timed from when it became the oldest in
+        flight, which may be long after it was sent, and nothing says how the worker fared before the first look.
+        An unreadable rank drops the watchdog to the wall-clock rule for this step."""
         readings = self.work()
         self._read_at = now
         if not readings or any(r is None for r in readings):
             self._readings, self._advanced_at = [], []
             return
         if len(self._readings) != len(readings):
-            self._readings, self._advanced_at = list(readings), [self._sent_at] * len(readings)
+            self._readings, self._advanced_at = list(readings), [now] * len(readings)
             return
         for rank, reading in enumerate(readings):
             if reading != self._readings[rank]:
                 self._readings[rank], self._advanced_at[rank] = reading, now
 
 
-class StepThreadClocks:
-    """CPU seconds (user + system) that each worker rank's step thread has run, read from Linux's
-    /proc/<pid>/task/<tid>/stat (fields 14 and 15, utime and stime, in clock ticks; proc(5)).
+class WorkerCpuClocks:
+    """CPU seconds (user + system, every thread) that each worker rank's process has used, read from Linux's
+    /proc/<pid>/stat (fields 14 and 15, utime and stime, in clock ticks; proc(5)).
 
-    A rank reads as None where its thread cannot be read from here: another host (its boot id differs), another
-    platform, or a process that is gone. A stopped thread's CPU time does not advance.
+    The whole process, not the thread that runs the steps: that thread waits asleep at OpenMP's barriers
+    (OMP_WAIT_POLICY=PASSIVE, common/cpu_threads.py) while the pool's threads do the step's work, and on a crowded
+    host it went seconds without CPU time while its step advanced. The price: a deadlocked step beside a grammar
+    compile that still runs (at most 30 s, worker/grammar.py, or an over-long one left to finish) reads as progress
+    until that compile ends, or until WORKING_STEP_LIMIT.
+
+    A rank reads as None where its process cannot be read from here: another host (its boot id differs), another
+    platform, or a process that is gone. A stopped process's CPU time does not advance.
 
     Args:
-        threads: (boot id, pid, native thread id) of each rank's step thread, as the ranks report them in
-            WorkerReady.
+        processes: (boot id, pid) of each rank's process, as the ranks report them in WorkerReady.
     """
 
-    def __init__(self, threads: list[tuple[str, int, int]]):
+    def __init__(self, processes: list[tuple[str, int]]):
         here = boot_id()
-        self.paths = [f"/proc/{pid}/task/{tid}/stat" if boot and boot == here and pid > 0 and tid > 0 else None
-                      for boot, pid, tid in threads]
+        self.paths = [f"/proc/{pid}/stat" if boot and boot == here and pid > 0 else None for boot, pid in processes]
         self._tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
     def __call__(self) -> list[float | None]:
@@ -147,6 +155,8 @@ class StepThreadClocks:
         except OSError:
             return None
         fields = data[data.rindex(b")") + 2:].split()  # the command name, in parentheses, may hold spaces
+        if fields[0] == b"Z":
+            return None  # exited, not yet reaped
         return (int(fields[11]) + int(fields[12])) / self._tick
 
 

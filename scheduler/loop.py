@@ -22,7 +22,7 @@ from common.messages import (
 )
 from common.process import HeartbeatSender
 from scheduler.kv_cache import KVCacheManager
-from scheduler.liveness import FrontendWatch, StepThreadClocks, StepWatchdog
+from scheduler.liveness import FrontendWatch, StepWatchdog, WorkerCpuClocks
 from scheduler.admission import make_admission
 from scheduler.scheduled_step import ScheduledStep
 from scheduler.scheduler import Scheduler
@@ -85,9 +85,9 @@ class SchedulerLoop:
                      [ready[r].num_kv_blocks for r in sorted(ready)], num_blocks)
         msg = msgspec.structs.replace(ready[0], num_kv_blocks=num_blocks)
         self.worker = msg
-        # slow is not hung: the watchdog reads the ranks' step threads' CPU time (scheduler/liveness.py)
-        threads = [(ready[r].boot_id, ready[r].pid, ready[r].step_thread_id) for r in sorted(ready)]
-        self.watchdog = StepWatchdog(self.config.ops.step_timeout, work=StepThreadClocks(threads))
+        # slow is not hung: the watchdog reads the ranks' CPU time (scheduler/liveness.py)
+        processes = [(ready[r].boot_id, ready[r].pid) for r in sorted(ready)]
+        self.watchdog = StepWatchdog(self.config.ops.step_timeout, work=WorkerCpuClocks(processes))
         cache = self.config.cache
         kv = KVCacheManager(msg.num_kv_blocks, cache.block_size, cache.enable_prefix_caching)
         model = self.config.model

@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
@@ -14,7 +13,7 @@ import pytest
 from common.messages import FinishReason
 
 from common.process import boot_id
-from scheduler.liveness import FrontendWatch, StepThreadClocks, StepWatchdog, WorkerHung
+from scheduler.liveness import FrontendWatch, StepWatchdog, WorkerCpuClocks, WorkerHung
 from tests.test_scheduler import make_scheduler, run_step, submit
 
 
@@ -102,6 +101,7 @@ def test_a_stopped_rank_is_hung_within_the_step_timeout_even_while_another_works
     clock, work = FakeClock(), FakeWork(2)
     watchdog = StepWatchdog(timeout=5.0, clock=clock, work=work)
     watchdog.sent(9)
+    watchdog.check()  # the first look, as the loop takes it: the baseline
     for _ in range(10):  # 5 s: rank 1 stopped (SIGSTOP: its CPU time stands still), rank 0 spins in a collective
         clock.now += 0.5
         work.cpu[0] += 0.5
@@ -139,17 +139,16 @@ def test_an_unreadable_rank_falls_back_to_the_wall_clock():
         watchdog.check()
 
 
-def test_step_thread_clocks_read_a_working_thread_and_a_stopped_process():
-    """The /proc reading itself: this process's busy main thread advances; a SIGSTOPped busy child stands still;
+def test_worker_cpu_clocks_read_a_working_process_and_a_stopped_one():
+    """The /proc reading itself: this process advances while it spins; a SIGSTOPped busy child stands still;
     another host's boot id, or a process that is gone, reads None."""
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
-        clocks = StepThreadClocks([(boot_id(), os.getpid(), threading.get_native_id()),
-                                   (boot_id(), busy.pid, busy.pid), ("another-host", busy.pid, busy.pid)])
+        clocks = WorkerCpuClocks([(boot_id(), os.getpid()), (boot_id(), busy.pid), ("another-host", busy.pid)])
         first = clocks()
         deadline = time.monotonic() + 30
         while clocks()[1] == first[1] or clocks()[0] == first[0]:  # the tick is 10 ms: spin until both moved
-            assert time.monotonic() < deadline, "neither thread's CPU time moved in 30 s"
+            assert time.monotonic() < deadline, "neither process's CPU time moved in 30 s"
         assert first[2] is None
         busy.send_signal(signal.SIGSTOP)
         while open(f"/proc/{busy.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "T":  # the stop lands
@@ -213,3 +212,18 @@ def test_abort_client_frees_every_block_of_that_frontend_only():
     while s.has_work:
         run_step(s)
     assert s.kv.pool.num_free == s.kv.pool.num_blocks
+
+
+def test_a_step_timed_long_after_it_was_sent_gets_a_full_window_from_the_first_look():
+    """Overlapped scheduling times step N+1 only once step N returned, maybe a minute after N+1 was sent: the worker
+    that keeps working on it is not hung at the first look."""
+    clock, work = FakeClock(), FakeWork(1)
+    watchdog = StepWatchdog(timeout=5.0, clock=clock, work=work)
+    sent = clock.now
+    clock.now += 60.0
+    watchdog.sent(1, at=sent)
+    watchdog.check()  # the first look: a baseline, no verdict
+    for _ in range(20):
+        clock.now += 0.5
+        work.cpu[0] += 0.1
+        watchdog.check()

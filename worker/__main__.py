@@ -6,7 +6,6 @@ import json
 import logging
 import os
 import sys
-import threading
 from pathlib import Path
 
 import zmq
@@ -55,7 +54,7 @@ def main() -> None:
                              weight_bytes=runner.weight_bytes, device=str(runner.device), dtype=runner.dtype_label,
                              attention_backend=runner.backend.name,
                              activation_peak_bytes=runner.activation_peak_bytes, kv_budget=runner.kv_budget,
-                             boot_id=boot_id(), pid=os.getpid(), step_thread_id=threading.get_native_id()))
+                             boot_id=boot_id(), pid=os.getpid()))
     report_ready(config, name, num_kv_blocks=kv.num_blocks)
     # Issue 9: a thread, so a long forward pass does not look like a hang; a frozen process (SIGSTOP) stops it
     # too. A step that never returns is the scheduler's step watchdog's to notice.
