@@ -140,7 +140,7 @@ async def run(base: str, args) -> Tally:
         hostile = {
             "deep tool": lambda i: post(session, tally, chat, {"messages": user, "tools": [nested_tool(300)],
                                                                "tool_choice": "required"}, "deep tool"),
-            "huge enum": lambda i: post(session, tally, chat, {"messages": user, "max_tokens": 8, "response_format": {
+            "huge enum": lambda i: post(session, tally, completions, {"prompt": "Hi", "max_tokens": 8, "response_format": {
                 "type": "json_schema", "json_schema": {"name": "e", "schema": enum_schema(i % args.enums)}}},
                 "huge enum"),
             "distinct regex": lambda i: post(session, tally, completions, {
@@ -177,7 +177,9 @@ def main() -> int:
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     step_log = Path(tempfile.mkdtemp()) / "steps.jsonl"
-    with ShuttleServer("--step-log", str(step_log), model_dir=args.model) as server:
+    # a chat template, so that chat bodies (tools) reach the engine's checks on the default model too
+    with ShuttleServer("--step-log", str(step_log), "--chat-template", str(REPO / "tests/data/stories_chat.jinja"),
+                       model_dir=args.model) as server:
         worker = server.pids["worker"]
         rss_before = rss_kib(worker)
         tally = asyncio.run(run(server.url, args))
