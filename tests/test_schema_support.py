@@ -242,3 +242,20 @@ async def test_a_prompt_and_max_tokens_no_cache_holds_names_max_tokens():
         responses = await post(client, "/v1/responses", {"input": "Hi", "max_output_tokens": 800})
     assert [(s, a["error"]["param"]) for s, a in (chat, responses)] == [(400, "max_completion_tokens"),
                                                                           (400, "max_output_tokens")]
+
+
+async def test_tool_parameters_nested_past_the_bound_are_a_400_on_tools_whatever_the_choice():
+    """Nested 300 deep they were a recursion error in the chat template, answered as a 400 on `messages`."""
+    from tests.test_api_details import USER, post, served
+
+    schema: dict = {"type": "integer"}
+    for _ in range(300):
+        schema = {"type": "object", "properties": {"x": schema}, "required": ["x"]}
+    tools = [{"type": "function", "function": {"name": "deep", "parameters": schema}}]
+    async with served() as (client, engine):
+        for choice in ("none", "required"):
+            status, body = await post(client, "/v1/chat/completions",
+                                      {"messages": USER, "tools": tools, "tool_choice": choice})
+            assert (status, body["error"]["param"]) == (400, "tools") and "nested more than 64" in \
+                body["error"]["message"], body
+    assert engine.submitted == []
