@@ -58,8 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "template itself (a value that is no file and holds {{ or {%%}, as vLLM takes it)")
     serve.add_argument("--api-key", default=None,
                        help="require 'Authorization: Bearer KEY' on every endpoint but /health and /metrics and on "
-                            "batch jobs (default: $SHUTTLE_API_KEY; prefer it or --api-key-file: a command line "
-                            "is visible to every user of the machine)")
+                            "batch jobs (default: $SHUTTLE_API_KEY, else vLLM's $VLLM_API_KEY; prefer them or "
+                            "--api-key-file: a command line is visible to every user of the machine)")
     serve.add_argument("--api-key-file", default=None, metavar="FILE",
                        help="read the API key from the first line of FILE")
     serve.add_argument("--allowed-origins", type=origins, default=None, metavar="ORIGINS",

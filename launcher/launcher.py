@@ -244,11 +244,12 @@ def _rendezvous_listens(config: ShuttleConfig, groups: int) -> list[Listen]:
 
 
 def _api_key(args: argparse.Namespace) -> str | None:
-    """--api-key-file, else --api-key, else $SHUTTLE_API_KEY. Raises OSError for an unreadable file."""
+    """--api-key-file, else --api-key, else $SHUTTLE_API_KEY, else $VLLM_API_KEY (a vLLM deployment's key keeps
+    protecting it). Raises OSError for an unreadable file."""
     if getattr(args, "api_key_file", None):
         with open(args.api_key_file) as f:
             return f.readline().strip() or None
-    return args.api_key or os.environ.get("SHUTTLE_API_KEY") or None
+    return args.api_key or os.environ.get("SHUTTLE_API_KEY") or os.environ.get("VLLM_API_KEY") or None
 
 
 class Launcher:
@@ -265,6 +266,7 @@ class Launcher:
         self.config = config
         self.env = dict(os.environ)
         self.env.pop("SHUTTLE_API_KEY", None)
+        self.env.pop("VLLM_API_KEY", None)  # read above; the frontend alone gets the key, as SHUTTLE_API_KEY
         if api_key:
             self.env["SHUTTLE_API_KEY"] = api_key  # through the environment: argv is visible to every user
         if config.ipc.curve:

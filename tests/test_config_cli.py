@@ -100,3 +100,18 @@ def test_a_tool_call_parser_alone_is_taken():
     config = ShuttleConfig.from_args(args, IpcConfig.in_directory("/x"))
     assert (config.tool_calls.enable_auto_tool_choice, config.tool_calls.tool_call_parser) == (False, "hermes")
     assert ShuttleConfig.from_json(config.to_json()).tool_calls == config.tool_calls
+
+
+def test_the_api_key_comes_from_vllms_variable_too(monkeypatch, tmp_path):
+    """A deployment moved from vLLM keeps its key in VLLM_API_KEY: it must not run unauthenticated."""
+    import argparse
+
+    from launcher.launcher import _api_key
+
+    args = argparse.Namespace(api_key=None, api_key_file=None)
+    monkeypatch.delenv("SHUTTLE_API_KEY", raising=False)
+    monkeypatch.setenv("VLLM_API_KEY", "from-vllm")
+    assert _api_key(args) == "from-vllm"
+    monkeypatch.setenv("SHUTTLE_API_KEY", "from-shuttle")
+    assert _api_key(args) == "from-shuttle"
+    assert _api_key(argparse.Namespace(api_key="given", api_key_file=None)) == "given"
