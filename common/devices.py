@@ -166,12 +166,18 @@ def resolve_config(config, local_groups: int, cuda_devices: int):
                                  attention_backend=resolve_attention_backend(config.worker.attention_backend, first))
     model = dataclasses.replace(config.model, dtype=resolve_dtype(config.model.dtype, first))
     kv_dtype = config.cache.kv_cache_dtype
+    cache_dtype = model.dtype if kv_dtype == "auto" else kv_dtype
+    if worker.attention_backend == "cpu" and cache_dtype not in CPU_KERNEL_CACHE_DTYPES:
+        raise DeviceError(f"--dtype {config.model.dtype} on the CPU: the cpu attention backend's paged kernel reads "
+                          f"a {' or '.join(CPU_KERNEL_CACHE_DTYPES)} KV cache; use --dtype bfloat16 (the same size) "
+                          f"or float32, or keep it with --kv-cache-dtype bfloat16")
     if kv_dtype not in ("auto", model.dtype) and worker.attention_backend == "flex":
         raise DeviceError(f"--kv-cache-dtype {kv_dtype} with a {model.dtype} model needs the cpu or reference "
                           f"attention backend (flex attends in the model's dtype); drop it or use --dtype {kv_dtype}")
     return dataclasses.replace(config, worker=worker, model=model)
 
 
+CPU_KERNEL_CACHE_DTYPES = ("float32", "bfloat16")  # the caches worker/decode_kernel.py reads (its CACHE_VIEWS)
 QUANTIZATIONS = ("none", "int8")  # --quantization's values (worker/quantization.py)
 
 

@@ -187,3 +187,10 @@ async def test_get_version_and_every_served_name():
         body = {"model": "second", "prompt": "Once", "max_tokens": 2}
         response = await client.post("/v1/completions", json=body)
         assert response.status == 200 and (await response.json())["model"] == "first"
+
+
+@pytest.mark.parametrize("dtype", ["float16", "half"])
+def test_float16_on_the_cpu_is_one_line_naming_what_serves(no_launch, capsys, dtype):
+    """It crashed the worker at start-up (KeyError: torch.float16 in the CPU paged kernel)."""
+    refusal = cli_refusal(capsys, "serve", str(MODEL_DIR), "--port", "0", "--device", "cpu", "--dtype", dtype)
+    assert "on the CPU" in refusal and "--dtype bfloat16" in refusal
