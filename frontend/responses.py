@@ -85,11 +85,14 @@ def _shown(tokenizer: TextTokenizer, token_id: int, at_start: bool) -> str:
 
 
 def chat_logprobs(tokenizer: TextTokenizer, token_ids: list[int], logprobs: list[TokenLogprobs]) -> dict:
-    """The chat API's logprobs object: {"content": [{token, logprob, bytes, top_logprobs: [...]}, ...]}."""
+    """The chat API's logprobs object: {"content": [{token, logprob, bytes, top_logprobs: [...]}, ...]}. Each
+    `top_logprobs` holds exactly the top_logprobs most likely tokens, as OpenAI's and vLLM's chat do (an empty list
+    for 0); the sampled token is the entry's own, not added to them as the completions API adds it."""
 
     def entry(token_id: int, logprob: float) -> dict:
         text, raw = tokenizer.token_text(token_id)
         return {"token": text, "logprob": logprob, "bytes": raw}
 
-    return {"content": [{**entry(t, lp.logprob), "top_logprobs": [entry(i, v) for i, v in top_alternatives(t, lp)]}
+    return {"content": [{**entry(t, lp.logprob),
+                         "top_logprobs": [entry(i, v) for i, v in zip(lp.top_token_ids, lp.top_logprobs)]}
                         for t, lp in zip(token_ids, logprobs)]}

@@ -243,12 +243,12 @@ async def test_logprobs_zero_lists_the_sampled_token():
         assert lp["top_logprobs"] == [{text_of(t): v} for t, v in zip(STORY[:4], logprob)]
         status, chat = await post(client, "/v1/chat/completions", {"messages": USER, "logprobs": True,
                                                                    "top_logprobs": 0})
-        content = chat["choices"][0]["logprobs"]["content"]
-        assert [[(e["token"], e["logprob"]) for e in c["top_logprobs"]] for c in content] == [
-            [(text_of(t), v)] for t, v in zip(STORY[:4], logprob)]
+        content = chat["choices"][0]["logprobs"]["content"]  # chat lists exactly the top k: none for 0
+        assert [(c["token"], c["logprob"], c["top_logprobs"]) for c in content] == [
+            (text_of(t), v, []) for t, v in zip(STORY[:4], logprob)]
 
 
-async def test_top_logprobs_add_the_sampled_token_when_it_is_not_among_them():
+async def test_completions_top_logprobs_add_the_sampled_token_when_it_is_not_among_them():
     async with served(FakeEngine(script=STORY[:4])) as (client, _):
         status, result = await post(client, "/v1/completions", {"prompt": PROMPT, "logprobs": 2})
         tops = result["choices"][0]["logprobs"]["top_logprobs"]
@@ -257,7 +257,7 @@ async def test_top_logprobs_add_the_sampled_token_when_it_is_not_among_them():
         status, chat = await post(client, "/v1/chat/completions", {"messages": USER, "logprobs": True,
                                                                    "top_logprobs": 2})
         content = chat["choices"][0]["logprobs"]["content"]
-        assert [e["token"] for e in content[0]["top_logprobs"]] == [" a", " was", " there"]
+        assert [e["token"] for e in content[0]["top_logprobs"]] == [" a", " was"]  # chat: exactly the top k
         assert [e["token"] for e in content[2]["top_logprobs"]] == [" a", " was"]
 
 
