@@ -169,8 +169,9 @@ def add_parser(commands) -> None:
     batch.add_argument("--endpoint", default="tcp://127.0.0.1:8001", help="the server's batch endpoint")
     batch.add_argument("--max-in-flight", type=int, default=64, help="most requests sent and not yet answered")
     batch.add_argument("--priority", type=int, default=None,
-                       help="`priority` of every body without one (lower first, among batch requests; batch work "
-                            "always runs behind interactive traffic unless the server has --no-batch-background)")
+                       help="`priority` of every body without one (lower first, among batch requests, on a server "
+                            "with --scheduling-policy priority; an fcfs server refuses a priority other than 0; batch "
+                            "work always runs behind interactive traffic unless the server has --no-batch-background)")
     batch.add_argument("--api-key", default=None, help="the server's API key; when not given, $SHUTTLE_API_KEY is used")
     batch.add_argument("--server-timeout", type=float, default=5.0,
                        help="seconds without a word from the server (it beats every second) before giving up")

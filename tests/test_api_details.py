@@ -12,6 +12,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from tokenizers import Tokenizer
 from transformers.utils.chat_template_utils import render_jinja_template
 
+from common.config import SchedulerConfig
 from common.messages import FinishReason
 from frontend.tokenizer import TextTokenizer
 from tests.fake_engine import SERVED, TEMPLATES, FakeEngine, frontend_app, sampled_logprob
@@ -124,7 +125,7 @@ async def test_explicit_null_on_the_websocket():
 async def test_priority_reaches_the_scheduler_from_every_entry_point():
     """The request's `priority` is the Submit's (the scheduler's ordering by it, with aging, is tests/test_scheduler.py
     and tests/test_batch_priority.py, on fabricated clocks)."""
-    async with served() as (client, engine):
+    async with served(scheduler=SchedulerConfig(scheduling_policy="priority")) as (client, engine):
         assert (await post(client, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "priority": 7}))[0] == 200
         assert engine.submitted[-1].priority == 7
         assert (await post(client, "/v1/chat/completions", {"messages": USER, "max_tokens": 2, "priority": -3}))[0] == 200
@@ -135,6 +136,15 @@ async def test_priority_reaches_the_scheduler_from_every_entry_point():
         assert engine.submitted[-1].priority == 5
         assert (await post(client, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2}))[0] == 200
         assert engine.submitted[-1].priority == 0
+
+
+async def test_a_priority_on_an_fcfs_server_is_refused_not_ignored():
+    async with served() as (client, engine):
+        for path, body in (("/v1/completions", {"prompt": PROMPT}), ("/v1/chat/completions", {"messages": USER})):
+            status, answer = await post(client, path, {**body, "priority": 7})
+            assert (status, answer["error"]["param"]) == (400, "priority"), answer
+        assert (await post(client, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "priority": 0}))[0] == 200
+    assert len(engine.submitted) == 1
 
 
 # ---- 2. min_tokens holds back stop strings too ---------------------------------------------------------------------
