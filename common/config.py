@@ -43,7 +43,8 @@ def _model_config(args: argparse.Namespace) -> ModelConfig:
                                 served_model_aliases=names[1:], seed=getattr(args, "seed", 0),
                                 max_logprobs=getattr(args, "max_logprobs", 20),
                                 trust_remote_code=getattr(args, "trust_remote_code", False),
-                                generation_config=getattr(args, "generation_config", AUTO))
+                                generation_config=getattr(args, "generation_config", AUTO),
+                                model_as_given=str(typed))
 
 
 def option(default, help: str, **argparse_kwargs):

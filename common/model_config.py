@@ -30,6 +30,8 @@ class ModelConfig:
         trust_remote_code: let transformers run the model's own Python code (config.json auto_map).
         sampling_defaults: request fields' defaults from generation_config.json (--generation-config;
             common/generation_config.py).
+        model_as_given: MODEL as the command line gave it (a hub id or a path; "": model_dir), what /v1/models
+            reports as `root`, as vLLM does.
     """
 
     model_dir: str
@@ -43,6 +45,7 @@ class ModelConfig:
     max_logprobs: int = 20
     trust_remote_code: bool = False
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
+    model_as_given: str = ""
 
     @property
     def served_model_names(self) -> tuple[str, ...]:

@@ -106,7 +106,8 @@ def _dumps(obj) -> str:
 
 def _model_object(state: FrontendState, name: str | None = None) -> dict:
     return {"id": name or state.model_name, "object": "model", "created": 0, "owned_by": "shuttle",
-            "root": state.config.model.model_dir, "max_model_len": state.config.model.max_model_len,
+            "root": state.config.model.model_as_given or state.config.model.model_dir,
+            "max_model_len": state.config.model.max_model_len,
             "vocab_size": state.tokenizer.vocab_size}
 
 

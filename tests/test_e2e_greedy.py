@@ -68,7 +68,8 @@ async def test_a_server_started_by_hugging_face_id_serves_it_by_that_id(chunked_
     the id is what /v1/models lists and what requests name, and a client's tokenizer lookup by it succeeds."""
     async with aiohttp.ClientSession() as session:
         async with session.get(f"{chunked_server.url}/v1/models") as response:
-            assert [m["id"] for m in (await response.json())["data"]] == [REPO_ID]
+            # root: the model as given, as vLLM reports it (it was the resolved cache directory)
+            assert [(m["id"], m["root"]) for m in (await response.json())["data"]] == [(REPO_ID, REPO_ID)]
         body = {"model": REPO_ID, "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0,
                 "return_token_ids": True}
         async with session.post(f"{chunked_server.url}/v1/completions", json=body) as response:
