@@ -58,7 +58,8 @@ POSTS = {  # path -> (request Struct, summary, success body schema, streams, err
     "/v1/responses": (ResponsesRequest, "OpenAI Responses API (nothing stored); named Server-Sent Events with "
                       "stream: true", _RESPONSE, True, POST_ERRORS),
     "/tokenize": (TokenizeRequest, "text or chat messages to token ids",
-                  _object({"tokens": {"type": "array", "items": _INT}, "count": _INT, "max_model_len": _INT}),
+                  _object({"tokens": {"type": "array", "items": _INT}, "count": _INT, "max_model_len": _INT,
+                           "token_strs": {"type": ["array", "null"], "items": _STR}}),
                   False, tuple(s for s in POST_ERRORS if s != "503")),
     "/detokenize": (DetokenizeRequest, "token ids to text", _object({"prompt": _STR}), False,
                     tuple(s for s in POST_ERRORS if s != "503")),

@@ -186,7 +186,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
 class TokenizeRequest(msgspec.Struct, kw_only=True):
     """Body of POST /tokenize: `prompt` or `messages` (with the chat prompt fields of ChatCompletionRequest).
     `add_special_tokens` defaults to true for a prompt and false for messages, as in vLLM; `tools` reach the chat
-    template as in a chat request."""
+    template as in a chat request; `return_token_strs` adds each token's vocabulary entry (vLLM's `token_strs`)."""
 
     model: str | None = None
     prompt: str | None = None
@@ -197,6 +197,7 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     parse_special_tokens_in_content: bool = False
+    return_token_strs: bool = False
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):

@@ -12,8 +12,9 @@ from frontend.state import STATE
 
 
 async def tokenize(request: web.Request) -> web.Response:
-    """{"prompt": str} or {"messages": [...], ...chat prompt fields} -> {"tokens": [...], "count": n, "max_model_len": m}.
-    The same tokens a completion or chat completion with these fields would be given."""
+    """{"prompt": str} or {"messages": [...], ...chat prompt fields} -> {"tokens": [...], "count": n, "max_model_len": m,
+    "token_strs": [...] with return_token_strs, else null}. The same tokens a completion or chat completion with
+    these fields would be given."""
     state = request.app[STATE]
     body = decode_body(await request_body(request), TokenizeRequest)
     check_model(state, body.model)
@@ -24,7 +25,8 @@ async def tokenize(request: web.Request) -> web.Response:
         ids = chat_prompt_ids(state, body, bool(body.add_special_tokens))
     else:
         ids = state.tokenizer.encode(body.prompt, body.add_special_tokens is not False, max_model_len)
-    return web.json_response({"tokens": ids, "count": len(ids), "max_model_len": state.config.model.max_model_len})
+    return web.json_response({"tokens": ids, "count": len(ids), "max_model_len": state.config.model.max_model_len,
+                              "token_strs": state.tokenizer.token_strs(ids) if body.return_token_strs else None})
 
 
 async def detokenize(request: web.Request) -> web.Response:

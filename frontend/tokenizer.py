@@ -93,6 +93,11 @@ class TextTokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
+    def token_strs(self, token_ids: list[int]) -> list[str]:
+        """Each id's vocabulary entry as the tokenizer stores it (transformers' convert_ids_to_tokens: "▁Once",
+        "<0x0A>", "</s>"); "" for an id outside the vocabulary."""
+        return [self._tokenizer.id_to_token(token_id) or "" for token_id in token_ids]
+
     def is_byte_token(self, token_id: int) -> bool:
         """Whether the token is one byte of a character (a byte-fallback token such as <0xE2>)."""
         return self.byte_token_ids is not None and token_id in self.byte_token_ids

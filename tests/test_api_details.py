@@ -595,3 +595,15 @@ async def test_websocket_endpoint_without_a_handshake_is_426_with_upgrade():
         async with client.get("/v1/ws") as response:
             assert response.status == 426 and response.headers["Upgrade"] == "websocket"
             assert "WebSocket" in (await response.json())["error"]["message"]
+
+
+async def test_tokenize_returns_token_strs_when_asked():
+    """vLLM's return_token_strs: each id's vocabulary entry, as transformers' convert_ids_to_tokens gives it."""
+    from transformers import AutoTokenizer
+
+    async with served() as (client, _):
+        status, plain = await post(client, "/tokenize", {"prompt": PROMPT})
+        status_strs, with_strs = await post(client, "/tokenize", {"prompt": PROMPT, "return_token_strs": True})
+    assert (status, status_strs, plain["token_strs"]) == (200, 200, None)
+    assert with_strs["tokens"] == plain["tokens"] == PROMPT_IDS
+    assert with_strs["token_strs"] == AutoTokenizer.from_pretrained(MODEL_DIR).convert_ids_to_tokens(PROMPT_IDS)
