@@ -12,7 +12,7 @@ from common.arg_types import chat_template_text
 from common.errors import InvalidRequestError
 from frontend.protocol import ChatMessage
 
-ROLES = ("system", "developer", "user", "assistant", "tool")
+ROLES = ("system", "developer", "user", "assistant", "tool")  # OpenAI's; others go to the template as they are
 # Names the renderer itself passes to the template: chat_template_kwargs may not set them.
 RESERVED_KWARGS = frozenset({"messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
                              "chat_template", "conversations", "return_assistant_tokens_mask"})
@@ -84,11 +84,11 @@ def _template_message(i: int, message: ChatMessage, escape: Callable[[str], str]
     """Message `i` as the template reads it.
 
     Raises:
-        InvalidRequestError: an unknown role, no content (allowed only beside an assistant's tool_calls), or a tool
+        InvalidRequestError: an empty role, no content (allowed only beside an assistant's tool_calls), or a tool
             call whose arguments are not a JSON object.
     """
-    if message.role not in ROLES:
-        raise InvalidRequestError(f"message role must be one of {', '.join(ROLES)}", param="messages")
+    if not message.role:  # any other role goes to the template, which may refuse it (vLLM's rule)
+        raise InvalidRequestError(f"messages[{i}] has an empty role", param="messages")
     calls = message.tool_calls if message.role == "assistant" else None
     if message.tool_calls and not calls:
         raise InvalidRequestError(f"messages[{i}] is a {message.role} message: only assistant messages have "

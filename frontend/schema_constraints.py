@@ -97,7 +97,7 @@ def constrain(components: dict, model_name: str, vocab_size: int) -> None:
         "chat_template_kwargs": _nullable({"type": "object",
                                            "propertyNames": {"not": {"enum": sorted(RESERVED_KWARGS)}}})})
     message = components["ChatMessage"]
-    message["properties"].update({"role": {"enum": list(ROLES)},
+    message["properties"].update({"role": {"type": "string", "minLength": 1, "examples": list(ROLES)},
                                   "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": text_part},
                                                         NULL]}})
     message["required"] = ["role"]

@@ -607,3 +607,12 @@ async def test_tokenize_returns_token_strs_when_asked():
     assert (status, status_strs, plain["token_strs"]) == (200, 200, None)
     assert with_strs["tokens"] == plain["tokens"] == PROMPT_IDS
     assert with_strs["token_strs"] == AutoTokenizer.from_pretrained(MODEL_DIR).convert_ids_to_tokens(PROMPT_IDS)
+
+
+async def test_a_custom_role_reaches_the_chat_template():
+    """vLLM hands any role to the template (the template may refuse it: then a 400 on messages)."""
+    async with served(template=TURNS) as (client, engine):
+        status, _ = await post(client, "/v1/chat/completions",
+                               {"messages": [{"role": "wizard", "content": "Hi"}], "max_tokens": 2})
+        rendered = TOK.decode(engine.submitted[-1].prompt_token_ids)
+    assert status == 200 and "wizard" in rendered, rendered
