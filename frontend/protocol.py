@@ -20,7 +20,11 @@ MAX_PROMPTS = 64  # most prompts in one completions request
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
+    """`include_usage`: a last chunk with the usage; vLLM's `continuous_usage_stats` (with include_usage): the usage
+    so far on every chunk too."""
+
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class JsonSchemaFormat(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -387,6 +391,10 @@ def sampling_params(request: SamplingFields, num_prompt_tokens: int, max_model_l
         raise InvalidRequestError("priority must fit in 32 bits", param="priority")
     if request.stream_options is not None and not request.stream:
         raise InvalidRequestError("stream_options is only allowed with stream: true", param="stream_options")
+    if request.stream_options is not None and request.stream_options.continuous_usage_stats and \
+            not request.stream_options.include_usage:
+        raise InvalidRequestError("stream_options.continuous_usage_stats needs include_usage: true (as in vLLM)",
+                                  param="stream_options")
     if not 1 <= request.n <= MAX_N:
         raise InvalidRequestError(f"n must be in [1, {MAX_N}]", param="n")
     for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):

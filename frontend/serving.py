@@ -190,7 +190,8 @@ class Call:
                 **self.first_fields}
 
     async def chunks(self) -> AsyncIterator[dict]:
-        """Stream chunk bodies as the choices produce text; with stream_options.include_usage a last usage chunk.
+        """Stream chunk bodies as the choices produce text; with stream_options.include_usage a last usage chunk
+        (and with continuous_usage_stats, the usage so far on every chunk).
         Nothing is yielded before the first text arrives, so an admission error is raised before any chunk (a
         transport can still answer it with a status).
 
@@ -201,14 +202,17 @@ class Call:
         envelope = {**self.envelope, **self.chunk_object}
         first_fields = self.first_fields
         started: set[int] = set()
+        options = self.body.stream_options
+        continuous = options is not None and options.include_usage and options.continuous_usage_stats
         async with aclosing(self.deltas()) as deltas:
             async for delta in deltas:
                 first = delta.index not in started
                 started.add(delta.index)
                 for choice in self.chunk_choices(delta, first):
-                    yield {**envelope, "choices": [choice], **first_fields}
+                    so_far = {"usage": usage(self.generations)} if continuous else {}
+                    yield {**envelope, "choices": [choice], **first_fields, **so_far}
                     first_fields = {}
-        if self.body.stream_options is not None and self.body.stream_options.include_usage:
+        if options is not None and options.include_usage:
             yield {**envelope, "choices": [], "usage": usage(self.generations)}
 
 

@@ -616,3 +616,17 @@ async def test_a_custom_role_reaches_the_chat_template():
                                {"messages": [{"role": "wizard", "content": "Hi"}], "max_tokens": 2})
         rendered = TOK.decode(engine.submitted[-1].prompt_token_ids)
     assert status == 200 and "wizard" in rendered, rendered
+
+
+async def test_continuous_usage_stats_puts_the_usage_so_far_on_every_chunk():
+    body = {"prompt": PROMPT, "max_tokens": 5, "stream_options": {"include_usage": True,
+                                                                  "continuous_usage_stats": True}}
+    async with served(FakeEngine(script=STORY[:5], script_end=FinishReason.LENGTH)) as (client, _):
+        events = await stream(client, "/v1/completions", body)
+        status, refused = await post(client, "/v1/completions", {
+            "prompt": PROMPT, "stream": True, "stream_options": {"continuous_usage_stats": True}})
+    text_events, last = events[:-1], events[-1]
+    assert [e["usage"]["completion_tokens"] for e in text_events] == [1, 2, 3, 4, 5]
+    assert all(e["usage"]["prompt_tokens"] == len(PROMPT_IDS) for e in events)
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 5
+    assert (status, refused["error"]["param"]) == (400, "stream_options")
