@@ -108,7 +108,7 @@ class GrammarCompiler:
         self._abandoned: list[_Job] = []  # compiles past their patience, still running
         self._answers: list[tuple[str, object]] = []  # (key, CompiledGrammar or GrammarError), cache hits included
         # The tokenizer's grammar tables are built now, on a thread, so no first request waits for them
-        threading.Thread(target=self._tokenizer_info, name="grammar-warm-up", daemon=True).start()
+        threading.Thread(target=self._warm_up, name="grammar-warm-up", daemon=True).start()
 
     # ---- asked by the scheduler -------------------------------------------------------------------------
 
@@ -264,6 +264,12 @@ class GrammarCompiler:
             return self._compile(spec)
         except GrammarError as exc:
             return exc
+
+    def _warm_up(self) -> None:
+        try:
+            self._tokenizer_info()
+        except Exception as exc:  # the first compile meets it again and answers it as that constraint's error
+            log.debug("grammar tables not built at start-up: %r", exc)
 
     def _tokenizer_info(self):
         """xgrammar's tables of the tokenizer, built once (seconds for a large vocabulary)."""
