@@ -231,7 +231,8 @@ async def test_tokenize_detokenize_and_open_health(keyed_server):
             assert response.status == 401 and (await response.json())["error"]["code"] == 401
         async with session.post(f"{keyed_server.url}/tokenize", json={"prompt": PROMPT}, headers=auth) as response:
             tokens = await response.json()
-        assert tokens == {"tokens": hf_tokenizer()(PROMPT).input_ids, "count": 5, "max_model_len": 512}
+        assert tokens == {"tokens": hf_tokenizer()(PROMPT).input_ids, "count": 5, "max_model_len": 512,
+                          "token_strs": None}
         async with session.post(f"{keyed_server.url}/detokenize", json={"tokens": tokens["tokens"][1:]},
                                 headers=auth) as response:
             assert (await response.json()) == {"prompt": PROMPT}
