@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from batch_jobs.client import BatchClient, BatchServerGone
+from shuttle.batch_jobs.client import BatchClient, BatchServerGone
 
 
 @dataclass

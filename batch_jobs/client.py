@@ -1,7 +1,7 @@
 """Clients for shuttle's ZeroMQ batch endpoint: the same bodies as /v1/completions and /v1/chat/completions in,
 the same response bodies out (see frontend/zmq_api.py).
 
-    from batch_jobs.client import BatchClient
+    from shuttle.batch_jobs.client import BatchClient
     with BatchClient("tcp://127.0.0.1:8001") as client:
         for r in client.run([{"custom_id": "a", "url": "/v1/completions", "body": {"prompt": "Hi", "max_tokens": 8}}]):
             print(r.job_id, r.status_code, r.body)
@@ -27,8 +27,8 @@ from typing import Any, AsyncIterable, AsyncIterator, Iterable, Iterator
 import zmq
 import zmq.asyncio
 
-from common.ipc import AsyncChannel
-from common.messages import BatchHeartbeat, BatchPing, BatchRequest, BatchResponse, BatchServerMessage
+from shuttle.common.ipc import AsyncChannel
+from shuttle.common.messages import BatchHeartbeat, BatchPing, BatchRequest, BatchResponse, BatchServerMessage
 
 HEARTBEAT_S = 1.0
 SERVER_TIMEOUT_S = 5.0  # silence after which the server is taken as gone (it beats every second)

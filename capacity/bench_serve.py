@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import aiohttp
 from tqdm import tqdm
 
-from common.arg_types import count, positive, request_rate
+from shuttle.common.arg_types import count, positive, request_rate
 
 
 @dataclass

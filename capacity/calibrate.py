@@ -31,19 +31,19 @@ from pathlib import Path
 import msgspec
 import torch
 
-from common.arg_types import positive
-from common.config import CacheConfig, IpcConfig, SchedulerConfig, ShuttleConfig, WorkerConfig
-from common.model_config import ModelConfig
-from common.messages import PlanMessage, Submit, WorkerMessage
-from common.sampling import SamplingParams
-from scheduler.step_cost import FEATURES, StepCostModel, StepShape, shape_of, spread_of, fit_scheduler_seconds
-from capacity import hardware, simulate
-from capacity.simulator import RequestRecord, SimResult
-from capacity.workload import SimRequest
-from scheduler.kv_cache import KVCacheManager
-from scheduler.scheduled_step import ScheduledStep
-from scheduler.scheduler import Scheduler
-from worker.worker import ModelRunner
+from shuttle.common.arg_types import positive
+from shuttle.common.config import CacheConfig, IpcConfig, SchedulerConfig, ShuttleConfig, WorkerConfig
+from shuttle.common.model_config import ModelConfig
+from shuttle.common.messages import PlanMessage, Submit, WorkerMessage
+from shuttle.common.sampling import SamplingParams
+from shuttle.scheduler.step_cost import FEATURES, StepCostModel, StepShape, shape_of, spread_of, fit_scheduler_seconds
+from shuttle.capacity import hardware, simulate
+from shuttle.capacity.simulator import RequestRecord, SimResult
+from shuttle.capacity.workload import SimRequest
+from shuttle.scheduler.kv_cache import KVCacheManager
+from shuttle.scheduler.scheduled_step import ScheduledStep
+from shuttle.scheduler.scheduler import Scheduler
+from shuttle.worker.worker import ModelRunner
 
 
 MAX_PREFILL_TOKENS = 16384  # a decode configuration first prefills batch x context tokens: keep that affordable

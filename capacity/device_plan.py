@@ -14,12 +14,12 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from capacity import hardware
-from capacity.memory_plan import MiB, concurrency_table
-from common.capacity import kv_blocks_for_memory
-from common.devices import resolve_dtype
-from common.model_config import ModelConfig
-from scheduler.step_cost import Roofline, StepShape
+from shuttle.capacity import hardware
+from shuttle.capacity.memory_plan import MiB, concurrency_table
+from shuttle.common.capacity import kv_blocks_for_memory
+from shuttle.common.devices import resolve_dtype
+from shuttle.common.model_config import ModelConfig
+from shuttle.scheduler.step_cost import Roofline, StepShape
 
 DEFAULT_UTILIZATION = 0.9
 
@@ -118,7 +118,7 @@ def build(model_dir: str, device_name: str, dtype: str = "bfloat16", max_model_l
 
 def main(args) -> int:
     """`shuttle plan --device` (arguments from launcher/cli.py). Prints the plan (or JSON); 2 on bad input."""
-    from common.errors import ModelDirError
+    from shuttle.common.errors import ModelDirError
 
     if args.model_dir is None:
         print("shuttle: no MODEL_DIR given and the default ../shared/models/stories260K is missing", file=sys.stderr)

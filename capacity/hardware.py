@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from scheduler.step_cost import Roofline
+from shuttle.scheduler.step_cost import Roofline
 
 GB = 1e9
 TB = 1e12

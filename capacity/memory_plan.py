@@ -27,13 +27,13 @@ from dataclasses import asdict, dataclass, field
 import msgspec
 import torch
 
-from common.capacity import blocks_per_request, kv_blocks_for_memory, kv_cache_bytes, requests_that_fit
-from common.config import CacheConfig, IpcConfig, SchedulerConfig, ShuttleConfig, WorkerConfig
-from common.model_config import ModelConfig
-from common.messages import FrontendMessage, Submit
-from common.sampling import SamplingParams
-from scheduler.kv_cache import KVCacheManager
-from scheduler.scheduler import Scheduler
+from shuttle.common.capacity import blocks_per_request, kv_blocks_for_memory, kv_cache_bytes, requests_that_fit
+from shuttle.common.config import CacheConfig, IpcConfig, SchedulerConfig, ShuttleConfig, WorkerConfig
+from shuttle.common.model_config import ModelConfig
+from shuttle.common.messages import FrontendMessage, Submit
+from shuttle.common.sampling import SamplingParams
+from shuttle.scheduler.kv_cache import KVCacheManager
+from shuttle.scheduler.scheduler import Scheduler
 
 CONTEXTS = (256, 1024, 4096)  # context lengths of the concurrency table, besides max_model_len
 MiB = 2**20
@@ -271,8 +271,8 @@ def build_plan(model_dir: str, max_model_len: int | None = None, dtype: str = "a
         UnsupportedModelError: the worker cannot serve the model.
         ValueError: the KV budget holds no block.
     """
-    from worker.kv_cache import KVCache
-    from worker.worker import ModelRunner
+    from shuttle.worker.kv_cache import KVCache
+    from shuttle.worker.worker import ModelRunner
 
     model = ModelConfig.from_dir(model_dir, max_model_len, dtype=dtype)
     notes: list[str] = []
@@ -340,9 +340,9 @@ WORKER_BYTES_PER_TOKEN = 36
 
 def main(args) -> int:
     """`shuttle plan` (arguments from launcher/cli.py). Prints the plan (or JSON) and returns 0; 2 on bad input."""
-    from common.errors import ModelDirError
-    from common.model_dir import check_model_dir
-    from worker.model_loader import UnsupportedModelError
+    from shuttle.common.errors import ModelDirError
+    from shuttle.common.model_dir import check_model_dir
+    from shuttle.worker.model_loader import UnsupportedModelError
 
     if args.model_dir is None:
         print("shuttle: no MODEL_DIR given and the default ../shared/models/stories260K is missing", file=sys.stderr)

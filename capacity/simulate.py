@@ -23,16 +23,16 @@ import os
 import random
 import time
 
-from capacity import bench_serve
-from capacity.simulator import SimResult, Simulator
-from capacity.workload import SimRequest, arrivals, from_trace
-from common.arg_types import add_config_options, positive, positive_number
-from common.capacity import kv_blocks_for_memory
-from common.config import CacheConfig, SchedulerConfig
-from common.model_config import ModelConfig
-from common.errors import ModelDirError
-from common.model_dir import check_model_dir
-from scheduler.step_cost import StepCostModel
+from shuttle.capacity import bench_serve
+from shuttle.capacity.simulator import SimResult, Simulator
+from shuttle.capacity.workload import SimRequest, arrivals, from_trace
+from shuttle.common.arg_types import add_config_options, positive, positive_number
+from shuttle.common.capacity import kv_blocks_for_memory
+from shuttle.common.config import CacheConfig, SchedulerConfig
+from shuttle.common.model_config import ModelConfig
+from shuttle.common.errors import ModelDirError
+from shuttle.common.model_dir import check_model_dir
+from shuttle.scheduler.step_cost import StepCostModel
 
 
 def bench_serve_workload(num_prompts: int, request_rate: float, input_len: int, output_len: int, range_ratio: float,

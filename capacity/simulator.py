@@ -31,15 +31,15 @@ from collections import deque
 from typing import Callable
 from dataclasses import dataclass, field
 
-from common.config import SchedulerConfig
-from common.messages import FinishReason, StepResult, Submit
-from common.sampling import SamplingParams
-from scheduler.step_cost import StepCostModel, StepShape, shape_of
-from capacity.workload import SimRequest
-from scheduler.admission import SloAdmission
-from scheduler.kv_cache import KVCacheManager
-from scheduler.scheduled_step import ScheduledStep
-from scheduler.scheduler import Scheduler
+from shuttle.common.config import SchedulerConfig
+from shuttle.common.messages import FinishReason, StepResult, Submit
+from shuttle.common.sampling import SamplingParams
+from shuttle.scheduler.step_cost import StepCostModel, StepShape, shape_of
+from shuttle.capacity.workload import SimRequest
+from shuttle.scheduler.admission import SloAdmission
+from shuttle.scheduler.kv_cache import KVCacheManager
+from shuttle.scheduler.scheduled_step import ScheduledStep
+from shuttle.scheduler.scheduler import Scheduler
 
 CLIENT = b"sim"
 FILLER_TOKEN = 5  # the fabricated sampled token; never an end-of-sequence id in the simulation

@@ -29,10 +29,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from capacity import bench_serve, simulate
-from common.arg_types import count, positive, positive_number, unit_fraction
-from launcher.local_server import ShuttleServer
-from scheduler.step_cost import StepCostModel
+from shuttle.capacity import bench_serve, simulate
+from shuttle.common.arg_types import count, positive, positive_number, unit_fraction
+from shuttle.launcher.local_server import ShuttleServer
+from shuttle.scheduler.step_cost import StepCostModel
 
 
 @dataclass

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import msgspec
 
-from common.arg_types import count, parse_bytes, positive, seconds, unit_fraction
-from common.cpu_threads import cpu_list
-from common.devices import parse_device
-from common.errors import ModelDirError
-from common.generation_config import AUTO
-from common.model_config import ModelConfig
+from shuttle.common.arg_types import count, parse_bytes, positive, seconds, unit_fraction
+from shuttle.common.cpu_threads import cpu_list
+from shuttle.common.devices import parse_device
+from shuttle.common.errors import ModelDirError
+from shuttle.common.generation_config import AUTO
+from shuttle.common.model_config import ModelConfig
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent.parent / "shared" / "models" / "stories260K"
 

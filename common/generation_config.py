@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.errors import InvalidRequestError, ModelDirError
-from common.model_dir import read_json_object
-from common.sampling import SamplingParams
+from shuttle.common.errors import InvalidRequestError, ModelDirError
+from shuttle.common.model_dir import read_json_object
+from shuttle.common.sampling import SamplingParams
 
 GENERATION_CONFIG_FILE = "generation_config.json"
 AUTO, VLLM = "auto", "vllm"  # --generation-config's words: the model's folder, or no file at all

@@ -3,7 +3,7 @@
 Every payload is msgspec msgpack of a declared Struct; no generic Python object serialization. A ROUTER prefixes each message with the peer's
 identity frame, which is how the scheduler knows which frontend a request's outputs go back to.
 
-No bytes a peer sends end a reader (issue 24): a message that is not one well-formed message of the socket's type
+No bytes a peer sends end a reader: a message that is not one well-formed message of the socket's type
 (any frame count, any decoding failure, too deep) is counted in the channel's `faults`, warned about at most once
 per peer per minute (common/wire_guard.py), and `recv()` returns None for it while `recv_from()` (a ROUTER, which
 can answer) raises MalformedMessage. A socket that anyone can reach also bounds its frames' size (zmq.MAXMSGSIZE:
@@ -22,7 +22,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from common.wire_guard import FaultLog, GuardedDecoder, Malformed
+from shuttle.common.wire_guard import FaultLog, GuardedDecoder, Malformed
 
 T = TypeVar("T")
 

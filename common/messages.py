@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 
-from common.sampling import SamplingParams, StructuredOutput
+from shuttle.common.sampling import SamplingParams, StructuredOutput
 
 _WIRE = dict(array_like=True, omit_defaults=True, gc=False, tag=True)
 

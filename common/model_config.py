@@ -7,9 +7,9 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.errors import ModelDirError
-from common.generation_config import AUTO, SamplingDefaults, generation_config_path, read_sampling_defaults
-from common.model_dir import read_json_object
+from shuttle.common.errors import ModelDirError
+from shuttle.common.generation_config import AUTO, SamplingDefaults, generation_config_path, read_sampling_defaults
+from shuttle.common.model_dir import read_json_object
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import os
 import struct
 from pathlib import Path
 
-from common.errors import ModelDirError
+from shuttle.common.errors import ModelDirError
 
 # The weight files transformers' from_pretrained looks for, in the order it prefers them.
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")

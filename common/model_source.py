@@ -12,8 +12,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.errors import ModelDirError
-from common.model_dir import WEIGHT_FILES, read_json_object
+from shuttle.common.errors import ModelDirError
+from shuttle.common.model_dir import WEIGHT_FILES, read_json_object
 
 TOKENIZER_PATTERNS = ("*.json", "*.model", "*.txt", "*.jinja", "*.tiktoken")
 MODEL_PATTERNS = TOKENIZER_PATTERNS + ("*.safetensors",)

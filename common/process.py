@@ -15,9 +15,9 @@ import time
 
 import zmq
 
-from common.config import LOG_LEVEL_ENV, ShuttleConfig
-from common.ipc import Channel
-from common.messages import Heartbeat, ProcessReady
+from shuttle.common.config import LOG_LEVEL_ENV, ShuttleConfig
+from shuttle.common.ipc import Channel
+from shuttle.common.messages import Heartbeat, ProcessReady
 
 log = logging.getLogger("shuttle")
 
@@ -64,7 +64,7 @@ def child_main_args(name: str) -> ShuttleConfig:
     order of shutdown), exits on SIGTERM (the frontend replaces that with a drain), and is killed by the
     kernel as soon as its launcher is gone, so no child outlives it.
     """
-    parser = argparse.ArgumentParser(prog=f"python -m {name}")
+    parser = argparse.ArgumentParser(prog=f"python -m shuttle.{name}")
     parser.add_argument("--config", required=True, help="ShuttleConfig as JSON (written by the launcher)")
     args = parser.parse_args()
     logging.basicConfig(level=os.environ.get(LOG_LEVEL_ENV, "INFO").upper(),

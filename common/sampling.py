@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from common.errors import InvalidRequestError
+from shuttle.common.errors import InvalidRequestError
 
 
 MAX_LOGPROBS = 20  # most alternatives per token, as OpenAI's top_logprobs

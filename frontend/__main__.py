@@ -1,4 +1,4 @@
-"""`python -m frontend --config JSON`: the HTTP frontend process (started by the launcher)."""
+"""`python -m shuttle.frontend --config JSON`: the HTTP frontend process (started by the launcher)."""
 
 import logging
 import sys
@@ -6,8 +6,8 @@ import sys
 import uvloop
 import zmq
 
-from common.process import child_main_args, report_ready
-from frontend.app import serve
+from shuttle.common.process import child_main_args, report_ready
+from shuttle.frontend.app import serve
 
 
 def main() -> None:

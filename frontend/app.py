@@ -9,26 +9,26 @@ import signal
 
 from aiohttp import web
 
-from common.config import ShuttleConfig
-from common.version import shuttle_version
-from frontend import last_words
-from frontend.backpressure import refusal_headers
-from frontend.chat import ChatTemplate
-from frontend.engine_client import EngineClient
-from frontend.http_server import listen, request_limits
-from frontend.lifecycle import Shutdown, SupervisorLink, drain
-from frontend.metrics import Metrics
-from frontend.cors import Cors
-from frontend.dashboard import add_dashboard
-from frontend.middleware import api_key_auth, json_content_type, openai_errors, request_id_header
-from frontend.openai_api import create_chat_completion, create_completion, create_response, list_models, retrieve_model
-from frontend.openapi import openapi_document
-from frontend.router import Router
-from frontend.state import STATE, FrontendState
-from frontend.tokenize_api import detokenize, tokenize
-from frontend.tokenizer import TextTokenizer
-from frontend.websocket import websocket_handler
-from frontend.zmq_api import BatchEndpoint
+from shuttle.common.config import ShuttleConfig
+from shuttle.common.version import shuttle_version
+from shuttle.frontend import last_words
+from shuttle.frontend.backpressure import refusal_headers
+from shuttle.frontend.chat import ChatTemplate
+from shuttle.frontend.engine_client import EngineClient
+from shuttle.frontend.http_server import listen, request_limits
+from shuttle.frontend.lifecycle import Shutdown, SupervisorLink, drain
+from shuttle.frontend.metrics import Metrics
+from shuttle.frontend.cors import Cors
+from shuttle.frontend.dashboard import add_dashboard
+from shuttle.frontend.middleware import api_key_auth, json_content_type, openai_errors, request_id_header
+from shuttle.frontend.openai_api import create_chat_completion, create_completion, create_response, list_models, retrieve_model
+from shuttle.frontend.openapi import openapi_document
+from shuttle.frontend.router import Router
+from shuttle.frontend.state import STATE, FrontendState
+from shuttle.frontend.tokenize_api import detokenize, tokenize
+from shuttle.frontend.tokenizer import TextTokenizer
+from shuttle.frontend.websocket import websocket_handler
+from shuttle.frontend.zmq_api import BatchEndpoint
 
 log = logging.getLogger("shuttle.frontend")
 

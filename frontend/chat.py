@@ -8,9 +8,9 @@ from typing import Any, Callable
 
 from transformers.utils.chat_template_utils import render_jinja_template
 
-from common.arg_types import chat_template_text
-from common.errors import InvalidRequestError
-from frontend.protocol import ChatMessage
+from shuttle.common.arg_types import chat_template_text
+from shuttle.common.errors import InvalidRequestError
+from shuttle.frontend.protocol import ChatMessage
 
 ROLES = ("system", "developer", "user", "assistant", "tool")  # OpenAI's; others go to the template as they are
 # Names the renderer itself passes to the template: chat_template_kwargs may not set them.

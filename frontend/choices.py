@@ -8,8 +8,8 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from common.messages import TokenLogprobs
-from frontend.generation import TextDelta, TextGeneration
+from shuttle.common.messages import TokenLogprobs
+from shuttle.frontend.generation import TextDelta, TextGeneration
 
 
 @dataclass

@@ -29,16 +29,16 @@ from importlib import resources
 
 from aiohttp import web
 
-from common.errors import InvalidRequestError
-from frontend.state import FrontendState
-from frontend.stats_feed import MAX_WINDOW_S, StatsFeed
+from shuttle.common.errors import InvalidRequestError
+from shuttle.frontend.state import FrontendState
+from shuttle.frontend.stats_feed import MAX_WINDOW_S, StatsFeed
 
 FEED = web.AppKey("shuttle_stats_feed", StatsFeed)
 DEFAULT_WINDOW_S = 30.0
 
 
 def _static(name: str) -> str:
-    return resources.files("frontend").joinpath("static", name).read_text(encoding="utf-8")
+    return resources.files("shuttle.frontend").joinpath("static", name).read_text(encoding="utf-8")
 
 
 def _csp_hash(text: str) -> str:

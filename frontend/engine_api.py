@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Protocol, runtime_checkable
 
-from common.errors import GenerationError
-from common.messages import RequestOutput, SchedulerInfo, SchedulerStats, Submit
+from shuttle.common.errors import GenerationError
+from shuttle.common.messages import RequestOutput, SchedulerInfo, SchedulerStats, Submit
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """The frontend's link to one serving group's scheduler: submit, one listener fanning outputs to per-request
 queues, abort.
 
-It also carries the frontend's side of supervision (issue 9): while the engine is down (the launcher said so)
+It also carries the frontend's side of supervision: while the engine is down (the launcher said so)
 `generate` refuses at once with a 503 and the expected restart time as Retry-After, while the server drains with
 a 503 and no promise (it is going away: frontend/backpressure.py); when the engine goes down every
 in-flight request gets one terminal error and the link starts over with a fresh socket, which is up again as
@@ -20,15 +20,15 @@ from typing import AsyncIterator
 import zmq
 import zmq.asyncio
 
-from common.errors import GenerationError
-from common.ipc import AsyncChannel
-from common.messages import (
+from shuttle.common.errors import GenerationError
+from shuttle.common.ipc import AsyncChannel
+from shuttle.common.messages import (
     Abort, FinishReason, Heartbeat, Hello, RequestOutput, SchedulerInfo, SchedulerMessage, SchedulerStats,
     StepOutputs, Submit,
 )
-from frontend.backpressure import RestartClock, RetryAfterEstimator
-from frontend.engine_api import GroupState
-from frontend.stat_totals import StatTotals
+from shuttle.frontend.backpressure import RestartClock, RetryAfterEstimator
+from shuttle.frontend.engine_api import GroupState
+from shuttle.frontend.stat_totals import StatTotals
 
 log = logging.getLogger("shuttle.frontend")
 

@@ -6,12 +6,12 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from common.errors import GenerationError
-from common.messages import CONSTRAINT_REFUSAL, NEVER_FITS, FinishReason, RequestOutput, Submit, TokenLogprobs
-from frontend.engine_api import Engine
-from frontend.metrics import RequestMetrics
-from frontend.stop import StopStringMatcher
-from frontend.tokenizer import IncrementalDetokenizer, TextTokenizer
+from shuttle.common.errors import GenerationError
+from shuttle.common.messages import CONSTRAINT_REFUSAL, NEVER_FITS, FinishReason, RequestOutput, Submit, TokenLogprobs
+from shuttle.frontend.engine_api import Engine
+from shuttle.frontend.metrics import RequestMetrics
+from shuttle.frontend.stop import StopStringMatcher
+from shuttle.frontend.tokenizer import IncrementalDetokenizer, TextTokenizer
 
 
 @dataclass

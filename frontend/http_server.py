@@ -1,4 +1,4 @@
-"""The HTTP listener: aiohttp's request handler with its edges hardened (issue 9).
+"""The HTTP listener: aiohttp's request handler with its edges hardened.
 
 - Idle keep-alive: an idle connection (one that never sent a request included) closes after
   `keep_alive_timeout` seconds (aiohttp's own timer).
@@ -34,10 +34,10 @@ from aiohttp import hdrs, web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 
-from common.config import OpsConfig
-from frontend.content_coding import BodyRefused, content_coding, decode
-from frontend.protocol import error_body
-from frontend.ws_frames import MaskedFramesOnly
+from shuttle.common.config import OpsConfig
+from shuttle.frontend.content_coding import BodyRefused, content_coding, decode
+from shuttle.frontend.protocol import error_body
+from shuttle.frontend.ws_frames import MaskedFramesOnly
 
 log = logging.getLogger("shuttle.frontend")
 

@@ -22,7 +22,7 @@ import signal
 import struct
 from typing import Callable
 
-from common.process import LAST_WORDS_SIGNAL
+from shuttle.common.process import LAST_WORDS_SIGNAL
 
 EXIT_REPLACED = 4  # the frontend's exit status after its last words (the launcher restarts it anyway)
 CLOSE_SERVICE_RESTART = 1012  # RFC 6455 close code, IANA registry: "Service Restart"

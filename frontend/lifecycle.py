@@ -1,4 +1,4 @@
-"""The frontend's side of supervision (issue 9): the launcher's messages, liveness, and the drain on SIGTERM."""
+"""The frontend's side of supervision: the launcher's messages, liveness, and the drain on SIGTERM."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import zmq
 import zmq.asyncio
 from aiohttp import WSCloseCode, web
 
-from common.config import ShuttleConfig
-from common.ipc import AsyncChannel
-from common.messages import EngineDown, SupervisorMessage
-from common.process import HEARTBEAT_INTERVAL_S, HeartbeatSender
-from frontend.engine_api import Engine
+from shuttle.common.config import ShuttleConfig
+from shuttle.common.ipc import AsyncChannel
+from shuttle.common.messages import EngineDown, SupervisorMessage
+from shuttle.common.process import HEARTBEAT_INTERVAL_S, HeartbeatSender
+from shuttle.frontend.engine_api import Engine
 
 log = logging.getLogger("shuttle.frontend")
 

@@ -21,8 +21,8 @@ from prometheus_client import (CollectorRegistry, Counter, GCCollector, Histogra
                                ProcessCollector, generate_latest)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from common.config import ShuttleConfig
-from common.messages import RequestOutput, SchedulerInfo, SchedulerStats, Submit
+from shuttle.common.config import ShuttleConfig
+from shuttle.common.messages import RequestOutput, SchedulerInfo, SchedulerStats, Submit
 
 # Latency buckets in seconds (vLLM's choices, extended up for CPU serving).
 _LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,

@@ -9,10 +9,10 @@ import uuid
 
 from aiohttp import web
 
-from common.errors import GenerationError, InvalidRequestError, ModelNotFoundError
-from frontend.backpressure import refusal_headers
-from frontend.protocol import client_error, error_body
-from frontend.state import RESPONSE_ID, STATE
+from shuttle.common.errors import GenerationError, InvalidRequestError, ModelNotFoundError
+from shuttle.frontend.backpressure import refusal_headers
+from shuttle.frontend.protocol import client_error, error_body
+from shuttle.frontend.state import RESPONSE_ID, STATE
 
 OPEN_PATHS = ("/health", "/metrics", "/dashboard")  # the dashboard page holds no data; its feed needs the key
 # A client's x-request-id is echoed when it is a plain printable ASCII string of reasonable length

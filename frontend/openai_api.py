@@ -8,15 +8,15 @@ from contextlib import aclosing
 
 from aiohttp import web
 
-from common.errors import GenerationError
-from frontend import last_words
-from frontend.http_server import request_body
-from frontend.off_loop import convert
-from frontend.protocol import ChatCompletionRequest, CompletionRequest, decode_body, error_body
-from frontend.responses_api import ResponsesCall
-from frontend.responses_request import ResponsesRequest
-from frontend.serving import Call, ChatCall, CompletionCall, check_model
-from frontend.state import RESPONSE_ID, STATE, FrontendState
+from shuttle.common.errors import GenerationError
+from shuttle.frontend import last_words
+from shuttle.frontend.http_server import request_body
+from shuttle.frontend.off_loop import convert
+from shuttle.frontend.protocol import ChatCompletionRequest, CompletionRequest, decode_body, error_body
+from shuttle.frontend.responses_api import ResponsesCall
+from shuttle.frontend.responses_request import ResponsesRequest
+from shuttle.frontend.serving import Call, ChatCall, CompletionCall, check_model
+from shuttle.frontend.state import RESPONSE_ID, STATE, FrontendState
 
 # The serving core (frontend/serving.py) holds what every transport shares; this module only speaks HTTP.
 

@@ -10,11 +10,11 @@ import functools
 
 import msgspec
 
-from common.messages import BatchRequest, BatchResponse
-from frontend.middleware import OPEN_PATHS
-from frontend.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from frontend.responses_request import ResponsesRequest
-from frontend.schema_constraints import constrain
+from shuttle.common.messages import BatchRequest, BatchResponse
+from shuttle.frontend.middleware import OPEN_PATHS
+from shuttle.frontend.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from shuttle.frontend.responses_request import ResponsesRequest
+from shuttle.frontend.schema_constraints import constrain
 
 ERROR = {
     "type": "object",

@@ -9,11 +9,11 @@ from typing import Any, NamedTuple
 
 import msgspec
 
-from common.errors import GenerationError, InvalidRequestError, ModelNotFoundError
-from common.generation_config import SamplingDefaults
-from common.sampling import MAX_LOGPROBS, SamplingParams, StructuredOutput
-from frontend.integral_floats import integral_floats_as_ints
-from frontend.tool_request import MessageToolCall, Tool, ToolChoice
+from shuttle.common.errors import GenerationError, InvalidRequestError, ModelNotFoundError
+from shuttle.common.generation_config import SamplingDefaults
+from shuttle.common.sampling import MAX_LOGPROBS, SamplingParams, StructuredOutput
+from shuttle.frontend.integral_floats import integral_floats_as_ints
+from shuttle.frontend.tool_request import MessageToolCall, Tool, ToolChoice
 
 MAX_N = 16  # most choices per request
 MAX_PROMPTS = 64  # most prompts in one completions request

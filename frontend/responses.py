@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from common.messages import TokenLogprobs
-from frontend.tokenizer import TextTokenizer
+from shuttle.common.messages import TokenLogprobs
+from shuttle.frontend.tokenizer import TextTokenizer
 
 
 def top_alternatives(token_id: int, logprobs: TokenLogprobs) -> list[tuple[int, float]]:

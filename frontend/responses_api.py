@@ -13,15 +13,15 @@ from typing import Any, AsyncIterator
 
 import msgspec
 
-from frontend.choices import collect, usage
-from frontend.generation import TextDelta, TextGeneration
-from frontend.protocol import error_body
-from frontend.responses_request import (
+from shuttle.frontend.choices import collect, usage
+from shuttle.frontend.generation import TextDelta, TextGeneration
+from shuttle.frontend.protocol import error_body
+from shuttle.frontend.responses_request import (
     ResponsesRequest, chat_request_of, function_tools, new_id, refusals, responses_param, responses_params,
 )
-from frontend.serving import ChatCall, build_generations
-from frontend.state import FrontendState
-from frontend.tool_calls import ToolCallChoices
+from shuttle.frontend.serving import ChatCall, build_generations
+from shuttle.frontend.state import FrontendState
+from shuttle.frontend.tool_calls import ToolCallChoices
 
 RESPONSES_URL = "/v1/responses"
 

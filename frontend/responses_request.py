@@ -16,11 +16,11 @@ from typing import Annotated, Any, Iterator, Literal
 
 import msgspec
 
-from common.errors import InvalidRequestError
-from frontend.protocol import (
+from shuttle.common.errors import InvalidRequestError
+from shuttle.frontend.protocol import (
     ChatCompletionRequest, ChatMessage, JsonSchemaFormat, Refused, ResponseFormatJsonObject, ResponseFormatJsonSchema,
 )
-from frontend.tool_request import (
+from shuttle.frontend.tool_request import (
     NAME_PATTERN, CalledFunction, FunctionDefinition, FunctionName, MessageToolCall, NamedToolChoice, Tool,
 )
 

@@ -22,11 +22,11 @@ import asyncio
 from collections import OrderedDict
 from typing import AsyncIterator
 
-from common.block_hash import ROOT_HASH, block_hash
-from common.errors import GenerationError
-from common.messages import RequestOutput, SchedulerInfo, SchedulerStats, Submit
-from frontend.engine_api import GroupState
-from frontend.engine_client import ServingGroup
+from shuttle.common.block_hash import ROOT_HASH, block_hash
+from shuttle.common.errors import GenerationError
+from shuttle.common.messages import RequestOutput, SchedulerInfo, SchedulerStats, Submit
+from shuttle.frontend.engine_api import GroupState
+from shuttle.frontend.engine_client import ServingGroup
 
 PREFIX_MAP_ENTRIES = 65536  # block digests remembered (16 bytes + an int each: a few MiB at most)
 

@@ -14,10 +14,10 @@ fuzzer's count of schema-valid requests refused is what shows a drift.
 
 from __future__ import annotations
 
-from common.sampling import MAX_LOGPROBS
-from frontend.chat import RESERVED_KWARGS, ROLES
-from frontend.protocol import MAX_N, MAX_PROMPTS, REFUSED_FIELDS
-from frontend.structured_request import BACKENDS, MAX_CHOICES, REFUSED_KEYS
+from shuttle.common.sampling import MAX_LOGPROBS
+from shuttle.frontend.chat import RESERVED_KWARGS, ROLES
+from shuttle.frontend.protocol import MAX_N, MAX_PROMPTS, REFUSED_FIELDS
+from shuttle.frontend.structured_request import BACKENDS, MAX_CHOICES, REFUSED_KEYS
 
 NULL = {"type": "null"}
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from common.errors import InvalidRequestError
+from shuttle.common.errors import InvalidRequestError
 
 MAX_SCHEMA_DEPTH = 64  # nested subschemas; deeper is refused before any walk or compile could recurse on it
 

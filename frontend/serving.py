@@ -24,20 +24,20 @@ from typing import Any, AsyncIterator
 
 import msgspec
 
-from common.errors import InvalidRequestError, ModelNotFoundError
-from common.messages import Submit
-from common.sampling import StructuredOutput
-from frontend.choices import CollectedChoice, collect, merge, usage
-from frontend.generation import TextDelta, TextGeneration
-from frontend.protocol import (
+from shuttle.common.errors import InvalidRequestError, ModelNotFoundError
+from shuttle.common.messages import Submit
+from shuttle.common.sampling import StructuredOutput
+from shuttle.frontend.choices import CollectedChoice, collect, merge, usage
+from shuttle.frontend.generation import TextDelta, TextGeneration
+from shuttle.frontend.protocol import (
     ChatCompletionRequest, CompletionRequest, SamplingFields, TokenizeRequest, check_logprobs, completion_prompts,
     convert_body, sampling_params,
 )
-from frontend.responses import chat_logprobs, completion_logprobs, prompt_logprobs_object
-from frontend.state import FrontendState
-from frontend.structured_request import constraint_source, structured_output_of
-from frontend.tool_calls import ToolCallChoices, tool_parser_of
-from frontend.tool_request import template_tools, tool_constraint, tool_use_of
+from shuttle.frontend.responses import chat_logprobs, completion_logprobs, prompt_logprobs_object
+from shuttle.frontend.state import FrontendState
+from shuttle.frontend.structured_request import constraint_source, structured_output_of
+from shuttle.frontend.tool_calls import ToolCallChoices, tool_parser_of
+from shuttle.frontend.tool_request import template_tools, tool_constraint, tool_use_of
 
 log = logging.getLogger("shuttle.frontend")
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
-from common.messages import SchedulerStats
+from shuttle.common.messages import SchedulerStats
 
 # SchedulerStats' cumulative fields; the rest are gauges (queues, blocks) or per-message step lists
 COUNTERS = ("num_preemptions", "prefix_cache_queries", "prefix_cache_hits", "num_steps", "num_rejected",

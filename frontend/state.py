@@ -6,11 +6,11 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from common.config import ShuttleConfig
-from frontend.chat import ChatTemplate
-from frontend.engine_api import Engine
-from frontend.metrics import Metrics
-from frontend.tokenizer import TextTokenizer
+from shuttle.common.config import ShuttleConfig
+from shuttle.frontend.chat import ChatTemplate
+from shuttle.frontend.engine_api import Engine
+from shuttle.frontend.metrics import Metrics
+from shuttle.frontend.tokenizer import TextTokenizer
 
 
 @dataclass

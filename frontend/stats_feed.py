@@ -24,10 +24,10 @@ from typing import AsyncIterator, Callable
 
 import msgspec
 
-from common.config import ShuttleConfig
-from common.messages import SchedulerStats
-from frontend.engine_api import Engine
-from frontend.metrics import Metrics
+from shuttle.common.config import ShuttleConfig
+from shuttle.common.messages import SchedulerStats
+from shuttle.frontend.engine_api import Engine
+from shuttle.frontend.metrics import Metrics
 
 log = logging.getLogger("shuttle.frontend")
 

@@ -21,9 +21,9 @@ from typing import Any
 
 import msgspec
 
-from common.errors import InvalidRequestError
-from common.sampling import StructuredOutput
-from frontend.schema_support import check_regex, check_schema
+from shuttle.common.errors import InvalidRequestError
+from shuttle.common.sampling import StructuredOutput
+from shuttle.frontend.schema_support import check_regex, check_schema
 
 MAX_CHOICES = 1024  # most entries of a choice list
 MAX_PATTERN_BYTES = 64 * 1024  # a regex or a grammar, UTF-8

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from common.errors import InvalidRequestError
-from frontend.http_server import request_body
-from frontend.protocol import DetokenizeRequest, TokenizeRequest, decode_body
-from frontend.serving import chat_prompt_ids, check_model
-from frontend.state import STATE
+from shuttle.common.errors import InvalidRequestError
+from shuttle.frontend.http_server import request_body
+from shuttle.frontend.protocol import DetokenizeRequest, TokenizeRequest, decode_body
+from shuttle.frontend.serving import chat_prompt_ids, check_model
+from shuttle.frontend.state import STATE
 
 
 async def tokenize(request: web.Request) -> web.Response:

@@ -9,8 +9,8 @@ from pathlib import Path
 
 from tokenizers import Encoding, Tokenizer
 
-from common.errors import InvalidRequestError, ModelDirError
-from frontend.special_text import SpecialTextGuard
+from shuttle.common.errors import InvalidRequestError, ModelDirError
+from shuttle.frontend.special_text import SpecialTextGuard
 
 
 @lru_cache(maxsize=1)

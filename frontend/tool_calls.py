@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import uuid
 
-from frontend.tool_parsers import parser_for
-from frontend.tool_parsers.base import StreamPiece, ToolParser, ToolStreamParser
-from frontend.tool_parsers.json_array import JsonArrayCallsParser
-from frontend.tool_parsers.named import NamedFunctionParser
-from frontend.tool_request import ToolUse
+from shuttle.frontend.tool_parsers import parser_for
+from shuttle.frontend.tool_parsers.base import StreamPiece, ToolParser, ToolStreamParser
+from shuttle.frontend.tool_parsers.json_array import JsonArrayCallsParser
+from shuttle.frontend.tool_parsers.named import NamedFunctionParser
+from shuttle.frontend.tool_request import ToolUse
 
 
 def tool_parser_of(use: ToolUse, server_parser: str | None) -> ToolParser | None:

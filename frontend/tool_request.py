@@ -20,10 +20,10 @@ from typing import Annotated, Any, Literal, Sequence
 
 import msgspec
 
-from common.errors import InvalidRequestError
-from common.sampling import StructuredOutput
-from frontend.schema_support import MAX_SCHEMA_DEPTH, check_schema
-from frontend.structured_request import MAX_SCHEMA_BYTES
+from shuttle.common.errors import InvalidRequestError
+from shuttle.common.sampling import StructuredOutput
+from shuttle.frontend.schema_support import MAX_SCHEMA_DEPTH, check_schema
+from shuttle.frontend.structured_request import MAX_SCHEMA_BYTES
 
 NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function names
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}  # a function's parameters when it declares none

@@ -32,13 +32,13 @@ from typing import Any
 from aiohttp import WSMsgType, web
 from yarl import URL
 
-from common.errors import InvalidRequestError
-from frontend import last_words
-from frontend.choices import usage
-from frontend.off_loop import convert
-from frontend.protocol import CompletionRequest, client_error, decode_body, error_body
-from frontend.serving import CompletionCall
-from frontend.state import STATE, FrontendState
+from shuttle.common.errors import InvalidRequestError
+from shuttle.frontend import last_words
+from shuttle.frontend.choices import usage
+from shuttle.frontend.off_loop import convert
+from shuttle.frontend.protocol import CompletionRequest, client_error, decode_body, error_body
+from shuttle.frontend.serving import CompletionCall
+from shuttle.frontend.state import STATE, FrontendState
 
 log = logging.getLogger("shuttle.frontend")
 

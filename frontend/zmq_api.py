@@ -32,12 +32,12 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from common.ipc import AsyncChannel, MalformedMessage
-from common.messages import BatchClientMessage, BatchHeartbeat, BatchRequest, BatchResponse
-from frontend.off_loop import convert
-from frontend.protocol import client_error, error_body
-from frontend.serving import open_call
-from frontend.state import FrontendState
+from shuttle.common.ipc import AsyncChannel, MalformedMessage
+from shuttle.common.messages import BatchClientMessage, BatchHeartbeat, BatchRequest, BatchResponse
+from shuttle.frontend.off_loop import convert
+from shuttle.frontend.protocol import client_error, error_body
+from shuttle.frontend.serving import open_call
+from shuttle.frontend.state import FrontendState
 
 log = logging.getLogger("shuttle.frontend")
 

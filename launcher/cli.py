@@ -16,12 +16,12 @@ import argparse
 import os
 import sys
 
-from common.arg_types import (add_config_options, chat_template, count, dtype_name, origins, parse_bytes, positive,
+from shuttle.common.arg_types import (add_config_options, chat_template, count, dtype_name, origins, parse_bytes, positive,
                               token_count)
-from common.config import (DEFAULT_MODEL_DIR, LOG_LEVEL_ENV, LOG_LEVELS, SERVE_SECTIONS, CacheConfig, SchedulerConfig,
+from shuttle.common.config import (DEFAULT_MODEL_DIR, LOG_LEVEL_ENV, LOG_LEVELS, SERVE_SECTIONS, CacheConfig, SchedulerConfig,
                            WorkerConfig)
-from common.generation_config import AUTO
-from launcher.vllm_flags import ConfigFileError, add_refused_flags, expand_config_file
+from shuttle.common.generation_config import AUTO
+from shuttle.launcher.vllm_flags import ConfigFileError, add_refused_flags, expand_config_file
 
 __all__ = ["TOOLS", "build_parser", "main", "parse_bytes"]
 
@@ -39,7 +39,7 @@ TOOLS = {
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shuttle", description="LLM serving engine")
-    from common.version import shuttle_version
+    from shuttle.common.version import shuttle_version
     parser.add_argument("--version", action="version", version=shuttle_version())
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="start frontend, scheduler and worker on one model",
@@ -92,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plan_parser(commands, default_model)
     commands.add_parser("curve-keys", help="print a new set of ZeroMQ CURVE keys for $SHUTTLE_CURVE_KEYS "
                                            "(the same on a frontend's host and its engines' hosts)")
-    from batch_jobs.batch_file import add_parser as add_batch_parser
+    from shuttle.batch_jobs.batch_file import add_parser as add_batch_parser
     add_batch_parser(commands)
     for name, summary in TOOLS.items():  # listed in `shuttle --help`; main() hands their arguments over unparsed
         commands.add_parser(name, help=summary, add_help=False)
@@ -145,13 +145,13 @@ def _command_parser(parser: argparse.ArgumentParser, command: str) -> argparse.A
 def _run_tool(name: str, argv: list[str]) -> int:
     """Run TOOLS[name] on its own arguments."""
     if name == "calibrate":
-        from capacity.calibrate import main
+        from shuttle.capacity.calibrate import main
     elif name == "simulate":
-        from capacity.simulate import main
+        from shuttle.capacity.simulate import main
     elif name == "tune":
-        from capacity.tune import main
+        from shuttle.capacity.tune import main
     else:
-        from capacity.bench_serve import main
+        from shuttle.capacity.bench_serve import main
     return main(argv)
 
 
@@ -211,31 +211,31 @@ def main(argv: list[str] | None = None) -> int:
             print(f"shuttle: error: ${LOG_LEVEL_ENV} {level!r} is not one of {', '.join(LOG_LEVELS)}", file=sys.stderr)
             return 2
         os.environ[LOG_LEVEL_ENV] = level.upper()  # every child process reads it (common/process.py)
-        from common.errors import ModelDirError
-        from launcher.model_args import resolve_model_args
+        from shuttle.common.errors import ModelDirError
+        from shuttle.launcher.model_args import resolve_model_args
         try:
             resolve_model_args(args)  # MODEL (a directory or a Hugging Face id) made a local directory, checked
         except ModelDirError as exc:
             print(f"shuttle: error: {exc}", file=sys.stderr)
             return 2
     if args.command == "serve":
-        from launcher.launcher import serve
+        from shuttle.launcher.launcher import serve
         return serve(args)
     if args.command == "engine":
-        from launcher.launcher import engine
+        from shuttle.launcher.launcher import engine
         return engine(args)
     if args.command == "curve-keys":
-        from common.ipc import CurveKeys
+        from shuttle.common.ipc import CurveKeys
         print(CurveKeys.generate().to_env())
         return 0
     if args.command == "plan":
         if args.device:  # a device that is not here: its datasheet, nothing measured
-            from capacity.device_plan import main as plan
+            from shuttle.capacity.device_plan import main as plan
         else:
-            from capacity.memory_plan import main as plan
+            from shuttle.capacity.memory_plan import main as plan
         return plan(args)
     if args.command == "batch":
-        from batch_jobs.batch_file import run as batch
+        from shuttle.batch_jobs.batch_file import run as batch
         return batch(args)
     return 2
 

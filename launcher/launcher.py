@@ -33,21 +33,21 @@ from urllib.parse import urlsplit
 
 import zmq
 
-from common.arg_types import chat_template_text
-from common.capacity import kv_cache_bytes, requests_that_fit
-from common.config import IpcConfig, ShuttleConfig
-from common.cpu_threads import CoreError, CorePlan, allowed_cores, plan_cores
-from common.devices import (DeviceError, auto_dtype_reason, cuda_device_count, device_type, rank_device,
+from shuttle.common.arg_types import chat_template_text
+from shuttle.common.capacity import kv_cache_bytes, requests_that_fit
+from shuttle.common.config import IpcConfig, ShuttleConfig
+from shuttle.common.cpu_threads import CoreError, CorePlan, allowed_cores, plan_cores
+from shuttle.common.devices import (DeviceError, auto_dtype_reason, cuda_device_count, device_type, rank_device,
                             resolve_config)
-from common.errors import ModelDirError
-from common.generation_config import SamplingDefaults
-from common.ipc import CURVE_ENV, Channel, CurveKeys
-from common.messages import ControlMessage, EngineDown
-from common.model_dir import check_model_dir
-from launcher.ports import Listen, PortError, check_ports, tcp_listen
-from launcher.scheduler_files import check_scheduler_files
-from common.process import LAST_WORDS_S, raise_fd_limit
-from launcher.supervised_unit import FRONTEND, RESTART_RESET_S, Unit, describe_exit, engine_roles, free_tcp_endpoints
+from shuttle.common.errors import ModelDirError
+from shuttle.common.generation_config import SamplingDefaults
+from shuttle.common.ipc import CURVE_ENV, Channel, CurveKeys
+from shuttle.common.messages import ControlMessage, EngineDown
+from shuttle.common.model_dir import check_model_dir
+from shuttle.launcher.ports import Listen, PortError, check_ports, tcp_listen
+from shuttle.launcher.scheduler_files import check_scheduler_files
+from shuttle.common.process import LAST_WORDS_S, raise_fd_limit
+from shuttle.launcher.supervised_unit import FRONTEND, RESTART_RESET_S, Unit, describe_exit, engine_roles, free_tcp_endpoints
 
 STOP_TIMEOUT_S = 4.0  # SIGTERM to SIGKILL for the engine's processes at shutdown
 DRAIN_EXIT_GRACE_S = 5.0  # beyond --shutdown-timeout, for the frontend to write its last answers and exit

@@ -19,9 +19,9 @@ import threading
 import time
 from pathlib import Path
 
-from common.config import DEFAULT_MODEL_DIR
-from common.process import die_with_parent
-from worker.loop import STEP_DELAY_ENV
+from shuttle.common.config import DEFAULT_MODEL_DIR
+from shuttle.common.process import die_with_parent
+from shuttle.worker.loop import STEP_DELAY_ENV
 
 __all__ = ["ShuttleServer", "pid_alive"]
 
@@ -65,7 +65,7 @@ class ShuttleServer:
         port = ["--port", "0"] if command == "serve" else []
         threads = ["--worker-threads", str(worker_threads)] if worker_threads is not None and \
             command in ("serve", "engine") and not any(a.startswith("--worker-threads") for a in args) else []
-        cmd = [sys.executable, "-m", "launcher.cli", command, str(model_dir), *port, *threads, *args]
+        cmd = [sys.executable, "-m", "shuttle.launcher.cli", command, str(model_dir), *port, *threads, *args]
 
         def before_exec() -> None:
             die_with_parent()

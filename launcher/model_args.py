@@ -11,10 +11,10 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from common.config import DEFAULT_MODEL_DIR
-from common.errors import ModelDirError
-from common.model_dir import check_model_dir
-from common.model_source import locate, remote_code_refusal, sentencepiece_tokenizer
+from shuttle.common.config import DEFAULT_MODEL_DIR
+from shuttle.common.errors import ModelDirError
+from shuttle.common.model_dir import check_model_dir
+from shuttle.common.model_source import locate, remote_code_refusal, sentencepiece_tokenizer
 
 
 def resolve_model_args(args: argparse.Namespace) -> None:

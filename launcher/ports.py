@@ -13,7 +13,7 @@ import errno
 import socket
 from dataclasses import dataclass
 
-from common.errors import ShuttleError
+from shuttle.common.errors import ShuttleError
 
 
 class PortError(ShuttleError):

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from common.config import SchedulerConfig
-from common.errors import ModelDirError
-from scheduler.step_cost import StepCostModel
+from shuttle.common.config import SchedulerConfig
+from shuttle.common.errors import ModelDirError
+from shuttle.scheduler.step_cost import StepCostModel
 
 
 def check_scheduler_files(config: SchedulerConfig) -> None:

@@ -13,10 +13,10 @@ import subprocess
 import sys
 import time
 
-from common.config import DP_GROUP_ENV, TP_RANK_ENV, ShuttleConfig
-from common.cpu_threads import CorePlan, other_env, pin, worker_env
-from common.messages import ControlMessage, Heartbeat, ProcessReady
-from common.process import LAST_WORDS_SIGNAL, die_with_parent
+from shuttle.common.config import DP_GROUP_ENV, TP_RANK_ENV, ShuttleConfig
+from shuttle.common.cpu_threads import CorePlan, other_env, pin, worker_env
+from shuttle.common.messages import ControlMessage, Heartbeat, ProcessReady
+from shuttle.common.process import LAST_WORDS_SIGNAL, die_with_parent
 
 RESTART_RESET_S = 60.0  # a unit that served this long after a restart starts counting its failures afresh
 BACKOFF_FIRST_S, BACKOFF_MAX_S = 0.5, 10.0
@@ -103,11 +103,11 @@ class Unit:
             if role != "frontend":
                 child_env.pop("SHUTTLE_API_KEY", None)
             rank = worker_rank(role)
-            if rank is not None:  # every rank runs `python -m worker`; its rank travels like torchrun's RANK
+            if rank is not None:  # every rank runs `python -m shuttle.worker`; its rank travels like torchrun's RANK
                 child_env[TP_RANK_ENV] = str(rank)
                 child_env[DP_GROUP_ENV] = str(self.group or 0)  # with the rank, it names the device the worker owns
             child_env, cores = self._placement(role, rank, parallel.tensor_parallel_size, child_env)
-            module = "worker" if rank is not None else role
+            module = "shuttle." + ("worker" if rank is not None else role)
             self.procs[role] = subprocess.Popen([sys.executable, "-m", module, "--config", payload], env=child_env,
                                                 preexec_fn=lambda: _before_exec(cores))
 

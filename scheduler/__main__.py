@@ -1,14 +1,14 @@
-"""`python -m scheduler --config JSON`: the scheduler process (started by the launcher)."""
+"""`python -m shuttle.scheduler --config JSON`: the scheduler process (started by the launcher)."""
 
 import logging
 import sys
 
 import zmq
 
-from common.capacity import requests_that_fit
-from common.process import child_main_args, report_ready
-from scheduler.liveness import EXIT_WORKER_HUNG, WorkerHung
-from scheduler.loop import SchedulerLoop
+from shuttle.common.capacity import requests_that_fit
+from shuttle.common.process import child_main_args, report_ready
+from shuttle.scheduler.liveness import EXIT_WORKER_HUNG, WorkerHung
+from shuttle.scheduler.loop import SchedulerLoop
 
 log = logging.getLogger("shuttle.scheduler")
 

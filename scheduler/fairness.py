@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict, deque
 
-from scheduler.request import Request
+from shuttle.scheduler.request import Request
 
 
 class GroupShares:

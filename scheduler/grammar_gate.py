@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from common.messages import GRAMMAR_CACHE_BYTES, GRAMMAR_CACHE_ENTRIES, GrammarsCompiled
-from common.sampling import StructuredOutput
-from scheduler.request import Request
+from shuttle.common.messages import GRAMMAR_CACHE_BYTES, GRAMMAR_CACHE_ENTRIES, GrammarsCompiled
+from shuttle.common.sampling import StructuredOutput
+from shuttle.scheduler.request import Request
 
 
 class GrammarGate:

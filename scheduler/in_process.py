@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections import deque
 from typing import Callable, Protocol
 
-from common.messages import RequestOutput, StepPlan, StepResult
-from scheduler.scheduler import Scheduler
+from shuttle.common.messages import RequestOutput, StepPlan, StepResult
+from shuttle.scheduler.scheduler import Scheduler
 
 
 class StepRunner(Protocol):

@@ -8,9 +8,9 @@ token ids.
 
 from __future__ import annotations
 
-from common.block_hash import ROOT_HASH, block_hash
-from scheduler.block_pool import BlockPool
-from scheduler.request import Request
+from shuttle.common.block_hash import ROOT_HASH, block_hash
+from shuttle.scheduler.block_pool import BlockPool
+from shuttle.scheduler.request import Request
 
 
 class KVCacheManager:

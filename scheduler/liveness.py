@@ -10,7 +10,7 @@ import os
 import time
 from typing import Callable
 
-from common.process import boot_id
+from shuttle.common.process import boot_id
 
 FRONTEND_TIMEOUT_S = 10.0  # a frontend heartbeats every second (frontend/engine_client.py); 10 missed: gone
 # The step loop looks at its clocks at least once a second (idle polls 100 ms, result waits at most 1 s). A longer gap

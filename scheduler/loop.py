@@ -14,20 +14,20 @@ from collections import deque
 import msgspec
 import zmq
 
-from common.config import ShuttleConfig
-from common.ipc import Channel, MalformedMessage
-from common.messages import (
+from shuttle.common.config import ShuttleConfig
+from shuttle.common.ipc import Channel, MalformedMessage
+from shuttle.common.messages import (
     Abort, CompileGrammars, FrontendMessage, GrammarsCompiled, Hello, SchedulerInfo, SchedulerStats, StepOutputs,
     StepResult, Submit, WorkerFailed, WorkerMessage, WorkerReady,
 )
-from common.process import HeartbeatSender
-from scheduler.kv_cache import KVCacheManager
-from scheduler.liveness import FrontendWatch, StepWatchdog, WorkerCpuClocks
-from scheduler.admission import make_admission
-from scheduler.scheduled_step import ScheduledStep
-from scheduler.scheduler import Scheduler
-from scheduler.stats import StepStats
-from scheduler.step_log import StepLog
+from shuttle.common.process import HeartbeatSender
+from shuttle.scheduler.kv_cache import KVCacheManager
+from shuttle.scheduler.liveness import FrontendWatch, StepWatchdog, WorkerCpuClocks
+from shuttle.scheduler.admission import make_admission
+from shuttle.scheduler.scheduled_step import ScheduledStep
+from shuttle.scheduler.scheduler import Scheduler
+from shuttle.scheduler.stats import StepStats
+from shuttle.scheduler.step_log import StepLog
 
 log = logging.getLogger("shuttle.scheduler")
 
@@ -210,7 +210,7 @@ class SchedulerLoop:
                 log.warning("ignoring unexpected worker message %s", type(msg).__name__)
 
     def _reap_gone_frontends(self) -> None:
-        """Issue 9: a frontend silent past FRONTEND_TIMEOUT_S is gone; end its requests (each with a 503 it gets
+        """A frontend silent past FRONTEND_TIMEOUT_S is gone; end its requests (each with a 503 it gets
         if it is alive after all) and stop sending it stats."""
         for client in self.frontend_watch.gone():
             self.clients.discard(client)

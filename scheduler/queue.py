@@ -17,7 +17,7 @@ import heapq
 import itertools
 from typing import Iterator
 
-from scheduler.request import Request
+from shuttle.scheduler.request import Request
 
 
 class WaitingQueue:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from common.messages import TokenLogprobs
-from common.sampling import SamplingParams
+from shuttle.common.messages import TokenLogprobs
+from shuttle.common.sampling import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):

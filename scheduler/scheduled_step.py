@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from common.messages import StepPlan
-from scheduler.request import Request
+from shuttle.common.messages import StepPlan
+from shuttle.scheduler.request import Request
 
 
 @dataclass(slots=True)

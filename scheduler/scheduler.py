@@ -23,18 +23,18 @@ import time
 from collections import defaultdict
 from operator import attrgetter
 
-from common.config import SchedulerConfig
-from common.messages import (
+from shuttle.common.config import SchedulerConfig
+from shuttle.common.messages import (
     NEVER_FITS, CachedRequestData, FinishReason, GrammarsCompiled, NewRequestData, RequestOutput, SchedulerStats, StepPlan,
     StepResult, Submit, TokenLogprobs,
 )
-from scheduler.admission import AdmissionView, SloAdmission
-from scheduler.fairness import GroupShares
-from scheduler.grammar_gate import GrammarGate
-from scheduler.kv_cache import KVCacheManager
-from scheduler.queue import WaitingQueue
-from scheduler.request import Request, RequestStatus
-from scheduler.scheduled_step import ScheduledRequest, ScheduledStep
+from shuttle.scheduler.admission import AdmissionView, SloAdmission
+from shuttle.scheduler.fairness import GroupShares
+from shuttle.scheduler.grammar_gate import GrammarGate
+from shuttle.scheduler.kv_cache import KVCacheManager
+from shuttle.scheduler.queue import WaitingQueue
+from shuttle.scheduler.request import Request, RequestStatus
+from shuttle.scheduler.scheduled_step import ScheduledRequest, ScheduledStep
 
 _RANK = attrgetter("rank")
 

@@ -7,7 +7,7 @@ import time
 
 import msgspec
 
-from common.messages import SchedulerStats
+from shuttle.common.messages import SchedulerStats
 
 log = logging.getLogger("shuttle.scheduler")
 

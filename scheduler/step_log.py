@@ -14,7 +14,7 @@ from pathlib import Path
 
 import msgspec
 
-from scheduler.step_cost import StepShape, shape_of
+from shuttle.scheduler.step_cost import StepShape, shape_of
 
 
 class ServedStep(msgspec.Struct, array_like=True):

@@ -17,4 +17,4 @@ fi
 # Compile the CPU paged-attention kernel once now for both cache dtypes (numba caches it beside
 # worker/decode_kernel.py; bfloat16 is `--dtype auto` on a CPU with bf16 units), so no worker pays the compilation
 # (5-7 s each on two cores) at start-up.
-.venv/bin/python -c "import torch; from worker import decode_kernel; decode_kernel.warm_up(1, (torch.float32, torch.bfloat16))"
+.venv/bin/python -c "import torch; from shuttle.worker import decode_kernel; decode_kernel.warm_up(1, (torch.float32, torch.bfloat16))"

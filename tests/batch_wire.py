@@ -8,7 +8,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from common.messages import BatchHeartbeat, BatchServerMessage
+from shuttle.common.messages import BatchHeartbeat, BatchServerMessage
 
 HANG = 30.0  # seconds before a test waiting on the endpoint gives up (a hang, not a timing margin)
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from common.config import LOG_LEVEL_ENV
+from shuttle.common.config import LOG_LEVEL_ENV
 from tests.hf_cache import REPO_ID, cache_with
 from tests.server import MODEL_DIR, ShuttleServer
 
@@ -48,11 +48,11 @@ def pytest_collection_modifyitems(items):
 def no_launch(monkeypatch):
     """serve() and engine() in process, failing the test if they get as far as starting the processes (so that a
     refusal can be tested without a new interpreter, whose imports alone take seconds)."""
-    import launcher.launcher
+    from shuttle.launcher import launcher as launcher_module
 
     def refuse(*args, **kwargs):
         raise AssertionError("the launcher started processes")
-    monkeypatch.setattr(launcher.launcher, "Launcher", refuse)
+    monkeypatch.setattr(launcher_module, "Launcher", refuse)
     monkeypatch.delenv(LOG_LEVEL_ENV, raising=False)  # launcher.cli.main sets it for its children; restored after
 
 

@@ -15,15 +15,15 @@ from typing import AsyncIterator, Iterator
 
 from aiohttp import web
 
-from common.config import IpcConfig, ShuttleConfig
-from common.model_config import ModelConfig
-from common.messages import FinishReason, RequestOutput, SchedulerInfo, Submit, TokenLogprobs
-from frontend.app import build_app
-from frontend.chat import ChatTemplate
-from frontend.engine_client import ServingGroup
-from frontend.metrics import Metrics
-from frontend.state import FrontendState
-from frontend.tokenizer import TextTokenizer
+from shuttle.common.config import IpcConfig, ShuttleConfig
+from shuttle.common.model_config import ModelConfig
+from shuttle.common.messages import FinishReason, RequestOutput, SchedulerInfo, Submit, TokenLogprobs
+from shuttle.frontend.app import build_app
+from shuttle.frontend.chat import ChatTemplate
+from shuttle.frontend.engine_client import ServingGroup
+from shuttle.frontend.metrics import Metrics
+from shuttle.frontend.state import FrontendState
+from shuttle.frontend.tokenizer import TextTokenizer
 from tests.server import MODEL_DIR, REPO
 
 SERVED = "stories"

@@ -13,16 +13,16 @@ from dataclasses import dataclass, field, replace
 
 from aiohttp import web
 
-from common.config import IpcConfig, OpsConfig, ShuttleConfig
-from common.model_config import ModelConfig
-from common.messages import FinishReason
-from frontend.app import BATCH, build_app
-from frontend.chat import ChatTemplate
-from frontend.http_server import listen
-from frontend.metrics import Metrics
-from frontend.state import FrontendState
-from frontend.tokenizer import TextTokenizer
-from frontend.zmq_api import BatchEndpoint
+from shuttle.common.config import IpcConfig, OpsConfig, ShuttleConfig
+from shuttle.common.model_config import ModelConfig
+from shuttle.common.messages import FinishReason
+from shuttle.frontend.app import BATCH, build_app
+from shuttle.frontend.chat import ChatTemplate
+from shuttle.frontend.http_server import listen
+from shuttle.frontend.metrics import Metrics
+from shuttle.frontend.state import FrontendState
+from shuttle.frontend.tokenizer import TextTokenizer
+from shuttle.frontend.zmq_api import BatchEndpoint
 from tests.fake_engine import SCRIPT, FakeEngine
 from tests.server import MODEL_DIR, REPO
 

@@ -12,7 +12,7 @@ import struct
 import msgspec
 from hypothesis import strategies as st
 
-from common.messages import BatchRequest
+from shuttle.common.messages import BatchRequest
 
 
 def nested(depth: int, container: bytes = b"\x91") -> bytes:

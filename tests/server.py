@@ -6,9 +6,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from common.devices import AUTO_CPU_DTYPE_ENV
-from launcher import local_server
-from launcher.local_server import pid_alive
+from shuttle.common.devices import AUTO_CPU_DTYPE_ENV
+from shuttle.launcher import local_server
+from shuttle.launcher.local_server import pid_alive
 
 __all__ = ["MODEL_DIR", "REPO", "ShuttleServer", "pid_alive"]
 

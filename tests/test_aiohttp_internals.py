@@ -12,7 +12,7 @@ import aiohttp
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
-from frontend.http_server import AIOHTTP_PRIVATE, ShuttleRequestHandler
+from shuttle.frontend.http_server import AIOHTTP_PRIVATE, ShuttleRequestHandler
 from tests.inprocess import start_app
 
 HANG = 30.0

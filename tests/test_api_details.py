@@ -12,9 +12,9 @@ from aiohttp.test_utils import TestClient, TestServer
 from tokenizers import Tokenizer
 from transformers.utils.chat_template_utils import render_jinja_template
 
-from common.config import SchedulerConfig
-from common.messages import FinishReason
-from frontend.tokenizer import TextTokenizer
+from shuttle.common.config import SchedulerConfig
+from shuttle.common.messages import FinishReason
+from shuttle.frontend.tokenizer import TextTokenizer
 from tests.fake_engine import SERVED, TEMPLATES, FakeEngine, frontend_app, sampled_logprob
 from tests.server import MODEL_DIR
 

@@ -35,7 +35,7 @@ def test_unservable_architecture_is_refused(model_type, reason):
 def test_serve_refuses_with_exit_status_2_and_one_line(tmp_path):
     build_model_dir("bloom", tmp_path)
     shutil.copy(MODEL_DIR / "tokenizer.json", tmp_path / "tokenizer.json")
-    proc = subprocess.run([sys.executable, "-m", "launcher.cli", "serve", str(tmp_path), "--port", "0",
+    proc = subprocess.run([sys.executable, "-m", "shuttle.launcher.cli", "serve", str(tmp_path), "--port", "0",
                            "--max-model-len", "128"], cwd=REPO,  # BLOOM names no context limit of its own
                           capture_output=True, text=True, timeout=180)
     assert proc.returncode == 2
@@ -52,7 +52,7 @@ def test_transformers_cache_goes_under_the_keyword_the_forward_takes():
     import transformers
     from transformers import AutoModelForCausalLM
 
-    from worker.model_loader import cache_kwargs
+    from shuttle.worker.model_loader import cache_kwargs
 
     class Renamed(torch.nn.Module):
         def forward(self, input_ids, cache=None, **kwargs):

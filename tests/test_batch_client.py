@@ -8,7 +8,7 @@ import sys
 import urllib.request
 
 
-from batch_jobs.client import BatchClient
+from shuttle.batch_jobs.client import BatchClient
 from tests.server import REPO
 
 PROMPTS = ["Once upon a time", "Tom had a dog", "Lily saw a big", "The sun was"]
@@ -47,7 +47,7 @@ def test_shuttle_batch_round_trip(server, tmp_path):
               "body": {"prompt": p, "max_tokens": 8, "temperature": 0}} for i, p in enumerate(PROMPTS)]
     (tmp_path / "in.jsonl").write_text("\n".join(json.dumps(line) for line in lines) + "\n")
     out = tmp_path / "out.jsonl"
-    done = subprocess.run([sys.executable, "-m", "launcher.cli", "batch", str(tmp_path / "in.jsonl"), str(out),
+    done = subprocess.run([sys.executable, "-m", "shuttle.launcher.cli", "batch", str(tmp_path / "in.jsonl"), str(out),
                            "--endpoint", server.batch_endpoint], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "4/4" in done.stderr  # the progress bar's last state

@@ -4,8 +4,8 @@ import itertools
 
 import pytest
 
-from common.messages import FinishReason, Submit
-from common.sampling import SamplingParams
+from shuttle.common.messages import FinishReason, Submit
+from shuttle.common.sampling import SamplingParams
 from tests.test_scheduler import make_scheduler, run_step
 
 _arrival = itertools.count(1000)

@@ -15,9 +15,9 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from batch_jobs.client import AsyncBatchClient, BatchClient, BatchServerGone
-from common.messages import BatchHeartbeat, BatchRequest, BatchServerMessage
-from frontend.zmq_api import BatchEndpoint
+from shuttle.batch_jobs.client import AsyncBatchClient, BatchClient, BatchServerGone
+from shuttle.common.messages import BatchHeartbeat, BatchRequest, BatchServerMessage
+from shuttle.frontend.zmq_api import BatchEndpoint
 from tests.batch_wire import HANG, dealer, next_response
 from tests.inprocess import start_app
 from tests.server import REPO
@@ -239,7 +239,7 @@ def output_keys(path) -> list[str]:
 
 async def shuttle_batch(*args: str) -> asyncio.subprocess.Process:
     return await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "launcher.cli", "batch", *args, "--quiet", cwd=REPO, stdout=asyncio.subprocess.PIPE,
+        sys.executable, "-m", "shuttle.launcher.cli", "batch", *args, "--quiet", cwd=REPO, stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE, env={**os.environ, "SHUTTLE_API_KEY": KEY})
 
 
@@ -296,7 +296,7 @@ async def test_shuttle_batch_without_the_key_gets_401_and_no_work(app, tmp_path)
     batch_file(tmp_path / "in.jsonl", 5)
     submitted = len(app.engine.submitted)
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "launcher.cli", "batch", str(tmp_path / "in.jsonl"), str(tmp_path / "out.jsonl"),
+        sys.executable, "-m", "shuttle.launcher.cli", "batch", str(tmp_path / "in.jsonl"), str(tmp_path / "out.jsonl"),
         "--endpoint", app.batch.endpoint, "--quiet", "--api-key", "wrong", cwd=REPO,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     code, stderr = await finish(process)

@@ -8,13 +8,13 @@ import sys
 
 import pytest
 
-from capacity import bench_serve
+from shuttle.capacity import bench_serve
 from tests.server import REPO
 
 
 def test_bench_serve_tiny(server, tmp_path):
     out = tmp_path / "bench.json"
-    result = subprocess.run([sys.executable, "-m", "launcher.cli", "bench", "--url", server.url,
+    result = subprocess.run([sys.executable, "-m", "shuttle.launcher.cli", "bench", "--url", server.url,
                              "--num-prompts", "12", "--max-concurrency", "4", "--input-len", "32", "--output-len", "8",
                              "--ttft-slo-ms", "10000", "--result-json", str(out), "--no-progress",
                              "--save-requests", str(tmp_path / "requests.jsonl")],

@@ -4,10 +4,10 @@ import random
 
 import pytest
 
-from common.sampling import SamplingParams
-from scheduler.block_pool import BlockPool
-from scheduler.kv_cache import KVCacheManager
-from scheduler.request import Request
+from shuttle.common.sampling import SamplingParams
+from shuttle.scheduler.block_pool import BlockPool
+from shuttle.scheduler.kv_cache import KVCacheManager
+from shuttle.scheduler.request import Request
 
 
 def make_request(rid: str, tokens: list[int]) -> Request:

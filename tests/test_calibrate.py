@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from capacity.calibrate import Calibrator, grid
-from capacity.workload import SimRequest
-from common.config import SchedulerConfig
-from scheduler.step_cost import StepCostModel, StepShape
+from shuttle.capacity.calibrate import Calibrator, grid
+from shuttle.capacity.workload import SimRequest
+from shuttle.common.config import SchedulerConfig
+from shuttle.scheduler.step_cost import StepCostModel, StepShape
 from tests.server import MODEL_DIR
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts" / "dev"))

@@ -4,8 +4,8 @@ import dataclasses
 
 import pytest
 
-from launcher.cli import build_parser
-from common.config import SERVE_SECTIONS, CacheConfig, IpcConfig, SchedulerConfig, ShuttleConfig, WorkerConfig
+from shuttle.launcher.cli import build_parser
+from shuttle.common.config import SERVE_SECTIONS, CacheConfig, IpcConfig, SchedulerConfig, ShuttleConfig, WorkerConfig
 from tests.server import MODEL_DIR
 
 # a value other than the default for each field, as it is typed on the command line
@@ -71,9 +71,9 @@ def test_bad_values_are_usage_errors(flag, value, capsys):
 
 
 def test_an_unwritable_step_log_is_refused_before_any_process_starts(tmp_path):
-    from common.errors import ModelDirError
+    from shuttle.common.errors import ModelDirError
 
-    from launcher.scheduler_files import check_scheduler_files
+    from shuttle.launcher.scheduler_files import check_scheduler_files
 
     args = build_parser().parse_args(["serve", str(MODEL_DIR), "--step-log", str(tmp_path / "missing" / "steps.jsonl")])
     config = ShuttleConfig.from_args(args, IpcConfig.in_directory("/x"))  # config does no I/O of its own
@@ -87,7 +87,7 @@ def test_an_unwritable_step_log_is_refused_before_any_process_starts(tmp_path):
     (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
 ])
 def test_tool_flags_are_refused_in_one_line(flags, words):
-    from common.errors import ModelDirError
+    from shuttle.common.errors import ModelDirError
 
     args = build_parser().parse_args(["serve", str(MODEL_DIR), *flags])
     with pytest.raises(ModelDirError) as exc:
@@ -106,7 +106,7 @@ def test_the_api_key_comes_from_vllms_variable_too(monkeypatch, tmp_path):
     """A deployment moved from vLLM keeps its key in VLLM_API_KEY: it must not run unauthenticated."""
     import argparse
 
-    from launcher.launcher import _api_key
+    from shuttle.launcher.launcher import _api_key
 
     args = argparse.Namespace(api_key=None, api_key_file=None)
     monkeypatch.delenv("SHUTTLE_API_KEY", raising=False)

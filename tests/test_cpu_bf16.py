@@ -6,20 +6,20 @@ import time
 import pytest
 import torch
 
-from common.config import CacheConfig, IpcConfig, SchedulerConfig, ShuttleConfig, WorkerConfig
-from common.model_config import ModelConfig
-from common.devices import (AUTO_CPU_DTYPE_ENV, DeviceError, auto_dtype_reason, cpu_auto_dtype, cpu_bf16_flags,
+from shuttle.common.config import CacheConfig, IpcConfig, SchedulerConfig, ShuttleConfig, WorkerConfig
+from shuttle.common.model_config import ModelConfig
+from shuttle.common.devices import (AUTO_CPU_DTYPE_ENV, DeviceError, auto_dtype_reason, cpu_auto_dtype, cpu_bf16_flags,
                             resolve_config, resolve_dtype)
-from common.messages import Submit
-from common.sampling import SamplingParams
-from launcher.cli import build_parser
-from scheduler.in_process import drive
-from scheduler.kv_cache import KVCacheManager
-from scheduler.scheduler import Scheduler
+from shuttle.common.messages import Submit
+from shuttle.common.sampling import SamplingParams
+from shuttle.launcher.cli import build_parser
+from shuttle.scheduler.in_process import drive
+from shuttle.scheduler.kv_cache import KVCacheManager
+from shuttle.scheduler.scheduler import Scheduler
 from tests.server import MODEL_DIR
 from tests.test_decode_kernel import _case, _reference
-from worker.attention import LayerFeatures
-from worker.decode_kernel import paged_decode
+from shuttle.worker.attention import LayerFeatures
+from shuttle.worker.decode_kernel import paged_decode
 
 
 @pytest.mark.parametrize("window,softcap,with_sinks", [(None, None, False), (5, None, False), (3, 1.0, True)])
@@ -39,8 +39,8 @@ def test_bf16_kernel_widens_exactly_and_stays_within_bf16_of_fp32(window, softca
 
 
 def test_cpu_backend_decodes_bf16_through_the_kernel_and_answers_in_the_query_dtype(monkeypatch):
-    from worker import decode_kernel
-    from worker.attention_backends import CpuBackend
+    from shuttle.worker import decode_kernel
+    from shuttle.worker.attention_backends import CpuBackend
 
     calls = []
     real = decode_kernel.paged_decode
@@ -90,7 +90,7 @@ def test_kv_cache_dtype_flag_and_its_refusal_under_flex():
 
 
 def _greedy(dtype: str, kv_cache_dtype: str, prompts, tokens: int):
-    from worker.worker import ModelRunner
+    from shuttle.worker.worker import ModelRunner
 
     model = ModelConfig.from_dir(MODEL_DIR, dtype=dtype)
     config = ShuttleConfig(model=model, ipc=IpcConfig.in_directory("/nonexistent"),
@@ -124,7 +124,7 @@ def test_the_start_up_check_in_bf16_weighs_differences_by_probability():
     """bfloat16 rounding moves the log-probs of tokens the model rules out; the check weighs each difference by the
     reference probability, so stories260K in bf16 passes with a wide margin (the plain max is near 0.2 nats), while
     the same log-probs compared one position off (a structural mistake) are far past the tolerance."""
-    from worker import capability
+    from shuttle.worker import capability
     runner, _ = _greedy("bfloat16", "auto", [[1, 403]], 1)
     assert runner.check_difference < 0.4 * capability.TOLERANCE[torch.bfloat16]  # 0.046 on a CPU without bf16 units
     g = torch.Generator().manual_seed(0)

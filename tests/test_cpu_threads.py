@@ -5,9 +5,9 @@ import argparse
 
 import pytest
 
-from common.cpu_threads import (WORKER_THREADS_ENV, CoreError, cpu_list, format_cpu_list, other_env,
+from shuttle.common.cpu_threads import (WORKER_THREADS_ENV, CoreError, cpu_list, format_cpu_list, other_env,
                                 parse_cpu_list, plan_cores, split_cores, worker_env)
-from launcher.supervised_unit import Unit, engine_roles
+from shuttle.launcher.supervised_unit import Unit, engine_roles
 
 
 @pytest.mark.parametrize("text, cores", [

@@ -9,8 +9,8 @@ import aiohttp
 import msgspec
 import pytest
 
-from common.messages import SchedulerStats
-from frontend.dashboard import FEED
+from shuttle.common.messages import SchedulerStats
+from shuttle.frontend.dashboard import FEED
 from tests.inprocess import start_app
 
 KEY = "sk-dashboard-secret-4711"

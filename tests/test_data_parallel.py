@@ -17,7 +17,7 @@ import pytest
 
 from tests.client import post_completion
 from tests.conftest import hf_greedy, hf_tokenizer
-from capacity.story_prompts import MAX_TOKENS, story_prompts
+from shuttle.capacity.story_prompts import MAX_TOKENS, story_prompts
 from tests.server import ShuttleServer
 
 HANG = 120.0

@@ -7,9 +7,9 @@ head would disagree with the gathered reference.
 import pytest
 import torch
 
-from worker.attention import LayerFeatures
-from worker.attention_backends import attend
-from worker.decode_kernel import paged_decode
+from shuttle.worker.attention import LayerFeatures
+from shuttle.worker.attention_backends import attend
+from shuttle.worker.decode_kernel import paged_decode
 
 BLOCK = 4
 

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from frontend.tokenizer import IncrementalDetokenizer, TextTokenizer
+from shuttle.frontend.tokenizer import IncrementalDetokenizer, TextTokenizer
 from tests.byte_runs import cut_at_characters, streamed_text
 from tests.server import MODEL_DIR
 

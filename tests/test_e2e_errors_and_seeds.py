@@ -6,7 +6,7 @@ import asyncio
 import aiohttp
 import pytest
 
-from common.config import DEFAULT_MODEL_DIR
+from shuttle.common.config import DEFAULT_MODEL_DIR
 from tests.client import post_completion
 from tests.server import MODEL_DIR
 

@@ -8,7 +8,7 @@ from transformers import AutoTokenizer
 
 from tests.conftest import hf_greedy, hf_tokenizer
 from tests.hf_cache import REPO_ID
-from capacity.story_prompts import MAX_TOKENS, story_prompts
+from shuttle.capacity.story_prompts import MAX_TOKENS, story_prompts
 
 BLOCK_SIZE = 16  # the servers' default --block-size
 

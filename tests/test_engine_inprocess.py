@@ -7,16 +7,16 @@ import time
 
 import pytest
 
-from common.config import CacheConfig, IpcConfig, SchedulerConfig, ShuttleConfig
-from common.model_config import ModelConfig
-from common.messages import Submit
-from common.sampling import SamplingParams
-from scheduler.kv_cache import KVCacheManager
-from scheduler.in_process import drive as serve_in_process
-from scheduler.scheduler import Scheduler
+from shuttle.common.config import CacheConfig, IpcConfig, SchedulerConfig, ShuttleConfig
+from shuttle.common.model_config import ModelConfig
+from shuttle.common.messages import Submit
+from shuttle.common.sampling import SamplingParams
+from shuttle.scheduler.kv_cache import KVCacheManager
+from shuttle.scheduler.in_process import drive as serve_in_process
+from shuttle.scheduler.scheduler import Scheduler
 from tests.conftest import hf_greedy
 from tests.server import MODEL_DIR
-from worker.worker import ModelRunner
+from shuttle.worker.worker import ModelRunner
 
 
 def drive(scheduler, runner, on_outputs, max_in_flight=2):

@@ -15,13 +15,13 @@ import warnings
 import pytest
 import torch
 
-from common.config import CacheConfig, IpcConfig, SchedulerConfig, ShuttleConfig, WorkerConfig
-from common.model_config import ModelConfig
-from launcher.cli import build_parser
-from worker import flex_attention as fx
-from worker import flex_masks as fm
-from worker.attention import AttentionMetadata, LayerFeatures
-from worker.attention_backends import ReferenceBackend, make_backend
+from shuttle.common.config import CacheConfig, IpcConfig, SchedulerConfig, ShuttleConfig, WorkerConfig
+from shuttle.common.model_config import ModelConfig
+from shuttle.launcher.cli import build_parser
+from shuttle.worker import flex_attention as fx
+from shuttle.worker import flex_masks as fm
+from shuttle.worker.attention import AttentionMetadata, LayerFeatures
+from shuttle.worker.attention_backends import ReferenceBackend, make_backend
 
 
 def make_cache(num_blocks, block_size, kv_heads, head_dim, v_head_dim, dtype, seed=0):
@@ -268,8 +268,8 @@ def test_compiled_flex_refuses_heads_below_sixteen(monkeypatch):
     """Inductor's flex lowering refuses head_dim < 16 (seen on an H200): a worker with a compiled flex backend
     refuses such a model (stories260K: head_dim 8) at start-up by name, pointing at the reference backend."""
     from tests.server import MODEL_DIR
-    from worker import worker as worker_module
-    from worker.model_loader import LayerGeometry, UnsupportedModelError
+    from shuttle.worker import worker as worker_module
+    from shuttle.worker.model_loader import LayerGeometry, UnsupportedModelError
 
     assert fx.compiled_head_dim_problem([LayerGeometry(2, 16, 16)]) is None
     assert "head_dim 8" in fx.compiled_head_dim_problem([LayerGeometry(2, 16, 16), LayerGeometry(2, 8, 16)])
@@ -321,12 +321,12 @@ def test_selectable_by_flag():
 def test_engine_greedy_matches_transformers():
     """The in-process engine (scheduler + ModelRunner, start-up exactness check included) on stories260K with the
     flex backend: chunked prefill, decodes, mixed steps and prefix-cache hits, token for token against transformers."""
-    from scheduler.kv_cache import KVCacheManager
-    from scheduler.scheduler import Scheduler
+    from shuttle.scheduler.kv_cache import KVCacheManager
+    from shuttle.scheduler.scheduler import Scheduler
     from tests.conftest import hf_greedy
     from tests.server import MODEL_DIR
     from tests.test_engine_inprocess import greedy_outputs
-    from worker.worker import ModelRunner
+    from shuttle.worker.worker import ModelRunner
 
     num_blocks, block_size = 40, 16
     model = ModelConfig.from_dir(MODEL_DIR)
@@ -353,7 +353,7 @@ def test_startup_exactness_check_passes_on_the_architecture_set(name, tmp_path):
     transformers' eager attention) with the flex backend, on tiny random models with GQA, a window of 8 (2 blocks
     of 4), soft-cap, sinks (gpt-oss) and learned positions (GPT-2)."""
     from scripts.dev.check_architectures import VARIANTS, build_model_dir
-    from worker.worker import ModelRunner
+    from shuttle.worker.worker import ModelRunner
 
     model_type, extra = VARIANTS.get(name, (name, {}))
     build_model_dir(model_type, tmp_path, extra)

@@ -19,7 +19,7 @@ import zmq.asyncio
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from common.messages import BatchHeartbeat, BatchServerMessage
+from shuttle.common.messages import BatchHeartbeat, BatchServerMessage
 from tests.client import post_completion
 from tests.conftest import hf_greedy
 from tests.malformed import malformed_batch_frames

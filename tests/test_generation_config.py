@@ -9,11 +9,11 @@ import shutil
 
 import pytest
 
-from common.model_config import ModelConfig
-from common.errors import ModelDirError
-from common.sampling import SamplingParams
-from frontend.protocol import CompletionRequest, convert_body, sampling_params
-from launcher.cli import build_parser
+from shuttle.common.model_config import ModelConfig
+from shuttle.common.errors import ModelDirError
+from shuttle.common.sampling import SamplingParams
+from shuttle.frontend.protocol import CompletionRequest, convert_body, sampling_params
+from shuttle.launcher.cli import build_parser
 from tests.server import MODEL_DIR
 
 NEUTRAL = SamplingParams()
@@ -97,7 +97,7 @@ def test_a_value_no_request_could_set_is_refused_at_start_up(model_dir, values, 
 
 
 def test_the_flag_reaches_the_model_config(model_dir):
-    from common.config import _model_config
+    from shuttle.common.config import _model_config
     args = build_parser().parse_args(["serve", str(model_dir), "--generation-config", "vllm"])
     assert args.generation_config == "vllm"
     assert _model_config(args).sampling_defaults.named() == {}

@@ -9,22 +9,22 @@ import dataclasses
 import pytest
 import torch
 
-from common.capacity import kv_cache_bytes
-from common.config import IpcConfig, ShuttleConfig, WorkerConfig
-from common.model_config import ModelConfig
-from common.devices import (DeviceError, check_device_count, parse_device, rank_device, resolve_attention_backend,
+from shuttle.common.capacity import kv_cache_bytes
+from shuttle.common.config import IpcConfig, ShuttleConfig, WorkerConfig
+from shuttle.common.model_config import ModelConfig
+from shuttle.common.devices import (DeviceError, check_device_count, parse_device, rank_device, resolve_attention_backend,
                             resolve_config, resolve_device, resolve_dtype)
-from launcher.cli import build_parser
-from launcher.launcher import capacity_lines, serve
+from shuttle.launcher.cli import build_parser
+from shuttle.launcher.launcher import capacity_lines, serve
 from tests.server import MODEL_DIR
-from worker.flex_attention import max_kv_blocks_for
-from worker.input_batch import InputBatch
-from worker.kv_cache import KVCache
-from worker.kv_sizing import (KVSizingError, MemoryFigures, MemorySnapshot, figures_from_snapshots, plan_kv_blocks,
+from shuttle.worker.flex_attention import max_kv_blocks_for
+from shuttle.worker.input_batch import InputBatch
+from shuttle.worker.kv_cache import KVCache
+from shuttle.worker.kv_sizing import (KVSizingError, MemoryFigures, MemorySnapshot, figures_from_snapshots, plan_kv_blocks,
                               profile_plan)
-from worker.model_loader import LayerGeometry
-from worker.parallel import local_device
-from worker.staging import StepStaging
+from shuttle.worker.model_loader import LayerGeometry
+from shuttle.worker.parallel import local_device
+from shuttle.worker.staging import StepStaging
 
 GiB, MiB = 2**30, 2**20
 
@@ -224,7 +224,7 @@ def test_the_profiling_step_runs_on_the_worker(runner):
 
 @pytest.fixture(scope="module")
 def runner():
-    from worker.worker import ModelRunner
+    from shuttle.worker.worker import ModelRunner
     config = ShuttleConfig(model=ModelConfig.from_dir(MODEL_DIR), ipc=IpcConfig.in_directory("/nonexistent"),
                            worker=WorkerConfig(device="cpu"))
     made = ModelRunner(config)
@@ -236,8 +236,8 @@ def runner():
 # ---- staging ------------------------------------------------------------------------------------------------------
 
 def _step_inputs(block_size=4):
-    from common.messages import NewRequestData, StepPlan
-    from common.sampling import SamplingParams
+    from shuttle.common.messages import NewRequestData, StepPlan
+    from shuttle.common.sampling import SamplingParams
     batch = InputBatch(block_size, 99, 8)
     plan = StepPlan(0, [NewRequestData("a", list(range(10)), SamplingParams(), [3, 4, 5], 0, 10),
                         NewRequestData("b", [7, 8, 9], SamplingParams(), [6], 0, 3)], [])

@@ -6,10 +6,10 @@ import json
 import threading
 import time
 
-from common.messages import CONSTRAINT_REFUSAL
-from common.sampling import StructuredOutput
+from shuttle.common.messages import CONSTRAINT_REFUSAL
+from shuttle.common.sampling import StructuredOutput
 from tests.server import MODEL_DIR
-from worker.grammar import COMPILE_PATIENCE_S, LARGE_SPEC_BYTES, MAX_ABANDONED, GrammarCompiler
+from shuttle.worker.grammar import COMPILE_PATIENCE_S, LARGE_SPEC_BYTES, MAX_ABANDONED, GrammarCompiler
 
 HANG = 30.0  # a bound only a hang reaches
 

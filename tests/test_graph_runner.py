@@ -15,15 +15,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from common.config import CacheConfig, IpcConfig, SchedulerConfig, ShuttleConfig, WorkerConfig
-from common.model_config import ModelConfig
-from launcher.cli import build_parser
+from shuttle.common.config import CacheConfig, IpcConfig, SchedulerConfig, ShuttleConfig, WorkerConfig
+from shuttle.common.model_config import ModelConfig
+from shuttle.launcher.cli import build_parser
 from tests.test_flex_attention import make_cache, make_step
-from worker import flex_attention as fx
-from worker import graph_runner as gr
-from worker.attention import StepAttention, paged_attention_forward
-from worker.attention_backends import make_backend
-from worker.input_batch import StepInputs
+from shuttle.worker import flex_attention as fx
+from shuttle.worker import graph_runner as gr
+from shuttle.worker.attention import StepAttention, paged_attention_forward
+from shuttle.worker.attention_backends import make_backend
+from shuttle.worker.input_batch import StepInputs
 
 NUM_BLOCKS, BLOCK_SIZE, WIDTH = 300, 16, 8  # the cache, and the block-table width (max_model_len 128)
 HEADS, KV_HEADS, DIM, VOCAB = 4, 2, 8, 50
@@ -235,12 +235,12 @@ def test_engine_greedy_with_the_runner_forced_on_matches_transformers(backend_na
     """The in-process engine (scheduler + ModelRunner) on stories260K with the graph runner forced on: decode-only
     steps replay the static buffers in several buckets and equal the eager forward; mixed steps and chunked
     prefills run eagerly; every output equals transformers' greedy generate token for token."""
-    from scheduler.kv_cache import KVCacheManager
-    from scheduler.scheduler import Scheduler
+    from shuttle.scheduler.kv_cache import KVCacheManager
+    from shuttle.scheduler.scheduler import Scheduler
     from tests.conftest import hf_greedy
     from tests.server import MODEL_DIR
     from tests.test_engine_inprocess import greedy_outputs
-    from worker.worker import ModelRunner
+    from shuttle.worker.worker import ModelRunner
 
     num_blocks, block_size = 60, 16
     model = ModelConfig.from_dir(MODEL_DIR)
@@ -274,7 +274,7 @@ def test_captured_forward_reads_no_tensor_on_the_host(monkeypatch):
     transformers skips its one such read, the packed-sequence probe of the position ids, while a CUDA stream
     captures, so this pretends one does."""
     from tests.server import MODEL_DIR
-    from worker.worker import ModelRunner
+    from shuttle.worker.worker import ModelRunner
 
     config = ShuttleConfig(model=ModelConfig.from_dir(MODEL_DIR), ipc=IpcConfig.in_directory("/nonexistent"),
                            cache=CacheConfig(16, 40), scheduler=SchedulerConfig(max_num_seqs=8),

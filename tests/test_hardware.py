@@ -4,8 +4,8 @@ checked by hand against stories260K's config.json (hidden 64, 5 layers, 8 heads,
 
 import pytest
 
-from capacity import device_plan, hardware
-from launcher.cli import main as shuttle
+from shuttle.capacity import device_plan, hardware
+from shuttle.launcher.cli import main as shuttle
 from tests.server import MODEL_DIR
 
 

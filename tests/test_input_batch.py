@@ -2,9 +2,9 @@
 
 import torch
 
-from common.sampling import SamplingParams
-from worker.input_batch import CachedRequestState, InputBatch
-from worker.sampler import SamplingState
+from shuttle.common.sampling import SamplingParams
+from shuttle.worker.input_batch import CachedRequestState, InputBatch
+from shuttle.worker.sampler import SamplingState
 
 NULL_BLOCK = 999
 

@@ -7,9 +7,9 @@ import asyncio
 import json
 import threading
 
-import frontend.openai_api
-from frontend.off_loop import OFF_LOOP_BYTES
-from frontend.responses_request import input_messages
+from shuttle.frontend import openai_api
+from shuttle.frontend.off_loop import OFF_LOOP_BYTES
+from shuttle.frontend.responses_request import input_messages
 from tests.fake_engine import FakeEngine
 from tests.test_api_details import STORY, served, stream
 
@@ -30,11 +30,11 @@ def test_consecutive_function_calls_join_one_assistant_message():
 async def test_a_large_body_converts_off_the_loop_while_other_streams_finish(monkeypatch):
     threads = {}  # number of input items -> the thread that made the call
 
-    class Recorded(frontend.openai_api.ResponsesCall):
+    class Recorded(openai_api.ResponsesCall):
         def __init__(self, state, request):
             threads[len(request.input)] = threading.current_thread()
             super().__init__(state, request)
-    monkeypatch.setattr(frontend.openai_api, "ResponsesCall", Recorded)
+    monkeypatch.setattr(openai_api, "ResponsesCall", Recorded)
     big = json.dumps(calls_body(40_000)).encode()
     small = json.dumps(calls_body(1)).encode()
     assert len(small) < OFF_LOOP_BYTES <= len(big)

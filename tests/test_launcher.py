@@ -15,7 +15,7 @@ import aiohttp
 
 from tests.client import post_completion
 from tests.conftest import API_KEY
-from common.process import die_with_parent
+from shuttle.common.process import die_with_parent
 from tests.server import MODEL_DIR, REPO, TEST_KV_CACHE_MEMORY, ShuttleServer, pid_alive
 
 HANG = 60.0
@@ -43,7 +43,7 @@ def children(pid: int) -> list[int]:
 def test_killed_launcher_takes_its_children_along():
     """Killed while its three processes start (the worker mid-import or mid-load, the state a crash of the launcher
     most often meets, and no model work spent on a server that would be killed anyway)."""
-    launcher = subprocess.Popen([sys.executable, "-m", "launcher.cli", "serve", str(MODEL_DIR), "--port", "0",
+    launcher = subprocess.Popen([sys.executable, "-m", "shuttle.launcher.cli", "serve", str(MODEL_DIR), "--port", "0",
                                  "--kv-cache-memory", TEST_KV_CACHE_MEMORY, "--worker-threads", "1"],
                                 cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                 start_new_session=True, preexec_fn=die_with_parent)
@@ -68,7 +68,7 @@ def test_killed_launcher_takes_its_children_along():
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "launcher.cli", "serve", *args, "--port", "0"], cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "shuttle.launcher.cli", "serve", *args, "--port", "0"], cwd=REPO,
                           capture_output=True, text=True, timeout=60)
 
 
@@ -107,7 +107,7 @@ async def test_tcp_transport_is_authenticated_and_the_api_key_stays_off_command_
 
     import zmq
 
-    from batch_jobs.client import BatchClient
+    from shuttle.batch_jobs.client import BatchClient
 
     srv = keyed_server
     strays = []

@@ -10,10 +10,10 @@ import time
 
 import pytest
 
-from common.messages import FinishReason
+from shuttle.common.messages import FinishReason
 
-from common.process import boot_id
-from scheduler.liveness import FrontendWatch, StepWatchdog, WorkerCpuClocks, WorkerHung
+from shuttle.common.process import boot_id
+from shuttle.scheduler.liveness import FrontendWatch, StepWatchdog, WorkerCpuClocks, WorkerHung
 from tests.test_scheduler import make_scheduler, run_step, submit
 
 

@@ -5,15 +5,15 @@ launcher's start-up line because they come from the same code (common/capacity.p
 import pytest
 import torch
 
-from capacity.memory_plan import build_plan, concurrency_table
-from common.capacity import blocks_per_request, kv_blocks_for_memory, kv_cache_bytes, requests_that_fit
-from launcher.cli import build_parser
-from common.config import CacheConfig, IpcConfig, ShuttleConfig
-from common.model_config import ModelConfig
-from launcher.launcher import capacity_lines
+from shuttle.capacity.memory_plan import build_plan, concurrency_table
+from shuttle.common.capacity import blocks_per_request, kv_blocks_for_memory, kv_cache_bytes, requests_that_fit
+from shuttle.launcher.cli import build_parser
+from shuttle.common.config import CacheConfig, IpcConfig, ShuttleConfig
+from shuttle.common.model_config import ModelConfig
+from shuttle.launcher.launcher import capacity_lines
 from tests.server import MODEL_DIR
-from worker.kv_cache import KVCache
-from worker.model_loader import LayerGeometry
+from shuttle.worker.kv_cache import KVCache
+from shuttle.worker.model_loader import LayerGeometry
 
 MiB = 2**20
 
@@ -93,8 +93,8 @@ def test_cli_accepts_one_kv_budget_only():
 def test_plan_resolves_auto_dtype_as_serve_does():
     """`shuttle plan` defaults to --dtype auto and plans the dtype `shuttle serve` picks on this machine (bfloat16 on a
     CPU with bf16 matrix units): a new user's plan said float32 where the server started in bfloat16."""
-    from common.devices import resolve_dtype
-    from launcher.cli import build_parser
+    from shuttle.common.devices import resolve_dtype
+    from shuttle.launcher.cli import build_parser
 
     assert build_parser().parse_args(["plan"]).dtype == "auto"
     auto = build_plan(str(MODEL_DIR), kv_cache_memory=16 * MiB, max_num_seqs=8, max_num_batched_tokens=64,

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from common.errors import ModelDirError
-from common.model_dir import check_model_dir
+from shuttle.common.errors import ModelDirError
+from shuttle.common.model_dir import check_model_dir
 from tests.server import MODEL_DIR, REPO
 
 FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")

@@ -13,13 +13,13 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from huggingface_hub import snapshot_download, try_to_load_from_cache
 
-from common.arg_types import token_count
-from common.config import IpcConfig, ShuttleConfig
-from common.model_source import is_repo_id, locate, resolve
-from common.version import shuttle_version
-import launcher.cli
-from launcher.cli import build_parser
-from launcher.model_args import resolve_model_args
+from shuttle.common.arg_types import token_count
+from shuttle.common.config import IpcConfig, ShuttleConfig
+from shuttle.common.model_source import is_repo_id, locate, resolve
+from shuttle.common.version import shuttle_version
+from shuttle.launcher import cli as launcher_cli
+from shuttle.launcher.cli import build_parser
+from shuttle.launcher.model_args import resolve_model_args
 from tests.hf_cache import COMMIT, REPO_ID, cache_with
 from tests.server import MODEL_DIR, REPO
 from tests.test_startup_refusals import assert_refused
@@ -106,14 +106,14 @@ def test_vllm_aliases():
 
 
 def shuttle(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "launcher.cli", *args], cwd=REPO, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "shuttle.launcher.cli", *args], cwd=REPO, capture_output=True, text=True,
                           timeout=60, env={**os.environ, **(env or {})})
 
 
 def cli_refusal(capsys, *argv: str) -> str:
     """`shuttle *argv` in this process (with the no_launch fixture): its one line on stderr, after exit status 2.
     In process because these refusals load transformers' tokenizer code, seconds of imports in a new interpreter."""
-    status = launcher.cli.main(list(argv))
+    status = launcher_cli.main(list(argv))
     captured = capsys.readouterr()
     assert status == 2 and captured.err.count("\n") == 1 and captured.out == "", captured.err[-2000:]
     return captured.err
@@ -170,7 +170,7 @@ def test_an_unknown_vllm_flag_is_still_refused():
 
 async def test_get_version_and_every_served_name():
     import dataclasses
-    from frontend.state import STATE
+    from shuttle.frontend.state import STATE
     from tests.fake_engine import FakeEngine, frontend_app
     from tests.test_api_details import STORY
     app = frontend_app(FakeEngine(script=list(STORY)))

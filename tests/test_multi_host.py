@@ -19,7 +19,7 @@ import time
 import aiohttp
 import pytest
 
-from common.ipc import CURVE_ENV, CurveKeys
+from shuttle.common.ipc import CURVE_ENV, CurveKeys
 from tests.client import stream_completion
 from tests.conftest import hf_greedy
 from tests.server import MODEL_DIR, REPO, ShuttleServer
@@ -86,7 +86,7 @@ async def test_remote_group_joins_serves_a_stream_and_comes_back(hosts):
 
 def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != CURVE_ENV} | (env or {})
-    return subprocess.run([sys.executable, "-m", "launcher.cli", *args], cwd=REPO, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "shuttle.launcher.cli", *args], cwd=REPO, capture_output=True, text=True,
                           timeout=60, env=env)
 
 

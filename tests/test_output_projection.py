@@ -3,7 +3,7 @@
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from worker.output_projection import (MIN_COLUMNS, WIDEN_CHUNK, ColumnChunkedLinear, chunk_output_projection,
+from shuttle.worker.output_projection import (MIN_COLUMNS, WIDEN_CHUNK, ColumnChunkedLinear, chunk_output_projection,
                                       widen_bf16_linears)
 
 

@@ -2,7 +2,7 @@
 
 import gc
 
-from common.process import freeze_startup_heap
+from shuttle.common.process import freeze_startup_heap
 
 
 def test_startup_heap_leaves_the_collectors_generations():

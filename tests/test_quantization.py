@@ -9,18 +9,18 @@ import time
 import pytest
 import torch
 
-from common.config import CacheConfig, IpcConfig, SchedulerConfig, ShuttleConfig, WorkerConfig
-from common.model_config import ModelConfig
-from common.devices import DeviceError, quantization_error, resolve_config
-from common.messages import Submit
-from common.sampling import SamplingParams
-from scheduler.in_process import drive
-from scheduler.kv_cache import KVCacheManager
-from scheduler.scheduler import Scheduler
+from shuttle.common.config import CacheConfig, IpcConfig, SchedulerConfig, ShuttleConfig, WorkerConfig
+from shuttle.common.model_config import ModelConfig
+from shuttle.common.devices import DeviceError, quantization_error, resolve_config
+from shuttle.common.messages import Submit
+from shuttle.common.sampling import SamplingParams
+from shuttle.scheduler.in_process import drive
+from shuttle.scheduler.kv_cache import KVCacheManager
+from shuttle.scheduler.scheduler import Scheduler
 from tests.server import MODEL_DIR
 from tests.test_startup_refusals import refusal
-from worker.quantization import DEQUANTIZED_ROWS, Int8Linear, dequantize, quantize_model, quantize_per_channel
-from worker.worker import ModelRunner
+from shuttle.worker.quantization import DEQUANTIZED_ROWS, Int8Linear, dequantize, quantize_model, quantize_per_channel
+from shuttle.worker.worker import ModelRunner
 
 
 def linear(out_features: int, in_features: int, bias: bool = False, seed: int = 0) -> torch.nn.Linear:

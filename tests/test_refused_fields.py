@@ -13,9 +13,9 @@ import aiohttp
 import msgspec
 import pytest
 
-from common.messages import BatchRequest
-from common.sampling import StructuredOutput
-from frontend.protocol import REFUSED_FIELDS, ChatCompletionRequest, CompletionRequest
+from shuttle.common.messages import BatchRequest
+from shuttle.common.sampling import StructuredOutput
+from shuttle.frontend.protocol import REFUSED_FIELDS, ChatCompletionRequest, CompletionRequest
 from tests.batch_wire import dealer, next_response
 from tests.inprocess import start_app
 

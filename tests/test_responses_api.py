@@ -21,9 +21,9 @@ import pydantic
 import pytest
 from aiohttp.test_utils import TestClient
 
-from common.config import ToolCallConfig
-from common.messages import FinishReason
-from common.sampling import StructuredOutput
+from shuttle.common.config import ToolCallConfig
+from shuttle.common.messages import FinishReason
+from shuttle.common.sampling import StructuredOutput
 from tests.fake_engine import FakeEngine
 from tests.test_api_details import PROMPT, STORY, STORY_TEXT, openai_client, post, served
 from tests.test_tool_calling import NAMED_TEXT, REQUIRED_TEXT, script

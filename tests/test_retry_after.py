@@ -7,8 +7,8 @@ import json
 import aiohttp
 import pytest
 
-from frontend.backpressure import RestartClock, RetryAfterEstimator, header_value, refusal_headers
-from launcher.supervised_unit import Unit
+from shuttle.frontend.backpressure import RestartClock, RetryAfterEstimator, header_value, refusal_headers
+from shuttle.launcher.supervised_unit import Unit
 from tests.inprocess import start_app
 
 

@@ -3,8 +3,8 @@ logit_bias, min_tokens and logprobs do what OpenAI documents."""
 
 import torch
 
-from common.sampling import SamplingParams
-from worker.sampler import Sampler, SamplingState
+from shuttle.common.sampling import SamplingParams
+from shuttle.worker.sampler import Sampler, SamplingState
 
 
 def states(params: SamplingParams, n: int, prompt_len: int = 1) -> list[SamplingState]:

@@ -3,11 +3,11 @@
 import itertools
 import random
 
-from common.config import SchedulerConfig
-from common.messages import FinishReason, StepResult, Submit
-from common.sampling import SamplingParams
-from scheduler.kv_cache import KVCacheManager
-from scheduler.scheduler import Scheduler
+from shuttle.common.config import SchedulerConfig
+from shuttle.common.messages import FinishReason, StepResult, Submit
+from shuttle.common.sampling import SamplingParams
+from shuttle.scheduler.kv_cache import KVCacheManager
+from shuttle.scheduler.scheduler import Scheduler
 
 EOS = 2
 

@@ -4,8 +4,8 @@ import itertools
 import random
 from collections import deque
 
-from common.messages import FinishReason, StepResult
-from scheduler.request import RequestStatus
+from shuttle.common.messages import FinishReason, StepResult
+from shuttle.scheduler.request import RequestStatus
 from tests.test_scheduler import EOS, make_scheduler, submit
 
 

@@ -12,9 +12,9 @@ import pytest
 import xgrammar as xgr
 from xgrammar.testing import _is_grammar_accept_string as accepts
 
-from common.errors import InvalidRequestError
-from frontend.schema_support import ANNOTATION, ENFORCED, KEYWORDS, REFUSED, check_regex, check_schema
-from frontend.tool_request import Tool, ToolUse, tool_constraint
+from shuttle.common.errors import InvalidRequestError
+from shuttle.frontend.schema_support import ANNOTATION, ENFORCED, KEYWORDS, REFUSED, check_regex, check_schema
+from shuttle.frontend.tool_request import Tool, ToolUse, tool_constraint
 
 REPO = Path(__file__).resolve().parent.parent
 OBJ = {"type": "object"}

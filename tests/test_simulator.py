@@ -2,10 +2,10 @@
 
 import pytest
 
-from capacity.simulator import Simulator, percentiles
-from capacity.workload import SimRequest, arrivals, synthetic
-from common.config import SchedulerConfig
-from scheduler.step_cost import StepCostModel
+from shuttle.capacity.simulator import Simulator, percentiles
+from shuttle.capacity.workload import SimRequest, arrivals, synthetic
+from shuttle.common.config import SchedulerConfig
+from shuttle.scheduler.step_cost import StepCostModel
 
 TEN_MS = StepCostModel({"step": 0.010})  # every step takes 10 ms, whatever it computes
 
@@ -131,6 +131,6 @@ def test_arrivals_have_the_asked_rate_and_burstiness():
 
 
 def test_percentiles_are_bench_serves():
-    from capacity.bench_serve import percentiles as bench_percentiles
+    from shuttle.capacity.bench_serve import percentiles as bench_percentiles
     values = [0.001 * v for v in (5, 1, 9, 3, 7, 2, 8)]
     assert percentiles(values) == pytest.approx(bench_percentiles(values))

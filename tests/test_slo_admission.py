@@ -4,13 +4,13 @@ nothing changes. The real Scheduler is driven by the simulator (fabricated token
 
 import pytest
 
-from capacity.simulator import Simulator
-from capacity.workload import synthetic
-from common.config import SchedulerConfig
-from common.messages import FinishReason, Submit
-from common.sampling import SamplingParams
-from scheduler.step_cost import StepCostModel
-from scheduler.admission import SloAdmission
+from shuttle.capacity.simulator import Simulator
+from shuttle.capacity.workload import synthetic
+from shuttle.common.config import SchedulerConfig
+from shuttle.common.messages import FinishReason, Submit
+from shuttle.common.sampling import SamplingParams
+from shuttle.scheduler.step_cost import StepCostModel
+from shuttle.scheduler.admission import SloAdmission
 from tests.test_scheduler import make_scheduler
 
 # A cost model shaped like stories260K's on this machine: a fixed step cost, per-sequence and per-token terms.

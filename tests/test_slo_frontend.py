@@ -3,13 +3,13 @@ scheduler, a refusal is HTTP 503 with the scheduler's Retry-After, and /metrics 
 
 from aiohttp.test_utils import TestClient, TestServer
 
-from common.config import IpcConfig, SchedulerConfig, ShuttleConfig
-from common.model_config import ModelConfig
-from frontend.app import build_app
-from frontend.chat import ChatTemplate
-from frontend.metrics import Metrics
-from frontend.state import FrontendState
-from frontend.tokenizer import TextTokenizer
+from shuttle.common.config import IpcConfig, SchedulerConfig, ShuttleConfig
+from shuttle.common.model_config import ModelConfig
+from shuttle.frontend.app import build_app
+from shuttle.frontend.chat import ChatTemplate
+from shuttle.frontend.metrics import Metrics
+from shuttle.frontend.state import FrontendState
+from shuttle.frontend.tokenizer import TextTokenizer
 from tests.fake_engine import FakeEngine
 from tests.server import MODEL_DIR
 

@@ -9,15 +9,15 @@ import sys
 
 import pytest
 
-import launcher.launcher
-from launcher.cli import build_parser
-from common.ipc import CURVE_ENV, CurveKeys
-from launcher.ports import Listen, PortError, check_ports
+from shuttle.launcher import launcher as launcher_module
+from shuttle.launcher.cli import build_parser
+from shuttle.common.ipc import CURVE_ENV, CurveKeys
+from shuttle.launcher.ports import Listen, PortError, check_ports
 from tests.server import MODEL_DIR, REPO
 
 
 def shuttle(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "launcher.cli", *args], cwd=REPO, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "shuttle.launcher.cli", *args], cwd=REPO, capture_output=True, text=True,
                           timeout=60)
 
 
@@ -72,7 +72,7 @@ def test_the_batch_endpoint_on_port_plus_one_is_named_when_taken():
 
 def refusal(capsys, *argv: str) -> str:
     args = build_parser().parse_args(argv)
-    status = (launcher.launcher.serve if args.command == "serve" else launcher.launcher.engine)(args)
+    status = (launcher_module.serve if args.command == "serve" else launcher_module.engine)(args)
     err = capsys.readouterr().err
     assert status == 2 and err.count("\n") == 1, err
     return err

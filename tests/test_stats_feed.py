@@ -6,10 +6,10 @@ import asyncio
 import msgspec
 import pytest
 
-from common.messages import SchedulerStats
-from frontend.metrics import Metrics
-from frontend.stats_feed import StatsFeed, _buckets, _total, histogram_quantile
-from scheduler.stats import StepStats
+from shuttle.common.messages import SchedulerStats
+from shuttle.frontend.metrics import Metrics
+from shuttle.frontend.stats_feed import StatsFeed, _buckets, _total, histogram_quantile
+from shuttle.scheduler.stats import StepStats
 from tests.inprocess import FakeEngine, make_config
 from tests.test_scheduler import make_scheduler, run_step, submit
 

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from scheduler.step_cost import FEATURES, Roofline, StepCostModel, StepShape, features, fit_scheduler_seconds, shape_of, spread_of
+from shuttle.scheduler.step_cost import FEATURES, Roofline, StepCostModel, StepShape, features, fit_scheduler_seconds, shape_of, spread_of
 
 TRUE = {"step": 2e-3, "sequence": 1e-4, "prefill_sequence": 5e-4, "token": 3e-5, "dense": 1.5, "prefill_attention": 4.0,
         "decode_attention": 9.0}

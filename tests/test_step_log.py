@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import aiohttp
 
-from scheduler.step_log import StepLog, read_step_log
+from shuttle.scheduler.step_log import StepLog, read_step_log
 from tests.client import post_completion, wait_idle
 from tests.conftest import SLOW_STEP_DELAY
 

@@ -9,9 +9,9 @@ import time
 import jsonschema
 import pytest
 
-from common.messages import FinishReason, GrammarsCompiled, Submit
-from common.sampling import SamplingParams, StructuredOutput
-from frontend.tokenizer import TextTokenizer
+from shuttle.common.messages import FinishReason, GrammarsCompiled, Submit
+from shuttle.common.sampling import SamplingParams, StructuredOutput
+from shuttle.frontend.tokenizer import TextTokenizer
 from tests.server import MODEL_DIR
 from tests.test_engine_inprocess import drive, make_engine
 

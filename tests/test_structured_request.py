@@ -9,10 +9,10 @@ import json
 import msgspec
 import pytest
 
-from common.errors import InvalidRequestError
-from common.sampling import StructuredOutput
-from frontend.protocol import ChatCompletionRequest, CompletionRequest, convert_body
-from frontend.structured_request import MAX_CHOICES, MAX_PATTERN_BYTES, MAX_SCHEMA_BYTES, structured_output_of
+from shuttle.common.errors import InvalidRequestError
+from shuttle.common.sampling import StructuredOutput
+from shuttle.frontend.protocol import ChatCompletionRequest, CompletionRequest, convert_body
+from shuttle.frontend.structured_request import MAX_CHOICES, MAX_PATTERN_BYTES, MAX_SCHEMA_BYTES, structured_output_of
 
 BASES = {CompletionRequest: {"prompt": "Hi"}, ChatCompletionRequest: {"messages": [{"role": "user", "content": "Hi"}]}}
 ENDPOINTS = list(BASES)
@@ -235,7 +235,7 @@ def test_limits_are_inclusive():
 
 def test_the_spec_reaches_sampling_params_intact():
     """The StructuredOutput crosses the wire to the worker (msgpack, array_like): the spec survives unchanged."""
-    from common.sampling import SamplingParams
+    from shuttle.common.sampling import SamplingParams
 
     for fields, _ in ACCEPTED:
         found = structured(fields)

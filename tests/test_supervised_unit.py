@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from launcher.supervised_unit import Unit, engine_roles
+from shuttle.launcher.supervised_unit import Unit, engine_roles
 
 
 @pytest.fixture

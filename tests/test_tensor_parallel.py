@@ -20,16 +20,16 @@ import msgspec
 import pytest
 import zmq
 
-from common.config import CacheConfig, IpcConfig, ParallelConfig, ShuttleConfig, tensor_parallel_error
-from common.model_config import ModelConfig
-from common.ipc import Channel
-from launcher.supervised_unit import engine_roles, worker_rank
-from common.messages import PlanMessage, StepPlan, Submit, WorkerReady
-from common.sampling import SamplingParams
-from scheduler.loop import SchedulerLoop
+from shuttle.common.config import CacheConfig, IpcConfig, ParallelConfig, ShuttleConfig, tensor_parallel_error
+from shuttle.common.model_config import ModelConfig
+from shuttle.common.ipc import Channel
+from shuttle.launcher.supervised_unit import engine_roles, worker_rank
+from shuttle.common.messages import PlanMessage, StepPlan, Submit, WorkerReady
+from shuttle.common.sampling import SamplingParams
+from shuttle.scheduler.loop import SchedulerLoop
 from tests.client import health, post_completion
 from tests.conftest import hf_greedy, hf_tokenizer
-from capacity.story_prompts import STORY
+from shuttle.capacity.story_prompts import STORY
 from tests.server import MODEL_DIR, REPO, ShuttleServer
 
 NUM_KV_BLOCKS = 7  # 112 tokens for requests that need 15 blocks together (each fits alone): preemption is certain
@@ -88,7 +88,7 @@ def test_each_rank_holds_half_the_kv_heads(tp_server):
 
 
 def test_heads_not_divisible_are_refused_before_start():
-    result = subprocess.run([sys.executable, "-m", "launcher.cli", "serve", str(MODEL_DIR), "--port", "0",
+    result = subprocess.run([sys.executable, "-m", "shuttle.launcher.cli", "serve", str(MODEL_DIR), "--port", "0",
                              "--tensor-parallel-size", "3"], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert ("--tensor-parallel-size 3 does not divide the model's 8 attention heads (each rank must hold the same "

@@ -18,14 +18,14 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from tokenizers import Tokenizer
 
-from common.config import TOOL_CALL_PARSERS, ToolCallConfig
-from common.messages import FinishReason
-from frontend.chat import ChatTemplate
-from frontend.tokenizer import TextTokenizer
-from frontend.tool_parsers import PARSERS
-from common.sampling import StructuredOutput
-from frontend.protocol import ChatMessage
-from frontend.tool_request import (AUTO_NEEDS, NamedToolChoice, Tool, ToolChoice, template_tools, tool_constraint,
+from shuttle.common.config import TOOL_CALL_PARSERS, ToolCallConfig
+from shuttle.common.messages import FinishReason
+from shuttle.frontend.chat import ChatTemplate
+from shuttle.frontend.tokenizer import TextTokenizer
+from shuttle.frontend.tool_parsers import PARSERS
+from shuttle.common.sampling import StructuredOutput
+from shuttle.frontend.protocol import ChatMessage
+from shuttle.frontend.tool_request import (AUTO_NEEDS, NamedToolChoice, Tool, ToolChoice, template_tools, tool_constraint,
                                    tool_use_of)
 from tests.fake_engine import TEMPLATES, FakeEngine, frontend_app
 from tests.server import MODEL_DIR

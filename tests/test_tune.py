@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from capacity import bench_serve, simulate, tune
-from scheduler.step_cost import StepCostModel
+from shuttle.capacity import bench_serve, simulate, tune
+from shuttle.scheduler.step_cost import StepCostModel
 
 
 @pytest.fixture

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from launcher import cli
-from launcher.vllm_flags import REFUSED_FLAGS
+from shuttle.launcher import cli
+from shuttle.launcher.vllm_flags import REFUSED_FLAGS
 from tests.server import MODEL_DIR
 
 TABLE = Path(__file__).resolve().parent.parent / "docs" / "vllm-flags.md"
@@ -149,8 +149,8 @@ def test_chat_template_is_a_file_or_the_template_itself(tmp_path, capsys):
 
 
 def test_an_inline_chat_template_renders(tmp_path):
-    from frontend.chat import ChatTemplate
-    from frontend.protocol import ChatMessage
+    from shuttle.frontend.chat import ChatTemplate
+    from shuttle.frontend.protocol import ChatMessage
     template = ChatTemplate(str(MODEL_DIR), "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}")
     assert template.render([ChatMessage(role="user", content="hi")]) == "<user>hi"
 
@@ -169,7 +169,7 @@ def test_allowed_origins_takes_vllms_json_list_and_shuttles_comma_list(capsys):
 
 def test_log_level_flag_and_environment(monkeypatch, capsys):
     started = []
-    monkeypatch.setattr("launcher.launcher.serve", lambda args: started.append(os.environ["SHUTTLE_LOG_LEVEL"]) or 0)
+    monkeypatch.setattr("shuttle.launcher.launcher.serve", lambda args: started.append(os.environ["SHUTTLE_LOG_LEVEL"]) or 0)
     monkeypatch.setenv("SHUTTLE_LOG_LEVEL", "warning")
     assert cli.main(["serve", str(MODEL_DIR)]) == 0
     assert cli.main(["serve", str(MODEL_DIR), "--log-level", "DEBUG"]) == 0

@@ -13,10 +13,10 @@ import aiohttp
 import msgspec
 import pytest
 
-from launcher.cli import build_parser
-from common.config import ShuttleConfig
-from common.messages import BatchRequest
-from frontend.ws_frames import CLOSE_FRAME, MaskedFramesOnly
+from shuttle.launcher.cli import build_parser
+from shuttle.common.config import ShuttleConfig
+from shuttle.common.messages import BatchRequest
+from shuttle.frontend.ws_frames import CLOSE_FRAME, MaskedFramesOnly
 from tests.batch_wire import dealer, next_response
 from tests.inprocess import SCRIPT, start_app
 from tests.server import MODEL_DIR

@@ -24,19 +24,19 @@ import zmq.asyncio
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
-from batch_jobs.client import AsyncBatchClient
-from launcher.cli import build_parser
-from common.config import CacheConfig, IpcConfig, OpsConfig, ShuttleConfig
-from common.model_config import ModelConfig
-from common.ipc import AsyncChannel, Channel, MalformedMessage
-from common.messages import (
+from shuttle.batch_jobs.client import AsyncBatchClient
+from shuttle.launcher.cli import build_parser
+from shuttle.common.config import CacheConfig, IpcConfig, OpsConfig, ShuttleConfig
+from shuttle.common.model_config import ModelConfig
+from shuttle.common.ipc import AsyncChannel, Channel, MalformedMessage
+from shuttle.common.messages import (
     BatchHeartbeat, BatchServerMessage, EngineDown, FinishReason, FrontendMessage, Heartbeat, Hello, PlanMessage,
     RequestOutput, SchedulerInfo, SchedulerStats, Shutdown, StepOutputs, StepPlan, StepResult, Submit, WorkerMessage,
     WorkerReady,
 )
-from common.sampling import SamplingParams
-from common.wire_guard import nesting_exceeds
-from frontend.app import MAX_BODY_BYTES
+from shuttle.common.sampling import SamplingParams
+from shuttle.common.wire_guard import nesting_exceeds
+from shuttle.frontend.app import MAX_BODY_BYTES
 from tests.batch_wire import HANG, dealer, next_response
 from tests.inprocess import start_app
 from tests.malformed import (
@@ -212,9 +212,9 @@ def test_a_deep_message_cannot_blow_the_c_stack():
     scans the depth before decoding, so the same message is refused in that setting too."""
     code = """
 import sys, threading, zmq
-from common.ipc import Channel
-from common.messages import BatchClientMessage
-from frontend.zmq_api import MAX_DEPTH
+from shuttle.common.ipc import Channel
+from shuttle.common.messages import BatchClientMessage
+from shuttle.frontend.zmq_api import MAX_DEPTH
 from tests.malformed import deep_request
 sys.setrecursionlimit(10**7)
 threading.stack_size(256 * 1024)
@@ -335,7 +335,7 @@ def wait_until(predicate, what: str, step=lambda: time.sleep(0.01)) -> None:
 
 
 def test_the_scheduler_reads_on_past_malformed_messages(tmp_path):
-    from scheduler.loop import SchedulerLoop
+    from shuttle.scheduler.loop import SchedulerLoop
     ipc = IpcConfig.in_directory(str(tmp_path))
     config = ShuttleConfig(ModelConfig.from_dir(MODEL_DIR), ipc, cache=CacheConfig(num_kv_blocks=None))
     ctx = zmq.Context()
@@ -370,7 +370,7 @@ def test_the_scheduler_reads_on_past_malformed_messages(tmp_path):
 
 
 def test_the_worker_reads_on_past_malformed_plans(tmp_path):
-    from worker.loop import WorkerLoop
+    from shuttle.worker.loop import WorkerLoop
     ctx = zmq.Context()
     scheduler, collector = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
     scheduler.bind(f"ipc://{tmp_path}/plans.sock")
@@ -394,8 +394,8 @@ def test_the_worker_reads_on_past_malformed_plans(tmp_path):
 
 
 async def test_the_frontend_reads_on_past_malformed_scheduler_and_launcher_messages(tmp_path):
-    from frontend.engine_client import EngineClient
-    from frontend.lifecycle import SupervisorLink
+    from shuttle.frontend.engine_client import EngineClient
+    from shuttle.frontend.lifecycle import SupervisorLink
     ctx = zmq.asyncio.Context.instance()
     encode = msgspec.msgpack.encode
     scheduler = ctx.socket(zmq.ROUTER)
@@ -435,7 +435,7 @@ async def test_the_frontend_reads_on_past_malformed_scheduler_and_launcher_messa
 async def test_a_stats_hook_that_raises_loses_no_output(tmp_path, caplog):
     """The frontend's one listener delivers every request's outputs; a hook that raises on a message (a metrics or
     dashboard bug) is logged, and the outputs of that message and the next still reach their request."""
-    from frontend.engine_client import EngineClient
+    from shuttle.frontend.engine_client import EngineClient
     ctx = zmq.asyncio.Context.instance()
     encode = msgspec.msgpack.encode
     scheduler = ctx.socket(zmq.ROUTER)
@@ -472,7 +472,7 @@ async def test_a_stats_hook_that_raises_loses_no_output(tmp_path, caplog):
 
 
 def test_the_launcher_reads_on_past_malformed_control_messages(tmp_path):
-    from launcher.launcher import Launcher
+    from shuttle.launcher.launcher import Launcher
     ipc = IpcConfig.in_directory(str(tmp_path))
     launcher = Launcher(ShuttleConfig(ModelConfig.from_dir(MODEL_DIR), ipc), None)
     child = zmq.Context.instance().socket(zmq.PUSH)
@@ -494,7 +494,7 @@ def test_the_launcher_reads_on_past_malformed_control_messages(tmp_path):
 
 
 def test_warnings_are_rate_limited_per_peer_and_per_socket(caplog):
-    from common.wire_guard import MAX_WARNINGS_PER_INTERVAL, WARN_INTERVAL_S, FaultLog, Malformed
+    from shuttle.common.wire_guard import MAX_WARNINGS_PER_INTERVAL, WARN_INTERVAL_S, FaultLog, Malformed
     now = [0.0]
     faults = FaultLog("a socket", clock=lambda: now[0])
     for _ in range(5):

@@ -1,4 +1,4 @@
-"""`python -m worker --config JSON`: a worker process (started by the launcher), tensor-parallel rank
+"""`python -m shuttle.worker --config JSON`: a worker process (started by the launcher), tensor-parallel rank
 $SHUTTLE_TP_RANK (default 0) of local serving group $SHUTTLE_DP_GROUP (default 0), on the device that pair owns
 (worker/parallel.py local_device)."""
 
@@ -10,18 +10,18 @@ from pathlib import Path
 
 import zmq
 
-from common.config import DP_GROUP_ENV, TP_RANK_ENV
-from common.devices import DeviceError
-from common.errors import ModelDirError
-from common.ipc import Channel
-from common.messages import PlanMessage, WorkerReady
-from common.process import HeartbeatSender, boot_id, child_main_args, report_ready
-from worker.graph_runner import GraphCaptureError
-from worker.kv_sizing import KVSizingError
-from worker.loop import STEP_DELAY_ENV, WorkerLoop
-from worker.model_loader import UnsupportedModelError
-from worker.parallel import join_group, local_device
-from worker.worker import ModelRunner
+from shuttle.common.config import DP_GROUP_ENV, TP_RANK_ENV
+from shuttle.common.devices import DeviceError
+from shuttle.common.errors import ModelDirError
+from shuttle.common.ipc import Channel
+from shuttle.common.messages import PlanMessage, WorkerReady
+from shuttle.common.process import HeartbeatSender, boot_id, child_main_args, report_ready
+from shuttle.worker.graph_runner import GraphCaptureError
+from shuttle.worker.kv_sizing import KVSizingError
+from shuttle.worker.loop import STEP_DELAY_ENV, WorkerLoop
+from shuttle.worker.model_loader import UnsupportedModelError
+from shuttle.worker.parallel import join_group, local_device
+from shuttle.worker.worker import ModelRunner
 
 log = logging.getLogger("shuttle.worker")
 
@@ -56,7 +56,7 @@ def main() -> None:
                              activation_peak_bytes=runner.activation_peak_bytes, kv_budget=runner.kv_budget,
                              boot_id=boot_id(), pid=os.getpid()))
     report_ready(config, name, num_kv_blocks=kv.num_blocks)
-    # Issue 9: a thread, so a long forward pass does not look like a hang; a frozen process (SIGSTOP) stops it
+    # A thread, so a long forward pass does not look like a hang; a frozen process (SIGSTOP) stops it
     # too. A step that never returns is the scheduler's step watchdog's to notice.
     HeartbeatSender(config, name).start_thread()
     step_delay = float(os.environ.get(STEP_DELAY_ENV, "0"))

@@ -7,10 +7,10 @@ attention output; how it loops (or doesn't) is its own business.
   SDPA (or explicit math when the layer soft-caps or has sinks). Simple, every feature, any device and dtype.
 - `cpu` (the CPU default): decode rows all at once through the numba kernel of worker/decode_kernel.py, which
   reads a float32 or bfloat16 cache in place and accumulates in float32 (queries of either dtype); prefill chunks
-  one sequence at a time as in `reference` (torch's CPU SDPA, which accumulates bfloat16 in float32 too). Measured on this 2-core
-  CPU, the kernel beats the per-sequence loop for tiny models (the loop's Python overhead dominates) and for a
+  one sequence at a time as in `reference` (torch's CPU SDPA, which accumulates bfloat16 in float32 too). On a CPU the
+  kernel beats the per-sequence loop for tiny models (the loop's Python overhead dominates) and for a
   110M Llama (no gather copy of the context), and a padded batched SDPA with a mask loses to both (torch falls
-  back to its math path); see scripts/dev/bench_overhead.py.
+  back to its math path); scripts/dev/bench_overhead.py measures the three.
 - `flex`: torch's FlexAttention over the cache in place, decodes and prefill chunks each in one call per layer
   (worker/flex_attention.py): compiled on CUDA, eager (unfused, for tests) on the CPU.
 """
@@ -20,9 +20,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from common.devices import AUTO_ATTENTION_BACKEND
-from worker.attention import AttentionMetadata, LayerFeatures
-from worker.flex_attention import FlexBackend
+from shuttle.common.devices import AUTO_ATTENTION_BACKEND
+from shuttle.worker.attention import AttentionMetadata, LayerFeatures
+from shuttle.worker.flex_attention import FlexBackend
 
 
 def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, query_start: int, key_start: int,
@@ -140,7 +140,7 @@ class CpuBackend(ReferenceBackend):
 
     def __init__(self, block_size: int):
         super().__init__(block_size)
-        from worker import decode_kernel  # numba loads only where this backend is used
+        from shuttle.worker import decode_kernel  # numba loads only where this backend is used
         self._kernel = decode_kernel
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,

@@ -13,12 +13,12 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from common.messages import CachedRequestData, NewRequestData, StepPlan
-from common.sampling import SamplingParams
-from worker import attention
-from worker.input_batch import InputBatch
-from worker.kv_cache import KVCache
-from worker.model_loader import UnsupportedModelError, architecture, cache_kwargs
+from shuttle.common.messages import CachedRequestData, NewRequestData, StepPlan
+from shuttle.common.sampling import SamplingParams
+from shuttle.worker import attention
+from shuttle.worker.input_batch import InputBatch
+from shuttle.worker.kv_cache import KVCache
+from shuttle.worker.model_loader import UnsupportedModelError, architecture, cache_kwargs
 
 # Tolerated difference (nats) between the paths: in float32 the max |log-probability difference| over every position
 # and vocabulary entry; in reduced precision (bfloat16, float16, int8 linears) the max over positions of the

@@ -31,8 +31,8 @@ import torch
 import torch.nn.attention.flex_attention as torch_flex
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
-from worker.attention import AttentionMetadata, LayerFeatures
-from worker.flex_masks import (
+from shuttle.worker.attention import AttentionMetadata, LayerFeatures
+from shuttle.worker.flex_masks import (
     QUERY_BLOCK, FormInputs, block_mask, check_logical_blocks, decode_block_lists, decode_inputs, logical_block_map,
     packed_block_lists, packed_inputs, step_mask_mod,
 )

@@ -25,8 +25,8 @@ from collections import OrderedDict, deque
 
 import torch
 
-from common.messages import CONSTRAINT_REFUSAL, GRAMMAR_CACHE_ENTRIES, GrammarsCompiled
-from common.sampling import StructuredOutput
+from shuttle.common.messages import CONSTRAINT_REFUSAL, GRAMMAR_CACHE_ENTRIES, GrammarsCompiled
+from shuttle.common.sampling import StructuredOutput
 
 log = logging.getLogger("shuttle.worker")
 

@@ -38,8 +38,8 @@ import time
 
 import torch
 
-from worker.attention import AttentionMetadata, StepAttention
-from worker.input_batch import StepInputs
+from shuttle.worker.attention import AttentionMetadata, StepAttention
+from shuttle.worker.input_batch import StepInputs
 
 log = logging.getLogger("shuttle.worker")
 

@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from common.messages import StepPlan
-from worker.attention import AttentionMetadata
-from worker.sampler import SamplingState
+from shuttle.common.messages import StepPlan
+from shuttle.worker.attention import AttentionMetadata
+from shuttle.worker.sampler import SamplingState
 
 
 @dataclass(eq=False)

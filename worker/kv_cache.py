@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from common.capacity import kv_blocks_for_memory
-from worker.model_loader import LayerGeometry
+from shuttle.common.capacity import kv_blocks_for_memory
+from shuttle.worker.model_loader import LayerGeometry
 
 
 @dataclass

@@ -31,9 +31,9 @@ from typing import Callable
 
 import torch
 
-from common.capacity import blocks_per_request, kv_blocks_for_memory, kv_cache_bytes, requests_that_fit
-from common.messages import NewRequestData, StepPlan
-from common.sampling import SamplingParams
+from shuttle.common.capacity import blocks_per_request, kv_blocks_for_memory, kv_cache_bytes, requests_that_fit
+from shuttle.common.messages import NewRequestData, StepPlan
+from shuttle.common.sampling import SamplingParams
 
 log = logging.getLogger("shuttle.worker")
 

@@ -7,8 +7,8 @@ import sys
 import time
 import traceback
 
-from common.ipc import Channel
-from common.messages import CompileGrammars, PlanMessage, Shutdown, WorkerFailed
+from shuttle.common.ipc import Channel
+from shuttle.common.messages import CompileGrammars, PlanMessage, Shutdown, WorkerFailed
 
 log = logging.getLogger("shuttle.worker")
 

@@ -15,8 +15,8 @@ import torch
 from safetensors import SafetensorError
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
 
-from common.errors import ModelDirError
-from worker import attention
+from shuttle.common.errors import ModelDirError
+from shuttle.worker import attention
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -2,7 +2,7 @@
 layer of a bfloat16 model on a CPU without bf16 matrix units, each chunk of its weights widened to float32.
 
 A decode step multiplies a few dozen rows by the vocabulary projection (768 x 32000 fp32 for a 110M Llama, 98 MB).
-Measured on this project's 2-core CPU (torch 2.13, MKL), one `linear` over all 32000 columns ran at 8-64 rows
+On a 2-core AVX2 CPU (torch 2.13, MKL), one `linear` over all 32000 columns ran at 8-64 rows
 1.4-1.7x slower than the same product taken 1024 columns at a time (64 rows: 51 vs 32 ms), while at one row both
 were equal. Each output column is the same dot product either way, so the logits are bit-identical (a unit test
 checks torch.equal); only float32 on the CPU is chunked, where that identity was verified.

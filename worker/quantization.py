@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from common.devices import quantization_error
+from shuttle.common.devices import quantization_error
 
 QMAX = 127
 K_MULTIPLE = 16  # _weight_int8pack_mm's CPU kernel reads K in blocks of 16

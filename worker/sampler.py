@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from common.messages import TokenLogprobs
-from common.sampling import SamplingParams
-from worker.grammar import GrammarError, GrammarState
+from shuttle.common.messages import TokenLogprobs
+from shuttle.common.sampling import SamplingParams
+from shuttle.worker.grammar import GrammarError, GrammarState
 
 _MASK64 = (1 << 64) - 1
 # What a token of probability 0 (logit -inf: masked by a grammar) reports as its logprob: JSON has no -Infinity, and

@@ -13,8 +13,8 @@ import dataclasses
 
 import torch
 
-from worker.attention import AttentionMetadata
-from worker.input_batch import StepInputs
+from shuttle.worker.attention import AttentionMetadata
+from shuttle.worker.input_batch import StepInputs
 
 
 @dataclasses.dataclass

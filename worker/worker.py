@@ -2,34 +2,35 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
 
 import torch
 
-from common.capacity import blocks_per_request, kv_cache_bytes
-from common.config import ShuttleConfig
-from common.cpu_threads import WORKER_THREADS_ENV
-from common.devices import cpu_bf16_flags, resolve_dtype
-from common.messages import PromptLogprobs, StepPlan, StepResult, TokenLogprobs
-from worker.attention import StepAttention
-from worker.attention_backends import make_backend
-from worker.capability import check_exactness
-from worker.flex_attention import compiled_head_dim_problem, max_kv_blocks_for, token_buckets
-from worker.grammar import GrammarCompiler, GrammarMasks
-from worker.graph_runner import graph_runner_for, graphs_off_reason
-from worker.input_batch import InputBatch, StepInputs
-from worker.kv_cache import KVCache
-from worker.kv_sizing import (
+from shuttle.common.capacity import blocks_per_request, kv_cache_bytes
+from shuttle.common.config import ShuttleConfig
+from shuttle.common.cpu_threads import WORKER_THREADS_ENV
+from shuttle.common.devices import cpu_bf16_flags, resolve_dtype
+from shuttle.common.messages import PromptLogprobs, StepPlan, StepResult, TokenLogprobs
+from shuttle.worker.attention import StepAttention
+from shuttle.worker.attention_backends import make_backend
+from shuttle.worker.capability import check_exactness
+from shuttle.worker.flex_attention import compiled_head_dim_problem, max_kv_blocks_for, token_buckets
+from shuttle.worker.grammar import GrammarCompiler, GrammarMasks
+from shuttle.worker.graph_runner import graph_runner_for, graphs_off_reason
+from shuttle.worker.input_batch import InputBatch, StepInputs
+from shuttle.worker.kv_cache import KVCache
+from shuttle.worker.kv_sizing import (
     CUDA_GRAPH_ALLOWANCE, KVPlan, plan_kv_blocks, profile_peak, profile_plan, snapshot,
 )
-from worker.model_loader import DTYPES, UnsupportedModelError, architecture, load_model, probe_geometry
-from worker.output_projection import chunk_output_projection, widen_bf16_linears
-from worker.parallel import TensorParallel, local_device, local_numel
-from worker.quantization import quantize_model
-from worker.sampler import LOGPROB_FLOOR, Sampler
-from worker.staging import StepStaging
+from shuttle.worker.model_loader import DTYPES, UnsupportedModelError, architecture, load_model, probe_geometry
+from shuttle.worker.output_projection import chunk_output_projection, widen_bf16_linears
+from shuttle.worker.parallel import TensorParallel, local_device, local_numel
+from shuttle.worker.quantization import quantize_model
+from shuttle.worker.sampler import LOGPROB_FLOOR, Sampler
+from shuttle.worker.staging import StepStaging
 
 log = logging.getLogger("shuttle.worker")
 
@@ -110,7 +111,7 @@ class ModelRunner:
         if problem:
             raise UnsupportedModelError(f"{self.architecture}: {problem}")
         if self.backend.name == "cpu":
-            from worker import decode_kernel
+            from shuttle.worker import decode_kernel
             decode_kernel.warm_up(torch.get_num_threads(), (self.kv_dtype,))
         self.check_difference = check_exactness(self, model_cfg.max_model_len)
         log.info("%s: paged attention (%s backend) matches eager attention within %.2g nats", self.architecture,
@@ -167,7 +168,7 @@ class ModelRunner:
                                     max_model_len, bs, vocab)
         bytes_per_token = KVCache.bytes_per_token_of(self.geometry, self.kv_dtype)
         scratch = KVCache.allocate(self.geometry, bs, self.kv_dtype, self.device, blocks, 0)
-        figures = profile_peak(lambda: self.profile_step(plan, scratch, max_model_len), self.device, baseline,
+        figures = profile_peak(functools.partial(self.profile_step, plan, scratch, max_model_len), self.device, baseline,
                                kv_cache_bytes(blocks, bs, bytes_per_token))
         del scratch
         self.activation_peak_bytes = figures.activation_peak

@@ -6,12 +6,12 @@
 
 from __future__ import annotations
 
-from frontend.tool_parsers.base import ParsedMessage, StreamPiece, ToolCall, ToolCallDelta, ToolParser
-from frontend.tool_parsers.hermes import HermesToolParser
-from frontend.tool_parsers.json_array import JsonArrayCallsParser
-from frontend.tool_parsers.llama3_json import Llama3JsonToolParser
-from frontend.tool_parsers.mistral import MistralToolParser
-from frontend.tool_parsers.named import NamedFunctionParser
+from shuttle.frontend.tool_parsers.base import ParsedMessage, StreamPiece, ToolCall, ToolCallDelta, ToolParser
+from shuttle.frontend.tool_parsers.hermes import HermesToolParser
+from shuttle.frontend.tool_parsers.json_array import JsonArrayCallsParser
+from shuttle.frontend.tool_parsers.llama3_json import Llama3JsonToolParser
+from shuttle.frontend.tool_parsers.mistral import MistralToolParser
+from shuttle.frontend.tool_parsers.named import NamedFunctionParser
 
 PARSERS: dict[str, type] = {
     HermesToolParser.name: HermesToolParser,

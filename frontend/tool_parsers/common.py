@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import re
 
-from frontend.tool_parsers.base import ParsedMessage, StreamPiece, ToolCall, ToolCallDelta, ToolStreamParser
+from shuttle.frontend.tool_parsers.base import ParsedMessage, StreamPiece, ToolCall, ToolCallDelta, ToolStreamParser
 
 JSON_WS = re.compile(r"[ \t\n\r]*")
 _IN_STRING_STOP = re.compile(r'["\\]')

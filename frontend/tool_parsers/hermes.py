@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from frontend.tool_parsers.base import ParsedMessage
-from frontend.tool_parsers.common import (
+from shuttle.frontend.tool_parsers.base import ParsedMessage
+from shuttle.frontend.tool_parsers.common import (
     TaggedBlocks,
     JsonValueScanner,
     call_of,

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from frontend.tool_parsers.base import ParsedMessage, StreamPiece
-from frontend.tool_parsers.common import JSON_WS, JsonValueScanner, Output, load_json, parse_by_streaming
+from shuttle.frontend.tool_parsers.base import ParsedMessage, StreamPiece
+from shuttle.frontend.tool_parsers.common import JSON_WS, JsonValueScanner, Output, load_json, parse_by_streaming
 
 _NO_VALUE_START = ",:]}"
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from frontend.tool_parsers.base import ParsedMessage, StreamPiece
-from frontend.tool_parsers.common import Output, parse_by_streaming
+from shuttle.frontend.tool_parsers.base import ParsedMessage, StreamPiece
+from shuttle.frontend.tool_parsers.common import Output, parse_by_streaming
 
 
 class NamedFunctionParser:

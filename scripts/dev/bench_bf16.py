@@ -24,13 +24,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from launcher.local_server import ShuttleServer  # noqa: E402
+from shuttle.launcher.local_server import ShuttleServer  # noqa: E402
 
 DTYPES = ("float32", "bfloat16")
 
 
 def bench(url: str, args, out: Path) -> dict:
-    subprocess.run([sys.executable, "-m", "launcher.cli", "bench", "--url", url, "--num-prompts", str(args.num_prompts),
+    subprocess.run([sys.executable, "-m", "shuttle.launcher.cli", "bench", "--url", url, "--num-prompts", str(args.num_prompts),
                     "--max-concurrency", str(args.concurrency), "--input-len", str(args.input_len),
                     "--output-len", str(args.output_len), "--no-progress", "--result-json", str(out)],
                    cwd=REPO, check=True, stdout=subprocess.DEVNULL)

@@ -53,7 +53,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))  # scheduler.step_log reads shuttle's step log
 
 from llama_server import convert_to_gguf  # noqa: E402  (scripts/dev, this script's own directory)
-from worker.model_loader import cache_kwargs  # noqa: E402
+from shuttle.worker.model_loader import cache_kwargs  # noqa: E402
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -109,7 +109,7 @@ class ShuttleServer:
 
     def __init__(self, model: str, requests, serve_args: list[str], profile_out: Path | None, device: str = "cpu"):
         self.step_log = Path(tempfile.mkstemp(prefix="bench-steps-", suffix=".jsonl")[1])
-        cmd = [sys.executable, "-m", "launcher.cli", "serve", model, "--port", "0", "--step-log", str(self.step_log),
+        cmd = [sys.executable, "-m", "shuttle.launcher.cli", "serve", model, "--port", "0", "--step-log", str(self.step_log),
                *serve_args]
         self.cuda = device.startswith("cuda")
         self.device_used_before = _device_used_mib() if self.cuda else 0.0
@@ -170,7 +170,7 @@ class ShuttleServer:
     def decode_step_ms(self, batch: int) -> tuple[int, float] | None:
         """(batch, median served milliseconds) of decode-only steps of `batch` sequences from the step log; the
         largest decode-only batch logged when none has exactly `batch`. None when the log holds no decode step."""
-        from scheduler.step_log import read_step_log
+        from shuttle.scheduler.step_log import read_step_log
 
         decodes = [s for s in read_step_log(self.step_log) if s.num_prefill_seqs == 0 and s.num_decode_seqs > 0]
         if not decodes:
@@ -182,7 +182,7 @@ class ShuttleServer:
     def slowest_steps(self, count: int = 3) -> str:
         """The `count` longest served steps of the log as "ms (tokens, prefill seqs, decode seqs)": where a stall
         (a compile, a sync) shows."""
-        from scheduler.step_log import read_step_log
+        from shuttle.scheduler.step_log import read_step_log
 
         steps = sorted(read_step_log(self.step_log), key=lambda s: -s.seconds)[:count]
         return ", ".join(f"{1000 * s.seconds:.0f} ({s.num_tokens}, {s.num_prefill_seqs}, {s.num_decode_seqs})"

@@ -38,8 +38,8 @@ from llama_server import LLAMA_SERVER, LlamaServer, convert_to_gguf
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from capacity.bench_serve import random_workload, run_benchmark, served_vocab_size, summarize  # noqa: E402
-from launcher.local_server import ShuttleServer  # noqa: E402
+from shuttle.capacity.bench_serve import random_workload, run_benchmark, served_vocab_size, summarize  # noqa: E402
+from shuttle.launcher.local_server import ShuttleServer  # noqa: E402
 
 SETTINGS = {
     "default": [],  # the server's own choice (--dtype auto: fp32 on a CPU without bf16 matrix units)

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Throughput with the dashboard watched vs not, on one running server in one run (issue 15 acceptance 2).
+"""Throughput with the dashboard watched vs not, on one running server in one run.
 
 Runs `shuttle bench`'s benchmark in rounds that alternate "off" (nobody watches) and "on" (the live feed
 GET /v1/stats/stream is read by --watchers clients for the whole run; with --browser, the real /dashboard page is
@@ -27,7 +27,7 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from capacity import bench_serve  # noqa: E402
+from shuttle.capacity import bench_serve  # noqa: E402
 
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync"]

@@ -32,9 +32,9 @@ import aiohttp
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from common.config import DEFAULT_MODEL_DIR  # noqa: E402
-from launcher.local_server import ShuttleServer  # noqa: E402
-from scheduler.step_log import read_step_log  # noqa: E402
+from shuttle.common.config import DEFAULT_MODEL_DIR  # noqa: E402
+from shuttle.launcher.local_server import ShuttleServer  # noqa: E402
+from shuttle.scheduler.step_log import read_step_log  # noqa: E402
 
 REQUEST_BOUND_S = 120.0
 

@@ -29,7 +29,7 @@ import aiohttp
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from launcher.local_server import ShuttleServer  # noqa: E402
+from shuttle.launcher.local_server import ShuttleServer  # noqa: E402
 
 MiB = 2**20
 STARTUP = re.compile(r"KV cache (\d+) blocks x (\d+) tokens = (\d+) tokens \((\d+) bytes/token\); (\d+) requests of "
@@ -83,7 +83,7 @@ def main() -> int:
     parser.add_argument("--json", type=Path, default=None, help="write both figures here")
     args, flags = parser.parse_known_args()
     print(f"load average {os.getloadavg()[0]:.2f}", flush=True)
-    done = subprocess.run([sys.executable, "-m", "launcher.cli", "plan", args.model_dir, *flags, "--json"], cwd=REPO,
+    done = subprocess.run([sys.executable, "-m", "shuttle.launcher.cli", "plan", args.model_dir, *flags, "--json"], cwd=REPO,
                           capture_output=True, text=True, check=True)
     plan = json.loads(done.stdout)
     server = ShuttleServer(*flags, model_dir=Path(args.model_dir), start_timeout=600)

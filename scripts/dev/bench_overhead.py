@@ -32,14 +32,14 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from common.config import CacheConfig, IpcConfig, SchedulerConfig, ShuttleConfig  # noqa: E402
-from common.model_config import ModelConfig  # noqa: E402
-from common.messages import PlanMessage, StepOutputs, StepResult, Submit, WorkerMessage  # noqa: E402
-from common.sampling import SamplingParams  # noqa: E402
-from scheduler.kv_cache import KVCacheManager  # noqa: E402
-from scheduler.scheduler import Scheduler  # noqa: E402
-from worker.model_loader import cache_kwargs  # noqa: E402
-from worker.worker import ModelRunner  # noqa: E402
+from shuttle.common.config import CacheConfig, IpcConfig, SchedulerConfig, ShuttleConfig  # noqa: E402
+from shuttle.common.model_config import ModelConfig  # noqa: E402
+from shuttle.common.messages import PlanMessage, StepOutputs, StepResult, Submit, WorkerMessage  # noqa: E402
+from shuttle.common.sampling import SamplingParams  # noqa: E402
+from shuttle.scheduler.kv_cache import KVCacheManager  # noqa: E402
+from shuttle.scheduler.scheduler import Scheduler  # noqa: E402
+from shuttle.worker.model_loader import cache_kwargs  # noqa: E402
+from shuttle.worker.worker import ModelRunner  # noqa: E402
 
 PHASES = ("plan", "encode/send", "input prep", "forward", "sample", "apply")
 
@@ -153,7 +153,7 @@ def main() -> None:
     model_config = ModelConfig.from_dir(args.model)
     block_size = 16
     blocks = max(args.batch) * -(-(args.context + args.steps + 12) // block_size) + 16
-    from common.config import WorkerConfig
+    from shuttle.common.config import WorkerConfig
     config = ShuttleConfig(model=model_config, ipc=IpcConfig.in_directory("/nonexistent"),
                            cache=CacheConfig(block_size, blocks, enable_prefix_caching=False),
                            worker=WorkerConfig(args.attention_backend))

@@ -48,8 +48,8 @@ import aiohttp
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from common.process import raise_fd_limit  # noqa: E402
-from launcher.local_server import ShuttleServer  # noqa: E402
+from shuttle.common.process import raise_fd_limit  # noqa: E402
+from shuttle.launcher.local_server import ShuttleServer  # noqa: E402
 
 PROMPTS = ["Once upon a time", "Tom had a dog", "Lily saw a big", "The sun was", "A little bird", "Ben and Sue"]
 

@@ -19,11 +19,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from common.config import SchedulerConfig  # noqa: E402
-from common.messages import StepResult, Submit  # noqa: E402
-from common.sampling import SamplingParams  # noqa: E402
-from scheduler.kv_cache import KVCacheManager  # noqa: E402
-from scheduler.scheduler import Scheduler  # noqa: E402
+from shuttle.common.config import SchedulerConfig  # noqa: E402
+from shuttle.common.messages import StepResult, Submit  # noqa: E402
+from shuttle.common.sampling import SamplingParams  # noqa: E402
+from shuttle.scheduler.kv_cache import KVCacheManager  # noqa: E402
+from shuttle.scheduler.scheduler import Scheduler  # noqa: E402
 
 
 def build(waiting: int, running: int, prompt_len: int, block_size: int) -> Scheduler:

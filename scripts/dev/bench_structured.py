@@ -33,11 +33,11 @@ import jsonschema
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from capacity.bench_serve import RequestSpec, run_benchmark, summarize  # noqa: E402
-from common.config import DEFAULT_MODEL_DIR  # noqa: E402
-from common.model_config import ModelConfig  # noqa: E402
-from common.sampling import StructuredOutput  # noqa: E402
-from launcher.local_server import ShuttleServer  # noqa: E402
+from shuttle.capacity.bench_serve import RequestSpec, run_benchmark, summarize  # noqa: E402
+from shuttle.common.config import DEFAULT_MODEL_DIR  # noqa: E402
+from shuttle.common.model_config import ModelConfig  # noqa: E402
+from shuttle.common.sampling import StructuredOutput  # noqa: E402
+from shuttle.launcher.local_server import ShuttleServer  # noqa: E402
 
 SCHEMA = {
     "type": "object",
@@ -110,7 +110,7 @@ async def _json_outputs_valid(url: str, n: int, max_tokens: int) -> tuple[int, i
 
 
 def _compile_times(model_dir: str) -> dict:
-    from worker.grammar import GrammarCompiler
+    from shuttle.worker.grammar import GrammarCompiler
 
     model = ModelConfig.from_dir(model_dir)
     from transformers import AutoConfig

@@ -35,8 +35,8 @@ import aiohttp
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from launcher.local_server import ShuttleServer  # noqa: E402
-from scheduler.step_log import read_step_log  # noqa: E402
+from shuttle.launcher.local_server import ShuttleServer  # noqa: E402
+from shuttle.scheduler.step_log import read_step_log  # noqa: E402
 
 HOG = "while True: pass"
 

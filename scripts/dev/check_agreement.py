@@ -33,14 +33,14 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts" / "dev"))
 
-from common.config import CacheConfig, IpcConfig, SchedulerConfig, ShuttleConfig, WorkerConfig  # noqa: E402
-from common.model_config import ModelConfig  # noqa: E402
-from common.messages import Submit  # noqa: E402
-from common.sampling import SamplingParams  # noqa: E402
+from shuttle.common.config import CacheConfig, IpcConfig, SchedulerConfig, ShuttleConfig, WorkerConfig  # noqa: E402
+from shuttle.common.model_config import ModelConfig  # noqa: E402
+from shuttle.common.messages import Submit  # noqa: E402
+from shuttle.common.sampling import SamplingParams  # noqa: E402
 from gpu_check import common_prefix, greedy, hf_greedy, prompt_ids  # noqa: E402
-from scheduler.in_process import drive  # noqa: E402
-from scheduler.kv_cache import KVCacheManager  # noqa: E402
-from scheduler.scheduler import Scheduler  # noqa: E402
+from shuttle.scheduler.in_process import drive  # noqa: E402
+from shuttle.scheduler.kv_cache import KVCacheManager  # noqa: E402
+from shuttle.scheduler.scheduler import Scheduler  # noqa: E402
 
 CPU = torch.device("cpu")
 NUM_BLOCKS = 1024
@@ -48,7 +48,7 @@ NUM_BLOCKS = 1024
 
 def make_runner(model_dir: str, dtype: str, kv_cache_dtype: str = "auto", quantization: str = "none"):
     """A CPU ModelRunner (cpu attention backend; start-up check passed) of these dtypes and --quantization."""
-    from worker.worker import ModelRunner
+    from shuttle.worker.worker import ModelRunner
 
     model = ModelConfig.from_dir(model_dir, dtype=dtype)
     config = ShuttleConfig(model=model, ipc=IpcConfig.in_directory("/nonexistent"),

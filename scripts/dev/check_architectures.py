@@ -39,15 +39,15 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from common.config import CacheConfig, IpcConfig, SchedulerConfig, ShuttleConfig  # noqa: E402
-from common.model_config import ModelConfig  # noqa: E402
-from common.messages import Submit  # noqa: E402
-from common.sampling import SamplingParams  # noqa: E402
-from scheduler.kv_cache import KVCacheManager  # noqa: E402
-from scheduler.in_process import drive  # noqa: E402
-from scheduler.scheduler import Scheduler  # noqa: E402
-from worker.model_loader import UnsupportedModelError  # noqa: E402
-from worker.worker import ModelRunner  # noqa: E402
+from shuttle.common.config import CacheConfig, IpcConfig, SchedulerConfig, ShuttleConfig  # noqa: E402
+from shuttle.common.model_config import ModelConfig  # noqa: E402
+from shuttle.common.messages import Submit  # noqa: E402
+from shuttle.common.sampling import SamplingParams  # noqa: E402
+from shuttle.scheduler.kv_cache import KVCacheManager  # noqa: E402
+from shuttle.scheduler.in_process import drive  # noqa: E402
+from shuttle.scheduler.scheduler import Scheduler  # noqa: E402
+from shuttle.worker.model_loader import UnsupportedModelError  # noqa: E402
+from shuttle.worker.worker import ModelRunner  # noqa: E402
 
 VOCAB = 512
 WINDOW = 8

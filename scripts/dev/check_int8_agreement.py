@@ -36,7 +36,7 @@ sys.path.insert(0, str(REPO / "scripts" / "dev"))
 
 from check_agreement import agreement, logprob_gap, make_runner, new_scheduler, shuttle_prompt_logprobs  # noqa
 from gpu_check import greedy, prompt_ids  # noqa: E402
-from worker.quantization import dequantize, quantize_per_channel  # noqa: E402
+from shuttle.worker.quantization import dequantize, quantize_per_channel  # noqa: E402
 
 def hf_model(model_dir: str, dequantized: bool) -> torch.nn.Module:
     """transformers' float32 model; `dequantized`: every linear but lm_head holds q * s of its int8 weights."""

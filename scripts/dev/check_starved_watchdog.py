@@ -33,9 +33,9 @@ from bench_threads import start_hogs, stop_hogs  # scripts/dev, this script's ow
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from capacity.bench_serve import random_workload, run_benchmark, served_vocab_size  # noqa: E402
-from launcher.local_server import ShuttleServer  # noqa: E402
-from scheduler.step_log import read_step_log  # noqa: E402
+from shuttle.capacity.bench_serve import random_workload, run_benchmark, served_vocab_size  # noqa: E402
+from shuttle.launcher.local_server import ShuttleServer  # noqa: E402
+from shuttle.scheduler.step_log import read_step_log  # noqa: E402
 
 
 def _long_request(url: str) -> None:

@@ -32,10 +32,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from capacity import simulate  # noqa: E402
-from capacity.calibrate import Calibrator  # noqa: E402
-from common.arg_types import positive, positive_number  # noqa: E402
-from scheduler.step_cost import StepCostModel, StepShape  # noqa: E402
+from shuttle.capacity import simulate  # noqa: E402
+from shuttle.capacity.calibrate import Calibrator  # noqa: E402
+from shuttle.common.arg_types import positive, positive_number  # noqa: E402
+from shuttle.scheduler.step_cost import StepCostModel, StepShape  # noqa: E402
 
 
 def step_errors(cost: StepCostModel, steps: list[tuple[StepShape, float]]) -> dict[str, dict]:

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Schema-driven fuzzing of the HTTP API: schemathesis against the server's own /openapi.json (issue 24).
+"""Schema-driven fuzzing of the HTTP API: schemathesis against the server's own /openapi.json.
 
 Starts a server (launcher/local_server.py's ShuttleServer on stories260K, or --url for a running one), runs
 `schemathesis run` on its document with the checks that compare behaviour with the document, and reports:
@@ -39,7 +39,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from launcher.local_server import ShuttleServer, pid_alive  # noqa: E402
+from shuttle.launcher.local_server import ShuttleServer, pid_alive  # noqa: E402
 
 CONFORMANCE = ("status_code_conformance", "content_type_conformance", "response_schema_conformance",
                "response_headers_conformance")

@@ -39,14 +39,14 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from common.config import CacheConfig, IpcConfig, SchedulerConfig, ShuttleConfig, WorkerConfig  # noqa: E402
-from common.model_config import ModelConfig  # noqa: E402
-from common.messages import Submit  # noqa: E402
-from common.sampling import SamplingParams  # noqa: E402
-from scheduler.kv_cache import KVCacheManager  # noqa: E402
-from scheduler.in_process import drive  # noqa: E402
-from scheduler.scheduler import Scheduler  # noqa: E402
-from capacity.story_prompts import MAX_TOKENS, STORY, story_prompts  # noqa: E402
+from shuttle.common.config import CacheConfig, IpcConfig, SchedulerConfig, ShuttleConfig, WorkerConfig  # noqa: E402
+from shuttle.common.model_config import ModelConfig  # noqa: E402
+from shuttle.common.messages import Submit  # noqa: E402
+from shuttle.common.sampling import SamplingParams  # noqa: E402
+from shuttle.scheduler.kv_cache import KVCacheManager  # noqa: E402
+from shuttle.scheduler.in_process import drive  # noqa: E402
+from shuttle.scheduler.scheduler import Scheduler  # noqa: E402
+from shuttle.capacity.story_prompts import MAX_TOKENS, STORY, story_prompts  # noqa: E402
 
 BF16_MIN_PREFIX = 0.5
 STAGES = ("exact", "bf16", "compiles", "graphs")
@@ -85,7 +85,7 @@ def make_engine(model_dir: str, dtype: str, device: torch.device, backend: str =
                           model.eos_token_ids)
     key = (str(device), config)
     if key not in _RUNNERS:
-        from worker.worker import ModelRunner
+        from shuttle.worker.worker import ModelRunner
 
         _RUNNERS[key] = ModelRunner(config, device=device)
     runner = _RUNNERS[key]
@@ -187,7 +187,7 @@ def _unique_graphs() -> int:
 
 
 def stage_compiles(args) -> dict:
-    from worker import flex_attention as fx
+    from shuttle.worker import flex_attention as fx
 
     count, tokens = (2, 3) if args.dry_run else (24, 48)
     prompts = prompt_ids(args.model, count)
@@ -211,7 +211,7 @@ def stage_compiles(args) -> dict:
 def _count_compiles(scheduler, runner, prompts, max_tokens, how: str) -> dict:
     """Graphs compiled while the workload runs once after start-up (on CUDA, where start-up compiled every prefill
     bucket and graph capture every decode one, must be 0) and once more under no_recompiles() (must be 0)."""
-    from worker import flex_attention as fx
+    from shuttle.worker import flex_attention as fx
 
     start = _unique_graphs()
     warm = greedy(scheduler, runner, prompts, max_tokens, tag="w")
@@ -235,7 +235,7 @@ def _count_compiles(scheduler, runner, prompts, max_tokens, how: str) -> dict:
 
 
 def stage_graphs(args) -> dict:
-    if importlib.util.find_spec("worker.graph_runner") is None:
+    if importlib.util.find_spec("shuttle.worker.graph_runner") is None:
         return {"status": "skipped", "summary": "skipped: no graph runner (worker/graph_runner.py is absent)"}
     if "enforce_eager" not in {f.name for f in dataclasses.fields(WorkerConfig)}:
         return {"status": "skipped", "summary": "skipped: WorkerConfig has no enforce_eager field"}

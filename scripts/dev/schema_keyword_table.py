@@ -9,7 +9,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from frontend.schema_support import ANNOTATION, ENFORCED, KEYWORDS, REFUSED  # noqa: E402
+from shuttle.frontend.schema_support import ANNOTATION, ENFORCED, KEYWORDS, REFUSED  # noqa: E402
 
 
 def main() -> None:

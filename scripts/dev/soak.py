@@ -41,8 +41,8 @@ import zmq.asyncio
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from common.messages import BatchHeartbeat, BatchPing, BatchRequest, BatchServerMessage  # noqa: E402
-from common.process import die_with_parent, raise_fd_limit  # noqa: E402
+from shuttle.common.messages import BatchHeartbeat, BatchPing, BatchRequest, BatchServerMessage  # noqa: E402
+from shuttle.common.process import die_with_parent, raise_fd_limit  # noqa: E402
 
 PROMPTS = ["Once upon a time", "Tom had a dog", "Lily saw a big", "The sun was", "A little bird", "Ben and Sue"]
 
@@ -76,7 +76,7 @@ class Server:
         self.url, self.batch = args.url, args.batch_endpoint
         if args.url:
             return
-        cmd = [sys.executable, "-m", "launcher.cli", "serve", args.model, "--port", "0", *args.server_args.split()]
+        cmd = [sys.executable, "-m", "shuttle.launcher.cli", "serve", args.model, "--port", "0", *args.server_args.split()]
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=open(args.server_log, "w"),
                                      text=True, preexec_fn=die_with_parent)
         for line in self.proc.stdout:

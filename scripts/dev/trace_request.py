@@ -69,7 +69,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    from launcher.local_server import ShuttleServer
+    from shuttle.launcher.local_server import ShuttleServer
     with tempfile.TemporaryDirectory() as site, tempfile.TemporaryDirectory() as trace:
         Path(site, "sitecustomize.py").write_text(SITECUSTOMIZE)
         env = {"PYTHONPATH": site, "TRACE_ROOT": str(ROOT), "TRACE_DIR": trace}
