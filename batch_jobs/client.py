@@ -68,9 +68,11 @@ class AsyncBatchClient:
 
     def _job(self, job: Job, index: int) -> BatchRequest:
         if isinstance(job, BatchRequest):
-            return job if job.api_key or not self.api_key else BatchRequest(job.job_id, job.url, job.body, self.api_key)
+            return job if job.api_key or not self.api_key else BatchRequest(job_id=job.job_id, url=job.url,
+                                                                            body=job.body, api_key=self.api_key)
         job_id = job.get("custom_id", job.get("job_id", str(index)))
-        return BatchRequest(str(job_id), job.get("url", "/v1/completions"), job.get("body"), self.api_key)
+        return BatchRequest(job_id=str(job_id), url=job.get("url", "/v1/completions"), body=job.get("body"),
+                            api_key=self.api_key)
 
     async def run(self, jobs: Iterable[Job] | AsyncIterable[Job]) -> AsyncIterator[BatchResponse]:
         """Send the jobs and yield each one's BatchResponse as it arrives (completion order).

@@ -29,14 +29,15 @@ from shuttle.capacity.workload import SimRequest, arrivals, from_trace
 from shuttle.common.arg_types import add_config_options, positive, positive_number
 from shuttle.common.capacity import kv_blocks_for_memory
 from shuttle.common.config import CacheConfig, SchedulerConfig
-from shuttle.common.model_config import ModelConfig
 from shuttle.common.errors import ModelDirError
+from shuttle.common.model_config import ModelConfig
 from shuttle.common.model_dir import check_model_dir
 from shuttle.scheduler.step_cost import StepCostModel
 
 
 def bench_serve_workload(num_prompts: int, request_rate: float, input_len: int, output_len: int, range_ratio: float,
-                         shared_prefix_len: int, vocab_size: int, seed: int, burstiness: float = 1.0) -> list[SimRequest]:
+                         shared_prefix_len: int, vocab_size: int, seed: int,
+                         burstiness: float = 1.0) -> list[SimRequest]:
     """`shuttle bench`'s random workload and its arrivals: request k is sent after k exponential gaps drawn from
     random.Random(seed + 1) (gamma gaps with another burstiness)."""
     specs = bench_serve.random_workload(num_prompts, input_len, output_len, range_ratio, shared_prefix_len,
@@ -86,7 +87,8 @@ def build_simulator(args: argparse.Namespace, cost: StepCostModel, ttft_slo_ms: 
                      seed=args.seed)
 
 
-def build_workload(args: argparse.Namespace, cost: StepCostModel, request_rate: float | None = None) -> list[SimRequest]:
+def build_workload(args: argparse.Namespace, cost: StepCostModel,
+                   request_rate: float | None = None) -> list[SimRequest]:
     rate = args.request_rate if request_rate is None else request_rate
     if args.trace:
         return from_trace(args.trace, rate if rate != float("inf") else None, args.burstiness, args.seed,

@@ -28,18 +28,18 @@ import heapq
 import itertools
 import math
 from collections import deque
-from typing import Callable
 from dataclasses import dataclass, field
+from typing import Callable
 
+from shuttle.capacity.workload import SimRequest
 from shuttle.common.config import SchedulerConfig
 from shuttle.common.messages import FinishReason, StepResult, Submit
 from shuttle.common.sampling import SamplingParams
-from shuttle.scheduler.step_cost import StepCostModel, StepShape, shape_of
-from shuttle.capacity.workload import SimRequest
 from shuttle.scheduler.admission import SloAdmission
 from shuttle.scheduler.kv_cache import KVCacheManager
 from shuttle.scheduler.scheduled_step import ScheduledStep
 from shuttle.scheduler.scheduler import Scheduler
+from shuttle.scheduler.step_cost import StepCostModel, StepShape, shape_of
 
 CLIENT = b"sim"
 FILLER_TOKEN = 5  # the fabricated sampled token; never an end-of-sequence id in the simulation
@@ -263,10 +263,16 @@ class Simulator:
                 if slots:
                     slots.popleft()
                 request = workload[index]
-                scheduler.add_request(CLIENT, Submit(
-                    str(index), request.prompt_token_ids, SamplingParams(max_tokens=request.output_len,
-                                                                         ignore_eos=True, temperature=0.0),
-                    at, ttft_slo_ms=request.ttft_slo_ms))
+                scheduler.add_request(
+                    CLIENT,
+                    Submit(
+                        request_id=str(index),
+                        prompt_token_ids=request.prompt_token_ids,
+                        sampling=SamplingParams(max_tokens=request.output_len, ignore_eos=True, temperature=0.0),
+                        arrival_time=at,
+                        ttft_slo_ms=request.ttft_slo_ms,
+                    ),
+                )
                 unblock()
                 deliver()  # a refusal comes back at once
 
@@ -290,8 +296,15 @@ class Simulator:
                 if not step.is_empty:
                     flight = _Flight(step)
                     in_flight.append(flight)
-                    samples.append(Sample(self.now, scheduler.num_waiting, len(scheduler.running),
-                                          (pool.num_blocks - pool.num_free) / pool.num_blocks, step.num_tokens))
+                    samples.append(
+                        Sample(
+                            self.now,
+                            scheduler.num_waiting,
+                            len(scheduler.running),
+                            (pool.num_blocks - pool.num_free) / pool.num_blocks,
+                            step.num_tokens,
+                        )
+                    )
                     shape = shape_of((e.start, e.num_new, e.samples) for e in step.scheduled.values())
                     work = cost.predict(shape) * cost.spread_factor(uniform(self.seed, len(samples)))
                     flight.scheduler_s = cost.scheduler_seconds(shape)
@@ -317,8 +330,10 @@ class Simulator:
                 settled = in_flight.popleft()
                 step, settle = settled.step, settled.scheduler_s
                 sampled = step.sampling_ids
-                scheduler.update_from_output(step, StepResult(step.plan.step_id, sampled,
-                                                              [FILLER_TOKEN] * len(sampled)))
+                scheduler.update_from_output(
+                    step,
+                    StepResult(step_id=step.plan.step_id, request_ids=sampled, token_ids=[FILLER_TOKEN] * len(sampled)),
+                )
                 unblock()
                 deliver()
                 planner.submit(settle / 2, unblock)  # settling

@@ -197,8 +197,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="request rates (req/s); default: 15 steps of a tenth of the predicted capacity, up to "
                              "1.5x it")
     parser.add_argument("--ttft-slo-ms", type=positive_number, required=True)
-    parser.add_argument("--itl-slo-ms", type=positive_number, required=True, help="objective on each request's mean ITL (TPOT)")
-    parser.add_argument("--attainment", type=unit_fraction, default=0.9, help="share of good requests a setting must reach")
+    parser.add_argument("--itl-slo-ms", type=positive_number, required=True,
+                        help="objective on each request's mean ITL (TPOT)")
+    parser.add_argument("--attainment", type=unit_fraction, default=0.9,
+                        help="share of good requests a setting must reach")
     parser.add_argument("--verify", type=count, default=2, help="candidates measured with real `shuttle bench` runs")
     parser.add_argument("--headroom", type=unit_fraction, default=0.8,
                         help="operate at most at this share of the highest rate that meets the objectives")

@@ -92,13 +92,14 @@ def from_trace(path: str, rate: float | None = None, burstiness: float = 1.0, se
         if not isinstance(item, dict):
             raise ValueError(f"{path}:{number}: not a JSON object")
 
-        def number_of(field: str, default, kind, least: float):
+        def number_of(field: str, default, kind, least: float):  # called in this iteration only
             try:
-                value = kind(item.get(field, default))
+                value = kind(item.get(field, default))  # noqa: B023
             except (TypeError, ValueError):
                 value = None
             if value is None or not value >= least:
-                raise ValueError(f"{path}:{number}: `{field}` must be a number >= {least}, got {item.get(field)!r}")
+                raise ValueError(f"{path}:{number}: `{field}` must be a number >= {least}, "  # noqa: B023
+                                 f"got {item.get(field)!r}")  # noqa: B023
             return value
 
         prompt = item.get("prompt")

@@ -1,7 +1,9 @@
 """Every message on shuttle's sockets, grouped by channel; one tagged union per channel.
 
 Structs are array_like (positional on the wire), omit defaults and skip GC tracking. New fields are only
-ever appended, with defaults, so an older peer still decodes a newer message.
+ever appended, with defaults, so an older peer still decodes a newer message. In code they are built with keywords
+only (kw_only): positional on the wire, never in a constructor call, where two swapped fields of one type would be a
+silent bug.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import msgspec
 
 from shuttle.common.sampling import SamplingParams, StructuredOutput
 
-_WIRE = dict(array_like=True, omit_defaults=True, gc=False, tag=True)
+_WIRE = dict(array_like=True, omit_defaults=True, gc=False, tag=True, kw_only=True)
 
 
 class FinishReason(enum.IntEnum):
@@ -29,7 +31,7 @@ class FinishReason(enum.IntEnum):
         return ("stop", "length", "abort", "error")[self]
 
 
-class TokenLogprobs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+class TokenLogprobs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, kw_only=True):
     """Log-probabilities (natural log, of the model's raw distribution) around one sampled token."""
 
     logprob: float
@@ -247,7 +249,7 @@ class StepResult(msgspec.Struct, **_WIRE):
     prompt_logprobs: list[PromptLogprobs] = []  # for requests with prompt_logprobs whose prefill ran this step
 
 
-class PromptLogprobs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+class PromptLogprobs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, kw_only=True):
     """Logprobs of consecutive prompt tokens computed in one step: entries[i] is the logprob of prompt token
     start + 1 + i (the first prompt token has none)."""
 
@@ -280,7 +282,7 @@ WorkerMessage = WorkerReady | StepResult | WorkerFailed | GrammarsCompiled
 
 # Maps, not arrays, on this channel: a client is any program (not one of ours), and a wrong field must be
 # named in its error result; a tag field "type" tells the messages apart.
-_BATCH_WIRE = dict(omit_defaults=True, tag_field="type")
+_BATCH_WIRE = dict(omit_defaults=True, tag_field="type", kw_only=True)
 
 
 class BatchRequest(msgspec.Struct, tag="request", **_BATCH_WIRE):

@@ -56,8 +56,13 @@ def resolve(name: str, revision: str | None, download_dir: str | None, patterns:
     if path.exists() or not is_repo_id(name):
         return path
     from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
-                                        RepositoryNotFoundError, RevisionNotFoundError)
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
     at = f" at revision {revision}" if revision else ""
     cache = download_dir or constants.HF_HUB_CACHE
     if local_first or constants.HF_HUB_OFFLINE:

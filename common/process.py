@@ -85,7 +85,7 @@ def report_ready(config: ShuttleConfig, name: str, **info: int | float | str) ->
     ctx = zmq.Context.instance()
     channel = Channel(ctx, zmq.PUSH, config.ipc.control, bind=False)
     channel.socket.setsockopt(zmq.LINGER, 2000)
-    channel.send(ProcessReady(name, os.getpid(), dict(info)))
+    channel.send(ProcessReady(name=name, pid=os.getpid(), info=dict(info)))
     channel.socket.close(linger=2000)
 
 
@@ -110,7 +110,7 @@ class HeartbeatSender:
 
     def __init__(self, config: ShuttleConfig, name: str):
         self._endpoint = config.ipc.control
-        self._message = Heartbeat(name, os.getpid())
+        self._message = Heartbeat(name=name, pid=os.getpid())
         self._channel: Channel | None = None
         self._last = 0.0
 

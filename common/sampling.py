@@ -6,13 +6,12 @@ import msgspec
 
 from shuttle.common.errors import InvalidRequestError
 
-
 MAX_LOGPROBS = 20  # most alternatives per token, as OpenAI's top_logprobs
 
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
-class StructuredOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, frozen=True):
+class StructuredOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, frozen=True, kw_only=True):
     """A constraint on a request's output, compiled by the worker with xgrammar (worker/grammar.py) and enforced by
     masking the logits of every sampled token to what the grammar allows (end-of-sequence only where it may end).
 
@@ -32,7 +31,7 @@ class StructuredOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
         return f"{self.kind}\n{self.spec}"
 
 
-class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, frozen=True):
+class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, frozen=True, kw_only=True):
     """How to pick each next token of a request.
 
     Attributes:

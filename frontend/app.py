@@ -14,14 +14,20 @@ from shuttle.common.version import shuttle_version
 from shuttle.frontend import last_words
 from shuttle.frontend.backpressure import refusal_headers
 from shuttle.frontend.chat import ChatTemplate
+from shuttle.frontend.cors import Cors
+from shuttle.frontend.dashboard import add_dashboard
 from shuttle.frontend.engine_client import EngineClient
 from shuttle.frontend.http_server import listen, request_limits
 from shuttle.frontend.lifecycle import Shutdown, SupervisorLink, drain
 from shuttle.frontend.metrics import Metrics
-from shuttle.frontend.cors import Cors
-from shuttle.frontend.dashboard import add_dashboard
 from shuttle.frontend.middleware import api_key_auth, json_content_type, openai_errors, request_id_header
-from shuttle.frontend.openai_api import create_chat_completion, create_completion, create_response, list_models, retrieve_model
+from shuttle.frontend.openai_api import (
+    create_chat_completion,
+    create_completion,
+    create_response,
+    list_models,
+    retrieve_model,
+)
 from shuttle.frontend.openapi import openapi_document
 from shuttle.frontend.router import Router
 from shuttle.frontend.state import STATE, FrontendState

@@ -23,8 +23,16 @@ import zmq.asyncio
 from shuttle.common.errors import GenerationError
 from shuttle.common.ipc import AsyncChannel
 from shuttle.common.messages import (
-    Abort, FinishReason, Heartbeat, Hello, RequestOutput, SchedulerInfo, SchedulerMessage, SchedulerStats,
-    StepOutputs, Submit,
+    Abort,
+    FinishReason,
+    Heartbeat,
+    Hello,
+    RequestOutput,
+    SchedulerInfo,
+    SchedulerMessage,
+    SchedulerStats,
+    StepOutputs,
+    Submit,
 )
 from shuttle.frontend.backpressure import RestartClock, RetryAfterEstimator
 from shuttle.frontend.engine_api import GroupState
@@ -156,7 +164,8 @@ class ServingGroup(abc.ABC):
 
 
 def error_output(request_id: str, status: int, message: str) -> RequestOutput:
-    return RequestOutput(request_id, finish_reason=FinishReason.ERROR, error_status=status, error_message=message)
+    return RequestOutput(request_id=request_id, finish_reason=FinishReason.ERROR, error_status=status,
+                         error_message=message)
 
 
 class EngineClient(ServingGroup):
@@ -236,7 +245,7 @@ class EngineClient(ServingGroup):
 
     async def _beat(self) -> None:
         """Tell the scheduler this frontend is alive; a silent one is taken as gone and its requests aborted."""
-        message = Heartbeat("frontend", os.getpid())
+        message = Heartbeat(name="frontend", pid=os.getpid())
         while True:
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
             try:
@@ -271,7 +280,7 @@ class EngineClient(ServingGroup):
         finally:
             del self._queues[request_id]
             if not finished and channel is self._channel:
-                self._spawn(channel.send(Abort([request_id])))  # safe from a cancelled task
+                self._spawn(channel.send(Abort(request_ids=[request_id])))  # safe from a cancelled task
 
     def engine_down(self, reason: str, retry_after: float, group: int = 0) -> None:
         """ServingGroup.engine_down, then reconnect on a fresh socket (nothing queued for the dead one is replayed);

@@ -14,11 +14,17 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-
 from typing import Callable
 
-from prometheus_client import (CollectorRegistry, Counter, GCCollector, Histogram, PlatformCollector,
-                               ProcessCollector, generate_latest)
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from shuttle.common.config import ShuttleConfig
@@ -95,7 +101,8 @@ class _SchedulerCollector:
                                           stats.num_blocks_in_use / max(stats.num_total_blocks, 1))}
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(f"shuttle:{name}", doc, value=value)
-        counters = {"prefix_cache_queries": ("Prompt tokens looked up in the prefix cache.", stats.prefix_cache_queries),
+        counters = {"prefix_cache_queries": ("Prompt tokens looked up in the prefix cache.",
+                                             stats.prefix_cache_queries),
                     "prefix_cache_hits": ("Prompt tokens found in the prefix cache.", stats.prefix_cache_hits),
                     "num_preemptions": ("Requests preempted (recomputed later).", stats.num_preemptions)}
         for name, (doc, value) in counters.items():
@@ -148,11 +155,13 @@ class Metrics:
         self.registry = CollectorRegistry()  # what /metrics exposes
         r = self.series = CollectorRegistry()  # every shuttle: series, before the model_name label
         tokens = one_two_five(config.model.max_model_len if config else _UNKNOWN_MAX_MODEL_LEN)
-        self.ttft = Histogram("shuttle:time_to_first_token_seconds", "Time to first token.", buckets=_LATENCY, registry=r)
+        self.ttft = Histogram("shuttle:time_to_first_token_seconds", "Time to first token.", buckets=_LATENCY,
+                              registry=r)
         self.itl = Histogram("shuttle:inter_token_latency_seconds", "Time between consecutive output tokens.",
                              buckets=_LATENCY, registry=r)
         self.tpot = Histogram("shuttle:request_time_per_output_token_seconds",
-                              "Per request: (finish - first token) / (output tokens - 1).", buckets=_LATENCY, registry=r)
+                              "Per request: (finish - first token) / (output tokens - 1).", buckets=_LATENCY,
+                              registry=r)
         self.e2e = Histogram("shuttle:e2e_request_latency_seconds", "Arrival to last token.", buckets=_LATENCY,
                              registry=r)
         self.queue = Histogram("shuttle:request_queue_time_seconds", "Arrival to first scheduled.", buckets=_LATENCY,

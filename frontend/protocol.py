@@ -324,7 +324,8 @@ def convert_body(data: Any, request_type: type) -> Any:
 
 
 def _is_token_list(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t,
+                                                                                                 bool) for t in value)
 
 
 def _integral_ids(prompt: Any) -> Any:

@@ -17,7 +17,13 @@ from shuttle.frontend.choices import collect, usage
 from shuttle.frontend.generation import TextDelta, TextGeneration
 from shuttle.frontend.protocol import error_body
 from shuttle.frontend.responses_request import (
-    ResponsesRequest, chat_request_of, function_tools, new_id, refusals, responses_param, responses_params,
+    ResponsesRequest,
+    chat_request_of,
+    function_tools,
+    new_id,
+    refusals,
+    responses_param,
+    responses_params,
 )
 from shuttle.frontend.serving import ChatCall, build_generations
 from shuttle.frontend.state import FrontendState

@@ -18,10 +18,21 @@ import msgspec
 
 from shuttle.common.errors import InvalidRequestError
 from shuttle.frontend.protocol import (
-    ChatCompletionRequest, ChatMessage, JsonSchemaFormat, Refused, ResponseFormatJsonObject, ResponseFormatJsonSchema,
+    ChatCompletionRequest,
+    ChatMessage,
+    JsonSchemaFormat,
+    Refused,
+    ResponseFormatJsonObject,
+    ResponseFormatJsonSchema,
 )
 from shuttle.frontend.tool_request import (
-    NAME_PATTERN, CalledFunction, FunctionDefinition, FunctionName, MessageToolCall, NamedToolChoice, Tool,
+    NAME_PATTERN,
+    CalledFunction,
+    FunctionDefinition,
+    FunctionName,
+    MessageToolCall,
+    NamedToolChoice,
+    Tool,
 )
 
 # ---- the request -------------------------------------------------------------------------------------------------

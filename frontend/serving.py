@@ -30,8 +30,14 @@ from shuttle.common.sampling import StructuredOutput
 from shuttle.frontend.choices import CollectedChoice, collect, merge, usage
 from shuttle.frontend.generation import TextDelta, TextGeneration
 from shuttle.frontend.protocol import (
-    ChatCompletionRequest, CompletionRequest, SamplingFields, TokenizeRequest, check_logprobs, completion_prompts,
-    convert_body, sampling_params,
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingFields,
+    TokenizeRequest,
+    check_logprobs,
+    completion_prompts,
+    convert_body,
+    sampling_params,
 )
 from shuttle.frontend.responses import chat_logprobs, completion_logprobs, prompt_logprobs_object
 from shuttle.frontend.state import FrontendState

@@ -90,14 +90,15 @@ def _response_format(value) -> StructuredOutput | None:
     if kind == "text":
         return None
     if kind == "json_object":
-        return StructuredOutput("json_object")
+        return StructuredOutput(kind="json_object")
     spec = value.json_schema
     if not _NAME.fullmatch(spec.name):
         raise InvalidRequestError("response_format.json_schema.name must be 1 to 64 letters, digits, underscores "
                                   "or dashes", param="response_format")
     if spec.schema is None:  # optional in OpenAI's reference: a JSON object, with nothing more said of it
-        return StructuredOutput("json_object")
-    return StructuredOutput("json", _schema_spec(spec.schema, "response_format", "response_format.json_schema.schema"))
+        return StructuredOutput(kind="json_object")
+    return StructuredOutput(kind="json", spec=_schema_spec(spec.schema, "response_format",
+                                                           "response_format.json_schema.schema"))
 
 
 def _structured_outputs(value) -> StructuredOutput:
@@ -115,16 +116,16 @@ def _structured_outputs(value) -> StructuredOutput:
     where = f"structured_outputs.{key}"
     item = getattr(value, key)
     if key == "json":
-        return StructuredOutput("json", _schema_spec(item, param, where))
+        return StructuredOutput(kind="json", spec=_schema_spec(item, param, where))
     if key == "json_object":
         if item is not True:
             raise InvalidRequestError("structured_outputs.json_object must be true", param=param)
-        return StructuredOutput("json_object")
+        return StructuredOutput(kind="json_object")
     if key == "choice":
-        return StructuredOutput("choice", _choice_spec(item, param, where))
+        return StructuredOutput(kind="choice", spec=_choice_spec(item, param, where))
     if key == "regex":
-        return StructuredOutput(key, _regex_spec(item, param, where))
-    return StructuredOutput(key, _text_spec(item, param, where))
+        return StructuredOutput(kind=key, spec=_regex_spec(item, param, where))
+    return StructuredOutput(kind=key, spec=_text_spec(item, param, where))
 
 
 def _schema_spec(schema: Any, param: str, where: str) -> str:
@@ -186,9 +187,11 @@ def _regex_spec(text: str, param: str, where: str) -> str:
 _READERS = {
     "response_format": _response_format,
     "structured_outputs": _structured_outputs,
-    "guided_json": lambda value: StructuredOutput("json", _schema_spec(value, "guided_json", "guided_json")),
-    "guided_regex": lambda value: StructuredOutput("regex", _regex_spec(value, "guided_regex", "guided_regex")),
-    "guided_choice": lambda value: StructuredOutput("choice", _choice_spec(value, "guided_choice", "guided_choice")),
-    "guided_grammar": lambda value: StructuredOutput("grammar", _text_spec(value, "guided_grammar",
+    "guided_json": lambda value: StructuredOutput(kind="json", spec=_schema_spec(value, "guided_json", "guided_json")),
+    "guided_regex": lambda value: StructuredOutput(kind="regex", spec=_regex_spec(value, "guided_regex",
+                                                                                  "guided_regex")),
+    "guided_choice": lambda value: StructuredOutput(kind="choice", spec=_choice_spec(value, "guided_choice",
+                                                                                     "guided_choice")),
+    "guided_grammar": lambda value: StructuredOutput(kind="grammar", spec=_text_spec(value, "guided_grammar",
                                                                            "guided_grammar")),
 }

@@ -12,7 +12,8 @@ from shuttle.frontend.state import STATE
 
 
 async def tokenize(request: web.Request) -> web.Response:
-    """{"prompt": str} or {"messages": [...], ...chat prompt fields} -> {"tokens": [...], "count": n, "max_model_len": m,
+    """{"prompt": str} or {"messages": [...], ...chat prompt fields} -> {"tokens": [...], "count": n,
+    "max_model_len": m,
     "token_strs": [...] with return_token_strs, else null}. The same tokens a completion or chat completion with
     these fields would be given."""
     state = request.app[STATE]

@@ -160,7 +160,8 @@ def tool_constraint(use: ToolUse) -> StructuredOutput | None:
         if '"$ref"' in msgspec.json.encode(parameters).decode():
             defs[f"tool_{i}"] = _rebased(parameters, f"#/$defs/tool_{i}")
             parameters = {"$ref": f"#/$defs/tool_{i}"}
-        calls.append({"type": "object", "properties": {"name": {"enum": [tool.function.name]}, "parameters": parameters},
+        calls.append({"type": "object", "properties": {"name": {"enum": [tool.function.name]},
+                                                       "parameters": parameters},
                       "required": ["name", "parameters"], "additionalProperties": False})
     schema = {"type": "array", "minItems": 1, **({} if use.parallel else {"maxItems": 1}),
               "items": {"anyOf": calls}, **({"$defs": defs} if defs else {})}

@@ -154,7 +154,7 @@ class BatchEndpoint:
     async def _watch(self) -> None:
         """Every heartbeat period: a heartbeat to each live client; clients silent too long are dropped and their
         jobs aborted (cancelling a job's task closes its generations, which sends Abort to the scheduler)."""
-        beat = BatchHeartbeat(self.instance)
+        beat = BatchHeartbeat(instance=self.instance)
         while True:
             await asyncio.sleep(self.heartbeat)
             now = time.monotonic()
@@ -188,7 +188,8 @@ class BatchEndpoint:
 
 def _error(job_id: str, status: int, message: str, param: str | None = None, retry_after: float = 0.0,
            request_id: str = "") -> BatchResponse:
-    return BatchResponse(job_id, status, error_body(status, message, param), request_id, retry_after)
+    return BatchResponse(job_id=job_id, status_code=status, body=error_body(status, message, param),
+                         request_id=request_id, retry_after=retry_after)
 
 
 class _JobId(msgspec.Struct):

@@ -16,10 +16,25 @@ import argparse
 import os
 import sys
 
-from shuttle.common.arg_types import (add_config_options, chat_template, count, dtype_name, origins, parse_bytes, positive,
-                              token_count)
-from shuttle.common.config import (DEFAULT_MODEL_DIR, LOG_LEVEL_ENV, LOG_LEVELS, SERVE_SECTIONS, CacheConfig, SchedulerConfig,
-                           WorkerConfig)
+from shuttle.common.arg_types import (
+    add_config_options,
+    chat_template,
+    count,
+    dtype_name,
+    origins,
+    parse_bytes,
+    positive,
+    token_count,
+)
+from shuttle.common.config import (
+    DEFAULT_MODEL_DIR,
+    LOG_LEVEL_ENV,
+    LOG_LEVELS,
+    SERVE_SECTIONS,
+    CacheConfig,
+    SchedulerConfig,
+    WorkerConfig,
+)
 from shuttle.common.generation_config import AUTO
 from shuttle.launcher.vllm_flags import ConfigFileError, add_refused_flags, expand_config_file
 

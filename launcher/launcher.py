@@ -37,17 +37,30 @@ from shuttle.common.arg_types import chat_template_text
 from shuttle.common.capacity import kv_cache_bytes, requests_that_fit
 from shuttle.common.config import IpcConfig, ShuttleConfig
 from shuttle.common.cpu_threads import CoreError, CorePlan, allowed_cores, plan_cores
-from shuttle.common.devices import (DeviceError, auto_dtype_reason, cuda_device_count, device_type, rank_device,
-                            resolve_config)
+from shuttle.common.devices import (
+    DeviceError,
+    auto_dtype_reason,
+    cuda_device_count,
+    device_type,
+    rank_device,
+    resolve_config,
+)
 from shuttle.common.errors import ModelDirError
 from shuttle.common.generation_config import SamplingDefaults
 from shuttle.common.ipc import CURVE_ENV, Channel, CurveKeys
 from shuttle.common.messages import ControlMessage, EngineDown
 from shuttle.common.model_dir import check_model_dir
+from shuttle.common.process import LAST_WORDS_S, raise_fd_limit
 from shuttle.launcher.ports import Listen, PortError, check_ports, tcp_listen
 from shuttle.launcher.scheduler_files import check_scheduler_files
-from shuttle.common.process import LAST_WORDS_S, raise_fd_limit
-from shuttle.launcher.supervised_unit import FRONTEND, RESTART_RESET_S, Unit, describe_exit, engine_roles, free_tcp_endpoints
+from shuttle.launcher.supervised_unit import (
+    FRONTEND,
+    RESTART_RESET_S,
+    Unit,
+    describe_exit,
+    engine_roles,
+    free_tcp_endpoints,
+)
 
 STOP_TIMEOUT_S = 4.0  # SIGTERM to SIGKILL for the engine's processes at shutdown
 DRAIN_EXIT_GRACE_S = 5.0  # beyond --shutdown-timeout, for the frontend to write its last answers and exit
@@ -401,7 +414,7 @@ class Launcher:
         backoff = unit.next_backoff()
         if unit is not self.frontend and self.to_frontend is not None:
             eta = backoff + unit.expected_start_s()
-            self.to_frontend.try_send(EngineDown(reason, eta, unit.group))
+            self.to_frontend.try_send(EngineDown(reason=reason, retry_after=eta, group=unit.group))
         if give_up:
             _say(f"{reason}; {unit.failures_in_a_row} restart(s) in a row already (--max-restarts "
                  f"{self.config.ops.max_restarts}): stopping the others")
@@ -435,7 +448,7 @@ class Launcher:
                 if unit.restart_at is None and unit.failure(0.0) is not None:
                     reason = unit.failure(0.0)
                     unit.kill()
-                    self.to_frontend.try_send(EngineDown(reason, 0.0, unit.group))
+                    self.to_frontend.try_send(EngineDown(reason=reason, retry_after=0.0, group=unit.group))
                     unit.restart_at = float("inf")  # no restart while stopping
         if frontend.poll() is None:
             _say("the frontend did not finish draining in time; killing it")

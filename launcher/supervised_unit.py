@@ -7,6 +7,7 @@ A unit's processes start, fail and restart together; launcher/launcher.py owns t
 from __future__ import annotations
 
 import dataclasses
+import functools
 import signal
 import socket
 import subprocess
@@ -109,7 +110,7 @@ class Unit:
             child_env, cores = self._placement(role, rank, parallel.tensor_parallel_size, child_env)
             module = "shuttle." + ("worker" if rank is not None else role)
             self.procs[role] = subprocess.Popen([sys.executable, "-m", module, "--config", payload], env=child_env,
-                                                preexec_fn=lambda: _before_exec(cores))
+                                                preexec_fn=functools.partial(_before_exec, cores))
 
     def _placement(self, role: str, rank: int | None, tensor_parallel_size: int,
                    env: dict[str, str]) -> tuple[dict[str, str], tuple[int, ...]]:
@@ -152,7 +153,8 @@ class Unit:
 
     def kill(self, last_words_s: float = 0.0) -> None:
         """SIGKILL every process of the unit (a stopped or hung one too) and reap it. With `last_words_s`, each
-        live process first gets LAST_WORDS_SIGNAL and SIGCONT (in case it was stopped) and that many seconds to exit on its
+        live process first gets LAST_WORDS_SIGNAL and SIGCONT (in case it was stopped) and that many seconds to exit on
+        its
         own: the frontend ends its open streams with an error then (frontend/last_words.py)."""
         if last_words_s > 0:
             live = [proc for proc in self.procs.values() if proc.poll() is None]

@@ -27,9 +27,9 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
-from shuttle.scheduler.step_cost import StepCostModel, StepShape, shape_of
 from shuttle.scheduler.request import Request
 from shuttle.scheduler.scheduled_step import ScheduledStep
+from shuttle.scheduler.step_cost import StepCostModel, StepShape, shape_of
 
 MIN_ONLINE_STEPS = 32  # steps measured before the online model predicts anything
 ONLINE_WINDOW = 512  # most recent measured steps the online model is fitted to

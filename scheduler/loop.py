@@ -17,13 +17,24 @@ import zmq
 from shuttle.common.config import ShuttleConfig
 from shuttle.common.ipc import Channel, MalformedMessage
 from shuttle.common.messages import (
-    Abort, CompileGrammars, FrontendMessage, GrammarsCompiled, Hello, SchedulerInfo, SchedulerStats, StepOutputs,
-    StepResult, Submit, WorkerFailed, WorkerMessage, WorkerReady,
+    Abort,
+    CompileGrammars,
+    FrontendMessage,
+    GrammarsCompiled,
+    Hello,
+    SchedulerInfo,
+    SchedulerStats,
+    StepOutputs,
+    StepResult,
+    Submit,
+    WorkerFailed,
+    WorkerMessage,
+    WorkerReady,
 )
 from shuttle.common.process import HeartbeatSender
+from shuttle.scheduler.admission import make_admission
 from shuttle.scheduler.kv_cache import KVCacheManager
 from shuttle.scheduler.liveness import FrontendWatch, StepWatchdog, WorkerCpuClocks
-from shuttle.scheduler.admission import make_admission
 from shuttle.scheduler.scheduled_step import ScheduledStep
 from shuttle.scheduler.scheduler import Scheduler
 from shuttle.scheduler.stats import StepStats
@@ -188,7 +199,8 @@ class SchedulerLoop:
                 self.scheduler.abort(msg.request_ids)
             elif isinstance(msg, Hello):
                 kv = self.scheduler.kv
-                self.frontends.send(SchedulerInfo(kv.pool.num_blocks, kv.block_size, self.scheduler.max_model_len),
+                self.frontends.send(SchedulerInfo(num_kv_blocks=kv.pool.num_blocks, block_size=kv.block_size,
+                                                  max_model_len=self.scheduler.max_model_len),
                                     identity=client)
                 self._last_broadcast = None  # make sure the newcomer gets stats at once
         self._send_grammar_work()
@@ -199,7 +211,7 @@ class SchedulerLoop:
         gate = self.scheduler.grammars
         specs, evict = gate.take_requests(), gate.take_evictions()
         if specs or evict:
-            self.plans[0].send(CompileGrammars(specs, evict))
+            self.plans[0].send(CompileGrammars(specs=specs, evict=evict))
 
     def _take_grammar_answers(self) -> None:
         while self.results.poll(0):
@@ -232,7 +244,7 @@ class SchedulerLoop:
             self.step_stats.maybe_log(stats)
         with_steps = self.step_stats.attach(stats)  # the per-step lists go to one frontend, once
         for client, client_outputs in outputs.items():
-            self.frontends.send(StepOutputs(client_outputs, with_steps), identity=client)
+            self.frontends.send(StepOutputs(outputs=client_outputs, stats=with_steps), identity=client)
             with_steps = stats
         if due:
             if stats != self._last_broadcast or with_steps is not stats:

@@ -35,7 +35,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
 
-
 FEATURES = ("step", "sequence", "prefill_sequence", "token", "dense", "prefill_attention", "decode_attention")
 
 
@@ -281,7 +280,8 @@ class StepCostModel:
         """Non-negative least squares on relative error: minimise sum(((x_i . c) - y_i) / y_i)^2 with c >= 0.
 
         Features that never vary in the data (all zero) get coefficient 0. Other keyword arguments go to the
-        model (roofline, scheduler_s, scheduler_sequence_s, client_s, spread, meta); meta gains the fit's relative RMS error ("rel_rmse").
+        model (roofline, scheduler_s, scheduler_sequence_s, client_s, spread, meta); meta gains the fit's relative RMS
+        error ("rel_rmse").
 
         Raises:
             ValueError: fewer measurements than features, or a non-positive duration.

@@ -16,8 +16,8 @@ from typing import AsyncIterator, Iterator
 from aiohttp import web
 
 from shuttle.common.config import IpcConfig, ShuttleConfig
-from shuttle.common.model_config import ModelConfig
 from shuttle.common.messages import FinishReason, RequestOutput, SchedulerInfo, Submit, TokenLogprobs
+from shuttle.common.model_config import ModelConfig
 from shuttle.frontend.app import build_app
 from shuttle.frontend.chat import ChatTemplate
 from shuttle.frontend.engine_client import ServingGroup
@@ -43,7 +43,8 @@ class FakeEngine(ServingGroup):
     Args:
         script: token ids every request generates, one per output (cut at max_tokens).
         step_delay: seconds before each output.
-        script_end: the finish reason at the script's end (STOP: the model's end-of-sequence token, eos[0], follows the script when max_tokens leaves room).
+        script_end: the finish reason at the script's end (STOP: the model's end-of-sequence token, eos[0], follows the
+        script when max_tokens leaves room).
         error: (status, message) to end every request with instead of tokens; `retry_after_s` and `rejection` go
             with it (as the scheduler's SLO refusal).
         top: the (token id, logprob) alternatives of every step, most likely first; a request asking for k
@@ -109,7 +110,8 @@ class FakeEngine(ServingGroup):
     def _outputs(self, request: Submit) -> Iterator[RequestOutput]:
         sampling = request.sampling
         if self.error is not None:
-            yield RequestOutput(request.request_id, finish_reason=FinishReason.ERROR, error_status=self.error[0],
+            yield RequestOutput(request_id=request.request_id, finish_reason=FinishReason.ERROR,
+                                error_status=self.error[0],
                                 error_message=self.error[1], retry_after_s=self.retry_after_s,
                                 rejection=self.rejection)
             return
@@ -130,13 +132,14 @@ class FakeEngine(ServingGroup):
             if position == 0 and sampling.prompt_logprobs is not None:
                 prompt_logprobs = [self._logprobs(t, i, sampling.prompt_logprobs)
                                    for i, t in enumerate(request.prompt_token_ids[1:])]
-            yield RequestOutput(request.request_id, [token_id], finish, logprobs=logprobs,
+            yield RequestOutput(request_id=request.request_id, new_token_ids=[token_id], finish_reason=finish,
+                                logprobs=logprobs,
                                 prompt_logprobs=prompt_logprobs)
 
     def _logprobs(self, token_id: int, position: int, k: int) -> TokenLogprobs:
         top = self.top[:k]
         logprob = dict(self.top).get(token_id, sampled_logprob(position))
-        return TokenLogprobs(logprob, [t for t, _ in top], [v for _, v in top])
+        return TokenLogprobs(logprob=logprob, top_token_ids=[t for t, _ in top], top_logprobs=[v for _, v in top])
 
 
 def frontend_app(engine: FakeEngine, template: str | None = "stories_chat.jinja", api_key: str | None = None,

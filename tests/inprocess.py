@@ -14,8 +14,8 @@ from dataclasses import dataclass, field, replace
 from aiohttp import web
 
 from shuttle.common.config import IpcConfig, OpsConfig, ShuttleConfig
-from shuttle.common.model_config import ModelConfig
 from shuttle.common.messages import FinishReason
+from shuttle.common.model_config import ModelConfig
 from shuttle.frontend.app import BATCH, build_app
 from shuttle.frontend.chat import ChatTemplate
 from shuttle.frontend.http_server import listen

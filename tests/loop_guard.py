@@ -1,7 +1,8 @@
 """A check after every test that it left the suite's shared event loop as it found it.
 
 All async tests share one session-wide event loop (pyproject's asyncio_default_*_loop_scope). A test that leaves an
-async HTTP client (httpx's AsyncClient; every openai.AsyncOpenAI holds one) open hands its sockets to the garbage collector, which may
+async HTTP client (httpx's AsyncClient; every openai.AsyncOpenAI holds one) open hands its sockets to the garbage
+collector, which may
 close them in the middle of a later test: the freed fd number is reused by that test's new socket (a TestServer's
 listening socket) and the stale selector registration, or the old transport's late close, takes the new socket's
 registration away. That test's request is then never polled and hangs until pytest-timeout. So every test:
@@ -16,10 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import importlib
 import os
 import weakref
-
-import importlib
 
 import pytest
 import pytest_asyncio

@@ -27,8 +27,9 @@ def deep_request(depth: int) -> bytes:
 
 
 def batch_job(job_id: str, key: str = "", **body) -> bytes:
-    return msgspec.msgpack.encode(BatchRequest(job_id, "/v1/completions", {"prompt": "Hi", "max_tokens": 2, **body},
-                                               key))
+    return msgspec.msgpack.encode(BatchRequest(job_id=job_id, url="/v1/completions", body={"prompt": "Hi",
+                                                                                           "max_tokens": 2, **body},
+                                               api_key=key))
 
 
 # kind -> (frames, the job id a refusal can still name)

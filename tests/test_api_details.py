@@ -128,7 +128,8 @@ async def test_priority_reaches_the_scheduler_from_every_entry_point():
     async with served(scheduler=SchedulerConfig(scheduling_policy="priority")) as (client, engine):
         assert (await post(client, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "priority": 7}))[0] == 200
         assert engine.submitted[-1].priority == 7
-        assert (await post(client, "/v1/chat/completions", {"messages": USER, "max_tokens": 2, "priority": -3}))[0] == 200
+        assert (await post(client, "/v1/chat/completions", {"messages": USER, "max_tokens": 2,
+                                                            "priority": -3}))[0] == 200
         assert engine.submitted[-1].priority == -3
         async with client.ws_connect("/v1/ws") as ws:
             await ws.send_json({"type": "generate", "id": "p", "prompt": PROMPT, "max_tokens": 1, "priority": 5})
@@ -284,7 +285,8 @@ async def test_add_special_tokens():
         assert engine.submitted[-1].prompt_token_ids == rendered
         await post(client, "/v1/chat/completions", {"messages": USER, "add_special_tokens": True})
         assert engine.submitted[-1].prompt_token_ids == [1] + rendered
-        for body, ids in (({"messages": USER}, rendered), ({"messages": USER, "add_special_tokens": True}, [1] + rendered),
+        for body, ids in (({"messages": USER}, rendered), ({"messages": USER, "add_special_tokens": True},
+                                                           [1] + rendered),
                           ({"prompt": PROMPT, "add_special_tokens": False}, PROMPT_IDS[1:])):
             status, tokens = await post(client, "/tokenize", body)
             assert tokens["tokens"] == ids
@@ -483,7 +485,8 @@ async def test_cors_for_allowed_origins():
             assert "x-request-id" in response.headers["Access-Control-Expose-Headers"].lower()
         async with client.post("/v1/completions", json={"prompt": PROMPT}, headers={"Origin": origin}) as response:
             assert response.status == 401 and response.headers["Access-Control-Allow-Origin"] == origin
-        async with client.options("/v1/completions", headers={**preflight, "Origin": "http://evil.example"}) as response:
+        async with client.options("/v1/completions", headers={**preflight,
+                                                              "Origin": "http://evil.example"}) as response:
             assert "Access-Control-Allow-Origin" not in response.headers
     async with served(allowed_origins=("*",)) as (client, _):
         async with client.options("/v1/completions", headers={**preflight, "Origin": "http://any.example"}) as response:

@@ -7,7 +7,6 @@ import subprocess
 import sys
 import urllib.request
 
-
 from shuttle.batch_jobs.client import BatchClient
 from tests.server import REPO
 
@@ -57,4 +56,5 @@ def test_shuttle_batch_round_trip(server, tmp_path):
         response = records[f"c{i}"]["response"]
         assert response["status_code"] == 200 and records[f"c{i}"]["error"] is None
         assert response["request_id"] == response["body"]["id"]
-        assert response["body"]["choices"][0]["text"] == http(server, "/v1/completions", line["body"])["choices"][0]["text"]
+        assert response["body"]["choices"][0]["text"] == http(server, "/v1/completions",
+                                                              line["body"])["choices"][0]["text"]

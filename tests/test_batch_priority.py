@@ -12,8 +12,9 @@ _arrival = itertools.count(1000)
 
 
 def submit(s, rid: str, background: bool, priority: int = 0, prompt_len: int = 4, max_tokens: int = 4) -> None:
-    s.add_request(b"c", Submit(rid, list(range(10, 10 + prompt_len)), SamplingParams(max_tokens=max_tokens),
-                               float(next(_arrival)), priority, background=background))
+    s.add_request(b"c", Submit(request_id=rid, prompt_token_ids=list(range(10, 10 + prompt_len)),
+                               sampling=SamplingParams(max_tokens=max_tokens),
+                               arrival_time=float(next(_arrival)), priority=priority, background=background))
 
 
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])

@@ -101,8 +101,9 @@ async def test_batch_requests_are_background_work(app):
 
 
 def job(job_id: str, max_tokens: int = 8, key: str = KEY) -> bytes:
-    return msgspec.msgpack.encode(BatchRequest(job_id, "/v1/completions", {"prompt": "Hi", "max_tokens": max_tokens},
-                                               key))
+    return msgspec.msgpack.encode(BatchRequest(job_id=job_id, url="/v1/completions", body={"prompt": "Hi",
+                                                                                           "max_tokens": max_tokens},
+                                               api_key=key))
 
 
 async def test_a_second_job_with_a_running_id_is_refused_and_the_first_goes_on(app):
@@ -239,8 +240,8 @@ def output_keys(path) -> list[str]:
 
 async def shuttle_batch(*args: str) -> asyncio.subprocess.Process:
     return await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "shuttle.launcher.cli", "batch", *args, "--quiet", cwd=REPO, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE, env={**os.environ, "SHUTTLE_API_KEY": KEY})
+        sys.executable, "-m", "shuttle.launcher.cli", "batch", *args, "--quiet", cwd=REPO,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env={**os.environ, "SHUTTLE_API_KEY": KEY})
 
 
 async def finish(process) -> tuple[int, str]:
@@ -301,7 +302,8 @@ async def test_shuttle_batch_without_the_key_gets_401_and_no_work(app, tmp_path)
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     code, stderr = await finish(process)
     assert code == 0, stderr
-    statuses = [json.loads(line)["response"]["status_code"] for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    lines = (tmp_path / "out.jsonl").read_text().splitlines()
+    statuses = [json.loads(line)["response"]["status_code"] for line in lines]
     assert statuses == [401] * 5
     assert len(app.engine.submitted) == submitted
 

@@ -37,8 +37,10 @@ def test_step_errors_by_kind():
     cost = StepCostModel({"step": 0.010})
     decode, prefill = StepShape(2, 0, 2, 0, 20, 2), StepShape(30, 1, 0, 900, 0, 1)
     report = compare_inprocess.step_errors(cost, [(decode, 0.008), (decode, 0.0125), (prefill, 0.020)])
-    assert report["decode"]["steps"] == 2 and report["decode"]["median_abs_error"] == pytest.approx(0.225)  # 1.25 and 0.8: errors 0.25 and 0.2
-    assert report["prefill"] == {"steps": 1, "median_abs_error": pytest.approx(0.5), "p90_abs_error": pytest.approx(0.5),
+    # 1.25 and 0.8: errors 0.25 and 0.2
+    assert report["decode"]["steps"] == 2 and report["decode"]["median_abs_error"] == pytest.approx(0.225)
+    assert report["prefill"] == {"steps": 1, "median_abs_error": pytest.approx(0.5),
+                                 "p90_abs_error": pytest.approx(0.5),
                                  "median_ratio": pytest.approx(0.5), "time_weighted_ratio": pytest.approx(0.5),
                                  "measured_s": pytest.approx(0.020)}
     assert report["mixed"]["steps"] == 0 and report["all"]["steps"] == 3

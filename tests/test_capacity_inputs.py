@@ -12,6 +12,7 @@ from shuttle.scheduler.step_cost import StepCostModel
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts" / "dev"))
 
 import compare_inprocess  # noqa: E402
+
 from shuttle.capacity import calibrate, simulate, tune  # noqa: E402
 
 MODEL = Path(__file__).resolve().parent.parent.parent / "shared" / "models" / "stories260K"

@@ -4,8 +4,8 @@ import dataclasses
 
 import pytest
 
-from shuttle.launcher.cli import build_parser
 from shuttle.common.config import SERVE_SECTIONS, CacheConfig, IpcConfig, SchedulerConfig, ShuttleConfig, WorkerConfig
+from shuttle.launcher.cli import build_parser
 from tests.server import MODEL_DIR
 
 # a value other than the default for each field, as it is typed on the command line
@@ -42,7 +42,8 @@ def test_every_field_is_a_flag_that_reaches_its_section():
                 argv.append(flag)
             else:
                 argv += [flag, NON_DEFAULTS[f.name][0]]
-    config = ShuttleConfig.from_args(build_parser().parse_args(argv), IpcConfig.in_directory("/x", tensor_parallel_size=2))
+    config = ShuttleConfig.from_args(build_parser().parse_args(argv), IpcConfig.in_directory("/x",
+                                                                                             tensor_parallel_size=2))
     for section, built in ((CacheConfig, config.cache), (SchedulerConfig, config.scheduler),
                            (WorkerConfig, config.worker), (type(config.ops), config.ops),
                            (type(config.parallel), config.parallel),
@@ -72,7 +73,6 @@ def test_bad_values_are_usage_errors(flag, value, capsys):
 
 def test_an_unwritable_step_log_is_refused_before_any_process_starts(tmp_path):
     from shuttle.common.errors import ModelDirError
-
     from shuttle.launcher.scheduler_files import check_scheduler_files
 
     args = build_parser().parse_args(["serve", str(MODEL_DIR), "--step-log", str(tmp_path / "missing" / "steps.jsonl")])

@@ -7,19 +7,26 @@ import pytest
 import torch
 
 from shuttle.common.config import CacheConfig, IpcConfig, SchedulerConfig, ShuttleConfig, WorkerConfig
-from shuttle.common.model_config import ModelConfig
-from shuttle.common.devices import (AUTO_CPU_DTYPE_ENV, DeviceError, auto_dtype_reason, cpu_auto_dtype, cpu_bf16_flags,
-                            resolve_config, resolve_dtype)
+from shuttle.common.devices import (
+    AUTO_CPU_DTYPE_ENV,
+    DeviceError,
+    auto_dtype_reason,
+    cpu_auto_dtype,
+    cpu_bf16_flags,
+    resolve_config,
+    resolve_dtype,
+)
 from shuttle.common.messages import Submit
+from shuttle.common.model_config import ModelConfig
 from shuttle.common.sampling import SamplingParams
 from shuttle.launcher.cli import build_parser
 from shuttle.scheduler.in_process import drive
 from shuttle.scheduler.kv_cache import KVCacheManager
 from shuttle.scheduler.scheduler import Scheduler
-from tests.server import MODEL_DIR
-from tests.test_decode_kernel import _case, _reference
 from shuttle.worker.attention import LayerFeatures
 from shuttle.worker.decode_kernel import paged_decode
+from tests.server import MODEL_DIR
+from tests.test_decode_kernel import _case, _reference
 
 
 @pytest.mark.parametrize("window,softcap,with_sinks", [(None, None, False), (5, None, False), (3, 1.0, True)])
@@ -101,7 +108,8 @@ def _greedy(dtype: str, kv_cache_dtype: str, prompts, tokens: int):
     outputs = {str(i): [] for i in range(len(prompts))}
     for i, prompt in enumerate(prompts):
         params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
-        scheduler.add_request(b"c", Submit(str(i), prompt, params, time.time()))
+        scheduler.add_request(b"c", Submit(request_id=str(i), prompt_token_ids=prompt, sampling=params,
+                                           arrival_time=time.time()))
     drive(scheduler, runner, lambda batch: [outputs[o.request_id].extend(o.new_token_ids) for o in batch])
     return runner, [outputs[str(i)] for i in range(len(prompts))]
 
@@ -131,5 +139,6 @@ def test_the_start_up_check_in_bf16_weighs_differences_by_probability():
     reference = torch.randn(12, 512, generator=g).mul(3).log_softmax(-1)
     rounded = reference.to(torch.bfloat16).float().log_softmax(-1)
     assert capability.log_prob_difference(rounded, reference, exact=False) < 0.05
-    assert capability.log_prob_difference(reference[1:], reference[:-1], exact=False) > 4 * capability.TOLERANCE[torch.bfloat16]
+    assert capability.log_prob_difference(reference[1:], reference[:-1],
+                                          exact=False) > 4 * capability.TOLERANCE[torch.bfloat16]
     assert capability.log_prob_difference(rounded, reference, exact=True) > capability.TOLERANCE[torch.float32]

@@ -5,8 +5,17 @@ import argparse
 
 import pytest
 
-from shuttle.common.cpu_threads import (WORKER_THREADS_ENV, CoreError, cpu_list, format_cpu_list, other_env,
-                                parse_cpu_list, plan_cores, split_cores, worker_env)
+from shuttle.common.cpu_threads import (
+    WORKER_THREADS_ENV,
+    CoreError,
+    cpu_list,
+    format_cpu_list,
+    other_env,
+    parse_cpu_list,
+    plan_cores,
+    split_cores,
+    worker_env,
+)
 from shuttle.launcher.supervised_unit import Unit, engine_roles
 
 

@@ -15,9 +15,9 @@ import time
 import aiohttp
 import pytest
 
+from shuttle.capacity.story_prompts import MAX_TOKENS, story_prompts
 from tests.client import post_completion
 from tests.conftest import hf_greedy, hf_tokenizer
-from shuttle.capacity.story_prompts import MAX_TOKENS, story_prompts
 from tests.server import ShuttleServer
 
 HANG = 120.0
@@ -60,10 +60,10 @@ async def test_greedy_output_is_token_exact(srv):
                                                          return_token_ids=True)
                                          for p, m in zip(prompts, max_tokens)))
         _, after = await health(session, srv.url)
-    for prompt, max_tokens, (status, body) in zip(prompts, max_tokens, results):
+    for prompt, max_new, (status, body) in zip(prompts, max_tokens, results):
         assert status == 200, body
         ids = tokenizer(prompt).input_ids
-        assert body["choices"][0]["token_ids"] == hf_greedy(ids, max_tokens), f"prompt of {len(ids)} tokens"
+        assert body["choices"][0]["token_ids"] == hf_greedy(ids, max_new), f"prompt of {len(ids)} tokens"
     routed = [a - b for a, b in zip(per_group(after, "routed"), per_group(before, "routed"))]
     assert sum(routed) == 6 and min(routed) > 0, routed  # both groups served some
 

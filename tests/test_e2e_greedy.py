@@ -6,9 +6,9 @@ import aiohttp
 import pytest
 from transformers import AutoTokenizer
 
+from shuttle.capacity.story_prompts import MAX_TOKENS, story_prompts
 from tests.conftest import hf_greedy, hf_tokenizer
 from tests.hf_cache import REPO_ID
-from shuttle.capacity.story_prompts import MAX_TOKENS, story_prompts
 
 BLOCK_SIZE = 16  # the servers' default --block-size
 

@@ -13,7 +13,6 @@ import openai
 import pydantic
 import pytest
 
-
 WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]},
                                             "days": {"type": "integer", "minimum": 1, "maximum": 7}},
            "required": ["city", "days"], "additionalProperties": False}

@@ -8,15 +8,15 @@ import time
 import pytest
 
 from shuttle.common.config import CacheConfig, IpcConfig, SchedulerConfig, ShuttleConfig
-from shuttle.common.model_config import ModelConfig
 from shuttle.common.messages import Submit
+from shuttle.common.model_config import ModelConfig
 from shuttle.common.sampling import SamplingParams
-from shuttle.scheduler.kv_cache import KVCacheManager
 from shuttle.scheduler.in_process import drive as serve_in_process
+from shuttle.scheduler.kv_cache import KVCacheManager
 from shuttle.scheduler.scheduler import Scheduler
+from shuttle.worker.worker import ModelRunner
 from tests.conftest import hf_greedy
 from tests.server import MODEL_DIR
-from shuttle.worker.worker import ModelRunner
 
 
 def drive(scheduler, runner, on_outputs, max_in_flight=2):
@@ -68,7 +68,9 @@ def greedy_outputs(scheduler, runner, prompts, max_tokens, first_alone=True, max
             cached[out.request_id] = out.num_cached_tokens
 
     for i, (prompt, m) in enumerate(zip(prompts, max_tokens)):
-        scheduler.add_request(b"c", Submit(str(i), prompt, SamplingParams(max_tokens=m, temperature=0.0), time.time()))
+        scheduler.add_request(b"c", Submit(request_id=str(i), prompt_token_ids=prompt,
+                                           sampling=SamplingParams(max_tokens=m,
+                                                                   temperature=0.0), arrival_time=time.time()))
         if i == 0 and first_alone:
             while not outputs["0"] and scheduler.has_work:
                 drive_one(scheduler, runner, collect)
@@ -109,7 +111,8 @@ def test_prompt_logprobs_across_prefill_chunks_and_preemption():
     scheduler, runner = make_engine(14, 7)
     for i, prompt in enumerate(prompts):
         params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
-        scheduler.add_request(b"c", Submit(str(i), prompt, params, time.time() + i))
+        scheduler.add_request(b"c", Submit(request_id=str(i), prompt_token_ids=prompt, sampling=params,
+                                           arrival_time=time.time() + i))
     got = {}
 
     def collect(batch):

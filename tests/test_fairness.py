@@ -17,14 +17,15 @@ def make(max_num_seqs=16, **config) -> Scheduler:
 
 
 def submit(s, rid, group, prompt_len=3, max_tokens=50):
-    s.add_request(b"c", Submit(rid, [7] * prompt_len, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                               float(next(_arrival)), group_id=group))
+    s.add_request(b"c", Submit(request_id=rid, prompt_token_ids=[7] * prompt_len,
+                               sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                               arrival_time=float(next(_arrival)), group_id=group))
 
 
 def step(s, token=5):
     planned = s.schedule()
-    s.update_from_output(planned, StepResult(planned.plan.step_id, planned.sampling_ids,
-                                             [token] * len(planned.sampling_ids)))
+    s.update_from_output(planned, StepResult(step_id=planned.plan.step_id, request_ids=planned.sampling_ids,
+                                             token_ids=[token] * len(planned.sampling_ids)))
     s.kv.pool.check_invariants()
     return planned
 

@@ -267,9 +267,9 @@ def test_fixed_width_leaves_token_and_decode_buckets_the_only_compiled_shapes():
 def test_compiled_flex_refuses_heads_below_sixteen(monkeypatch):
     """Inductor's flex lowering refuses head_dim < 16 (seen on an H200): a worker with a compiled flex backend
     refuses such a model (stories260K: head_dim 8) at start-up by name, pointing at the reference backend."""
-    from tests.server import MODEL_DIR
     from shuttle.worker import worker as worker_module
     from shuttle.worker.model_loader import LayerGeometry, UnsupportedModelError
+    from tests.server import MODEL_DIR
 
     assert fx.compiled_head_dim_problem([LayerGeometry(2, 16, 16)]) is None
     assert "head_dim 8" in fx.compiled_head_dim_problem([LayerGeometry(2, 16, 16), LayerGeometry(2, 8, 16)])
@@ -323,10 +323,10 @@ def test_engine_greedy_matches_transformers():
     flex backend: chunked prefill, decodes, mixed steps and prefix-cache hits, token for token against transformers."""
     from shuttle.scheduler.kv_cache import KVCacheManager
     from shuttle.scheduler.scheduler import Scheduler
+    from shuttle.worker.worker import ModelRunner
     from tests.conftest import hf_greedy
     from tests.server import MODEL_DIR
     from tests.test_engine_inprocess import greedy_outputs
-    from shuttle.worker.worker import ModelRunner
 
     num_blocks, block_size = 40, 16
     model = ModelConfig.from_dir(MODEL_DIR)

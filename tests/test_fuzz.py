@@ -132,7 +132,8 @@ def _pack(value) -> bytes:
 
 
 def batch_messages() -> st.SearchStrategy:
-    body = st.fixed_dictionaries({"prompt": st.one_of(st.text(max_size=20), st.lists(st.integers(-5, 600), max_size=8))},
+    body = st.fixed_dictionaries({"prompt": st.one_of(st.text(max_size=20), st.lists(st.integers(-5, 600),
+                                                                                     max_size=8))},
                                  optional={"max_tokens": st.integers(-2, 6), "temperature": st.floats(-1, 3),
                                            "top_k": st.integers(-3, 3), "stop": st.lists(st.text(max_size=4),
                                                                                           max_size=3)})

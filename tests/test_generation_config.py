@@ -9,8 +9,8 @@ import shutil
 
 import pytest
 
-from shuttle.common.model_config import ModelConfig
 from shuttle.common.errors import ModelDirError
+from shuttle.common.model_config import ModelConfig
 from shuttle.common.sampling import SamplingParams
 from shuttle.frontend.protocol import CompletionRequest, convert_body, sampling_params
 from shuttle.launcher.cli import build_parser

@@ -11,20 +11,34 @@ import torch
 
 from shuttle.common.capacity import kv_cache_bytes
 from shuttle.common.config import IpcConfig, ShuttleConfig, WorkerConfig
+from shuttle.common.devices import (
+    DeviceError,
+    check_device_count,
+    parse_device,
+    rank_device,
+    resolve_attention_backend,
+    resolve_config,
+    resolve_device,
+    resolve_dtype,
+)
 from shuttle.common.model_config import ModelConfig
-from shuttle.common.devices import (DeviceError, check_device_count, parse_device, rank_device, resolve_attention_backend,
-                            resolve_config, resolve_device, resolve_dtype)
 from shuttle.launcher.cli import build_parser
 from shuttle.launcher.launcher import capacity_lines, serve
-from tests.server import MODEL_DIR
 from shuttle.worker.flex_attention import max_kv_blocks_for
 from shuttle.worker.input_batch import InputBatch
 from shuttle.worker.kv_cache import KVCache
-from shuttle.worker.kv_sizing import (KVSizingError, MemoryFigures, MemorySnapshot, figures_from_snapshots, plan_kv_blocks,
-                              profile_plan)
+from shuttle.worker.kv_sizing import (
+    KVSizingError,
+    MemoryFigures,
+    MemorySnapshot,
+    figures_from_snapshots,
+    plan_kv_blocks,
+    profile_plan,
+)
 from shuttle.worker.model_loader import LayerGeometry
 from shuttle.worker.parallel import local_device
 from shuttle.worker.staging import StepStaging
+from tests.server import MODEL_DIR
 
 GiB, MiB = 2**30, 2**20
 
@@ -239,8 +253,28 @@ def _step_inputs(block_size=4):
     from shuttle.common.messages import NewRequestData, StepPlan
     from shuttle.common.sampling import SamplingParams
     batch = InputBatch(block_size, 99, 8)
-    plan = StepPlan(0, [NewRequestData("a", list(range(10)), SamplingParams(), [3, 4, 5], 0, 10),
-                        NewRequestData("b", [7, 8, 9], SamplingParams(), [6], 0, 3)], [])
+    plan = StepPlan(
+        step_id=0,
+        new_requests=[
+            NewRequestData(
+                request_id="a",
+                token_ids=list(range(10)),
+                sampling=SamplingParams(),
+                block_ids=[3, 4, 5],
+                num_computed_tokens=0,
+                num_scheduled_tokens=10,
+            ),
+            NewRequestData(
+                request_id="b",
+                token_ids=[7, 8, 9],
+                sampling=SamplingParams(),
+                block_ids=[6],
+                num_computed_tokens=0,
+                num_scheduled_tokens=3,
+            ),
+        ],
+        cached_requests=[],
+    )
     return batch.pack(batch.apply(plan))
 
 
@@ -250,10 +284,15 @@ def test_staging_round_trip_keeps_values_and_dtypes():
     staging = StepStaging(torch.device("cpu"), stage=True)
     step = staging(inputs, inputs.logits_rows)
     meta, staged = inputs.attention, step.attention
-    for want, got in ((inputs.input_ids, step.input_ids), (inputs.positions, step.positions),
-                      (inputs.logits_rows, step.logits_rows), (meta.slot_mapping, staged.slot_mapping),
-                      (meta.query_start_loc, staged.query_start_loc), (meta.seq_lens, staged.seq_lens),
-                      (meta.block_table, staged.block_table)):
+    for want, got in (
+        (inputs.input_ids, step.input_ids),
+        (inputs.positions, step.positions),
+        (inputs.logits_rows, step.logits_rows),
+        (meta.slot_mapping, staged.slot_mapping),
+        (meta.query_start_loc, staged.query_start_loc),
+        (meta.seq_lens, staged.seq_lens),
+        (meta.block_table, staged.block_table),
+    ):
         assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
     assert staged.seq_lens_list == meta.seq_lens_list and staged.num_decodes == meta.num_decodes
     before = step.input_ids.clone()
@@ -263,25 +302,44 @@ def test_staging_round_trip_keeps_values_and_dtypes():
 
 # ---- start-up lines -----------------------------------------------------------------------------------------------
 
+
 def test_start_up_lines_on_cuda():
     config = dataclasses.replace(_config("--tensor-parallel-size", "2"), model=ModelConfig.from_dir(MODEL_DIR))
-    cap = {"num_kv_blocks": 1000, "block_size": 16, "kv_tokens": 16000, "kv_bytes_per_token": 1280,
-           "weight_bytes": 2 * GiB + 50 * MiB, "activation_peak_bytes": 600 * MiB, "device": "cuda:0",
-           "dtype": "bfloat16", "attention_backend": "flex",
-           "kv_budget": "--gpu-memory-utilization 0.9 of 139.8 GiB"}
+    cap = {
+        "num_kv_blocks": 1000,
+        "block_size": 16,
+        "kv_tokens": 16000,
+        "kv_bytes_per_token": 1280,
+        "weight_bytes": 2 * GiB + 50 * MiB,
+        "activation_peak_bytes": 600 * MiB,
+        "device": "cuda:0",
+        "dtype": "bfloat16",
+        "attention_backend": "flex",
+        "kv_budget": "--gpu-memory-utilization 0.9 of 139.8 GiB",
+    }
     lines = capacity_lines(config, cap, groups=2)
     assert lines == [
         "KV cache 1000 blocks x 16 tokens = 16000 tokens (1280 bytes/token) in 19.6 MiB; 31 requests of "
         "max_model_len 512 fit; weights 2.05 GiB, activation peak 600.0 MiB",
         "worker on cuda:0..cuda:3, bfloat16, flex attention; KV cache sized by --gpu-memory-utilization 0.9 of "
-        "139.8 GiB"]
+        "139.8 GiB",
+    ]
 
 
 def test_start_up_lines_on_the_cpu():
     config = ShuttleConfig(model=ModelConfig.from_dir(MODEL_DIR), ipc=IpcConfig.in_directory("/x"))
-    cap = {"num_kv_blocks": 3275, "block_size": 16, "kv_tokens": 52400, "kv_bytes_per_token": 1280,
-           "weight_bytes": 1 * MiB, "activation_peak_bytes": 0, "device": "cpu", "dtype": "float32",
-           "attention_backend": "cpu", "kv_budget": "--kv-cache-memory 64 MiB"}
+    cap = {
+        "num_kv_blocks": 3275,
+        "block_size": 16,
+        "kv_tokens": 52400,
+        "kv_bytes_per_token": 1280,
+        "weight_bytes": 1 * MiB,
+        "activation_peak_bytes": 0,
+        "device": "cpu",
+        "dtype": "float32",
+        "attention_backend": "cpu",
+        "kv_budget": "--kv-cache-memory 64 MiB",
+    }
     first, second = capacity_lines(config, cap)
     assert first.endswith("; 102 requests of max_model_len 512 fit; weights 1.0 MiB")  # no profile on the CPU
     assert second == "worker on cpu, float32, cpu attention; KV cache sized by --kv-cache-memory 64 MiB"

@@ -8,8 +8,8 @@ import time
 
 from shuttle.common.messages import CONSTRAINT_REFUSAL
 from shuttle.common.sampling import StructuredOutput
-from tests.server import MODEL_DIR
 from shuttle.worker.grammar import COMPILE_PATIENCE_S, LARGE_SPEC_BYTES, MAX_ABANDONED, GrammarCompiler
+from tests.server import MODEL_DIR
 
 HANG = 30.0  # a bound only a hang reaches
 
@@ -24,12 +24,12 @@ class Clock:
 
 def large(i: int) -> StructuredOutput:
     """A spec for the large lane that compiles at once (its bulk is a description)."""
-    return StructuredOutput("json", json.dumps({"type": "string", "maxLength": i + 1,
+    return StructuredOutput(kind="json", spec=json.dumps({"type": "string", "maxLength": i + 1,
                                                 "description": "x" * LARGE_SPEC_BYTES}))
 
 
 def small(i: int) -> StructuredOutput:
-    return StructuredOutput("regex", f"[a-z]{{{i}}}")
+    return StructuredOutput(kind="regex", spec=f"[a-z]{{{i}}}")
 
 
 def compiler_with_gates(clock):

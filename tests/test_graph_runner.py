@@ -18,12 +18,12 @@ import torch
 from shuttle.common.config import CacheConfig, IpcConfig, SchedulerConfig, ShuttleConfig, WorkerConfig
 from shuttle.common.model_config import ModelConfig
 from shuttle.launcher.cli import build_parser
-from tests.test_flex_attention import make_cache, make_step
 from shuttle.worker import flex_attention as fx
 from shuttle.worker import graph_runner as gr
 from shuttle.worker.attention import StepAttention, paged_attention_forward
 from shuttle.worker.attention_backends import make_backend
 from shuttle.worker.input_batch import StepInputs
+from tests.test_flex_attention import make_cache, make_step
 
 NUM_BLOCKS, BLOCK_SIZE, WIDTH = 300, 16, 8  # the cache, and the block-table width (max_model_len 128)
 HEADS, KV_HEADS, DIM, VOCAB = 4, 2, 8, 50
@@ -114,6 +114,7 @@ def test_padding_rows_change_no_real_row_and_write_only_the_null_block(backend_n
             for (k, v), (rk, rv), (bk, bv) in zip(caches, reference_caches, before):
                 assert torch.equal(k[:NUM_BLOCKS], rk[:NUM_BLOCKS]) and torch.equal(v[:NUM_BLOCKS], rv[:NUM_BLOCKS])
                 assert torch.equal(k[NUM_BLOCKS, 1:], bk[NUM_BLOCKS, 1:]), "padding writes only the null slot"
+                assert torch.equal(v[NUM_BLOCKS, 1:], bv[NUM_BLOCKS, 1:]), "padding writes only the null slot"
                 assert torch.equal(k[NUM_BLOCKS, 0], model.k[0]) and torch.equal(v[NUM_BLOCKS, 0], model.v[0])
 
 
@@ -237,10 +238,10 @@ def test_engine_greedy_with_the_runner_forced_on_matches_transformers(backend_na
     prefills run eagerly; every output equals transformers' greedy generate token for token."""
     from shuttle.scheduler.kv_cache import KVCacheManager
     from shuttle.scheduler.scheduler import Scheduler
+    from shuttle.worker.worker import ModelRunner
     from tests.conftest import hf_greedy
     from tests.server import MODEL_DIR
     from tests.test_engine_inprocess import greedy_outputs
-    from shuttle.worker.worker import ModelRunner
 
     num_blocks, block_size = 60, 16
     model = ModelConfig.from_dir(MODEL_DIR)
@@ -273,8 +274,8 @@ def test_captured_forward_reads_no_tensor_on_the_host(monkeypatch):
     by dynamo as on CUDA (backend "eager": eager flex reads its scale back internally, the traced call does not).
     transformers skips its one such read, the packed-sequence probe of the position ids, while a CUDA stream
     captures, so this pretends one does."""
-    from tests.server import MODEL_DIR
     from shuttle.worker.worker import ModelRunner
+    from tests.server import MODEL_DIR
 
     config = ShuttleConfig(model=ModelConfig.from_dir(MODEL_DIR), ipc=IpcConfig.in_directory("/nonexistent"),
                            cache=CacheConfig(16, 40), scheduler=SchedulerConfig(max_num_seqs=8),

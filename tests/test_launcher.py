@@ -13,9 +13,9 @@ from pathlib import Path
 
 import aiohttp
 
+from shuttle.common.process import die_with_parent
 from tests.client import post_completion
 from tests.conftest import API_KEY
-from shuttle.common.process import die_with_parent
 from tests.server import MODEL_DIR, REPO, TEST_KV_CACHE_MEMORY, ShuttleServer, pid_alive
 
 HANG = 60.0

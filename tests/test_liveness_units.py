@@ -11,7 +11,6 @@ import time
 import pytest
 
 from shuttle.common.messages import FinishReason
-
 from shuttle.common.process import boot_id
 from shuttle.scheduler.liveness import FrontendWatch, StepWatchdog, WorkerCpuClocks, WorkerHung
 from tests.test_scheduler import make_scheduler, run_step, submit

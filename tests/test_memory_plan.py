@@ -7,13 +7,13 @@ import torch
 
 from shuttle.capacity.memory_plan import build_plan, concurrency_table
 from shuttle.common.capacity import blocks_per_request, kv_blocks_for_memory, kv_cache_bytes, requests_that_fit
-from shuttle.launcher.cli import build_parser
 from shuttle.common.config import CacheConfig, IpcConfig, ShuttleConfig
 from shuttle.common.model_config import ModelConfig
+from shuttle.launcher.cli import build_parser
 from shuttle.launcher.launcher import capacity_lines
-from tests.server import MODEL_DIR
 from shuttle.worker.kv_cache import KVCache
 from shuttle.worker.model_loader import LayerGeometry
+from tests.server import MODEL_DIR
 
 MiB = 2**20
 
@@ -76,7 +76,8 @@ def test_plan_figures(plan):
     assert plan.queue_bytes_per_prompt_token > 8  # a list slot, plus an int object for most ids
     assert any("CUDA device only" in note for note in plan.notes)
     text = plan.render()
-    assert "worker peak RSS at full KV use" in text and "     512          32        102          64  max_num_seqs" in text
+    assert "worker peak RSS at full KV use" in text
+    assert "     512          32        102          64  max_num_seqs" in text
     data = plan.to_json()
     assert data["kv_tokens"] == 52400 and data["concurrency"][-1]["fit_in_kv"] == 102
 

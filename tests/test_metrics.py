@@ -7,12 +7,12 @@ import time
 import aiohttp
 
 from shuttle.common.config import CacheConfig, IpcConfig, ShuttleConfig
-from shuttle.common.model_config import ModelConfig
 from shuttle.common.messages import RequestOutput, SchedulerInfo, SchedulerStats, Submit
+from shuttle.common.model_config import ModelConfig
 from shuttle.common.sampling import SamplingParams
 from shuttle.frontend.metrics import Metrics, one_two_five
-from tests.conftest import hf_tokenizer
 from tests.client import post_completion, stream_completion
+from tests.conftest import hf_tokenizer
 from tests.server import MODEL_DIR, ShuttleServer
 
 

@@ -24,6 +24,7 @@ from tests.hf_cache import COMMIT, REPO_ID, cache_with
 from tests.server import MODEL_DIR, REPO
 from tests.test_startup_refusals import assert_refused
 
+
 @pytest.fixture
 def hub(tmp_path):
     hub = tmp_path / "hf" / "hub"
@@ -106,7 +107,8 @@ def test_vllm_aliases():
 
 
 def shuttle(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "shuttle.launcher.cli", *args], cwd=REPO, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "shuttle.launcher.cli", *args], cwd=REPO, capture_output=True,
+                          text=True,
                           timeout=60, env={**os.environ, **(env or {})})
 
 
@@ -170,6 +172,7 @@ def test_an_unknown_vllm_flag_is_still_refused():
 
 async def test_get_version_and_every_served_name():
     import dataclasses
+
     from shuttle.frontend.state import STATE
     from tests.fake_engine import FakeEngine, frontend_app
     from tests.test_api_details import STORY

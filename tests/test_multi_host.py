@@ -86,7 +86,8 @@ async def test_remote_group_joins_serves_a_stream_and_comes_back(hosts):
 
 def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != CURVE_ENV} | (env or {})
-    return subprocess.run([sys.executable, "-m", "shuttle.launcher.cli", *args], cwd=REPO, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "shuttle.launcher.cli", *args], cwd=REPO, capture_output=True,
+                          text=True,
                           timeout=60, env=env)
 
 

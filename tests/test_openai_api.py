@@ -10,7 +10,6 @@ from tests.byte_runs import streamed_text
 from tests.conftest import API_KEY, hf_greedy, hf_model, hf_tokenizer
 
 
-
 @pytest.fixture(scope="module")
 def client(keyed_server):
     return openai.OpenAI(base_url=f"{keyed_server.url}/v1", api_key=API_KEY, max_retries=0)
@@ -165,7 +164,8 @@ def test_multibyte_text_streams_without_broken_characters(client, prompt, extra)
     assert full.text == expected
     # U+FFFD only where the model really produced an invalid byte sequence, never from a split character
     assert sum(c.count("\ufffd") for c in chunks) == expected.count("\ufffd")
-    if "logit_bias" in passthrough:  # runs of byte tokens between words, some invalid (the valid ones: test_detokenizer)
+    # runs of byte tokens between words, some invalid (the valid ones: test_detokenizer)
+    if "logit_bias" in passthrough:
         assert {*byte_ids, 403} <= set(output_ids) and "\ufffd" in full.text and " Once" in full.text
 
 
@@ -236,7 +236,8 @@ async def test_tokenize_detokenize_and_open_health(keyed_server):
         async with session.post(f"{keyed_server.url}/detokenize", json={"tokens": tokens["tokens"][1:]},
                                 headers=auth) as response:
             assert (await response.json()) == {"prompt": PROMPT}
-        async with session.post(f"{keyed_server.url}/tokenize", json={"messages": [{"role": "user", "content": PROMPT}]},
+        async with session.post(f"{keyed_server.url}/tokenize", json={"messages": [{"role": "user",
+                                                                                    "content": PROMPT}]},
                                 headers=auth) as response:
             assert (await response.json())["tokens"][0] == 1  # the template's bos_token
 
@@ -267,7 +268,8 @@ def test_echo_with_logprobs_scores_the_prompt_like_transformers(client):
         assert len(lp.tokens) == len(ids) + 1 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
         want = reference[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
         assert torch.allclose(torch.tensor(lp.token_logprobs[1:len(ids)]), want, atol=1e-4)
-        for position, top in enumerate(lp.top_logprobs[1:len(ids)]):  # the top 2, and the prompt token if not among them
+        # the top 2, and the prompt token if not among them
+        for position, top in enumerate(lp.top_logprobs[1:len(ids)]):
             assert len(top) == (2 if ids[position + 1] in reference[position].topk(2).indices.tolist() else 3)
         assert len(lp.top_logprobs[-1]) == 2  # the greedy output token is the most likely
         assert result.choices[0].text.startswith(hf_tokenizer().decode(ids, skip_special_tokens=True))

@@ -3,8 +3,13 @@
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from shuttle.worker.output_projection import (MIN_COLUMNS, WIDEN_CHUNK, ColumnChunkedLinear, chunk_output_projection,
-                                      widen_bf16_linears)
+from shuttle.worker.output_projection import (
+    MIN_COLUMNS,
+    WIDEN_CHUNK,
+    ColumnChunkedLinear,
+    chunk_output_projection,
+    widen_bf16_linears,
+)
 
 
 def test_chunked_linear_equals_linear_bit_for_bit():

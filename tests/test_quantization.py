@@ -10,17 +10,17 @@ import pytest
 import torch
 
 from shuttle.common.config import CacheConfig, IpcConfig, SchedulerConfig, ShuttleConfig, WorkerConfig
-from shuttle.common.model_config import ModelConfig
 from shuttle.common.devices import DeviceError, quantization_error, resolve_config
 from shuttle.common.messages import Submit
+from shuttle.common.model_config import ModelConfig
 from shuttle.common.sampling import SamplingParams
 from shuttle.scheduler.in_process import drive
 from shuttle.scheduler.kv_cache import KVCacheManager
 from shuttle.scheduler.scheduler import Scheduler
-from tests.server import MODEL_DIR
-from tests.test_startup_refusals import refusal
 from shuttle.worker.quantization import DEQUANTIZED_ROWS, Int8Linear, dequantize, quantize_model, quantize_per_channel
 from shuttle.worker.worker import ModelRunner
+from tests.server import MODEL_DIR
+from tests.test_startup_refusals import refusal
 
 
 def linear(out_features: int, in_features: int, bias: bool = False, seed: int = 0) -> torch.nn.Linear:
@@ -111,7 +111,8 @@ def test_an_int8_engine_generates_exact_counts_and_reports_its_int8_bytes():
 
     for i, (prompt, m) in enumerate(zip(prompts, max_tokens)):
         params = SamplingParams(max_tokens=m, temperature=0.0 if i % 2 else 0.8, seed=i, ignore_eos=True)
-        scheduler.add_request(b"c", Submit(str(i), prompt, params, time.time()))
+        scheduler.add_request(b"c", Submit(request_id=str(i), prompt_token_ids=prompt, sampling=params,
+                                           arrival_time=time.time()))
     drive(scheduler, runner, collect, check_blocks=True)
     assert [len(outputs[str(i)]) for i in range(len(prompts))] == max_tokens
     vocab = model.config.vocab_size

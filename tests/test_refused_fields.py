@@ -88,14 +88,26 @@ ACCEPTED = [
 
 # (fields, the constraint every choice is submitted with): accepted on both endpoints
 CONSTRAINED = [
-    ({"response_format": {"type": "json_object"}}, StructuredOutput("json_object")),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}},
-     StructuredOutput("json", json.dumps(SCHEMA, separators=(",", ":")))),
-    ({"structured_outputs": {"regex": "[a-z]+"}}, StructuredOutput("regex", "[a-z]+")),
-    ({"structured_outputs": {"choice": ["yes", "no"]}}, StructuredOutput("choice", '["yes","no"]')),
-    ({"guided_json": json.dumps(SCHEMA)}, StructuredOutput("json", json.dumps(SCHEMA, separators=(",", ":")))),
-    ({"guided_grammar": 'root ::= "a"', "guided_decoding_backend": "xgrammar"}, StructuredOutput("grammar",
-                                                                                                   'root ::= "a"')),
+    ({"response_format": {"type": "json_object"}}, StructuredOutput(kind="json_object")),
+    (
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "person", "schema": SCHEMA, "strict": True},
+            }
+        },
+        StructuredOutput(kind="json", spec=json.dumps(SCHEMA, separators=(",", ":"))),
+    ),
+    ({"structured_outputs": {"regex": "[a-z]+"}}, StructuredOutput(kind="regex", spec="[a-z]+")),
+    ({"structured_outputs": {"choice": ["yes", "no"]}}, StructuredOutput(kind="choice", spec='["yes","no"]')),
+    (
+        {"guided_json": json.dumps(SCHEMA)},
+        StructuredOutput(kind="json", spec=json.dumps(SCHEMA, separators=(",", ":"))),
+    ),
+    (
+        {"guided_grammar": 'root ::= "a"', "guided_decoding_backend": "xgrammar"},
+        StructuredOutput(kind="grammar", spec='root ::= "a"'),
+    ),
 ]
 # (fields, param): each constraint is well formed, the request is not
 MISCOMBINED = [
@@ -113,10 +125,27 @@ async def app():
 
 
 def test_every_case_named_in_the_issue_is_covered():
-    named = {"response_format", "structured_outputs", "guided_json", "guided_choice", "guided_regex", "guided_grammar",
-             "guided_decoding_backend", "guided_whitespace_pattern", "tool_choice", "functions", "function_call",
-             "chat_template", "allowed_token_ids", "bad_words", "truncate_prompt_tokens", "prompt_logprobs",
-             "use_beam_search", "echo", "tools"}
+    named = {
+        "response_format",
+        "structured_outputs",
+        "guided_json",
+        "guided_choice",
+        "guided_regex",
+        "guided_grammar",
+        "guided_decoding_backend",
+        "guided_whitespace_pattern",
+        "tool_choice",
+        "functions",
+        "function_call",
+        "chat_template",
+        "allowed_token_ids",
+        "bad_words",
+        "truncate_prompt_tokens",
+        "prompt_logprobs",
+        "use_beam_search",
+        "echo",
+        "tools",
+    }
     assert named <= {field for field, _, _ in REFUSED}
     declared = CompletionRequest.__struct_fields__ + ChatCompletionRequest.__struct_fields__
     assert all(field in REFUSED_FIELDS or field in declared for field in named)
@@ -130,8 +159,9 @@ def check_refusal(status: int, body: dict, field: str) -> None:
     assert field in error["message"]
 
 
-@pytest.mark.parametrize("path, field, value", CASES, ids=[f"{p.rsplit('/', 1)[1]}-{f}-{json.dumps(v)[:24]}"
-                                                           for p, f, v in CASES])
+@pytest.mark.parametrize(
+    "path, field, value", CASES, ids=[f"{p.rsplit('/', 1)[1]}-{f}-{json.dumps(v)[:24]}" for p, f, v in CASES]
+)
 async def test_refused_over_http(app, path, field, value):
     submitted = len(app.engine.submitted)
     async with aiohttp.ClientSession() as session:
@@ -146,12 +176,16 @@ async def test_refused_over_http(app, path, field, value):
 
 async def test_messages_name_the_reason(app):
     async with aiohttp.ClientSession() as session:
-        for body, words in (({"guided_whitespace_pattern": " "}, "JSON whitespace is the grammar engine's own"),
-                            ({"structured_outputs": {"json": SCHEMA, "disable_fallback": True}},
-                             "structured_outputs.disable_fallback is not supported"),
-                            ({"tools": [TOOL]}, "requires --enable-auto-tool-choice"),
-                            ({"functions": [TOOL["function"]]}, "use tools"),
-                            ({"foo": 1}, "Unrecognized request argument supplied: foo")):
+        for body, words in (
+            ({"guided_whitespace_pattern": " "}, "JSON whitespace is the grammar engine's own"),
+            (
+                {"structured_outputs": {"json": SCHEMA, "disable_fallback": True}},
+                "structured_outputs.disable_fallback is not supported",
+            ),
+            ({"tools": [TOOL]}, "requires --enable-auto-tool-choice"),
+            ({"functions": [TOOL["function"]]}, "use tools"),
+            ({"foo": 1}, "Unrecognized request argument supplied: foo"),
+        ):
             async with session.post(f"{app.url}{CHAT}", json={**BASES[CHAT], **body}) as response:
                 assert response.status == 400 and words in (await response.json())["error"]["message"]
 
@@ -180,9 +214,11 @@ async def test_accepted_and_changes_nothing(app, field, value, paths):
 
 async def test_tokenize_refuses_too(app):
     async with aiohttp.ClientSession() as session:
-        for body, field in (({"prompt": "Hi", "foo": 1}, "foo"),
-                            ({"messages": BASES[CHAT]["messages"], "chat_template": "{{ 1 }}"}, "chat_template"),
-                            ({"messages": BASES[CHAT]["messages"], "tool_choice": "auto"}, "tool_choice")):
+        for body, field in (
+            ({"prompt": "Hi", "foo": 1}, "foo"),
+            ({"messages": BASES[CHAT]["messages"], "chat_template": "{{ 1 }}"}, "chat_template"),
+            ({"messages": BASES[CHAT]["messages"], "tool_choice": "auto"}, "tool_choice"),
+        ):
             async with session.post(f"{app.url}/tokenize", json=body) as response:
                 check_refusal(response.status, await response.json(), field)
         async with session.post(f"{app.url}/detokenize", json={"tokens": [1], "skip_special_tokens": False}) as r:
@@ -222,15 +258,17 @@ async def test_refused_over_the_batch_endpoint(app):
     submitted = len(app.engine.submitted)
     try:
         for i, (path, field, value) in enumerate(CASES):
-            await sock.send(msgspec.msgpack.encode(BatchRequest(str(i), path, {**BASES[path], field: value})))
+            await sock.send(
+                msgspec.msgpack.encode(BatchRequest(job_id=str(i), url=path, body={**BASES[path], field: value}))
+            )
         results = {}
         for _ in CASES:
             result = await next_response(sock)
             results[result.job_id] = result
-        for i, (path, field, _) in enumerate(CASES):
+        for i, (_, field, _) in enumerate(CASES):
             check_refusal(results[str(i)].status_code, results[str(i)].body, field)
         # a msgpack map may have keys that are no strings: refused, not a 500
-        await sock.send(msgspec.msgpack.encode(BatchRequest("int-key", C, {**BASES[C], 7: 1})))
+        await sock.send(msgspec.msgpack.encode(BatchRequest(job_id="int-key", url=C, body={**BASES[C], 7: 1})))
         result = await next_response(sock)
         assert result.status_code == 400, result.body
     finally:
@@ -247,17 +285,31 @@ async def test_openapi_document_takes_no_other_field(app):
         assert not {"foo", "guided_whitespace_pattern"} & schema["properties"].keys()
         assert ("tool_choice" in schema["properties"]) == (name == "ChatCompletionRequest")
     chat = schemas["ChatCompletionRequest"]["properties"]
-    assert chat["tools"]["anyOf"] == [{"type": "array", "items": {"$ref": "#/components/schemas/Tool"}},
-                                      {"type": "null"}]
+    assert chat["tools"]["anyOf"] == [
+        {"type": "array", "items": {"$ref": "#/components/schemas/Tool"}},
+        {"type": "null"},
+    ]
     assert schemas["Tool"]["additionalProperties"] is False
     formats = chat["response_format"]["anyOf"][0]["anyOf"]
-    assert [f["$ref"].rsplit("/", 1)[1] for f in formats] == ["ResponseFormatText", "ResponseFormatJsonObject",
-                                                             "ResponseFormatJsonSchema"]
-    assert schemas["JsonSchemaFormat"]["required"] == ["name"] and schemas["JsonSchemaFormat"]["additionalProperties"] is False
+    assert [f["$ref"].rsplit("/", 1)[1] for f in formats] == [
+        "ResponseFormatText",
+        "ResponseFormatJsonObject",
+        "ResponseFormatJsonSchema",
+    ]
+    assert (
+        schemas["JsonSchemaFormat"]["required"] == ["name"]
+        and schemas["JsonSchemaFormat"]["additionalProperties"] is False
+    )
     outputs = schemas["StructuredOutputsFields"]
     assert outputs["additionalProperties"] is False and outputs["properties"]["whitespace_pattern"] == {"type": "null"}
-    assert {"guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
-            "structured_outputs"} <= chat.keys()
+    assert {
+        "guided_json",
+        "guided_regex",
+        "guided_choice",
+        "guided_grammar",
+        "guided_decoding_backend",
+        "structured_outputs",
+    } <= chat.keys()
     assert chat["echo"]["anyOf"][0] == {"const": False} and "echo" in schemas["CompletionRequest"]["properties"]
     assert {"metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key", "user"} <= chat.keys()
     assert schemas["StreamOptions"]["additionalProperties"] is False
@@ -283,7 +335,7 @@ async def test_structured_outputs_over_the_websocket_and_the_batch_endpoint(app)
     assert app.engine.submitted[-1].sampling.structured == expected
     sock = await dealer(app.batch.endpoint)
     try:
-        await sock.send(msgspec.msgpack.encode(BatchRequest("s", CHAT, {**BASES[CHAT], **fields})))
+        await sock.send(msgspec.msgpack.encode(BatchRequest(job_id="s", url=CHAT, body={**BASES[CHAT], **fields})))
         result = await next_response(sock)
     finally:
         sock.close()

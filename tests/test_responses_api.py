@@ -158,7 +158,7 @@ async def test_a_named_function_is_one_function_call_item_under_its_grammar():
                              {"type": "function", "name": "get_time", "description": None, "parameters": None,
                               "strict": None}]
     constraint = engine.submitted[0].sampling.structured
-    assert constraint == StructuredOutput("json", msgspec.json.encode(WEATHER).decode())
+    assert constraint == StructuredOutput(kind="json", spec=msgspec.json.encode(WEATHER).decode())
     names = [name for name, _ in events]
     assert names[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
     assert names[-3:] == ["response.function_call_arguments.done", "response.output_item.done",
@@ -218,9 +218,9 @@ async def test_auto_with_a_parser_gives_text_then_calls():
 
 
 @pytest.mark.parametrize("form, constraint", [
-    ({"type": "json_object"}, StructuredOutput("json_object")),
+    ({"type": "json_object"}, StructuredOutput(kind="json_object")),
     ({"type": "json_schema", "name": "weather", "schema": WEATHER, "strict": True},
-     StructuredOutput("json", msgspec.json.encode(WEATHER).decode())),
+     StructuredOutput(kind="json", spec=msgspec.json.encode(WEATHER).decode())),
     ({"type": "text"}, None),
 ])
 async def test_text_format_is_the_output_constraint(form, constraint):

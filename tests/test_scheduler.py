@@ -21,15 +21,17 @@ _arrival = itertools.count()
 
 def submit(s: Scheduler, rid: str, prompt_len: int, max_tokens: int = 8, client=b"c", timeout: float = 0.0,
            **sampling) -> None:
-    s.add_request(client, Submit(rid, list(range(10, 10 + prompt_len)), SamplingParams(max_tokens=max_tokens, **sampling),
-                                 float(next(_arrival)), timeout=timeout))
+    s.add_request(client, Submit(request_id=rid, prompt_token_ids=list(range(10, 10 + prompt_len)),
+                                 sampling=SamplingParams(max_tokens=max_tokens, **sampling),
+                                 arrival_time=float(next(_arrival)), timeout=timeout))
 
 
 def run_step(s: Scheduler, token_for=lambda rid: 5):
     step = s.schedule()
     s.kv.pool.check_invariants()
     sampled = step.sampling_ids
-    s.update_from_output(step, StepResult(step.plan.step_id, sampled, [token_for(rid) for rid in sampled]))
+    s.update_from_output(step, StepResult(step_id=step.plan.step_id, request_ids=sampled,
+                                          token_ids=[token_for(rid) for rid in sampled]))
     s.kv.pool.check_invariants()
     return step, s.take_outputs()
 
@@ -56,7 +58,7 @@ def test_stops_on_eos_max_tokens_and_max_model_len():
     submit(s, "ctx", 8, max_tokens=50, ignore_eos=True)
     finished = {}
     for i in range(10):
-        _, outputs = run_step(s, lambda rid: EOS if rid in ("eos", "ctx") and i == 2 else 7)
+        _, outputs = run_step(s, lambda rid, i=i: EOS if rid in ("eos", "ctx") and i == 2 else 7)
         for o in outputs.get(b"c", []):
             if o.finish_reason is not None:
                 finished[o.request_id] = o.finish_reason
@@ -150,7 +152,8 @@ def _order_of_first_tokens(s: Scheduler, steps: int) -> list[str]:
 
 
 def _submit_at(s: Scheduler, rid: str, arrival: float, priority: int) -> None:
-    s.add_request(b"c", Submit(rid, [10, 11], SamplingParams(max_tokens=1), arrival, priority=priority))
+    s.add_request(b"c", Submit(request_id=rid, prompt_token_ids=[10, 11], sampling=SamplingParams(max_tokens=1),
+                               arrival_time=arrival, priority=priority))
 
 
 def test_priority_aging_lets_an_old_low_priority_request_overtake_a_stream_of_urgent_ones():

@@ -11,7 +11,7 @@ from tests.test_scheduler import EOS, make_scheduler, submit
 
 def result_for(step, token_for=lambda rid: 5) -> StepResult:
     sampled = step.sampling_ids
-    return StepResult(step.plan.step_id, sampled, [token_for(rid) for rid in sampled])
+    return StepResult(step_id=step.plan.step_id, request_ids=sampled, token_ids=[token_for(rid) for rid in sampled])
 
 
 def outputs_of(s) -> list:

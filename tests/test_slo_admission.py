@@ -9,8 +9,8 @@ from shuttle.capacity.workload import synthetic
 from shuttle.common.config import SchedulerConfig
 from shuttle.common.messages import FinishReason, Submit
 from shuttle.common.sampling import SamplingParams
-from shuttle.scheduler.step_cost import StepCostModel
 from shuttle.scheduler.admission import SloAdmission
+from shuttle.scheduler.step_cost import StepCostModel
 from tests.test_scheduler import make_scheduler
 
 # A cost model shaped like stories260K's on this machine: a fixed step cost, per-sequence and per-token terms.
@@ -99,9 +99,12 @@ def test_the_refusal_output():
     s = make_scheduler(max_num_seqs=1, ttft_slo_ms=50.0)
     s.admission = SloAdmission(50.0, StepCostModel({"step": 0.010}))
     params = SamplingParams(max_tokens=20, ignore_eos=True)
-    s.add_request(b"c", Submit("busy", list(range(10, 14)), params, 0.0))
-    s.add_request(b"c", Submit("late", list(range(10, 14)), params, 1.0))  # behind 20 steps of 10 ms
-    s.add_request(b"c", Submit("mine", list(range(10, 14)), params, 2.0, ttft_slo_ms=5000.0))  # its own is lax
+    s.add_request(b"c", Submit(request_id="busy", prompt_token_ids=list(range(10, 14)), sampling=params,
+                               arrival_time=0.0))
+    s.add_request(b"c", Submit(request_id="late", prompt_token_ids=list(range(10, 14)), sampling=params,
+                               arrival_time=1.0))  # behind 20 steps of 10 ms
+    s.add_request(b"c", Submit(request_id="mine", prompt_token_ids=list(range(10, 14)), sampling=params,
+                               arrival_time=2.0, ttft_slo_ms=5000.0))  # its own is lax
     [out] = s.take_outputs()[b"c"]
     assert out.request_id == "late" and out.finish_reason == FinishReason.ERROR and out.error_status == 503
     assert out.rejection == "slo" and out.retry_after_s >= 1 and "TTFT objective" in out.error_message
@@ -115,6 +118,8 @@ def test_a_cost_model_that_predicts_no_time_admits_instead_of_crashing():
     s = make_scheduler(max_num_seqs=1, ttft_slo_ms=50.0)
     s.admission = SloAdmission(50.0, StepCostModel({"step": 0.0}))
     params = SamplingParams(max_tokens=20, ignore_eos=True)
-    s.add_request(b"c", Submit("busy", list(range(10, 14)), params, 0.0))
-    s.add_request(b"c", Submit("next", list(range(10, 14)), params, 1.0, ttft_slo_ms=1.0))
+    s.add_request(b"c", Submit(request_id="busy", prompt_token_ids=list(range(10, 14)), sampling=params,
+                               arrival_time=0.0))
+    s.add_request(b"c", Submit(request_id="next", prompt_token_ids=list(range(10, 14)), sampling=params,
+                               arrival_time=1.0, ttft_slo_ms=1.0))
     assert s.take_outputs() == {} and sorted(s.requests) == ["busy", "next"]

@@ -9,15 +9,16 @@ import sys
 
 import pytest
 
+from shuttle.common.ipc import CURVE_ENV, CurveKeys
 from shuttle.launcher import launcher as launcher_module
 from shuttle.launcher.cli import build_parser
-from shuttle.common.ipc import CURVE_ENV, CurveKeys
 from shuttle.launcher.ports import Listen, PortError, check_ports
 from tests.server import MODEL_DIR, REPO
 
 
 def shuttle(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "shuttle.launcher.cli", *args], cwd=REPO, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "shuttle.launcher.cli", *args], cwd=REPO, capture_output=True,
+                          text=True,
                           timeout=60)
 
 

@@ -6,7 +6,16 @@ import random
 
 import pytest
 
-from shuttle.scheduler.step_cost import FEATURES, Roofline, StepCostModel, StepShape, features, fit_scheduler_seconds, shape_of, spread_of
+from shuttle.scheduler.step_cost import (
+    FEATURES,
+    Roofline,
+    StepCostModel,
+    StepShape,
+    features,
+    fit_scheduler_seconds,
+    shape_of,
+    spread_of,
+)
 
 TRUE = {"step": 2e-3, "sequence": 1e-4, "prefill_sequence": 5e-4, "token": 3e-5, "dense": 1.5, "prefill_attention": 4.0,
         "decode_attention": 9.0}
@@ -20,7 +29,8 @@ def random_shapes(n: int, seed: int = 0) -> list[StepShape]:
     shapes = []
     for _ in range(n):
         chunks = [(rng.randrange(0, 500), 1, True) for _ in range(rng.randrange(0, 64))]
-        chunks += [(rng.randrange(0, 300), rng.randrange(2, 512), rng.random() < 0.5) for _ in range(rng.randrange(0, 4))]
+        chunks += [(rng.randrange(0, 300), rng.randrange(2, 512), rng.random() < 0.5) for _ in range(rng.randrange(0,
+                                                                                                                   4))]
         if not chunks:
             chunks = [(0, 7, True)]
         shapes.append(shape_of(chunks))

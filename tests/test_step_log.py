@@ -8,6 +8,7 @@ from shuttle.scheduler.step_log import StepLog, read_step_log
 from tests.client import post_completion, wait_idle
 from tests.conftest import SLOW_STEP_DELAY
 
+
 def entries(*chunks):
     return {str(i): SimpleNamespace(start=s, num_new=n, samples=k) for i, (s, n, k) in enumerate(chunks)}
 

@@ -50,7 +50,8 @@ def _run(specs, num_blocks=256, max_batched=64, prefix_caching=True, max_in_flig
     for i, spec in enumerate(specs):
         seed = seeds[i] if seeds else i
         params = SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed, structured=spec)
-        scheduler.add_request(b"c", Submit(str(i), PROMPT_IDS, params, time.time()))
+        scheduler.add_request(b"c", Submit(request_id=str(i), prompt_token_ids=PROMPT_IDS, sampling=params,
+                                           arrival_time=time.time()))
     drive(scheduler, runner, collect, max_in_flight)
     assert scheduler.kv.pool.num_free == num_blocks
     return [results[str(i)] for i in range(len(specs))], scheduler
@@ -66,7 +67,7 @@ def _text(tokenizer, ids):
 
 
 def _json_spec(schema=SCHEMA):
-    return StructuredOutput("json", json.dumps(schema))
+    return StructuredOutput(kind="json", spec=json.dumps(schema))
 
 
 @pytest.mark.parametrize("mode", ["overlapped", "preempting", "no_prefix_cache", "one_in_flight"])
@@ -82,9 +83,9 @@ def test_sampled_json_always_follows_the_schema(tokenizer, mode):
 
 
 def test_regex_and_choice_outputs_match(tokenizer):
-    regex = StructuredOutput("regex", r"(yes|no), [a-z]{2,8} [0-9]{1,3}")
+    regex = StructuredOutput(kind="regex", spec=r"(yes|no), [a-z]{2,8} [0-9]{1,3}")
     choices = ["the cat", "a dog", "Lily and Tom"]
-    choice = StructuredOutput("choice", json.dumps(choices))
+    choice = StructuredOutput(kind="choice", spec=json.dumps(choices))
     results, _ = _run([regex] * 8 + [choice] * 8)
     texts = [_text(tokenizer, e["ids"]) for e in results]
     assert all(e["finish"] == FinishReason.STOP for e in results)
@@ -109,9 +110,17 @@ def test_constrained_and_free_requests_share_a_batch(tokenizer):
                 finish[o.request_id] = o.finish_reason
 
     greedy = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
-    scheduler.add_request(b"c", Submit("free", PROMPT_IDS, greedy, time.time()))
-    scheduler.add_request(b"c", Submit("json", PROMPT_IDS, SamplingParams(max_tokens=400, seed=3,
-                                                                         structured=_json_spec()), time.time()))
+    scheduler.add_request(b"c", Submit(request_id="free", prompt_token_ids=PROMPT_IDS, sampling=greedy,
+                                       arrival_time=time.time()))
+    scheduler.add_request(
+        b"c",
+        Submit(
+            request_id="json",
+            prompt_token_ids=PROMPT_IDS,
+            sampling=SamplingParams(max_tokens=400, seed=3, structured=_json_spec()),
+            arrival_time=time.time(),
+        ),
+    )
     drive(scheduler, runner, collect)
     alone, _ = _run_greedy_alone(greedy)
     assert out["free"] == alone  # the constrained neighbour changed nothing of the free request's tokens
@@ -122,16 +131,21 @@ def _run_greedy_alone(params):
     scheduler, runner = make_engine(256, 64)
     ids = []
     drive(scheduler, runner, lambda batch: ids.extend(t for o in batch for t in o.new_token_ids))
-    scheduler.add_request(b"c", Submit("x", PROMPT_IDS, params, time.time()))
+    scheduler.add_request(
+        b"c", Submit(request_id="x", prompt_token_ids=PROMPT_IDS, sampling=params, arrival_time=time.time())
+    )
     drive(scheduler, runner, lambda batch: ids.extend(t for o in batch for t in o.new_token_ids))
     return ids, scheduler
 
 
-@pytest.mark.parametrize("spec, reason", [
-    (StructuredOutput("json", '{"type": "object", "properties": {"a": {"type": "strin"}}}'), "strin"),
-    (StructuredOutput("regex", "[a-"), "regex"),
-    (StructuredOutput("grammar", 'root ::= "a" | '), "grammar"),
-])
+@pytest.mark.parametrize(
+    "spec, reason",
+    [
+        (StructuredOutput(kind="json", spec='{"type": "object", "properties": {"a": {"type": "strin"}}}'), "strin"),
+        (StructuredOutput(kind="regex", spec="[a-"), "regex"),
+        (StructuredOutput(kind="grammar", spec='root ::= "a" | '), "grammar"),
+    ],
+)
 def test_a_constraint_that_does_not_compile_ends_with_400_before_running(spec, reason):
     results, scheduler = _run([spec, _json_spec()])
     bad, good = results
@@ -146,19 +160,35 @@ def test_equal_constraints_compile_once_and_wait_outside_the_queue():
     scheduler, runner = make_engine(256, 64)
     spec = _json_spec()
     for i in range(3):
-        scheduler.add_request(b"c", Submit(str(i), PROMPT_IDS, SamplingParams(structured=spec), time.time()))
+        scheduler.add_request(
+            b"c",
+            Submit(
+                request_id=str(i),
+                prompt_token_ids=PROMPT_IDS,
+                sampling=SamplingParams(structured=spec),
+                arrival_time=time.time(),
+            ),
+        )
     assert scheduler.grammars.take_requests() == [spec]  # one compile for three requests
     assert len(scheduler.waiting) == 0 and scheduler.grammars.num_held == 3 and scheduler.num_waiting == 3
     assert scheduler.schedule().is_empty  # nothing runs before the grammar is ready
     scheduler.abort(["1"])
-    scheduler.on_grammars_compiled(GrammarsCompiled([spec.key], [""]))
+    scheduler.on_grammars_compiled(GrammarsCompiled(keys=[spec.key], errors=[""]))
     assert len(scheduler.waiting) == 2 and scheduler.grammars.num_held == 0
-    scheduler.add_request(b"c", Submit("3", PROMPT_IDS, SamplingParams(structured=spec), time.time()))
+    scheduler.add_request(
+        b"c",
+        Submit(
+            request_id="3",
+            prompt_token_ids=PROMPT_IDS,
+            sampling=SamplingParams(structured=spec),
+            arrival_time=time.time(),
+        ),
+    )
     assert len(scheduler.waiting) == 3 and scheduler.grammars.take_requests() == []  # known ready: no round trip
 
 
 def regex_spec(i: int) -> StructuredOutput:
-    return StructuredOutput("regex", f"[a-z]{{{i + 1}}}")
+    return StructuredOutput(kind="regex", spec=f"[a-z]{{{i + 1}}}")
 
 
 def test_the_gate_never_evicts_the_grammar_of_a_queued_or_running_request():
@@ -180,18 +210,41 @@ def test_the_gate_never_evicts_the_grammar_of_a_queued_or_running_request():
             scheduler.on_grammars_compiled(runner.grammars.compile_now(specs, evict))
         assert runner.grammars.resident_keys == set(gate.resident)
 
-    scheduler.add_request(b"c", Submit("queued", PROMPT_IDS, SamplingParams(structured=waiting), time.time()))
+    scheduler.add_request(
+        b"c",
+        Submit(
+            request_id="queued",
+            prompt_token_ids=PROMPT_IDS,
+            sampling=SamplingParams(structured=waiting),
+            arrival_time=time.time(),
+        ),
+    )
     settle()
     assert gate.pins(waiting.key) == 1 and len(scheduler.waiting) == 1
     for i in range(1, 8):  # each compiles, passes the gate and ends: unpinned, evicted beyond two entries
-        scheduler.add_request(b"c", Submit(f"r{i}", PROMPT_IDS, SamplingParams(structured=regex_spec(i)),
-                                           time.time()))
+        scheduler.add_request(
+            b"c",
+            Submit(
+                request_id=f"r{i}",
+                prompt_token_ids=PROMPT_IDS,
+                sampling=SamplingParams(structured=regex_spec(i)),
+                arrival_time=time.time(),
+            ),
+        )
         settle()
         scheduler.abort([f"r{i}"])
         settle()
     assert waiting.key in gate.resident and len(gate.resident) == 2
     scheduler.abort(["queued"])
-    scheduler.add_request(b"c", Submit("r8", PROMPT_IDS, SamplingParams(structured=regex_spec(8)), time.time()))
+    scheduler.add_request(
+        b"c",
+        Submit(
+            request_id="r8",
+            prompt_token_ids=PROMPT_IDS,
+            sampling=SamplingParams(structured=regex_spec(8)),
+            arrival_time=time.time(),
+        ),
+    )
     settle()
     assert waiting.key not in runner.grammars.resident_keys and gate.pins(waiting.key) == 0
 
@@ -207,9 +260,12 @@ def test_many_distinct_grammars_through_a_tiny_cache_never_compile_on_the_step()
     def collect(batch):
         for out in batch:
             results.setdefault(out.request_id, []).extend(out.new_token_ids)
+
     for i in range(12):
         params = SamplingParams(max_tokens=20, temperature=1.0, seed=i, structured=regex_spec(i % 6))
-        scheduler.add_request(b"c", Submit(str(i), PROMPT_IDS, params, time.time()))
+        scheduler.add_request(
+            b"c", Submit(request_id=str(i), prompt_token_ids=PROMPT_IDS, sampling=params, arrival_time=time.time())
+        )
     drive(scheduler, runner, collect, 2)
     tok = TextTokenizer(MODEL_DIR)
     for i in range(12):

@@ -18,7 +18,8 @@ BASES = {CompletionRequest: {"prompt": "Hi"}, ChatCompletionRequest: {"messages"
 ENDPOINTS = list(BASES)
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
           "required": ["name", "age"]}
-SCHEMA_SPEC = '{"type":"object","properties":{"name":{"type":"string"},"age":{"type":"integer"}},"required":["name","age"]}'
+SCHEMA_SPEC = ('{"type":"object","properties":{"name":{"type":"string"},"age":{"type":"integer"}},'
+               '"required":["name","age"]}')
 GRAMMAR = 'root ::= "yes" | "no"'
 
 
@@ -39,39 +40,41 @@ def json_schema(**fields) -> dict:
 ACCEPTED = [
     # OpenAI's response_format
     ({"response_format": {"type": "text"}}, None),
-    ({"response_format": {"type": "json_object"}}, StructuredOutput("json_object", "")),
-    ({"response_format": json_schema(schema=SCHEMA)}, StructuredOutput("json", SCHEMA_SPEC)),
+    ({"response_format": {"type": "json_object"}}, StructuredOutput(kind="json_object", spec="")),
+    ({"response_format": json_schema(schema=SCHEMA)}, StructuredOutput(kind="json", spec=SCHEMA_SPEC)),
     ({"response_format": json_schema(schema=SCHEMA, strict=True, description="a person")},
-     StructuredOutput("json", SCHEMA_SPEC)),
+     StructuredOutput(kind="json", spec=SCHEMA_SPEC)),
     ({"response_format": json_schema(schema=SCHEMA, strict=False, description=None)},
-     StructuredOutput("json", SCHEMA_SPEC)),
-    ({"response_format": json_schema()}, StructuredOutput("json_object", "")),  # schema is optional: any object
+     StructuredOutput(kind="json", spec=SCHEMA_SPEC)),
+    ({"response_format": json_schema()}, StructuredOutput(kind="json_object",
+                                                          spec="")),  # schema is optional: any object
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "A-b_9" * 12 + "abcd"}}},
-     StructuredOutput("json_object", "")),  # a name of 64 characters
+     StructuredOutput(kind="json_object", spec="")),  # a name of 64 characters
     # vLLM's structured_outputs
-    ({"structured_outputs": {"json": SCHEMA}}, StructuredOutput("json", SCHEMA_SPEC)),
-    ({"structured_outputs": {"json": json.dumps(SCHEMA, indent=2)}}, StructuredOutput("json", SCHEMA_SPEC)),
-    ({"structured_outputs": {"json": True}}, StructuredOutput("json", "{}")),
-    ({"structured_outputs": {"json": "true"}}, StructuredOutput("json", "{}")),
-    ({"structured_outputs": {"json": {}}}, StructuredOutput("json", "{}")),
-    ({"structured_outputs": {"regex": r"\d{3}-[a-z]+"}}, StructuredOutput("regex", r"\d{3}-[a-z]+")),
-    ({"structured_outputs": {"choice": ["yes", "no"]}}, StructuredOutput("choice", '["yes","no"]')),
-    ({"structured_outputs": {"choice": ["no", "yes", "no"]}}, StructuredOutput("choice", '["no","yes"]')),
-    ({"structured_outputs": {"grammar": GRAMMAR}}, StructuredOutput("grammar", GRAMMAR)),
-    ({"structured_outputs": {"json_object": True}}, StructuredOutput("json_object", "")),
+    ({"structured_outputs": {"json": SCHEMA}}, StructuredOutput(kind="json", spec=SCHEMA_SPEC)),
+    ({"structured_outputs": {"json": json.dumps(SCHEMA, indent=2)}}, StructuredOutput(kind="json", spec=SCHEMA_SPEC)),
+    ({"structured_outputs": {"json": True}}, StructuredOutput(kind="json", spec="{}")),
+    ({"structured_outputs": {"json": "true"}}, StructuredOutput(kind="json", spec="{}")),
+    ({"structured_outputs": {"json": {}}}, StructuredOutput(kind="json", spec="{}")),
+    ({"structured_outputs": {"regex": r"\d{3}-[a-z]+"}}, StructuredOutput(kind="regex", spec=r"\d{3}-[a-z]+")),
+    ({"structured_outputs": {"choice": ["yes", "no"]}}, StructuredOutput(kind="choice", spec='["yes","no"]')),
+    ({"structured_outputs": {"choice": ["no", "yes", "no"]}}, StructuredOutput(kind="choice", spec='["no","yes"]')),
+    ({"structured_outputs": {"grammar": GRAMMAR}}, StructuredOutput(kind="grammar", spec=GRAMMAR)),
+    ({"structured_outputs": {"json_object": True}}, StructuredOutput(kind="json_object", spec="")),
     ({"structured_outputs": {"regex": "a+", "json": None, "choice": None, "whitespace_pattern": None,
-                             "disable_any_whitespace": None}}, StructuredOutput("regex", "a+")),  # nulls: not given
+                             "disable_any_whitespace": None}}, StructuredOutput(kind="regex",
+                                                                                spec="a+")),  # nulls: not given
     # vLLM's older top-level names
-    ({"guided_json": SCHEMA}, StructuredOutput("json", SCHEMA_SPEC)),
-    ({"guided_json": json.dumps(SCHEMA)}, StructuredOutput("json", SCHEMA_SPEC)),
-    ({"guided_regex": "[a-z]+"}, StructuredOutput("regex", "[a-z]+")),
-    ({"guided_choice": ["positive", "negative"]}, StructuredOutput("choice", '["positive","negative"]')),
-    ({"guided_grammar": GRAMMAR}, StructuredOutput("grammar", GRAMMAR)),
-    ({"guided_regex": "[a-z]+", "guided_decoding_backend": "xgrammar"}, StructuredOutput("regex", "[a-z]+")),
-    ({"guided_choice": ["a"], "guided_decoding_backend": "auto"}, StructuredOutput("choice", '["a"]')),
+    ({"guided_json": SCHEMA}, StructuredOutput(kind="json", spec=SCHEMA_SPEC)),
+    ({"guided_json": json.dumps(SCHEMA)}, StructuredOutput(kind="json", spec=SCHEMA_SPEC)),
+    ({"guided_regex": "[a-z]+"}, StructuredOutput(kind="regex", spec="[a-z]+")),
+    ({"guided_choice": ["positive", "negative"]}, StructuredOutput(kind="choice", spec='["positive","negative"]')),
+    ({"guided_grammar": GRAMMAR}, StructuredOutput(kind="grammar", spec=GRAMMAR)),
+    ({"guided_regex": "[a-z]+", "guided_decoding_backend": "xgrammar"}, StructuredOutput(kind="regex", spec="[a-z]+")),
+    ({"guided_choice": ["a"], "guided_decoding_backend": "auto"}, StructuredOutput(kind="choice", spec='["a"]')),
     ({"guided_decoding_backend": "xgrammar"}, None),  # a backend and no constraint: nothing to constrain
     # text next to a constraint is no second constraint
-    ({"response_format": {"type": "text"}, "guided_regex": "a"}, StructuredOutput("regex", "a")),
+    ({"response_format": {"type": "text"}, "guided_regex": "a"}, StructuredOutput(kind="regex", spec="a")),
     # nothing
     ({}, None),
     ({"response_format": None, "structured_outputs": None, "guided_json": None}, None),
@@ -212,14 +215,15 @@ def test_equal_constraints_have_equal_specs():
     # the kinds meet in one key: json_object from response_format and from structured_outputs
     assert structured({"response_format": {"type": "json_object"}}).key == \
         structured({"structured_outputs": {"json_object": True}}).key
-    assert structured({"guided_choice": ["a", "b"]}).key == structured({"structured_outputs": {"choice": ["a", "b"]}}).key
+    assert structured({"guided_choice": ["a", "b"]}).key == structured({"structured_outputs": {"choice": ["a",
+                                                                                                          "b"]}}).key
 
 
 def test_text_is_kept_as_given():
     regex = r"^(?:[A-Z]\w+)\s{1,3}\d+$"
     grammar = 'root ::= item ("," item)*\nitem ::= [a-z]+\n'
-    assert structured({"guided_regex": regex}) == StructuredOutput("regex", regex)
-    assert structured({"structured_outputs": {"grammar": grammar}}) == StructuredOutput("grammar", grammar)
+    assert structured({"guided_regex": regex}) == StructuredOutput(kind="regex", spec=regex)
+    assert structured({"structured_outputs": {"grammar": grammar}}) == StructuredOutput(kind="grammar", spec=grammar)
     unicode_choices = ["ja", "nein", "é", "日本"]
     assert json.loads(structured({"guided_choice": unicode_choices}).spec) == unicode_choices
 

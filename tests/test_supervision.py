@@ -19,7 +19,6 @@ import time
 
 import aiohttp
 import pytest
-
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.client import post_completion

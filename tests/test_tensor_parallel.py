@@ -20,16 +20,16 @@ import msgspec
 import pytest
 import zmq
 
+from shuttle.capacity.story_prompts import STORY
 from shuttle.common.config import CacheConfig, IpcConfig, ParallelConfig, ShuttleConfig, tensor_parallel_error
-from shuttle.common.model_config import ModelConfig
 from shuttle.common.ipc import Channel
-from shuttle.launcher.supervised_unit import engine_roles, worker_rank
 from shuttle.common.messages import PlanMessage, StepPlan, Submit, WorkerReady
+from shuttle.common.model_config import ModelConfig
 from shuttle.common.sampling import SamplingParams
+from shuttle.launcher.supervised_unit import engine_roles, worker_rank
 from shuttle.scheduler.loop import SchedulerLoop
 from tests.client import health, post_completion
 from tests.conftest import hf_greedy, hf_tokenizer
-from shuttle.capacity.story_prompts import STORY
 from tests.server import MODEL_DIR, REPO, ShuttleServer
 
 NUM_KV_BLOCKS = 7  # 112 tokens for requests that need 15 blocks together (each fits alone): preemption is certain
@@ -119,12 +119,14 @@ def test_scheduler_takes_the_smallest_rank_capacity_and_sends_every_plan_to_ever
         results = Channel(ctx, zmq.PUSH, ipc.results, bind=False)
         ranks = [Channel(ctx, zmq.PULL, ipc.plans_of(r), bind=False, recv_type=PlanMessage) for r in range(2)]
         try:
-            results.send(WorkerReady(1, 70, 640, 1000))
-            results.send(WorkerReady(0, 90, 640, 1000))
+            results.send(WorkerReady(rank=1, num_kv_blocks=70, kv_bytes_per_token=640, weight_bytes=1000))
+            results.send(WorkerReady(rank=0, num_kv_blocks=90, kv_bytes_per_token=640, weight_bytes=1000))
             ready = loop.wait_for_worker()
             assert (ready.rank, ready.num_kv_blocks) == (0, 70)
             assert loop.scheduler.kv.pool.num_blocks == 70
-            loop.scheduler.add_request(b"client", Submit("r1", [1, 2, 3], SamplingParams(max_tokens=4), time.time()))
+            submit = Submit(request_id="r1", prompt_token_ids=[1, 2, 3], sampling=SamplingParams(max_tokens=4),
+                            arrival_time=time.time())
+            loop.scheduler.add_request(b"client", submit)
             assert loop._plan_and_send()
             plans = [rank.recv() for rank in ranks]
             assert isinstance(plans[0], StepPlan) and plans[0].new_requests[0].request_id == "r1"
@@ -139,8 +141,7 @@ async def test_killed_rank_restarts_the_engine(tp_server):
     """Runs last: kill -9 of rank 1 mid-stream ends the stream with one error; the engine comes back exact."""
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
         events = []
-        body = {"prompt": "Once upon a time", "max_tokens": 100, "ignore_eos": True, "temperature": 0,
-                "stream": True}
+        body = {"prompt": "Once upon a time", "max_tokens": 100, "ignore_eos": True, "temperature": 0, "stream": True}
         restarts, victim = tp_server.restarts, tp_server.pids["worker1"]
         async with session.post(f"{tp_server.url}/v1/completions", json=body) as response:
             async for raw in response.content:
@@ -161,6 +162,7 @@ async def test_killed_rank_restarts_the_engine(tp_server):
             assert time.monotonic() < deadline
             await asyncio.sleep(0.05)
         ids = [1, 403, 407, 261, 378]  # "Once upon a time"
-        status, answer = await post_completion(session, tp_server.url, prompt=ids, max_tokens=24, temperature=0,
-                                               return_token_ids=True)
+        status, answer = await post_completion(
+            session, tp_server.url, prompt=ids, max_tokens=24, temperature=0, return_token_ids=True
+        )
         assert status == 200 and answer["choices"][0]["token_ids"] == hf_greedy(ids, 24)

@@ -20,13 +20,20 @@ from tokenizers import Tokenizer
 
 from shuttle.common.config import TOOL_CALL_PARSERS, ToolCallConfig
 from shuttle.common.messages import FinishReason
+from shuttle.common.sampling import StructuredOutput
 from shuttle.frontend.chat import ChatTemplate
+from shuttle.frontend.protocol import ChatMessage
 from shuttle.frontend.tokenizer import TextTokenizer
 from shuttle.frontend.tool_parsers import PARSERS
-from shuttle.common.sampling import StructuredOutput
-from shuttle.frontend.protocol import ChatMessage
-from shuttle.frontend.tool_request import (AUTO_NEEDS, NamedToolChoice, Tool, ToolChoice, template_tools, tool_constraint,
-                                   tool_use_of)
+from shuttle.frontend.tool_request import (
+    AUTO_NEEDS,
+    NamedToolChoice,
+    Tool,
+    ToolChoice,
+    template_tools,
+    tool_constraint,
+    tool_use_of,
+)
 from tests.fake_engine import TEMPLATES, FakeEngine, frontend_app
 from tests.server import MODEL_DIR
 

@@ -134,11 +134,13 @@ HERMES_CASES = [
         msg("", ("tricky", TRICKY_CANON)),
     ),
     (
-        f'Voilà 😀 <tool_call>{{"name": "t", "arguments": {json.dumps(TRICKY_ARGS, ensure_ascii=False)}}}'
-        "</tool_call>",
+        f'Voilà 😀 <tool_call>{{"name": "t", "arguments": {json.dumps(TRICKY_ARGS, ensure_ascii=False)}}}</tool_call>',
         msg("Voilà 😀", ("t", TRICKY_CANON)),
     ),
-    ('<tool_call>{"name": "e", "arguments": {"s": "\\u00e9\\n\\"\\\\"}}</tool_call>', msg("", ("e", '{"s": "é\\n\\"\\\\"}'))),
+    (
+        '<tool_call>{"name": "e", "arguments": {"s": "\\u00e9\\n\\"\\\\"}}</tool_call>',
+        msg("", ("e", '{"s": "é\\n\\"\\\\"}')),
+    ),
 ]
 
 
@@ -163,7 +165,10 @@ LLAMA_CASES = [
     ('{"name": "a", "parameters": {}} ;{"name": "b", "parameters": {}}', msg("", ("a", "{}"), ("b", "{}"))),
     ('{"name": "a", "parameters": {}}\n\nDone.', msg("Done.", ("a", "{}"))),
     ('{"name": "a", "parameters": {}};', msg(";", ("a", "{}"))),
-    ('{"name": "a", "parameters": {}}; {"name": "b", "parameters": 5}', msg('; {"name": "b", "parameters": 5}', ("a", "{}"))),
+    (
+        '{"name": "a", "parameters": {}}; {"name": "b", "parameters": 5}',
+        msg('; {"name": "b", "parameters": 5}', ("a", "{}")),
+    ),
     ('{"name": "a", "parameters": {}}; {"name": "b", "param', msg('; {"name": "b", "param', ("a", "{}"))),
     # no call: all content, as written
     ('{"name": "Alice"}', None),
@@ -192,7 +197,10 @@ def test_llama3_json(text, expected):
 MISTRAL_CASES = [
     ("Costs [5] dollars, see [TOOL_ or [ARGS].", msg("Costs [5] dollars, see [TOOL_ or [ARGS].")),
     ("", msg("")),
-    ('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]', msg("", ("get_weather", '{"city": "Paris"}'))),
+    (
+        '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]',
+        msg("", ("get_weather", '{"city": "Paris"}')),
+    ),
     (
         'Checking.\n[TOOL_CALLS] [{"name": "a", "arguments": {}, "id": "abc123def"}, {"name":"b","arguments":{"x":1}}]',
         msg("Checking.", ("a", "{}"), ("b", '{"x": 1}')),
@@ -213,7 +221,7 @@ MISTRAL_CASES = [
     ("[TOOL_CALLS]f[AR", None),
     ("Text [TOOL_CA", None),
     ('[TOOL_CALLS]"f"[ARGS]{}', None),
-    ('[TOOL_CALLS]bad name [TOOL_CALLS]f[ARGS]{}', msg("[TOOL_CALLS]bad name", ("f", "{}"))),
+    ("[TOOL_CALLS]bad name [TOOL_CALLS]f[ARGS]{}", msg("[TOOL_CALLS]bad name", ("f", "{}"))),
     (
         f'[TOOL_CALLS]tricky[ARGS]{json.dumps(TRICKY_ARGS)}[TOOL_CALLS]u[ARGS]{{"s": "ü"}}',
         msg("", ("tricky", TRICKY_CANON), ("u", '{"s": "ü"}')),
@@ -261,7 +269,8 @@ JSON_ARRAY_CASES = [
     ('[{"name": "f", "parameters": {}} x]', msg("x]", ("f", "{}"))),
     ('[{"name": "f" "parameters": {}}]', msg('"parameters": {}}]', ("f", "{}"))),
     (
-        f'[{{"name": "tricky", "parameters": {TRICKY_RAW}}}, {{"parameters": {json.dumps(TRICKY_ARGS)}, "name": "t2"}}]',
+        f'[{{"name": "tricky", "parameters": {TRICKY_RAW}}}, '
+        f'{{"parameters": {json.dumps(TRICKY_ARGS)}, "name": "t2"}}]',
         msg("", ("tricky", TRICKY_RAW), ("t2", json.dumps(TRICKY_ARGS))),
     ),
 ]
@@ -292,14 +301,14 @@ def _time_stream(parser, text: str, runs: int = 1, step: int = 3) -> float:
         start = time.perf_counter()
         streamer = parser.streamer()
         for i in range(0, len(text), step):
-            streamer.feed(text[i:i + step])
+            streamer.feed(text[i : i + step])
         streamer.finish()
         times.append(time.perf_counter() - start)
     return min(times)
 
 
 def _long_outputs(rows: int):
-    args = json.dumps({"rows": [{"k": i, "s": "x}\\\"" * 3} for i in range(rows)]})
+    args = json.dumps({"rows": [{"k": i, "s": 'x}\\"' * 3} for i in range(rows)]})
     yield JsonArrayCallsParser(), f'[{{"name": "f", "parameters": {args}}}]'
     yield JsonArrayCallsParser(), f'[{{"parameters": {args}, "name": "f"}}]'
     yield HermesToolParser(), f'<tool_call>{{"name": "f", "arguments": {args}}}</tool_call>'
@@ -319,6 +328,7 @@ def test_long_outputs_stream_in_linear_time():
 
 # named tool_choice
 
+
 @pytest.mark.parametrize(
     "text,arguments",
     [
@@ -337,14 +347,84 @@ def test_named(text, arguments):
 # random texts from each format's pieces: whatever they parse to, every split streams to the same
 
 FRAGMENTS = {
-    HermesToolParser: ["<tool_call>", "</tool_call>", '{"name": "f", "arguments": {"a": 1}}', "{", "}", '"', "\\",
-                       " ", "\n", "x", "<tool", '"name"', ": ", '{"name": "g"}', "é", "[", "]", ","],
-    Llama3JsonToolParser: ["<|python_tag|>", '{"name": "f", "parameters": {"a": [1]}}', "; ", ";", "{", "}", '"', " ",
-                           "\n", "x", '"name"', '"parameters"', ": ", "{}", "é", "<|py"],
-    MistralToolParser: ["[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "f", "ab1", '{"a": 1}', '[{"name": "f", "arguments": {}}]',
-                        "{", "}", "[", "]", '"', " ", "x", "[TOOL", "é", ","],
-    JsonArrayCallsParser: ["[", "]", "{", "}", '"name"', '"parameters"', '"f"', ": ", ":", ", ", ",", '{"a": "}"}', '"',
-                           "\\", " ", "\n", "1", "x", '"n\\"'],
+    HermesToolParser: [
+        "<tool_call>",
+        "</tool_call>",
+        '{"name": "f", "arguments": {"a": 1}}',
+        "{",
+        "}",
+        '"',
+        "\\",
+        " ",
+        "\n",
+        "x",
+        "<tool",
+        '"name"',
+        ": ",
+        '{"name": "g"}',
+        "é",
+        "[",
+        "]",
+        ",",
+    ],
+    Llama3JsonToolParser: [
+        "<|python_tag|>",
+        '{"name": "f", "parameters": {"a": [1]}}',
+        "; ",
+        ";",
+        "{",
+        "}",
+        '"',
+        " ",
+        "\n",
+        "x",
+        '"name"',
+        '"parameters"',
+        ": ",
+        "{}",
+        "é",
+        "<|py",
+    ],
+    MistralToolParser: [
+        "[TOOL_CALLS]",
+        "[ARGS]",
+        "[CALL_ID]",
+        "f",
+        "ab1",
+        '{"a": 1}',
+        '[{"name": "f", "arguments": {}}]',
+        "{",
+        "}",
+        "[",
+        "]",
+        '"',
+        " ",
+        "x",
+        "[TOOL",
+        "é",
+        ",",
+    ],
+    JsonArrayCallsParser: [
+        "[",
+        "]",
+        "{",
+        "}",
+        '"name"',
+        '"parameters"',
+        '"f"',
+        ": ",
+        ":",
+        ", ",
+        ",",
+        '{"a": "}"}',
+        '"',
+        "\\",
+        " ",
+        "\n",
+        "1",
+        "x",
+        '"n\\"',
+    ],
 }
 
 
@@ -356,6 +436,7 @@ def test_random_texts_stream_as_they_parse(cls):
 
 
 # the registry
+
 
 def test_parser_for():
     assert set(PARSERS) == {"hermes", "llama3_json", "mistral"}

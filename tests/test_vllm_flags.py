@@ -169,7 +169,8 @@ def test_allowed_origins_takes_vllms_json_list_and_shuttles_comma_list(capsys):
 
 def test_log_level_flag_and_environment(monkeypatch, capsys):
     started = []
-    monkeypatch.setattr("shuttle.launcher.launcher.serve", lambda args: started.append(os.environ["SHUTTLE_LOG_LEVEL"]) or 0)
+    monkeypatch.setattr("shuttle.launcher.launcher.serve",
+                        lambda args: started.append(os.environ["SHUTTLE_LOG_LEVEL"]) or 0)
     monkeypatch.setenv("SHUTTLE_LOG_LEVEL", "warning")
     assert cli.main(["serve", str(MODEL_DIR)]) == 0
     assert cli.main(["serve", str(MODEL_DIR), "--log-level", "DEBUG"]) == 0

@@ -13,10 +13,10 @@ import aiohttp
 import msgspec
 import pytest
 
-from shuttle.launcher.cli import build_parser
 from shuttle.common.config import ShuttleConfig
 from shuttle.common.messages import BatchRequest
 from shuttle.frontend.ws_frames import CLOSE_FRAME, MaskedFramesOnly
+from shuttle.launcher.cli import build_parser
 from tests.batch_wire import dealer, next_response
 from tests.inprocess import SCRIPT, start_app
 from tests.server import MODEL_DIR
@@ -52,7 +52,7 @@ async def test_lone_surrogate_id_gets_frames_and_the_socket_goes_on(app):
         await ws.send_str('{"type": "generate", "id": "\\ud800", "prompt": "Hi", "max_tokens": 3}')
         await ws.send_str('{"type": "generate", "id": "\\udfff", "max_tokens": 3}')  # an error for this one
         await ws.send_str('{"type": "generate", "id": "next", "prompt": "Hi", "max_tokens": 2}')
-        frames = await collect_frames(ws, {"\ud800", "\udfff", "next"})
+        frames = await collect_frames(ws, {"\ud800", "\udfff", "next"})  # noqa: B033 (two lone surrogates, not one)
     ends = {f["id"]: f for f in frames if f["type"] in ("done", "error")}
     assert ends["\ud800"]["type"] == "done" and ends["\ud800"]["usage"]["completion_tokens"] == 3
     assert ends["\udfff"]["type"] == "error" and ends["\udfff"]["error"]["param"] == "prompt"
@@ -95,7 +95,8 @@ def ws_frame(text: str) -> bytes:
     """A masked client text frame (RFC 6455)."""
     payload, mask = text.encode(), os.urandom(4)
     length = len(payload)
-    header = bytes([0x81]) + (bytes([0x80 | length]) if length < 126 else bytes([0x80 | 126]) + struct.pack(">H", length)
+    header = bytes([0x81]) + (bytes([0x80 | length]) if length < 126 else bytes([0x80 | 126]) + struct.pack(">H",
+                                                                                                            length)
                               if length < 2**16 else bytes([0x80 | 127]) + struct.pack(">Q", length))
     return header + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
 
@@ -124,7 +125,8 @@ async def test_abrupt_close_with_many_generations_is_logged_once(app, caplog):
 
 
 def completion(job_id: str, key: str = KEY, **body) -> bytes:
-    return msgspec.msgpack.encode(BatchRequest(job_id, "/v1/completions", {"prompt": "Hi", "max_tokens": 2, **body},
+    return msgspec.msgpack.encode(BatchRequest(job_id=job_id, url="/v1/completions", body={"prompt": "Hi",
+                                                                                           "max_tokens": 2, **body},
                                                api_key=key))
 
 
@@ -135,7 +137,8 @@ async def test_batch_endpoint_survives_malformed_messages(app):
         for frames, job_id, param in (
                 ([good, good], "", None), ([b"\x00\xff\x13"], "", None),
                 ([msgspec.msgpack.encode({"type": "request", "job_id": 1})], "", "job_id"),
-                ([msgspec.msgpack.encode({"type": "request", "job_id": "named", "url": 5, "body": {}})], "named", "url"),
+                ([msgspec.msgpack.encode({"type": "request", "job_id": "named", "url": 5, "body": {}})], "named",
+                 "url"),
                 ([b"", b"", b""], "", None)):
             await sock.send_multipart(frames)
             result = await next_response(sock)

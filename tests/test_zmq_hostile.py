@@ -25,22 +25,42 @@ from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
 from shuttle.batch_jobs.client import AsyncBatchClient
-from shuttle.launcher.cli import build_parser
 from shuttle.common.config import CacheConfig, IpcConfig, OpsConfig, ShuttleConfig
-from shuttle.common.model_config import ModelConfig
 from shuttle.common.ipc import AsyncChannel, Channel, MalformedMessage
 from shuttle.common.messages import (
-    BatchHeartbeat, BatchServerMessage, EngineDown, FinishReason, FrontendMessage, Heartbeat, Hello, PlanMessage,
-    RequestOutput, SchedulerInfo, SchedulerStats, Shutdown, StepOutputs, StepPlan, StepResult, Submit, WorkerMessage,
+    BatchHeartbeat,
+    BatchServerMessage,
+    EngineDown,
+    FinishReason,
+    FrontendMessage,
+    Heartbeat,
+    Hello,
+    PlanMessage,
+    RequestOutput,
+    SchedulerInfo,
+    SchedulerStats,
+    Shutdown,
+    StepOutputs,
+    StepPlan,
+    StepResult,
+    Submit,
+    WorkerMessage,
     WorkerReady,
 )
+from shuttle.common.model_config import ModelConfig
 from shuttle.common.sampling import SamplingParams
 from shuttle.common.wire_guard import nesting_exceeds
 from shuttle.frontend.app import MAX_BODY_BYTES
+from shuttle.launcher.cli import build_parser
 from tests.batch_wire import HANG, dealer, next_response
 from tests.inprocess import start_app
 from tests.malformed import (
-    batch_job, batch_kinds, deep_request, internal_kinds, malformed_batch_frames, send_frame_of,
+    batch_job,
+    batch_kinds,
+    deep_request,
+    internal_kinds,
+    malformed_batch_frames,
+    send_frame_of,
 )
 from tests.server import MODEL_DIR, REPO
 
@@ -270,7 +290,7 @@ def warnings_about_malformed(caplog) -> list[str]:
 
 def test_sync_readers_drop_every_malformed_kind_and_read_on(tmp_path, caplog):
     ctx = zmq.Context()
-    ready = WorkerReady(0, 10, 64, 100)
+    ready = WorkerReady(rank=0, num_kv_blocks=10, kv_bytes_per_token=64, weight_bytes=100)
     kinds = internal_kinds(msgspec.msgpack.encode(ready))
     pull = Channel(ctx, zmq.PULL, f"ipc://{tmp_path}/pull.sock", bind=True, recv_type=WorkerMessage)
     router = Channel(ctx, zmq.ROUTER, f"ipc://{tmp_path}/router.sock", bind=True, recv_type=FrontendMessage)
@@ -312,14 +332,14 @@ async def test_async_readers_drop_every_malformed_kind_and_read_on(tmp_path):
         for frames in kinds.values():
             await push.send_multipart(frames)
             await peer.send_multipart(frames)
-        await push.send(msgspec.msgpack.encode(BatchHeartbeat("x")))
-        await peer.send(msgspec.msgpack.encode(Heartbeat("frontend", 1)))
+        await push.send(msgspec.msgpack.encode(BatchHeartbeat(instance="x")))
+        await peer.send(msgspec.msgpack.encode(Heartbeat(name="frontend", pid=1)))
         assert [await pull.recv() for _ in kinds] == [None] * len(kinds)
-        assert await pull.recv() == BatchHeartbeat("x")
+        assert await pull.recv() == BatchHeartbeat(instance="x")
         for _ in kinds:
             with pytest.raises(MalformedMessage):
                 await router.recv_from()
-        assert (await router.recv_from())[1] == Heartbeat("frontend", 1)
+        assert (await router.recv_from())[1] == Heartbeat(name="frontend", pid=1)
         assert pull.num_malformed == router.num_malformed == len(kinds)
     finally:
         for sock in (push, peer, pull, router):
@@ -346,21 +366,22 @@ def test_the_scheduler_reads_on_past_malformed_messages(tmp_path):
     worker = Channel(ctx, zmq.PULL, ipc.plans, bind=False, recv_type=PlanMessage)
     encode = msgspec.msgpack.encode
     try:
-        kinds = internal_kinds(encode(WorkerReady(0, 64, 640, 1000)))
+        kinds = internal_kinds(encode(WorkerReady(rank=0, num_kv_blocks=64, kv_bytes_per_token=640, weight_bytes=1000)))
         for frames in kinds.values():
             results.send_multipart(frames)
-        results.send(encode(WorkerReady(0, 64, 640, 1000)))
+        results.send(encode(WorkerReady(rank=0, num_kv_blocks=64, kv_bytes_per_token=640, weight_bytes=1000)))
         assert loop.wait_for_worker().num_kv_blocks == 64
         for frames in internal_kinds(encode(Hello())).values():
             frontend.send_multipart(frames)
-        frontend.send(encode(Submit("r1", [1, 2, 3], SamplingParams(max_tokens=2), time.time())))
+        frontend.send(encode(Submit(request_id="r1", prompt_token_ids=[1, 2, 3], sampling=SamplingParams(max_tokens=2),
+                                    arrival_time=time.time())))
         wait_until(lambda: loop.scheduler.has_work, "the Submit after the malformed messages is taken",
                    lambda: loop._drain_inbox(10))
         assert loop._plan_and_send()
         plan = worker.recv()
         for frames in kinds.values():
             results.send_multipart(frames)
-        results.send(encode(StepResult(plan.step_id, ["r1"], [5])))
+        results.send(encode(StepResult(step_id=plan.step_id, request_ids=["r1"], token_ids=[5])))
         assert loop._wait_for_result().step_id == plan.step_id
         assert loop.results.num_malformed == 2 * len(kinds) and loop.frontends.num_malformed == len(kinds)
     finally:
@@ -377,15 +398,16 @@ def test_the_worker_reads_on_past_malformed_plans(tmp_path):
     collector.bind(f"ipc://{tmp_path}/results.sock")
     plans = Channel(ctx, zmq.PULL, f"ipc://{tmp_path}/plans.sock", bind=False, recv_type=PlanMessage)
     results = Channel(ctx, zmq.PUSH, f"ipc://{tmp_path}/results.sock", bind=False)
-    runner = SimpleNamespace(execute=lambda plan: StepResult(plan.step_id, [], []))
+    runner = SimpleNamespace(execute=lambda plan: StepResult(step_id=plan.step_id, request_ids=[], token_ids=[]))
     encode = msgspec.msgpack.encode
     try:
-        for frames in internal_kinds(encode(StepPlan(7, [], []))).values():
+        for frames in internal_kinds(encode(StepPlan(step_id=7, new_requests=[], cached_requests=[]))).values():
             scheduler.send_multipart(frames)
-        scheduler.send(encode(StepPlan(7, [], [])))
+        scheduler.send(encode(StepPlan(step_id=7, new_requests=[], cached_requests=[])))
         scheduler.send(encode(Shutdown()))
         WorkerLoop(plans, results, runner, SimpleNamespace(enabled=False, is_driver=True), rank=0).run()
-        assert msgspec.msgpack.decode(collector.recv(), type=WorkerMessage) == StepResult(7, [], [])
+        assert msgspec.msgpack.decode(collector.recv(), type=WorkerMessage) == StepResult(step_id=7, request_ids=[],
+                                                                                          token_ids=[])
         assert plans.num_malformed == len(internal_kinds(b"\x90"))
     finally:
         for sock in (scheduler, collector, plans, results):
@@ -417,9 +439,9 @@ async def test_the_frontend_reads_on_past_malformed_scheduler_and_launcher_messa
         await asyncio.wait_for(client.wait_up(), HANG)
         assert client.info == info
         link.start()
-        for frames in internal_kinds(encode(EngineDown("gone"))).values():
+        for frames in internal_kinds(encode(EngineDown(reason="gone"))).values():
             await launcher.send_multipart(frames)
-        await launcher.send(encode(EngineDown("gone", 2.0, 0)))
+        await launcher.send(encode(EngineDown(reason="gone", retry_after=2.0, group=0)))
         deadline = time.monotonic() + HANG
         while not downs:
             assert time.monotonic() < deadline, "EngineDown after the malformed messages"
@@ -449,7 +471,8 @@ async def test_a_stats_hook_that_raises_loses_no_output(tmp_path, caplog):
     try:
         await client.start(wait=False)
         identity, _ = await asyncio.wait_for(scheduler.recv_multipart(), HANG)  # its Hello
-        await scheduler.send_multipart([identity, encode(SchedulerInfo(4, 16, 64))])
+        await scheduler.send_multipart([identity, encode(SchedulerInfo(num_kv_blocks=4, block_size=16,
+                                                                       max_model_len=64))])
         await asyncio.wait_for(client.wait_up(), HANG)
         outputs = client.generate(Submit(request_id="r", prompt_token_ids=[1, 2], sampling=SamplingParams(max_tokens=2),
                                          arrival_time=time.time()))
@@ -459,9 +482,10 @@ async def test_a_stats_hook_that_raises_loses_no_output(tmp_path, caplog):
             if isinstance(msgspec.msgpack.decode(frame, type=FrontendMessage), Submit):
                 break
         stats = SchedulerStats(num_running=1)
-        await scheduler.send_multipart([identity, encode(StepOutputs([RequestOutput("r", [5])], stats))])
-        await scheduler.send_multipart([identity, encode(StepOutputs(
-            [RequestOutput("r", [6], FinishReason.LENGTH)], stats))])
+        step_outputs = StepOutputs(outputs=[RequestOutput(request_id="r", new_token_ids=[5])], stats=stats)
+        await scheduler.send_multipart([identity, encode(step_outputs)])
+        last = RequestOutput(request_id="r", new_token_ids=[6], finish_reason=FinishReason.LENGTH)
+        await scheduler.send_multipart([identity, encode(StepOutputs(outputs=[last], stats=stats))])
         got = [await asyncio.wait_for(first, HANG)]
         got += [output async for output in outputs]
         assert [(o.new_token_ids, o.finish_reason) for o in got] == [([5], None), ([6], FinishReason.LENGTH)]
@@ -473,6 +497,7 @@ async def test_a_stats_hook_that_raises_loses_no_output(tmp_path, caplog):
 
 def test_the_launcher_reads_on_past_malformed_control_messages(tmp_path):
     from shuttle.launcher.launcher import Launcher
+
     ipc = IpcConfig.in_directory(str(tmp_path))
     launcher = Launcher(ShuttleConfig(ModelConfig.from_dir(MODEL_DIR), ipc), None)
     child = zmq.Context.instance().socket(zmq.PUSH)
@@ -481,12 +506,12 @@ def test_the_launcher_reads_on_past_malformed_control_messages(tmp_path):
     seen = []
     launcher.units = [SimpleNamespace(on_control=seen.append)]
     try:
-        kinds = internal_kinds(encode(Heartbeat("worker", 1)))
+        kinds = internal_kinds(encode(Heartbeat(name="worker", pid=1)))
         for frames in kinds.values():
             child.send_multipart(frames)
-        child.send(encode(Heartbeat("worker", 1)))
+        child.send(encode(Heartbeat(name="worker", pid=1)))
         wait_until(lambda: seen, "the heartbeat after the malformed messages", lambda: launcher._read_control(10))
-        assert seen == [Heartbeat("worker", 1)]
+        assert seen == [Heartbeat(name="worker", pid=1)]
         assert launcher.control.num_malformed == len(kinds)
     finally:
         child.close()
@@ -495,6 +520,7 @@ def test_the_launcher_reads_on_past_malformed_control_messages(tmp_path):
 
 def test_warnings_are_rate_limited_per_peer_and_per_socket(caplog):
     from shuttle.common.wire_guard import MAX_WARNINGS_PER_INTERVAL, WARN_INTERVAL_S, FaultLog, Malformed
+
     now = [0.0]
     faults = FaultLog("a socket", clock=lambda: now[0])
     for _ in range(5):

@@ -71,7 +71,8 @@ def _mask(query_start: int, n: int, key_start: int, length: int, window: int | N
     position key_start)."""
     if not force and window is None and (n == 1 or (query_start == key_start and n == length)):
         return None
-    if window is not None and n == 1 and query_start + 1 - key_start <= window and query_start + 1 - key_start == length:
+    span = query_start + 1 - key_start
+    if window is not None and n == 1 and span <= window and span == length:
         return None  # one query whose whole gathered context lies inside its window
     cache_key = (query_start, n, key_start, length, window, device)
     if cache is not None and cache_key in cache:

@@ -33,8 +33,16 @@ from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attent
 
 from shuttle.worker.attention import AttentionMetadata, LayerFeatures
 from shuttle.worker.flex_masks import (
-    QUERY_BLOCK, FormInputs, block_mask, check_logical_blocks, decode_block_lists, decode_inputs, logical_block_map,
-    packed_block_lists, packed_inputs, step_mask_mod,
+    QUERY_BLOCK,
+    FormInputs,
+    block_mask,
+    check_logical_blocks,
+    decode_block_lists,
+    decode_inputs,
+    logical_block_map,
+    packed_block_lists,
+    packed_inputs,
+    step_mask_mod,
 )
 
 MAX_VIEW_ELEMENTS = 2**31 - 1  # flex's Triton kernels compute K/V offsets in int32

@@ -4,7 +4,8 @@ and the batched mask that keeps every sampled token inside its grammar.
 Who does what (the scheduler never sees a grammar): the scheduler holds a constrained request back until its
 grammar is compiled (scheduler/grammar_gate.py), asking this worker to compile it (CompileGrammars) and telling it
 which compiled grammars to drop; compiles run on threads of their own (xgrammar releases the GIL), so the step loop
-goes on, and GrammarsCompiled tells the scheduler when each is ready or why it failed. The matcher lives here, beside the sampler, because only here is a
+goes on, and GrammarsCompiled tells the scheduler when each is ready or why it failed. The matcher lives here, beside
+the sampler, because only here is a
 sampled token known at once: under overlapped scheduling the next step is planned before the scheduler has seen
 this one's tokens, and the mask of a decode must follow the token sampled just before it. A request that comes back
 after a preemption replays its known outputs into a new matcher, so recomputation needs no grammar state on the
@@ -316,7 +317,7 @@ def _answer(answers: list[tuple[str, object]]) -> GrammarsCompiled:
     """GrammarsCompiled of (key, CompiledGrammar or GrammarError) pairs: the error's text or "", and the bytes."""
     errors = [str(value) if isinstance(value, GrammarError) else "" for _, value in answers]
     sizes = [0 if isinstance(value, GrammarError) else value.memory_size_bytes for _, value in answers]
-    return GrammarsCompiled([key for key, _ in answers], errors, sizes)
+    return GrammarsCompiled(keys=[key for key, _ in answers], errors=errors, sizes=sizes)
 
 
 def choice_grammar(choices: list[str]) -> str:

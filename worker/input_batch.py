@@ -183,7 +183,8 @@ class InputBatch:
         positions = np.arange(query_start[-1], dtype=np.int64) + np.repeat(np.array(starts) - query_start[:-1], counts)
         slots = table[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
         attention = AttentionMetadata(
-            query_start_loc=torch.tensor(query_start, dtype=torch.int32), seq_lens=torch.from_numpy(lens.astype(np.int32)),
+            query_start_loc=torch.tensor(query_start,
+                                         dtype=torch.int32), seq_lens=torch.from_numpy(lens.astype(np.int32)),
             block_table=torch.from_numpy(table), slot_mapping=torch.from_numpy(slots), num_decodes=len(decodes),
             max_query_len=int(counts.max()), max_seq_len=int(lens.max()), query_start_list=query_start,
             seq_lens_list=seq_lens)

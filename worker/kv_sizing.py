@@ -183,10 +183,11 @@ def profile_plan(max_num_batched_tokens: int, max_num_seqs: int, max_model_len: 
             continue
         count = blocks_per_request(length, block_size)
         token_ids = [(7 * i + j) % vocab_size for j in range(length)]
-        requests.append(NewRequestData(f"profile-{i}", token_ids, params, list(range(next_block, next_block + count)),
-                                       0, length))
+        requests.append(NewRequestData(request_id=f"profile-{i}", token_ids=token_ids, sampling=params,
+                                       block_ids=list(range(next_block, next_block + count)),
+                                       num_computed_tokens=0, num_scheduled_tokens=length))
         next_block += count
-    return StepPlan(step_id, requests, []), next_block
+    return StepPlan(step_id=step_id, new_requests=requests, cached_requests=[]), next_block
 
 
 def snapshot(device: torch.device) -> MemorySnapshot:

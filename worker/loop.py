@@ -73,7 +73,7 @@ class WorkerLoop:
                 # that the launcher restarts the engine and every in-flight request ends with an error.
                 log.error("rank %d: a failed step leaves the tensor-parallel group out of step; exiting", self.rank)
                 sys.exit(1)
-            self.results.send(WorkerFailed(plan.step_id, f"{type(exc).__name__}: {exc}"))
+            self.results.send(WorkerFailed(step_id=plan.step_id, message=f"{type(exc).__name__}: {exc}"))
             return
         if self.step_delay:
             time.sleep(self.step_delay)

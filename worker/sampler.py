@@ -220,5 +220,6 @@ def _logprobs(raw: torch.Tensor, rows: list[int], params: list[SamplingParams], 
     top_values = top.values.tolist() if top is not None else None
     for j, i in enumerate(rows):
         k = params[i].logprobs
-        out[i] = TokenLogprobs(chosen[j], top_ids[j][:k] if k else [], top_values[j][:k] if k else [])
+        out[i] = TokenLogprobs(logprob=chosen[j], top_token_ids=top_ids[j][:k] if k else [],
+                               top_logprobs=top_values[j][:k] if k else [])
     return out

@@ -23,7 +23,12 @@ from shuttle.worker.graph_runner import graph_runner_for, graphs_off_reason
 from shuttle.worker.input_batch import InputBatch, StepInputs
 from shuttle.worker.kv_cache import KVCache
 from shuttle.worker.kv_sizing import (
-    CUDA_GRAPH_ALLOWANCE, KVPlan, plan_kv_blocks, profile_peak, profile_plan, snapshot,
+    CUDA_GRAPH_ALLOWANCE,
+    KVPlan,
+    plan_kv_blocks,
+    profile_peak,
+    profile_plan,
+    snapshot,
 )
 from shuttle.worker.model_loader import DTYPES, UnsupportedModelError, architecture, load_model, probe_geometry
 from shuttle.worker.output_projection import chunk_output_projection, widen_bf16_linears
@@ -168,7 +173,8 @@ class ModelRunner:
                                     max_model_len, bs, vocab)
         bytes_per_token = KVCache.bytes_per_token_of(self.geometry, self.kv_dtype)
         scratch = KVCache.allocate(self.geometry, bs, self.kv_dtype, self.device, blocks, 0)
-        figures = profile_peak(functools.partial(self.profile_step, plan, scratch, max_model_len), self.device, baseline,
+        figures = profile_peak(functools.partial(self.profile_step, plan, scratch, max_model_len), self.device,
+                               baseline,
                                kv_cache_bytes(blocks, bs, bytes_per_token))
         del scratch
         self.activation_peak_bytes = figures.activation_peak
@@ -243,7 +249,7 @@ class ModelRunner:
         """
         scheduled = self.batch.apply(plan)
         if not scheduled:
-            return StepResult(plan.step_id, [], [])
+            return StepResult(step_id=plan.step_id, request_ids=[], token_ids=[])
         try:
             if self.batch.num_constrained and self.grammars is not None:
                 self._attach_grammars(plan)
@@ -262,11 +268,11 @@ class ModelRunner:
         prompt_logprobs = self._prompt_logprobs(logits[len(requests):], inputs.prompt_rows) \
             if self.parallel.is_driver else []
         if not requests:
-            return StepResult(step_id, [], [], prompt_logprobs=prompt_logprobs)
+            return StepResult(step_id=step_id, request_ids=[], token_ids=[], prompt_logprobs=prompt_logprobs)
         if not self.parallel.is_driver:  # rank 0 samples; this rank only needs the tokens to feed them forward
             for state, token in zip(requests, self.parallel.share_tokens(None, len(requests))):
                 state.token_ids.append(token)
-            return StepResult(step_id, [], [])
+            return StepResult(step_id=step_id, request_ids=[], token_ids=[])
         if self.batch.num_constrained:
             self._mask_by_grammar(logits[:len(requests)], requests)
         sampled = self.sampler(logits[:len(requests)], [r.sampling for r in requests], [r.token_ids for r in requests])
@@ -274,8 +280,9 @@ class ModelRunner:
         for state, token in zip(requests, sampled.token_ids):
             state.token_ids.append(token)
             state.sampling.record(token)
-        return StepResult(step_id, [r.request_id for r in requests], sampled.token_ids, sampled.logprobs or [],
-                          prompt_logprobs)
+        return StepResult(step_id=step_id, request_ids=[r.request_id for r in requests], token_ids=sampled.token_ids,
+                          logprobs=sampled.logprobs or [],
+                          prompt_logprobs=prompt_logprobs)
 
     def _attach_grammars(self, plan: StepPlan) -> None:
         """A matcher for each new constrained request, past the outputs it already has (after a preemption)."""
@@ -304,7 +311,8 @@ class ModelRunner:
             top = log_softmax.topk(k, dim=-1) if k else None
             rows_index = torch.arange(len(rows), device=logits.device)
             chosen = log_softmax[rows_index, torch.tensor(targets, device=logits.device)].tolist()
-            out.append(PromptLogprobs(state.request_id, [
-                TokenLogprobs(chosen[i], top.indices[i].tolist() if top else [], top.values[i].tolist() if top else [])
-                for i in range(len(rows))], first))
+            out.append(PromptLogprobs(request_id=state.request_id, entries=[
+                TokenLogprobs(logprob=chosen[i], top_token_ids=top.indices[i].tolist() if top else [],
+                              top_logprobs=top.values[i].tolist() if top else [])
+                for i in range(len(rows))], start=first))
         return out

@@ -11,7 +11,15 @@ from __future__ import annotations
 from typing import ClassVar
 
 from shuttle.frontend.tool_parsers.base import ParsedMessage, StreamPiece
-from shuttle.frontend.tool_parsers.common import HeldText, JsonValueScanner, Output, call_of, load_json, parse_by_streaming, skip_ws
+from shuttle.frontend.tool_parsers.common import (
+    HeldText,
+    JsonValueScanner,
+    Output,
+    call_of,
+    load_json,
+    parse_by_streaming,
+    skip_ws,
+)
 
 PYTHON_TAG = "<|python_tag|>"
 

@@ -17,8 +17,8 @@ from typing import ClassVar
 
 from shuttle.frontend.tool_parsers.base import ParsedMessage
 from shuttle.frontend.tool_parsers.common import (
-    TaggedBlocks,
     JsonValueScanner,
+    TaggedBlocks,
     call_of,
     load_json,
     match_tag,

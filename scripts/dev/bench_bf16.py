@@ -30,7 +30,8 @@ DTYPES = ("float32", "bfloat16")
 
 
 def bench(url: str, args, out: Path) -> dict:
-    subprocess.run([sys.executable, "-m", "shuttle.launcher.cli", "bench", "--url", url, "--num-prompts", str(args.num_prompts),
+    subprocess.run([sys.executable, "-m", "shuttle.launcher.cli", "bench", "--url", url, "--num-prompts",
+                    str(args.num_prompts),
                     "--max-concurrency", str(args.concurrency), "--input-len", str(args.input_len),
                     "--output-len", str(args.output_len), "--no-progress", "--result-json", str(out)],
                    cwd=REPO, check=True, stdout=subprocess.DEVNULL)
@@ -64,7 +65,8 @@ def main() -> int:
                 for dtype in DTYPES if r % 2 == 0 else DTYPES[::-1]:
                     summary = bench(servers[dtype].url, args, Path(tmp) / f"{dtype}-{r}.json")
                     row[dtype] = {"output_tok_s": summary["output_token_throughput"],
-                                  "tpot_p50_ms": summary["tpot_ms"]["median"], "ttft_p50_ms": summary["ttft_ms"]["median"],
+                                  "tpot_p50_ms": summary["tpot_ms"]["median"],
+                                  "ttft_p50_ms": summary["ttft_ms"]["median"],
                                   "failed": summary["failed"]}
                 row["throughput_ratio"] = row["bfloat16"]["output_tok_s"] / row["float32"]["output_tok_s"]
                 row["tpot_ratio"] = row["float32"]["tpot_p50_ms"] / row["bfloat16"]["tpot_p50_ms"]

@@ -53,6 +53,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))  # scheduler.step_log reads shuttle's step log
 
 from llama_server import convert_to_gguf  # noqa: E402  (scripts/dev, this script's own directory)
+
 from shuttle.worker.model_loader import cache_kwargs  # noqa: E402
 
 
@@ -75,7 +76,8 @@ class Outcome:
 
     def row(self) -> dict:
         ordered = sorted(self.latencies_s)
-        ms = (lambda v: None if v is None else 1000 * v)
+        def ms(v):
+            return None if v is None else 1000 * v
         return {"method": self.name, "wall_s": self.wall_s, "output_tok_per_s": self.output_tokens / self.wall_s,
                 "mean_latency_s": statistics.fmean(ordered) if ordered else 0.0,
                 "p99_latency_s": percentile(ordered, 0.99) or 0.0,
@@ -109,7 +111,8 @@ class ShuttleServer:
 
     def __init__(self, model: str, requests, serve_args: list[str], profile_out: Path | None, device: str = "cpu"):
         self.step_log = Path(tempfile.mkstemp(prefix="bench-steps-", suffix=".jsonl")[1])
-        cmd = [sys.executable, "-m", "shuttle.launcher.cli", "serve", model, "--port", "0", "--step-log", str(self.step_log),
+        cmd = [sys.executable, "-m", "shuttle.launcher.cli", "serve", model, "--port", "0", "--step-log",
+               str(self.step_log),
                *serve_args]
         self.cuda = device.startswith("cuda")
         self.device_used_before = _device_used_mib() if self.cuda else 0.0
@@ -526,7 +529,8 @@ def main() -> int:
         print(f"{row['method']:<36}{row['wall_s']:>9.2f}{row['output_tok_per_s']:>11.1f}{row['mean_latency_s']:>12.2f}"
               f"{row['p99_latency_s']:>11.2f}{ratio:>11.2f}" + (f"  ({row['note']})" if row["note"] else ""))
     print(f"\n{'method':<36}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>9}{'ITL p99':>9}{'peak MiB':>10}  (ms)")
-    show = (lambda v, d=1: "-" if v is None else f"{v:.{d}f}")
+    def show(v, d=1):
+        return "-" if v is None else f"{v:.{d}f}"
     for row in rows:
         print(f"{row['method']:<36}{show(row['ttft_p50_ms']):>10}{show(row['ttft_p99_ms']):>10}"
               f"{show(row['itl_p50_ms'], 2):>9}{show(row['itl_p99_ms'], 2):>9}{show(row['peak_memory_mib'], 0):>10}")

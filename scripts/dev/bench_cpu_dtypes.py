@@ -97,7 +97,7 @@ def main() -> int:
                 ggufs[outtype], slots=max(args.concurrency),
                 context_per_slot=args.input_len + args.output_len + 16, threads=len(os.sched_getaffinity(0))))
             print(f"{name}: {servers[name].url} ({' '.join(servers[name].command[1:])})", flush=True)
-        for name, server in servers.items():  # warm-up: first steps of every shape class
+        for server in servers.values():  # warm-up: first steps of every shape class
             bench_once(server.url, min(args.concurrency), args, vocab, seed=99)
         for r in range(args.rounds):
             for condition in conditions:

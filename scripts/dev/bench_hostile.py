@@ -140,7 +140,8 @@ async def run(base: str, args) -> Tally:
         hostile = {
             "deep tool": lambda i: post(session, tally, chat, {"messages": user, "tools": [nested_tool(300)],
                                                                "tool_choice": "required"}, "deep tool"),
-            "huge enum": lambda i: post(session, tally, completions, {"prompt": "Hi", "max_tokens": 8, "response_format": {
+            "huge enum": lambda i: post(session, tally, completions, {"prompt": "Hi", "max_tokens": 8,
+                                                                      "response_format": {
                 "type": "json_schema", "json_schema": {"name": "e", "schema": enum_schema(i % args.enums)}}},
                 "huge enum"),
             "distinct regex": lambda i: post(session, tally, completions, {

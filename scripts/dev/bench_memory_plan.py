@@ -83,7 +83,8 @@ def main() -> int:
     parser.add_argument("--json", type=Path, default=None, help="write both figures here")
     args, flags = parser.parse_known_args()
     print(f"load average {os.getloadavg()[0]:.2f}", flush=True)
-    done = subprocess.run([sys.executable, "-m", "shuttle.launcher.cli", "plan", args.model_dir, *flags, "--json"], cwd=REPO,
+    done = subprocess.run([sys.executable, "-m", "shuttle.launcher.cli", "plan", args.model_dir, *flags, "--json"],
+                          cwd=REPO,
                           capture_output=True, text=True, check=True)
     plan = json.loads(done.stdout)
     server = ShuttleServer(*flags, model_dir=Path(args.model_dir), start_timeout=600)

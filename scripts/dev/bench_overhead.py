@@ -33,8 +33,8 @@ from transformers import AutoModelForCausalLM, DynamicCache
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from shuttle.common.config import CacheConfig, IpcConfig, SchedulerConfig, ShuttleConfig  # noqa: E402
-from shuttle.common.model_config import ModelConfig  # noqa: E402
 from shuttle.common.messages import PlanMessage, StepOutputs, StepResult, Submit, WorkerMessage  # noqa: E402
+from shuttle.common.model_config import ModelConfig  # noqa: E402
 from shuttle.common.sampling import SamplingParams  # noqa: E402
 from shuttle.scheduler.kv_cache import KVCacheManager  # noqa: E402
 from shuttle.scheduler.scheduler import Scheduler  # noqa: E402
@@ -62,14 +62,14 @@ def run_batch(runner: ModelRunner, model_config: ModelConfig, batch: int, contex
     config = SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=max(2048, batch * context))
     scheduler = Scheduler(config, KVCacheManager(num_blocks, block_size, enable_caching=False),
                           model_config.max_model_len, model_config.eos_token_ids)
-    runner.kv_cache.num_blocks  # the runner's cache must hold these blocks
     assert num_blocks <= runner.kv_cache.num_blocks, "raise --num-kv-blocks"
     vocab = runner.model.get_output_embeddings().weight.shape[0]
     generator = torch.Generator().manual_seed(batch)
     params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
     for i in range(batch):
         prompt = torch.randint(3, vocab, (context,), generator=generator).tolist()
-        scheduler.add_request(b"bench", Submit(f"r{i}", prompt, params, float(i)))
+        scheduler.add_request(b"bench", Submit(request_id=f"r{i}", prompt_token_ids=prompt, sampling=params,
+                                               arrival_time=float(i)))
     encoder, plan_decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(PlanMessage)
     result_decoder = msgspec.msgpack.Decoder(WorkerMessage)
     while any(r.num_computed_tokens < len(r.prompt_token_ids) for r in scheduler.requests.values()):
@@ -93,13 +93,14 @@ def run_batch(runner: ModelRunner, model_config: ModelConfig, batch: int, contex
                                      [r.token_ids for r in requests])
             for state, token in zip(requests, sampled.token_ids):
                 state.token_ids.append(token)
-            result = StepResult(plan.step_id, [r.request_id for r in requests], sampled.token_ids)
+            result = StepResult(step_id=plan.step_id, request_ids=[r.request_id for r in requests],
+                                token_ids=sampled.token_ids)
             t5 = time.perf_counter()
             result = result_decoder.decode(encoder.encode(result))
             t6 = time.perf_counter()
             scheduler.update_from_output(step, result)
             for outputs in scheduler.take_outputs().values():
-                encoder.encode(StepOutputs(outputs, scheduler.stats()))
+                encoder.encode(StepOutputs(outputs=outputs, stats=scheduler.stats()))
             t7 = time.perf_counter()
             for phase, seconds in zip(PHASES, (t1 - t0, (t2 - t1) + (t6 - t5), t3 - t2, t4 - t3, t5 - t4, t7 - t6)):
                 timed.add(phase, seconds)
@@ -130,7 +131,7 @@ def bare_forward(model, batch: int, context: int, steps: int) -> float:
         cache = cache_kwargs(model, DynamicCache(config=model.config))
         out = model(input_ids=ids, **cache, use_cache=True, logits_to_keep=1)
         token = out.logits[:, -1].argmax(-1, keepdim=True)
-        for i in range(min(steps, 10)):
+        for _ in range(min(steps, 10)):
             start = time.perf_counter()
             out = model(input_ids=token, **cache, use_cache=True)
             token = out.logits[:, -1].argmax(-1, keepdim=True)
@@ -170,7 +171,8 @@ def main() -> None:
         step = sum(phases.values())
         overhead = step - phases["forward"]
         rows.append({"batch": batch, **phases, "step": step, "engine_overhead": overhead, "bare_forward": bare})
-        print(f"{batch:>6}" + "".join(f"{phases[p]:12.2f}" for p in PHASES) + f"{step:10.2f}{overhead:10.2f}{bare:10.2f}")
+        print(f"{batch:>6}" + "".join(f"{phases[p]:12.2f}" for p in PHASES)
+              + f"{step:10.2f}{overhead:10.2f}{bare:10.2f}")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"model": args.model, "context": args.context, "backend": runner.backend.name,
                                      "rows": rows}, indent=2))

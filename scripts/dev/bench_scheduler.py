@@ -36,9 +36,11 @@ def build(waiting: int, running: int, prompt_len: int, block_size: int) -> Sched
     params = SamplingParams(max_tokens=4096, ignore_eos=True)
     for i in range(running + waiting):
         prompt = [1] + [3 + (i * 7 + j) % 500 for j in range(prompt_len - 1)]
-        scheduler.add_request(b"bench", Submit(f"r{i}", prompt, params, float(i)))
+        scheduler.add_request(b"bench", Submit(request_id=f"r{i}", prompt_token_ids=prompt, sampling=params,
+                                               arrival_time=float(i)))
     step = scheduler.schedule()  # admits `running` requests: their prefills
-    scheduler.update_from_output(step, StepResult(step.plan.step_id, step.sampling_ids, [5] * len(step.sampling_ids)))
+    scheduler.update_from_output(step, StepResult(step_id=step.plan.step_id, request_ids=step.sampling_ids,
+                                                  token_ids=[5] * len(step.sampling_ids)))
     scheduler.take_outputs()
     return scheduler
 
@@ -50,8 +52,8 @@ def measure(scheduler: Scheduler, steps: int) -> tuple[list[float], list[float],
         t0 = time.perf_counter()
         following = scheduler.schedule()  # planned while `step` is in flight, as the overlapped loop does
         t1 = time.perf_counter()
-        scheduler.update_from_output(step, StepResult(step.plan.step_id, step.sampling_ids,
-                                                      [5] * len(step.sampling_ids)))
+        scheduler.update_from_output(step, StepResult(step_id=step.plan.step_id, request_ids=step.sampling_ids,
+                                                      token_ids=[5] * len(step.sampling_ids)))
         scheduler.take_outputs()
         t2 = time.perf_counter()
         plan_us.append((t1 - t0) * 1e6)

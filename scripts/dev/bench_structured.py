@@ -117,10 +117,10 @@ def _compile_times(model_dir: str) -> dict:
 
     vocab = AutoConfig.from_pretrained(model_dir).get_text_config().vocab_size
     compiler = GrammarCompiler(model.tokenizer_dir or model.model_dir, vocab, model.eos_token_ids)
-    compiler.compile_now([StructuredOutput("json_object")])  # loads the tokenizer: not a compile's cost
+    compiler.compile_now([StructuredOutput(kind="json_object")])  # loads the tokenizer: not a compile's cost
     times = {}
     for label in ("cold", "cached"):
-        spec = StructuredOutput("json", json.dumps(SCHEMA))
+        spec = StructuredOutput(kind="json", spec=json.dumps(SCHEMA))
         start = time.perf_counter()
         answer = compiler.compile_now([spec])
         times[f"compile_{label}_ms"] = 1000 * (time.perf_counter() - start)

@@ -33,11 +33,12 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts" / "dev"))
 
-from shuttle.common.config import CacheConfig, IpcConfig, SchedulerConfig, ShuttleConfig, WorkerConfig  # noqa: E402
-from shuttle.common.model_config import ModelConfig  # noqa: E402
-from shuttle.common.messages import Submit  # noqa: E402
-from shuttle.common.sampling import SamplingParams  # noqa: E402
 from gpu_check import common_prefix, greedy, hf_greedy, prompt_ids  # noqa: E402
+
+from shuttle.common.config import CacheConfig, IpcConfig, SchedulerConfig, ShuttleConfig, WorkerConfig  # noqa: E402
+from shuttle.common.messages import Submit  # noqa: E402
+from shuttle.common.model_config import ModelConfig  # noqa: E402
+from shuttle.common.sampling import SamplingParams  # noqa: E402
 from shuttle.scheduler.in_process import drive  # noqa: E402
 from shuttle.scheduler.kv_cache import KVCacheManager  # noqa: E402
 from shuttle.scheduler.scheduler import Scheduler  # noqa: E402
@@ -71,7 +72,8 @@ def shuttle_prompt_logprobs(scheduler, runner, prompts: list[list[int]]) -> list
     out: dict[str, list[float]] = {}
     for i, prompt in enumerate(prompts):
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
-        scheduler.add_request(b"c", Submit(f"p{i}", prompt, params, time.time()))
+        scheduler.add_request(b"c", Submit(request_id=f"p{i}", prompt_token_ids=prompt, sampling=params,
+                                           arrival_time=time.time()))
 
     def collect(batch) -> None:
         for o in batch:

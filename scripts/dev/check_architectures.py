@@ -22,11 +22,11 @@ import contextlib
 import io
 import json
 import logging
+import multiprocessing
 import re
 import subprocess
 import sys
 import tempfile
-import multiprocessing
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -40,11 +40,11 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from shuttle.common.config import CacheConfig, IpcConfig, SchedulerConfig, ShuttleConfig  # noqa: E402
-from shuttle.common.model_config import ModelConfig  # noqa: E402
 from shuttle.common.messages import Submit  # noqa: E402
+from shuttle.common.model_config import ModelConfig  # noqa: E402
 from shuttle.common.sampling import SamplingParams  # noqa: E402
-from shuttle.scheduler.kv_cache import KVCacheManager  # noqa: E402
 from shuttle.scheduler.in_process import drive  # noqa: E402
+from shuttle.scheduler.kv_cache import KVCacheManager  # noqa: E402
 from shuttle.scheduler.scheduler import Scheduler  # noqa: E402
 from shuttle.worker.model_loader import UnsupportedModelError  # noqa: E402
 from shuttle.worker.worker import ModelRunner  # noqa: E402
@@ -65,7 +65,8 @@ TINY = {
     "num_key_value_heads": 2, "head_dim": 16, "vocab_size": VOCAB, "max_position_embeddings": 256,
     "n_positions": 256, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "num_experts": 4,
     "num_local_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
-    "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, "kv_lora_rank": 16, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
+    "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, "kv_lora_rank": 16, "q_lora_rank": 32,
+    "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
     "v_head_dim": 16, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "initializer_range": 0.2,
     "tie_word_embeddings": False,
 }
@@ -129,7 +130,8 @@ def build_model_dir(model_type: str, directory: Path, extra: dict | None = None)
     model.save_pretrained(directory)
 
 
-def in_process_outputs(model_dir: Path, prompts: list[list[int]], budget: int) -> tuple[list[list[int]], list[list[float]]]:
+def in_process_outputs(model_dir: Path, prompts: list[list[int]], budget: int) -> tuple[list[list[int]],
+                                                                                        list[list[float]]]:
     """Greedy tokens and their logprobs from shuttle's Scheduler and ModelRunner in one process, two steps in
     flight, as the scheduler loop drives the worker."""
     model = ModelConfig.from_dir(model_dir, max_model_len=128)
@@ -139,7 +141,8 @@ def in_process_outputs(model_dir: Path, prompts: list[list[int]], budget: int) -
     scheduler = Scheduler(config.scheduler, KVCacheManager(256, 4), model.max_model_len, ())
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0)
     for i, prompt in enumerate(prompts):
-        scheduler.add_request(b"c", Submit(str(i), prompt, params, float(i)))
+        scheduler.add_request(b"c", Submit(request_id=str(i), prompt_token_ids=prompt, sampling=params,
+                                           arrival_time=float(i)))
     tokens = {str(i): [] for i in range(len(prompts))}
     logprobs = {str(i): [] for i in range(len(prompts))}
 
@@ -197,7 +200,8 @@ def check(name: str, model_type: str, extra: dict | None = None) -> Result:
             with _quiet():
                 want, want_logprobs = reference_outputs(directory, prompts)
         except Exception as exc:
-            return Result(name, "n/a", f"shuttle serves it, but transformers' generate fails on it, so it is unchecked: "
+            return Result(name, "n/a",
+                          f"shuttle serves it, but transformers' generate fails on it, so it is unchecked: "
                                        f"{_first_line(exc)}", seconds=time.perf_counter() - start)
     worst = 0.0
     for budget, got, got_logprobs in runs:

@@ -11,7 +11,8 @@ Calibrator.serve). Then it simulates the same workload with the profile, and pri
   prediction (the profile's spread left out), to show what the spread adds.
 
 Nothing is fitted to the run. --rounds repeats calibration, serving and simulation and reports the median gaps,
-since on a shared machine the drift between a calibration and the run after it decides much of a round's gap. On a shared machine whose speed drifts, --recalibrate first measures the grid
+since on a shared machine the drift between a calibration and the run after it decides much of a round's gap. On a
+shared machine whose speed drifts, --recalibrate first measures the grid
 (`shuttle calibrate`'s) in the same process and uses that profile, so that both see the same load; --load sets the
 request rate to that share of the simulator's saturated throughput (everything sent at once). For example, near
 saturation of stories260K:
@@ -73,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="request rate as this share of the simulated saturated throughput (overrides "
                              "--request-rate)")
     parser.add_argument("--rounds", type=positive, default=1,
-                        help="repeat calibrate (with --recalibrate), serve and simulate; report each and the median gaps")
+                        help="repeat calibrate (with --recalibrate), serve and simulate; report each and the "
+                             "median gaps")
     parser.add_argument("--result-json", default="bench_results/compare_inprocess.json")
     args = parser.parse_args(argv)
     cost = simulate.load_profile(parser, args.profile)

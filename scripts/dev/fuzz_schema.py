@@ -110,7 +110,8 @@ def summarize(ndjson: Path) -> dict:
                         "failure": str(((check.get("failure_info") or {}).get("failure") or {}).get("message"))[:500]})
     five_xx = sum(n for by_status in statuses.values() for s, n in by_status.items()
                   if s.isdigit() and int(s) >= 500 and s != "503")
-    return {"cases": cases, "five_xx": five_xx, "refused_503": dict(refusals), "mismatches": sum(failures[c] for c in CONFORMANCE),
+    return {"cases": cases, "five_xx": five_xx, "refused_503": dict(refusals),
+            "mismatches": sum(failures[c] for c in CONFORMANCE),
             "failures_by_check": dict(failures), "statuses": {k: dict(v) for k, v in sorted(statuses.items())},
             "schema_valid_refused": sum(refused.values()),
             "schema_valid_refused_by_reason": [[n, *reason] for reason, n in refused.most_common(20)],
@@ -167,9 +168,11 @@ def table(report: dict) -> str:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--url", help="a running server (default: start one)")
-    p.add_argument("--server-args", default="--chat-template tests/data/stories_chat.jinja --max-waiting-requests 100000",
+    p.add_argument("--server-args",
+                   default="--chat-template tests/data/stories_chat.jinja --max-waiting-requests 100000",
                    help="`shuttle serve` flags for the started server")
     p.add_argument("--api-key", default=None, help="start the server with this key and send it")
     p.add_argument("--max-examples", type=int, default=30, help="per operation and phase")

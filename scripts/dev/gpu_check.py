@@ -39,14 +39,14 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from shuttle.common.config import CacheConfig, IpcConfig, SchedulerConfig, ShuttleConfig, WorkerConfig  # noqa: E402
-from shuttle.common.model_config import ModelConfig  # noqa: E402
-from shuttle.common.messages import Submit  # noqa: E402
-from shuttle.common.sampling import SamplingParams  # noqa: E402
-from shuttle.scheduler.kv_cache import KVCacheManager  # noqa: E402
-from shuttle.scheduler.in_process import drive  # noqa: E402
-from shuttle.scheduler.scheduler import Scheduler  # noqa: E402
 from shuttle.capacity.story_prompts import MAX_TOKENS, STORY, story_prompts  # noqa: E402
+from shuttle.common.config import CacheConfig, IpcConfig, SchedulerConfig, ShuttleConfig, WorkerConfig  # noqa: E402
+from shuttle.common.messages import Submit  # noqa: E402
+from shuttle.common.model_config import ModelConfig  # noqa: E402
+from shuttle.common.sampling import SamplingParams  # noqa: E402
+from shuttle.scheduler.in_process import drive  # noqa: E402
+from shuttle.scheduler.kv_cache import KVCacheManager  # noqa: E402
+from shuttle.scheduler.scheduler import Scheduler  # noqa: E402
 
 BF16_MIN_PREFIX = 0.5
 STAGES = ("exact", "bf16", "compiles", "graphs")
@@ -103,7 +103,8 @@ def greedy(scheduler, runner, prompts: list[list[int]], max_tokens: list[int], t
     outputs = {f"{tag}{i}": [] for i in range(len(prompts))}
     for i, (prompt, m) in enumerate(zip(prompts, max_tokens)):
         params = SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True)
-        scheduler.add_request(b"c", Submit(f"{tag}{i}", prompt, params, time.time()))
+        scheduler.add_request(b"c", Submit(request_id=f"{tag}{i}", prompt_token_ids=prompt, sampling=params,
+                                           arrival_time=time.time()))
 
     def collect(batch) -> None:
         for out in batch:

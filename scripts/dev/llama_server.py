@@ -21,6 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from shuttle.common.process import die_with_parent  # noqa: E402
+
 LLAMA_CPP_SRC = REPO / ".venv" / "llama-cpp-src"
 LLAMA_SERVER = LLAMA_CPP_SRC / "build" / "bin" / "llama-server"
 GGUF_CACHE = Path("/tmp/shuttle-gguf")

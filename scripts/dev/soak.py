@@ -76,7 +76,8 @@ class Server:
         self.url, self.batch = args.url, args.batch_endpoint
         if args.url:
             return
-        cmd = [sys.executable, "-m", "shuttle.launcher.cli", "serve", args.model, "--port", "0", *args.server_args.split()]
+        cmd = [sys.executable, "-m", "shuttle.launcher.cli", "serve", args.model, "--port", "0",
+               *args.server_args.split()]
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=open(args.server_log, "w"),
                                      text=True, preexec_fn=die_with_parent)
         for line in self.proc.stdout:
@@ -272,7 +273,8 @@ class Soak:
         sock.connect(self.server.batch)
         try:
             body = self.body()
-            job = BatchRequest("j", "/v1/completions", {"prompt": body["prompt"], "max_tokens": body["max_tokens"],
+            job = BatchRequest(job_id="j", url="/v1/completions", body={"prompt": body["prompt"],
+                                                                        "max_tokens": body["max_tokens"],
                                                          "temperature": 0.8}, api_key=self.args.api_key or "")
             await sock.send(msgspec.msgpack.encode(job))
             ping = msgspec.msgpack.encode(BatchPing())
@@ -426,7 +428,8 @@ def table(report: dict) -> str:
         for name in ("needed_over_retry_after", "retry_after_s"):
             p = c[name]
             if p:
-                out.append(f"    {name:30}p50 {p['p50']:.2f}  p90 {p['p90']:.2f}  p99 {p['p99']:.2f}  max {p['max']:.2f}")
+                out.append(f"    {name:30}p50 {p['p50']:.2f}  p90 {p['p90']:.2f}  p99 {p['p99']:.2f}"
+                           f"  max {p['max']:.2f}")
     out.append(f"  {'queue empty while clients slept':32}{r['queue_empty_while_clients_slept_s']:>10} s")
     for name in ("ttft_s", "itl_s"):
         p = report[name]
@@ -446,7 +449,8 @@ def table(report: dict) -> str:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--url", help="an external server (default: start one)")
     p.add_argument("--batch-endpoint", default="tcp://127.0.0.1:8001", help="with --url")
     p.add_argument("--model", default=str(REPO.parent / "shared" / "models" / "stories260K"))

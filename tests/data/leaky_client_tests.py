@@ -1,6 +1,6 @@
-"""Run by tests/test_loop_guard.py in a pytester subprocess (not collected here: no test_ prefix): the first test leaves an
-openai client open on a server that outlives it; the second collects the garbage and starts a new server, whose
-listening socket gets the freed fd number and, without the guard, is never polled."""
+"""Run by tests/test_loop_guard.py in a pytester subprocess (not collected here: no test_ prefix): the first test
+leaves an openai client open on a server that outlives it; the second collects the garbage and starts a new server,
+whose listening socket gets the freed fd number and, without the guard, is never polled."""
 
 import asyncio
 import gc
@@ -9,10 +9,13 @@ import openai
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+
 def app():
     async def models(request):
         return web.json_response({"object": "list", "data": []})
-    a = web.Application(); a.router.add_get("/v1/models", models); return a
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    return app
 
 HANG_S = 10  # a request on loopback answers in milliseconds, even on a crowded machine
 KEPT = []
