@@ -1,5 +1,5 @@
 """Clients for shuttle's ZeroMQ batch endpoint: the same bodies as /v1/completions and /v1/chat/completions in,
-the same response bodies out (see frontend/zmq_api.py).
+the same response bodies out (see frontend/transports/zmq_batch.py).
 
     from shuttle.batch_jobs.client import BatchClient
     with BatchClient("tcp://127.0.0.1:8001") as client:

@@ -5,11 +5,9 @@ requests are prefilled in chunks, then decode steps run; every step goes through
 the server (plan decoded from msgpack, applied, packed, forward, sample, result encoded) and is timed whole, so the
 engine's per-step overhead is part of what is fitted. The scheduler's own time per step (plan + settle) is
 measured alongside and fitted as `scheduler_s` per step plus `scheduler_sequence_s` per sequence. Per configuration the
-median step is fitted (a loaded machine
-throws outliers), and how far each step lies from its configuration's median is kept as the profile's `spread`,
-which the simulator draws step times from. The device's peaks are measured first (capacity/hardware.py), and the
-roofline's corrections are
-fitted by non-negative least squares on relative error.
+median step is fitted (a loaded machine throws outliers), and how far each step lies from its configuration's median is
+kept as the profile's `spread`, which the simulator draws step times from. The device's peaks are measured first
+(capacity/hardware.py), and the roofline's corrections are fitted by non-negative least squares on relative error.
 
 `shuttle calibrate` (main) runs the grid on the machine it is on, prints each measurement next to its fit and writes
 the JSON profile that `shuttle serve --step-cost-profile`, `shuttle simulate` and `shuttle tune` read:

@@ -218,12 +218,12 @@ class ObservabilityConfig:
     disable_log_stats: bool = option(False, "stop the scheduler's periodic throughput / queue / KV cache log line")
 
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")  # --tool-call-parser's names (vLLM's; frontend/tool_parsers)
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")  # --tool-call-parser's names (vLLM's; frontend/tools/parsers)
 
 
 @dataclass(frozen=True)
 class ToolCallConfig:
-    """Tool calling on /v1/chat/completions (frontend/tool_request.py), under vLLM's flag names. Each field's help
+    """Tool calling on /v1/chat/completions (frontend/tools/request.py), under vLLM's flag names. Each field's help
     says what it means."""
 
     enable_auto_tool_choice: bool = option(False, "take tool_choice \"auto\" (the default of a request that lists "

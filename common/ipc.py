@@ -1,8 +1,7 @@
 """The only module that touches raw ZeroMQ sockets: typed channels that hold their encoder and decoder.
 
 Every payload is msgspec msgpack of a declared Struct; no generic Python object serialization. A ROUTER prefixes each
-message with the peer's
-identity frame, which is how the scheduler knows which frontend a request's outputs go back to.
+message with the peer's identity frame, which is how the scheduler knows which frontend a request's outputs go back to.
 
 No bytes a peer sends end a reader: a message that is not one well-formed message of the socket's type
 (any frame count, any decoding failure, too deep) is counted in the channel's `faults`, warned about at most once

@@ -12,29 +12,29 @@ from aiohttp import web
 from shuttle.common.config import ShuttleConfig
 from shuttle.common.version import shuttle_version
 from shuttle.frontend import last_words
-from shuttle.frontend.backpressure import refusal_headers
-from shuttle.frontend.chat import ChatTemplate
-from shuttle.frontend.cors import Cors
-from shuttle.frontend.dashboard import add_dashboard
-from shuttle.frontend.engine_client import EngineClient
-from shuttle.frontend.http_server import listen, request_limits
-from shuttle.frontend.lifecycle import Shutdown, SupervisorLink, drain
-from shuttle.frontend.metrics import Metrics
-from shuttle.frontend.middleware import api_key_auth, json_content_type, openai_errors, request_id_header
-from shuttle.frontend.openai_api import (
+from shuttle.frontend.completions.routes import (
     create_chat_completion,
     create_completion,
     create_response,
     list_models,
     retrieve_model,
 )
-from shuttle.frontend.openapi import openapi_document
-from shuttle.frontend.router import Router
+from shuttle.frontend.completions.tokenize import detokenize, tokenize
+from shuttle.frontend.engine.backpressure import refusal_headers
+from shuttle.frontend.engine.client import EngineClient
+from shuttle.frontend.engine.router import Router
+from shuttle.frontend.lifecycle import Shutdown, SupervisorLink, drain
+from shuttle.frontend.observability.dashboard import add_dashboard
+from shuttle.frontend.observability.metrics import Metrics
+from shuttle.frontend.request.chat_template import ChatTemplate
 from shuttle.frontend.state import STATE, FrontendState
-from shuttle.frontend.tokenize_api import detokenize, tokenize
 from shuttle.frontend.tokenizer import TextTokenizer
-from shuttle.frontend.websocket import websocket_handler
-from shuttle.frontend.zmq_api import BatchEndpoint
+from shuttle.frontend.transports.websocket import websocket_handler
+from shuttle.frontend.transports.zmq_batch import BatchEndpoint
+from shuttle.frontend.web.cors import Cors
+from shuttle.frontend.web.middleware import api_key_auth, json_content_type, openai_errors, request_id_header
+from shuttle.frontend.web.openapi import openapi_document
+from shuttle.frontend.web.server import listen, request_limits
 
 log = logging.getLogger("shuttle.frontend")
 
@@ -68,7 +68,7 @@ async def health(request: web.Request) -> web.Response:
         body["reason"] = engine.down_reason
     response = web.json_response(body, status=503, headers=refusal_headers(refusal.retry_after, engine.draining))
     if engine.draining:
-        response.force_close()  # going away: no promise (frontend/backpressure.py)
+        response.force_close()  # going away: no promise (frontend/engine/backpressure.py)
     return response
 
 

@@ -8,8 +8,8 @@ from typing import AsyncIterator
 
 from shuttle.common.errors import GenerationError
 from shuttle.common.messages import CONSTRAINT_REFUSAL, NEVER_FITS, FinishReason, RequestOutput, Submit, TokenLogprobs
-from shuttle.frontend.engine_api import Engine
-from shuttle.frontend.metrics import RequestMetrics
+from shuttle.frontend.engine.api import Engine
+from shuttle.frontend.observability.metrics import RequestMetrics
 from shuttle.frontend.stop import StopStringMatcher
 from shuttle.frontend.tokenizer import IncrementalDetokenizer, TextTokenizer
 

@@ -70,7 +70,7 @@ def _frame(opcode: int, payload: bytes) -> bytes:
 
 
 def websocket_error(client_id: str) -> str:
-    """The WebSocket error frame (as frontend/websocket.py writes them) of a stream ended by a restart."""
+    """The WebSocket error frame (as frontend/transports/websocket.py writes them) of a stream ended by a restart."""
     return json.dumps({"type": "error", "id": client_id, "should_retry": True,
                        "error": {"message": MESSAGE, "type": "service_unavailable", "param": None, "code": 503}})
 

@@ -14,7 +14,7 @@ from shuttle.common.config import ShuttleConfig
 from shuttle.common.ipc import AsyncChannel
 from shuttle.common.messages import EngineDown, SupervisorMessage
 from shuttle.common.process import HEARTBEAT_INTERVAL_S, HeartbeatSender
-from shuttle.frontend.engine_api import Engine
+from shuttle.frontend.engine.api import Engine
 
 log = logging.getLogger("shuttle.frontend")
 
@@ -76,8 +76,8 @@ class Shutdown:
 async def drain(engine: Engine, timeout: float, hurry: asyncio.Event,
                 websockets: set[web.WebSocketResponse]) -> None:
     """Stop admitting at once (503 with no Retry-After and `Connection: close`: the server is going away, see
-    frontend/backpressure.py; /health says "draining"), let in-flight requests finish for up to `timeout` seconds,
-    then end the rest with an error and close the WebSockets (1001 going away)."""
+    frontend/engine/backpressure.py; /health says "draining"), let in-flight requests finish for up to `timeout`
+    seconds, then end the rest with an error and close the WebSockets (1001 going away)."""
     engine.draining = True
     deadline = time.monotonic() + timeout
     log.info("draining: %d request(s) in flight, up to %g s", engine.num_in_flight, timeout)

@@ -7,8 +7,8 @@
        (frontend/generation.py: submit, detokenize, stop strings): one choice streams straight from its
        generation, several are merged (frontend/choices.py)
 
-HTTP (frontend/openai_api.py), the WebSocket (frontend/websocket.py) and the ZeroMQ batch endpoint
-(frontend/zmq_api.py) are thin adapters around it: they only read their transport's frames, make a call and
+HTTP (frontend/completions/routes.py), the WebSocket (frontend/transports/websocket.py) and the ZeroMQ batch endpoint
+(frontend/transports/zmq_batch.py) are thin adapters around it: they only read their transport's frames, make a call and
 write `collect()` or `chunks()` back in their own framing. So every transport has the same parameters, the same
 validation and the same errors (InvalidRequestError, ModelNotFoundError, GenerationError;
 `frontend.protocol.client_error` maps them to HTTP statuses).
@@ -28,8 +28,9 @@ from shuttle.common.errors import InvalidRequestError, ModelNotFoundError
 from shuttle.common.messages import Submit
 from shuttle.common.sampling import StructuredOutput
 from shuttle.frontend.choices import CollectedChoice, collect, merge, usage
+from shuttle.frontend.completions.shapes import chat_logprobs, completion_logprobs, prompt_logprobs_object
 from shuttle.frontend.generation import TextDelta, TextGeneration
-from shuttle.frontend.protocol import (
+from shuttle.frontend.request.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     SamplingFields,
@@ -39,11 +40,10 @@ from shuttle.frontend.protocol import (
     convert_body,
     sampling_params,
 )
-from shuttle.frontend.responses import chat_logprobs, completion_logprobs, prompt_logprobs_object
 from shuttle.frontend.state import FrontendState
-from shuttle.frontend.structured_request import constraint_source, structured_output_of
-from shuttle.frontend.tool_calls import ToolCallChoices, tool_parser_of
-from shuttle.frontend.tool_request import template_tools, tool_constraint, tool_use_of
+from shuttle.frontend.structured.request import constraint_source, structured_output_of
+from shuttle.frontend.tools.calls import ToolCallChoices, tool_parser_of
+from shuttle.frontend.tools.request import template_tools, tool_constraint, tool_use_of
 
 log = logging.getLogger("shuttle.frontend")
 
@@ -298,8 +298,8 @@ class CompletionCall(Call):
 
 class ChatCall(Call):
     """POST /v1/chat/completions: message choices; in a stream each choice opens with a role-only delta (as OpenAI's
-    streams do). With tools, each choice's text is parsed into content and tool calls (frontend/tool_calls.py), and
-    tool_choice "required" or a named function constrains the output to them (frontend/tool_request.py).
+    streams do). With tools, each choice's text is parsed into content and tool calls (frontend/tools/calls.py), and
+    tool_choice "required" or a named function constrains the output to them (frontend/tools/request.py).
 
     Raises:
         InvalidRequestError, ModelNotFoundError: the body is not valid (param names the field).

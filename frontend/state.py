@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from shuttle.common.config import ShuttleConfig
-from shuttle.frontend.chat import ChatTemplate
-from shuttle.frontend.engine_api import Engine
-from shuttle.frontend.metrics import Metrics
+from shuttle.frontend.engine.api import Engine
+from shuttle.frontend.observability.metrics import Metrics
+from shuttle.frontend.request.chat_template import ChatTemplate
 from shuttle.frontend.tokenizer import TextTokenizer
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from tokenizers import Encoding, Tokenizer
 
 from shuttle.common.errors import InvalidRequestError, ModelDirError
-from shuttle.frontend.special_text import SpecialTextGuard
+from shuttle.frontend.request.special_text import SpecialTextGuard
 
 
 @lru_cache(maxsize=1)

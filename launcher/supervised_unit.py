@@ -154,8 +154,7 @@ class Unit:
     def kill(self, last_words_s: float = 0.0) -> None:
         """SIGKILL every process of the unit (a stopped or hung one too) and reap it. With `last_words_s`, each
         live process first gets LAST_WORDS_SIGNAL and SIGCONT (in case it was stopped) and that many seconds to exit on
-        its
-        own: the frontend ends its open streams with an error then (frontend/last_words.py)."""
+        its own: the frontend ends its open streams with an error then (frontend/last_words.py)."""
         if last_words_s > 0:
             live = [proc for proc in self.procs.values() if proc.poll() is None]
             for proc in live:
@@ -190,7 +189,7 @@ class Unit:
         """The next start-up is expected to take as long as the last one (the first start-up, then each restart:
         the same machine under about the same load, with warm caches after the first). No margin on top: a client
         told too short a wait is refused at once by the frontend and told again, one told too long sleeps while
-        the engine serves (frontend/backpressure.py). 10 s before any start was measured."""
+        the engine serves (frontend/engine/backpressure.py). 10 s before any start was measured."""
         return self.start_durations[-1] if self.start_durations else 10.0
 
     def next_backoff(self) -> float:

@@ -12,7 +12,7 @@ from typing import Callable
 
 from shuttle.common.process import boot_id
 
-FRONTEND_TIMEOUT_S = 10.0  # a frontend heartbeats every second (frontend/engine_client.py); 10 missed: gone
+FRONTEND_TIMEOUT_S = 10.0  # a frontend heartbeats every second (frontend/engine/client.py); 10 missed: gone
 # The step loop looks at its clocks at least once a second (idle polls 100 ms, result waits at most 1 s). A longer gap
 # between two looks means the scheduler itself did not run (the machine or the process was paused, or starved):
 # silence it was not there to hear, and a step it was not there to time, count only this much of that gap.

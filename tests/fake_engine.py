@@ -19,9 +19,9 @@ from shuttle.common.config import IpcConfig, ShuttleConfig
 from shuttle.common.messages import FinishReason, RequestOutput, SchedulerInfo, Submit, TokenLogprobs
 from shuttle.common.model_config import ModelConfig
 from shuttle.frontend.app import build_app
-from shuttle.frontend.chat import ChatTemplate
-from shuttle.frontend.engine_client import ServingGroup
-from shuttle.frontend.metrics import Metrics
+from shuttle.frontend.engine.client import ServingGroup
+from shuttle.frontend.observability.metrics import Metrics
+from shuttle.frontend.request.chat_template import ChatTemplate
 from shuttle.frontend.state import FrontendState
 from shuttle.frontend.tokenizer import TextTokenizer
 from tests.server import MODEL_DIR, REPO

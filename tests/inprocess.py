@@ -17,12 +17,12 @@ from shuttle.common.config import IpcConfig, OpsConfig, ShuttleConfig
 from shuttle.common.messages import FinishReason
 from shuttle.common.model_config import ModelConfig
 from shuttle.frontend.app import BATCH, build_app
-from shuttle.frontend.chat import ChatTemplate
-from shuttle.frontend.http_server import listen
-from shuttle.frontend.metrics import Metrics
+from shuttle.frontend.observability.metrics import Metrics
+from shuttle.frontend.request.chat_template import ChatTemplate
 from shuttle.frontend.state import FrontendState
 from shuttle.frontend.tokenizer import TextTokenizer
-from shuttle.frontend.zmq_api import BatchEndpoint
+from shuttle.frontend.transports.zmq_batch import BatchEndpoint
+from shuttle.frontend.web.server import listen
 from tests.fake_engine import SCRIPT, FakeEngine
 from tests.server import MODEL_DIR, REPO
 

@@ -2,10 +2,9 @@
 
 All async tests share one session-wide event loop (pyproject's asyncio_default_*_loop_scope). A test that leaves an
 async HTTP client (httpx's AsyncClient; every openai.AsyncOpenAI holds one) open hands its sockets to the garbage
-collector, which may
-close them in the middle of a later test: the freed fd number is reused by that test's new socket (a TestServer's
-listening socket) and the stale selector registration, or the old transport's late close, takes the new socket's
-registration away. That test's request is then never polled and hangs until pytest-timeout. So every test:
+collector, which may close them in the middle of a later test: the freed fd number is reused by that test's new socket
+(a TestServer's listening socket) and the stale selector registration, or the old transport's late close, takes the new
+socket's registration away. That test's request is then never polled and hangs until pytest-timeout. So every test:
 
 - must close each such client it opened, unless something long-lived still holds it (langchain's module-level
   client cache): at teardown the guard drops its own references and collects, and a client that was garbage while

@@ -1,4 +1,4 @@
-"""The private attributes of aiohttp's RequestHandler that frontend/http_server.py reads (AIOHTTP_PRIVATE, checked
+"""The private attributes of aiohttp's RequestHandler that frontend/web/server.py reads (AIOHTTP_PRIVATE, checked
 against aiohttp AIOHTTP_CHECKED) still exist and still mean what it reads them for, on a live connection: this
 fails when an aiohttp release renames or repurposes one of them.
 
@@ -12,7 +12,7 @@ import aiohttp
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
-from shuttle.frontend.http_server import AIOHTTP_PRIVATE, ShuttleRequestHandler
+from shuttle.frontend.web.server import AIOHTTP_PRIVATE, ShuttleRequestHandler
 from tests.inprocess import start_app
 
 HANG = 30.0

@@ -17,7 +17,7 @@ import zmq.asyncio
 
 from shuttle.batch_jobs.client import AsyncBatchClient, BatchClient, BatchServerGone
 from shuttle.common.messages import BatchHeartbeat, BatchRequest, BatchServerMessage
-from shuttle.frontend.zmq_api import BatchEndpoint
+from shuttle.frontend.transports.zmq_batch import BatchEndpoint
 from tests.batch_wire import HANG, dealer, next_response
 from tests.inprocess import start_app
 from tests.server import REPO

@@ -10,7 +10,7 @@ import msgspec
 import pytest
 
 from shuttle.common.messages import SchedulerStats
-from shuttle.frontend.dashboard import FEED
+from shuttle.frontend.observability.dashboard import FEED
 from tests.inprocess import start_app
 
 KEY = "sk-dashboard-secret-4711"

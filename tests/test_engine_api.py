@@ -4,9 +4,9 @@ nothing public beyond that interface and what the Router asks of each of its gro
 
 import inspect
 
-from shuttle.frontend.engine_api import Engine
-from shuttle.frontend.engine_client import EngineClient, ServingGroup
-from shuttle.frontend.router import Router
+from shuttle.frontend.engine.api import Engine
+from shuttle.frontend.engine.client import EngineClient, ServingGroup
+from shuttle.frontend.engine.router import Router
 from tests.fake_engine import FakeEngine
 
 # what the Router asks of each group besides Engine: its life, its standing, and its counts for routing

@@ -30,9 +30,8 @@ def test_an_unknown_device_or_a_model_without_dimensions_is_named(tmp_path):
 def test_the_device_plan_by_hand():
     """bf16 on an H100 (80 GB), 0.9 of it: weights 5 x 45,312 + 512 x 64 (tied) = 259,328 x 2 B; activations
     2,048 x (4 x 64 + 2 x 172) x 2 B + 128 x 512 x 4 B; KV 2 x 5 x 4 x 8 x 2 = 640 B per token. A decode step of 128
-    sequences at
-    context 256 is memory-bound: weights read once (259,328 x 2 B, the LM head counted once), 128 x 640 B of new
-    K and V, 128 x 512 x 4 B of logits and 128 x 256 x 640 B of context, at 3.35 TB/s."""
+    sequences at context 256 is memory-bound: weights read once (259,328 x 2 B, the LM head counted once), 128 x 640 B
+    of new K and V, 128 x 512 x 4 B of logits and 128 x 256 x 640 B of context, at 3.35 TB/s."""
     plan = device_plan.build(str(MODEL_DIR), "h100", "bfloat16", max_num_seqs=128, max_num_batched_tokens=2048)
     assert plan.weight_bytes == 259328 * 2
     assert plan.activation_bytes == 2048 * 600 * 2 + 128 * 512 * 4

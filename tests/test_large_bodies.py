@@ -1,5 +1,5 @@
 """Large request bodies never stall the frontend's event loop: their conversion to a Call (decoding, the chat
-template, tokenizing) runs in frontend/off_loop.py's pool, and is linear in the body (40,000 function_call items
+template, tokenizing) runs in frontend/web/off_loop.py's pool, and is linear in the body (40,000 function_call items
 in one /v1/responses body took about 30 s of the loop before, when each call copied the tool-call list), so the
 streams beside them go on and each ends with its terminal event."""
 
@@ -7,9 +7,9 @@ import asyncio
 import json
 import threading
 
-from shuttle.frontend import openai_api
-from shuttle.frontend.off_loop import OFF_LOOP_BYTES
-from shuttle.frontend.responses_request import input_messages
+from shuttle.frontend.completions import routes as openai_api
+from shuttle.frontend.responses.request import input_messages
+from shuttle.frontend.web.off_loop import OFF_LOOP_BYTES
 from tests.fake_engine import FakeEngine
 from tests.test_api_details import STORY, served, stream
 

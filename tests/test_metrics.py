@@ -10,7 +10,7 @@ from shuttle.common.config import CacheConfig, IpcConfig, ShuttleConfig
 from shuttle.common.messages import RequestOutput, SchedulerInfo, SchedulerStats, Submit
 from shuttle.common.model_config import ModelConfig
 from shuttle.common.sampling import SamplingParams
-from shuttle.frontend.metrics import Metrics, one_two_five
+from shuttle.frontend.observability.metrics import Metrics, one_two_five
 from tests.client import post_completion, stream_completion
 from tests.conftest import hf_tokenizer
 from tests.server import MODEL_DIR, ShuttleServer

@@ -15,7 +15,7 @@ import pytest
 
 from shuttle.common.messages import BatchRequest
 from shuttle.common.sampling import StructuredOutput
-from shuttle.frontend.protocol import REFUSED_FIELDS, ChatCompletionRequest, CompletionRequest
+from shuttle.frontend.request.protocol import REFUSED_FIELDS, ChatCompletionRequest, CompletionRequest
 from tests.batch_wire import dealer, next_response
 from tests.inprocess import start_app
 
@@ -76,7 +76,7 @@ ACCEPTED = [
     ("use_beam_search", False, (C, CHAT)),
     ("echo", False, (CHAT,)),
     ("skip_special_tokens", True, (C, CHAT)),
-    ("chat_template_kwargs", {"enable_thinking": False}, (CHAT,)),  # implemented (frontend/chat.py)
+    ("chat_template_kwargs", {"enable_thinking": False}, (CHAT,)),  # implemented (frontend/request/chat_template.py)
     ("user", "u-1", (C, CHAT)),
     ("metadata", {"team": "search"}, (C, CHAT)),
     ("store", True, (C, CHAT)),

@@ -7,7 +7,7 @@ import json
 import aiohttp
 import pytest
 
-from shuttle.frontend.backpressure import RestartClock, RetryAfterEstimator, header_value, refusal_headers
+from shuttle.frontend.engine.backpressure import RestartClock, RetryAfterEstimator, header_value, refusal_headers
 from shuttle.launcher.supervised_unit import Unit
 from tests.inprocess import start_app
 

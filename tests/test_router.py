@@ -8,8 +8,8 @@ import pytest
 
 from shuttle.common.messages import FinishReason, SchedulerStats, Submit
 from shuttle.common.sampling import SamplingParams
-from shuttle.frontend.metrics import Metrics
-from shuttle.frontend.router import Router, prompt_block_hashes
+from shuttle.frontend.engine.router import Router, prompt_block_hashes
+from shuttle.frontend.observability.metrics import Metrics
 from shuttle.scheduler.kv_cache import KVCacheManager
 from shuttle.scheduler.request import Request
 from tests.fake_engine import FakeEngine

@@ -1,4 +1,4 @@
-"""frontend/schema_support.py against the grammar engine itself: every keyword KEYWORDS calls enforced is
+"""frontend/structured/schema_support.py against the grammar engine itself: every keyword KEYWORDS calls enforced is
 enforced by xgrammar (a valid instance accepted, an invalid one refused, through the same compile options the
 worker uses), every refused one is refused by check_schema naming it, and docs/structured-outputs.md holds the
 table as scripts/dev/schema_keyword_table.py prints it."""
@@ -13,8 +13,15 @@ import xgrammar as xgr
 from xgrammar.testing import _is_grammar_accept_string as accepts
 
 from shuttle.common.errors import InvalidRequestError
-from shuttle.frontend.schema_support import ANNOTATION, ENFORCED, KEYWORDS, REFUSED, check_regex, check_schema
-from shuttle.frontend.tool_request import Tool, ToolUse, tool_constraint
+from shuttle.frontend.structured.schema_support import (
+    ANNOTATION,
+    ENFORCED,
+    KEYWORDS,
+    REFUSED,
+    check_regex,
+    check_schema,
+)
+from shuttle.frontend.tools.request import Tool, ToolUse, tool_constraint
 
 REPO = Path(__file__).resolve().parent.parent
 OBJ = {"type": "object"}

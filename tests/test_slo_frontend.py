@@ -6,8 +6,8 @@ from aiohttp.test_utils import TestClient, TestServer
 from shuttle.common.config import IpcConfig, SchedulerConfig, ShuttleConfig
 from shuttle.common.model_config import ModelConfig
 from shuttle.frontend.app import build_app
-from shuttle.frontend.chat import ChatTemplate
-from shuttle.frontend.metrics import Metrics
+from shuttle.frontend.observability.metrics import Metrics
+from shuttle.frontend.request.chat_template import ChatTemplate
 from shuttle.frontend.state import FrontendState
 from shuttle.frontend.tokenizer import TextTokenizer
 from tests.fake_engine import FakeEngine

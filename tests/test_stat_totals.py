@@ -1,8 +1,8 @@
-"""frontend/stat_totals.py: the scheduler's counters, as the frontend shows them, never go down across scheduler
-restarts, announced (the launcher's engine_down) or not."""
+"""frontend/observability/stat_totals.py: the scheduler's counters, as the frontend shows them, never go down across
+scheduler restarts, announced (the launcher's engine_down) or not."""
 
 from shuttle.common.messages import SchedulerStats
-from shuttle.frontend.stat_totals import COUNTERS, StatTotals
+from shuttle.frontend.observability.stat_totals import COUNTERS, StatTotals
 
 
 def test_every_cumulative_field_of_scheduler_stats_is_carried():

@@ -7,8 +7,8 @@ import msgspec
 import pytest
 
 from shuttle.common.messages import SchedulerStats
-from shuttle.frontend.metrics import Metrics
-from shuttle.frontend.stats_feed import StatsFeed, _buckets, _total, histogram_quantile
+from shuttle.frontend.observability.metrics import Metrics
+from shuttle.frontend.observability.stats_feed import StatsFeed, _buckets, _total, histogram_quantile
 from shuttle.scheduler.stats import StepStats
 from tests.inprocess import FakeEngine, make_config
 from tests.test_scheduler import make_scheduler, run_step, submit

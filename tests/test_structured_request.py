@@ -1,4 +1,4 @@
-"""Issue 27, the request side of structured outputs: frontend/structured_request.py's structured_output_of over
+"""Issue 27, the request side of structured outputs: frontend/structured/request.py's structured_output_of over
 bodies decoded as the server decodes them (frontend.protocol.convert_body), for both completion endpoints. Each
 accepted form gives its exact StructuredOutput; each refused form raises InvalidRequestError naming the field."""
 
@@ -11,8 +11,8 @@ import pytest
 
 from shuttle.common.errors import InvalidRequestError
 from shuttle.common.sampling import StructuredOutput
-from shuttle.frontend.protocol import ChatCompletionRequest, CompletionRequest, convert_body
-from shuttle.frontend.structured_request import MAX_CHOICES, MAX_PATTERN_BYTES, MAX_SCHEMA_BYTES, structured_output_of
+from shuttle.frontend.request.protocol import ChatCompletionRequest, CompletionRequest, convert_body
+from shuttle.frontend.structured.request import MAX_CHOICES, MAX_PATTERN_BYTES, MAX_SCHEMA_BYTES, structured_output_of
 
 BASES = {CompletionRequest: {"prompt": "Hi"}, ChatCompletionRequest: {"messages": [{"role": "user", "content": "Hi"}]}}
 ENDPOINTS = list(BASES)

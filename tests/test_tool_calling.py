@@ -21,11 +21,11 @@ from tokenizers import Tokenizer
 from shuttle.common.config import TOOL_CALL_PARSERS, ToolCallConfig
 from shuttle.common.messages import FinishReason
 from shuttle.common.sampling import StructuredOutput
-from shuttle.frontend.chat import ChatTemplate
-from shuttle.frontend.protocol import ChatMessage
+from shuttle.frontend.request.chat_template import ChatTemplate
+from shuttle.frontend.request.protocol import ChatMessage
 from shuttle.frontend.tokenizer import TextTokenizer
-from shuttle.frontend.tool_parsers import PARSERS
-from shuttle.frontend.tool_request import (
+from shuttle.frontend.tools.parsers import PARSERS
+from shuttle.frontend.tools.request import (
     AUTO_NEEDS,
     NamedToolChoice,
     Tool,

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from shuttle.frontend.tool_parsers import (
+from shuttle.frontend.tools.parsers import (
     PARSERS,
     HermesToolParser,
     JsonArrayCallsParser,
@@ -15,7 +15,7 @@ from shuttle.frontend.tool_parsers import (
     NamedFunctionParser,
     parser_for,
 )
-from shuttle.frontend.tool_parsers.base import ParsedMessage, StreamPiece, ToolCall
+from shuttle.frontend.tools.parsers.base import ParsedMessage, StreamPiece, ToolCall
 
 
 def _splits(text: str):

@@ -149,8 +149,8 @@ def test_chat_template_is_a_file_or_the_template_itself(tmp_path, capsys):
 
 
 def test_an_inline_chat_template_renders(tmp_path):
-    from shuttle.frontend.chat import ChatTemplate
-    from shuttle.frontend.protocol import ChatMessage
+    from shuttle.frontend.request.chat_template import ChatTemplate
+    from shuttle.frontend.request.protocol import ChatMessage
     template = ChatTemplate(str(MODEL_DIR), "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}")
     assert template.render([ChatMessage(role="user", content="hi")]) == "<user>hi"
 

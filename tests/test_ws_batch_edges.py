@@ -15,7 +15,7 @@ import pytest
 
 from shuttle.common.config import ShuttleConfig
 from shuttle.common.messages import BatchRequest
-from shuttle.frontend.ws_frames import CLOSE_FRAME, MaskedFramesOnly
+from shuttle.frontend.transports.ws_frames import CLOSE_FRAME, MaskedFramesOnly
 from shuttle.launcher.cli import build_parser
 from tests.batch_wire import dealer, next_response
 from tests.inprocess import SCRIPT, start_app

@@ -234,7 +234,7 @@ def test_a_deep_message_cannot_blow_the_c_stack():
 import sys, threading, zmq
 from shuttle.common.ipc import Channel
 from shuttle.common.messages import BatchClientMessage
-from shuttle.frontend.zmq_api import MAX_DEPTH
+from shuttle.frontend.transports.zmq_batch import MAX_DEPTH
 from tests.malformed import deep_request
 sys.setrecursionlimit(10**7)
 threading.stack_size(256 * 1024)
@@ -416,7 +416,7 @@ def test_the_worker_reads_on_past_malformed_plans(tmp_path):
 
 
 async def test_the_frontend_reads_on_past_malformed_scheduler_and_launcher_messages(tmp_path):
-    from shuttle.frontend.engine_client import EngineClient
+    from shuttle.frontend.engine.client import EngineClient
     from shuttle.frontend.lifecycle import SupervisorLink
     ctx = zmq.asyncio.Context.instance()
     encode = msgspec.msgpack.encode
@@ -457,7 +457,7 @@ async def test_the_frontend_reads_on_past_malformed_scheduler_and_launcher_messa
 async def test_a_stats_hook_that_raises_loses_no_output(tmp_path, caplog):
     """The frontend's one listener delivers every request's outputs; a hook that raises on a message (a metrics or
     dashboard bug) is logged, and the outputs of that message and the next still reach their request."""
-    from shuttle.frontend.engine_client import EngineClient
+    from shuttle.frontend.engine.client import EngineClient
     ctx = zmq.asyncio.Context.instance()
     encode = msgspec.msgpack.encode
     scheduler = ctx.socket(zmq.ROUTER)

@@ -5,11 +5,10 @@ Who does what (the scheduler never sees a grammar): the scheduler holds a constr
 grammar is compiled (scheduler/grammar_gate.py), asking this worker to compile it (CompileGrammars) and telling it
 which compiled grammars to drop; compiles run on threads of their own (xgrammar releases the GIL), so the step loop
 goes on, and GrammarsCompiled tells the scheduler when each is ready or why it failed. The matcher lives here, beside
-the sampler, because only here is a
-sampled token known at once: under overlapped scheduling the next step is planned before the scheduler has seen
-this one's tokens, and the mask of a decode must follow the token sampled just before it. A request that comes back
-after a preemption replays its known outputs into a new matcher, so recomputation needs no grammar state on the
-wire.
+the sampler, because only here is a sampled token known at once: under overlapped scheduling the next step is planned
+before the scheduler has seen this one's tokens, and the mask of a decode must follow the token sampled just before it.
+A request that comes back after a preemption replays its known outputs into a new matcher, so recomputation needs no
+grammar state on the wire.
 
 xgrammar (Dong et al., "XGrammar: Flexible and Efficient Structured Generation Engine for Large Language Models",
 2024; https://github.com/mlc-ai/xgrammar) does the compiling, matching and mask application.

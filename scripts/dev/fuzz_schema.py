@@ -11,7 +11,7 @@ Starts a server (launcher/local_server.py's ShuttleServer on stories260K, or --u
   that does not match the listed schema (checks status_code_conformance, content_type_conformance,
   response_schema_conformance, response_headers_conformance);
 - schema-valid cases refused (informational): requests drawn from the schemas (schemathesis's positive mode) answered
-  400, by reason, which shows what the document cannot state (frontend/schema_constraints.py) or a drift;
+  400, by reason, which shows what the document cannot state (frontend/web/schema_constraints.py) or a drift;
 - afterwards: the server's processes alive and unrestarted, and a greedy completion still served.
 
 A table on stdout, everything in --json. Not part of CI (a few minutes; schemathesis is the optional extra `fuzz`:

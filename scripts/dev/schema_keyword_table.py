@@ -1,5 +1,5 @@
-"""Print the JSON-schema keyword table of docs/structured-outputs.md from frontend/schema_support.py's KEYWORDS
-(tests/test_schema_support.py checks each row against the grammar engine and that the docs hold this output).
+"""Print the JSON-schema keyword table of docs/structured-outputs.md from frontend/structured/schema_support.py's
+KEYWORDS (tests/test_schema_support.py checks each row against the grammar engine and that the docs hold this output).
 
     .venv/bin/python scripts/dev/schema_keyword_table.py
 """
@@ -9,7 +9,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from shuttle.frontend.schema_support import ANNOTATION, ENFORCED, KEYWORDS, REFUSED  # noqa: E402
+from shuttle.frontend.structured.schema_support import ANNOTATION, ENFORCED, KEYWORDS, REFUSED  # noqa: E402
 
 
 def main() -> None:

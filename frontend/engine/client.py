@@ -1,0 +1,324 @@
+"""The frontend's link to one serving group's scheduler: submit, one listener fanning outputs to per-request
+queues, abort.
+
+It also carries the frontend's side of supervision: while the engine is down (the launcher said so)
+`generate` refuses at once with a 503 and the expected restart time as Retry-After, while the server drains with
+a 503 and no promise (it is going away: frontend/engine/backpressure.py); when the engine goes down every
+in-flight request gets one terminal error and the link starts over with a fresh socket, which is up again as
+soon as the new scheduler answers its Hello.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import logging
+import os
+import time
+from typing import AsyncIterator
+
+import zmq
+import zmq.asyncio
+
+from shuttle.common.errors import GenerationError
+from shuttle.common.ipc import AsyncChannel
+from shuttle.common.messages import (
+    Abort,
+    FinishReason,
+    Heartbeat,
+    Hello,
+    RequestOutput,
+    SchedulerInfo,
+    SchedulerMessage,
+    SchedulerStats,
+    StepOutputs,
+    Submit,
+)
+from shuttle.frontend.engine.api import GroupState
+from shuttle.frontend.engine.backpressure import RestartClock, RetryAfterEstimator
+from shuttle.frontend.observability.stat_totals import StatTotals
+
+log = logging.getLogger("shuttle.frontend")
+
+HEARTBEAT_INTERVAL_S = 1.0  # the scheduler takes a frontend silent for 10 s as gone (scheduler/liveness.py)
+REMOTE_RESTART_GUESS_S = 10.0  # a remote group away for the first time: about one engine start-up on a CPU
+
+
+class ServingGroup(abc.ABC):
+    """One serving group's standing as the frontend sees it, and what it tells a new request: up or down (and
+    why), its latest stats, its sequences in flight and their failure at once. Implements frontend.engine_api.Engine
+    for the group alone; a subclass carries the requests (EngineClient over its socket; tests/fake_engine.py's
+    FakeEngine over a script), keeping each in-flight sequence's queue in `_queues`, which fail_all reaches.
+
+    Attributes:
+        info: the scheduler's cache geometry (from its answer to Hello).
+        stats: the scheduler's latest stats, its counters totals over every scheduler the group has had
+            (frontend/observability/stat_totals.py).
+        down_reason: why the group is down, or None while it serves.
+        draining: set by the shutdown drain; new requests are refused.
+        times_down: failures seen since the frontend started. routed: sequences the router sent here.
+    """
+
+    def __init__(self, endpoint: str):
+        self._endpoint = endpoint
+        self.info: SchedulerInfo | None = None
+        self.stats = SchedulerStats()
+        self._totals = StatTotals()
+        self.on_stats = None  # called with every SchedulerStats message (the metrics' per-step histograms)
+        self.down_reason: str | None = None
+        self.draining = False
+        self.times_down = 0
+        self.routed = 0
+        self._up = asyncio.Event()
+        self._restart = RestartClock()
+        self._retry_after = RetryAfterEstimator()
+        self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}  # in flight: where failures are delivered
+
+    @abc.abstractmethod
+    def generate(self, request: Submit) -> AsyncIterator[RequestOutput]:
+        """frontend.engine_api.Engine.generate, for this group: refused at once while admission_error() says so."""
+
+    @abc.abstractmethod
+    async def start(self, timeout: float = 120.0, wait: bool = True) -> SchedulerInfo | None:
+        """Reach the scheduler; `wait`: until it has answered (within `timeout` seconds, else TimeoutError)."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Stop talking to the scheduler."""
+
+    async def wait_up(self) -> None:
+        """Return once the scheduler has answered Hello."""
+        await self._up.wait()
+
+    @property
+    def is_up(self) -> bool:
+        """The group takes new work: its scheduler answered, and no failure was reported since."""
+        return self.down_reason is None and self._up.is_set()
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._queues)
+
+    def group_state(self, group: int = 0) -> GroupState:
+        return GroupState(group, self._endpoint, self.is_up, self.down_reason if not self.is_up else None,
+                          self.num_in_flight, self.times_down, self.routed, self.stats)
+
+    def group_states(self) -> list[GroupState]:
+        """The one serving group (a Router lists several)."""
+        return [self.group_state()]
+
+    def admission_error(self) -> GenerationError | None:
+        """The 503 a new request gets now, or None: admit. Draining: no Retry-After (the server is going away);
+        engine down: the time until it is expected back (frontend/engine/backpressure.py's RestartClock)."""
+        if self.draining:
+            return GenerationError(503, "the server is shutting down", retry_after=None)
+        if self.down_reason is not None or not self._up.is_set():
+            reason = f" ({self.down_reason})" if self.down_reason else ""
+            return GenerationError(503, f"the engine is restarting{reason}; retry shortly",
+                                   retry_after=self._restart.retry_after(time.monotonic()))
+        return None
+
+    def refusal_retry_after(self) -> float | None:
+        """Seconds a client whose request ended with a 503 should wait: until the engine is back, or else (a full
+        waiting queue) its place in frontend/engine/backpressure.py's line of promises; None while draining."""
+        error = self.admission_error()
+        if error is not None:
+            return error.retry_after
+        return self._retry_after.refused(time.monotonic())
+
+    def fail_all(self, status: int, message: str) -> None:
+        """End every in-flight request with an error output (the engine is going away), so each client gets a
+        terminal answer instead of a dropped connection."""
+        for request_id, queue in self._queues.items():
+            queue.put_nowait(error_output(request_id, status, message))
+
+    def engine_down(self, reason: str, retry_after: float, group: int = 0) -> None:
+        """The launcher says the engine stopped (a lone group is group 0; another number is not this one): fail
+        what is in flight and refuse new requests until a new scheduler answers."""
+        if group != 0:
+            return
+        log.warning("the engine stopped (%s); failing %d in-flight request(s), restart expected in %.1f s",
+                    reason, len(self._queues), retry_after)
+        self.down_reason = reason
+        self.times_down += 1
+        self._restart.down(time.monotonic(), retry_after)
+        self._up.clear()
+        self.stats = self._totals.restarted()  # its queues are gone; its counts stay in the totals
+        self.fail_all(503, f"the engine stopped ({reason}); it is restarting, retry shortly")
+
+    def _serving(self, info: SchedulerInfo) -> None:
+        """A scheduler answered Hello with its cache geometry: the group takes work (again)."""
+        self.info = info
+        if self.down_reason is not None:
+            self._restart.up(time.monotonic())
+            log.info("the engine is serving again (%.1f s after it stopped)", self._restart.last_restart_s)
+        self.down_reason = None
+        self._up.set()
+
+    def _on_stats(self, stats: SchedulerStats) -> None:
+        stats = self.stats = self._totals.add(stats)
+        self._retry_after.observe(time.monotonic(), stats.num_admitted, stats.num_waiting, stats.num_running,
+                                  stats.num_preemptions)
+        if self.on_stats is not None:
+            self.on_stats(stats)
+
+
+def error_output(request_id: str, status: int, message: str) -> RequestOutput:
+    return RequestOutput(request_id=request_id, finish_reason=FinishReason.ERROR, error_status=status,
+                         error_message=message)
+
+
+class EngineClient(ServingGroup):
+    """One serving group over one DEALER socket to its scheduler: submit, one listener task putting each output on
+    its request's queue, abort when the consumer leaves early (client gone, cancel, stop string).
+
+    Every request yields RequestOutputs until exactly one carries a finish_reason.
+    """
+
+    def __init__(self, endpoint: str, curve: bool = False, remote: bool = False):
+        super().__init__(endpoint)
+        self._curve = curve
+        # A remote group (another host's `shuttle engine`) has no launcher here to say it died: a dropped
+        # connection on the socket monitor says it instead.
+        self._remote = remote
+        self._monitor: asyncio.Task | None = None
+        self._channel: AsyncChannel[SchedulerMessage] = self._connect()
+        self._listener: asyncio.Task | None = None
+        self._heartbeat: asyncio.Task | None = None
+        self._background: set[asyncio.Task] = set()
+
+    def _connect(self) -> AsyncChannel[SchedulerMessage]:
+        channel = AsyncChannel(zmq.asyncio.Context.instance(), zmq.DEALER, self._endpoint, bind=False,
+                               recv_type=SchedulerMessage, curve=self._curve)
+        if self._remote:
+            monitor = channel.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            self._monitor = asyncio.get_running_loop().create_task(self._watch(channel, monitor),
+                                                                   name="engine-client-monitor")
+        return channel
+
+    async def _watch(self, channel: AsyncChannel, monitor) -> None:
+        """A remote group's connection dropped (its scheduler died, or the network): the group is down."""
+        try:
+            await monitor.recv_multipart()
+        finally:
+            monitor.close(linger=0)
+        if channel is self._channel:  # no launcher here to estimate its restart: the last one measured, if any
+            self.engine_down(f"lost the connection to {self._endpoint}",
+                             self._restart.last_restart_s or REMOTE_RESTART_GUESS_S)
+
+    async def start(self, timeout: float = 120.0, wait: bool = True) -> SchedulerInfo | None:
+        """Say Hello and wait for the scheduler's cache geometry; outputs and stats flow from then on.
+        `wait=False`: return at once; the group joins whenever its scheduler answers (a remote group).
+
+        Raises:
+            TimeoutError: the scheduler did not answer within `timeout` seconds.
+        """
+        self._listener = asyncio.create_task(self._listen(self._channel), name="engine-client-listener")
+        self._heartbeat = asyncio.create_task(self._beat(), name="engine-client-heartbeat")
+        await self._channel.send(Hello())
+        if wait:
+            await asyncio.wait_for(self._up.wait(), timeout)
+        return self.info
+
+    async def _listen(self, channel: AsyncChannel[SchedulerMessage]) -> None:
+        """Deliver every scheduler message. A message that cannot be taken (a stats hook that raised) is logged and
+        skipped: were this task to end, every request in flight and to come would wait forever."""
+        while True:
+            msg = await channel.recv()
+            try:
+                self._take(msg)
+            except Exception:
+                log.exception("could not take a %s from the scheduler; skipped", type(msg).__name__)
+
+    def _take(self, msg: SchedulerMessage | None) -> None:
+        if isinstance(msg, StepOutputs):
+            for output in msg.outputs:
+                queue = self._queues.get(output.request_id)
+                if queue is not None:
+                    queue.put_nowait(output)
+            if msg.stats is not None:
+                self._on_stats(msg.stats)
+        elif isinstance(msg, SchedulerStats):
+            self._on_stats(msg)
+        elif isinstance(msg, SchedulerInfo):
+            self._serving(msg)
+
+    async def _beat(self) -> None:
+        """Tell the scheduler this frontend is alive; a silent one is taken as gone and its requests aborted."""
+        message = Heartbeat(name="frontend", pid=os.getpid())
+        while True:
+            await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+            try:
+                await self._channel.send(message)
+            except zmq.ZMQError:
+                pass  # the socket was swapped under us (engine restart): the next beat uses the new one
+
+    async def generate(self, request: Submit) -> AsyncIterator[RequestOutput]:
+        """Submit `request` and yield its outputs; the last one has a finish_reason.
+
+        Raises:
+            GenerationError: 503 at once while the server drains or the engine is down.
+        """
+        error = self.admission_error()
+        if error is not None:
+            raise error
+        request_id = request.request_id
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._queues[request_id] = queue
+        channel = self._channel
+        finished = False
+        try:
+            try:
+                await channel.send(request)
+            except zmq.ZMQError:  # the engine went down while this was being sent
+                if queue.empty():
+                    queue.put_nowait(error_output(request_id, 503, "the engine stopped; retry shortly"))
+            while not finished:
+                output = await queue.get()
+                finished = output.finish_reason is not None
+                yield output
+        finally:
+            del self._queues[request_id]
+            if not finished and channel is self._channel:
+                self._spawn(channel.send(Abort(request_ids=[request_id])))  # safe from a cancelled task
+
+    def engine_down(self, reason: str, retry_after: float, group: int = 0) -> None:
+        """ServingGroup.engine_down, then reconnect on a fresh socket (nothing queued for the dead one is replayed);
+        the group is up again as soon as the new scheduler answers its Hello."""
+        if group != 0:
+            return
+        super().engine_down(reason, retry_after)
+        if self._listener is not None:
+            self._listener.cancel()
+        self._close_channel()
+        self._channel = self._connect()
+        self._listener = asyncio.create_task(self._listen(self._channel), name="engine-client-listener")
+        self._spawn(self._channel.send(Hello()))
+
+    def _spawn(self, coroutine) -> None:
+        task = asyncio.get_running_loop().create_task(_quietly(coroutine))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def _close_channel(self) -> None:
+        if self._monitor is not None:
+            self._monitor.cancel()
+            self._monitor = None
+            try:
+                self._channel.socket.disable_monitor()
+            except zmq.ZMQError:
+                pass
+        self._channel.close()
+
+    def close(self) -> None:
+        for task in (self._listener, self._heartbeat):
+            if task is not None:
+                task.cancel()
+        self._close_channel()
+
+
+async def _quietly(coroutine) -> None:
+    try:
+        await coroutine
+    except zmq.ZMQError:
+        pass  # a socket closed by an engine restart: the message had nobody left to reach

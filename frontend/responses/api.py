@@ -1,0 +1,246 @@
+"""POST /v1/responses, OpenAI's Responses API, on the chat machinery: ResponsesCall (a ChatCall, with the same
+template, tools, tool-call parsing and structured output) shapes a chat call's one choice into the response object
+(`collect()`) and the stream's events (`chunks()`: response.created ... response.completed). The request and its
+conversion to a chat request are in frontend/responses/request.py. The response says `store: false`: nothing is
+stored.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import aclosing
+from typing import Any, AsyncIterator
+
+import msgspec
+
+from shuttle.frontend.choices import collect, usage
+from shuttle.frontend.generation import TextDelta, TextGeneration
+from shuttle.frontend.request.protocol import error_body
+from shuttle.frontend.responses.request import (
+    ResponsesRequest,
+    chat_request_of,
+    function_tools,
+    new_id,
+    refusals,
+    responses_param,
+    responses_params,
+)
+from shuttle.frontend.serving import ChatCall, build_generations
+from shuttle.frontend.state import FrontendState
+from shuttle.frontend.tools.calls import ToolCallChoices
+
+RESPONSES_URL = "/v1/responses"
+
+
+# ---- the call ----------------------------------------------------------------------------------------------------
+
+class ResponsesCall(ChatCall):
+    """POST /v1/responses: a ChatCall of one choice whose result is a response object (`collect`) or the Responses
+    stream's events (`chunks`, each a dict with its `type` and `sequence_number`).
+
+    Raises:
+        InvalidRequestError, ModelNotFoundError: the body is not valid (param names the Responses field).
+    """
+
+    def __init__(self, state: FrontendState, request: ResponsesRequest):
+        refusals(request)
+        self.request = request
+        self.function_tools = function_tools(request.tools)
+        with responses_params():
+            super().__init__(state, chat_request_of(request, self.function_tools))
+        self.request_id = new_id("resp")
+        self.created_at = int(time.time())
+        self.sequence_number = 0
+
+    def build(self) -> list[TextGeneration]:
+        with responses_params():
+            return build_generations(self.state, self.body, [self.prompt], self.request_id,
+                                     self.body.max_completion_tokens, None, prompt_param="input",
+                                     max_tokens_param="max_output_tokens", structured=self.structured_output(),
+                                     constraint_param=responses_param(self.constraint_param))
+
+    async def collect(self) -> dict:
+        """The response object.
+
+        Raises:
+            InvalidRequestError: a sampling parameter out of range.
+            GenerationError: the generation failed.
+        """
+        if not self.generations:
+            self.generations = self.build()
+        [choice] = await collect(self.generations)
+        finish = choice.generation.finish_reason
+        if self.tool_calls is not None:
+            message, _ = self.tool_calls.message(choice.text, finish)
+            content, calls = message["content"] or "", message.get("tool_calls", [])
+        else:
+            content, calls = choice.text, []
+        items = []
+        if content or not calls:
+            items.append(_message_item(new_id("msg"), content, "completed"))
+        items += [_call_item(new_id("fc"), new_id("call"), c["function"]["name"], c["function"]["arguments"],
+                             "completed") for c in calls]
+        if finish == "length":
+            items[-1]["status"] = "incomplete"
+        return self.response(items, finish)
+
+    def response(self, output: list[dict], finish: str | None) -> dict:
+        """The response object; `finish` None: still in progress (no usage yet)."""
+        request = self.request
+        status = "in_progress" if finish is None else "incomplete" if finish == "length" else "completed"
+        tool_use = self.tool_use
+        tool_choice: Any = tool_use.choice
+        if tool_use.choice == "function":
+            tool_choice = {"type": "function", "name": tool_use.function}
+        text_format = request.text.format if request.text is not None else None
+        sampling = self.generations[0].request.sampling  # what was asked, defaults filled in
+        return {
+            "id": self.request_id, "object": "response", "created_at": self.created_at, "status": status,
+            "background": False, "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "instructions": request.instructions, "max_output_tokens": request.max_output_tokens,
+            "metadata": request.metadata or {}, "model": self.state.model_name, "output": output,
+            "parallel_tool_calls": tool_use.parallel, "previous_response_id": None, "reasoning": None,
+            "store": False, "temperature": sampling.temperature,
+            "text": {"format": msgspec.to_builtins(text_format) if text_format is not None else {"type": "text"}},
+            "tool_choice": tool_choice, "tools": msgspec.to_builtins(self.function_tools or []),
+            "top_p": sampling.top_p, "truncation": "disabled", "user": request.user,
+            "usage": None if finish is None else _usage(self.generations),
+        }
+
+    def event(self, kind: str, **fields) -> dict:
+        """One stream event, numbered in order."""
+        out = {"type": kind, "sequence_number": self.sequence_number, **fields}
+        self.sequence_number += 1
+        return out
+
+    def error_event(self, status: int, message: str) -> dict:
+        """The `error` event of a failure after the stream has begun."""
+        error = error_body(status, message)["error"]
+        return self.event("error", code=error["type"], message=message, param=None)
+
+    async def chunks(self) -> AsyncIterator[dict]:
+        """The stream's events: response.created and response.in_progress once the first text is out (so that an
+        admission error is raised before any event), each output item's events, then response.completed or
+        response.incomplete with the whole response.
+
+        Raises:
+            InvalidRequestError: a sampling parameter out of range.
+            GenerationError: the generation failed.
+        """
+        stream = _EventStream(self)
+        async with aclosing(self.deltas()) as deltas:
+            delta = await anext(deltas, None)
+            yield self.event("response.created", response=self.response([], None))
+            yield self.event("response.in_progress", response=self.response([], None))
+            finish = None
+            while delta is not None:
+                finish = delta.finish_reason or finish
+                for event in stream.feed(delta):
+                    yield event
+                delta = await anext(deltas, None)
+        for event in stream.finish(finish):
+            yield event
+        kind = "response.incomplete" if finish == "length" else "response.completed"
+        yield self.event(kind, response=self.response(stream.items, finish))
+
+
+class _EventStream:
+    """The output items of a stream as its deltas arrive, and the events that open, extend and close them."""
+
+    def __init__(self, call: ResponsesCall):
+        self.call = call
+        self.tool_calls: ToolCallChoices | None = call.tool_calls
+        self.items: list[dict] = []
+        self.open: dict | None = None  # the item being written
+        self.calls: dict[int, int] = {}  # the chat delta's call index -> output index
+
+    def feed(self, delta: TextDelta) -> list[dict]:
+        if self.tool_calls is None:
+            message = {"content": delta.text} if delta.text else {}
+        else:
+            message, _ = self.tool_calls.delta(delta.index, delta.text, delta.finish_reason)
+        events = []
+        if message.get("content"):
+            events += self._text(message["content"])
+        for piece in message.get("tool_calls", []):
+            events += self._call(piece)
+        return events
+
+    def finish(self, finish: str | None) -> list[dict]:
+        events = []
+        if not self.items:  # no text and no calls: one empty message, as the whole response has
+            events += self._open(_message_item(new_id("msg"), "", "in_progress"))
+        return events + self._close("incomplete" if finish == "length" else "completed")
+
+    def _text(self, text: str) -> list[dict]:
+        events = []
+        if self.open is None or self.open["type"] != "message":
+            events += self._close("completed")
+            events += self._open(_message_item(new_id("msg"), "", "in_progress"))
+        part = self.open["content"][0]
+        part["text"] += text
+        return events + [self.call.event("response.output_text.delta", item_id=self.open["id"],
+                                         output_index=len(self.items) - 1, content_index=0, delta=text, logprobs=[])]
+
+    def _call(self, piece: dict) -> list[dict]:
+        events = []
+        function = piece["function"]
+        if piece["index"] not in self.calls:
+            events += self._close("completed")
+            events += self._open(_call_item(new_id("fc"), new_id("call"), function["name"], "", "in_progress"))
+            self.calls[piece["index"]] = len(self.items) - 1
+        index = self.calls[piece["index"]]
+        item = self.items[index]
+        arguments = function.get("arguments") or ""
+        if arguments:
+            item["arguments"] += arguments
+            events.append(self.call.event("response.function_call_arguments.delta", item_id=item["id"],
+                                          output_index=index, delta=arguments))
+        return events
+
+    def _open(self, item: dict) -> list[dict]:
+        self.items.append(item)
+        self.open = item
+        index = len(self.items) - 1
+        added = dict(item, content=[]) if item["type"] == "message" else dict(item)
+        events = [self.call.event("response.output_item.added", output_index=index, item=added)]
+        if item["type"] == "message":
+            events.append(self.call.event("response.content_part.added", item_id=item["id"], output_index=index,
+                                          content_index=0, part=dict(item["content"][0])))
+        return events
+
+    def _close(self, status: str) -> list[dict]:
+        item, self.open = self.open, None
+        if item is None:
+            return []
+        item["status"] = status
+        index = self.items.index(item)
+        event = self.call.event
+        if item["type"] == "message":
+            part = item["content"][0]
+            events = [event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
+                            text=part["text"], logprobs=[]),
+                      event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
+                            part=dict(part))]
+        else:
+            events = [event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                            name=item["name"], arguments=item["arguments"])]
+        return events + [event("response.output_item.done", output_index=index, item=dict(item))]
+
+
+def _message_item(item_id: str, text: str, status: str) -> dict:
+    return {"type": "message", "id": item_id, "role": "assistant", "status": status,
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+
+
+def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict:
+    return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name, "arguments": arguments,
+            "status": status}
+
+
+def _usage(generations: list[TextGeneration]) -> dict:
+    chat = usage(generations)
+    return {"input_tokens": chat["prompt_tokens"], "output_tokens": chat["completion_tokens"],
+            "total_tokens": chat["total_tokens"], "input_tokens_details": chat["prompt_tokens_details"],
+            "output_tokens_details": {"reasoning_tokens": 0}}
