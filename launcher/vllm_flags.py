@@ -2,7 +2,7 @@
 implement, refused by name with the reason (never "unrecognized arguments", never taken and ignored), and
 `--config FILE.yaml`, whose keys are long flag names and whose values are as on the command line.
 
-docs/vllm-flags.md tells each of `vllm serve`'s most-used flags' status; tests/test_vllm_flags.py holds the two to
+docs/vllm-flags.md tells each of `vllm serve`'s most-used flags' status; tests/unit/test_vllm_flags.py holds the two to
 each other.
 """
 

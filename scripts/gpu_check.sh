@@ -3,7 +3,7 @@
 #
 #     bash scripts/gpu_wheels.sh              # first, on a machine that reaches PyPI: fills .gpu_carry/
 #     bash scripts/gpu_check.sh               # on the GPU machine, from the source tree (carry .gpu_carry)
-#     bash scripts/gpu_check.sh --dry-run     # the whole script on a CPU with tiny shapes (tests/test_gpu_check.py)
+#     bash scripts/gpu_check.sh --dry-run     # the whole script on a CPU with tiny shapes (tests/e2e/test_gpu_check.py)
 #
 # Stages (scripts/dev/gpu_check.py, then scripts/dev/bench_compare.py):
 #   setup     the carried wheels of whatever the machine lacks, installed into a --target folder on PYTHONPATH

@@ -1,5 +1,5 @@
 """Malformed ZeroMQ messages of every kind, for the tests that throw them at shuttle's socket readers
-(tests/test_zmq_hostile.py, tests/test_fuzz.py), and a raw ZMTP peer that can announce a frame of any size.
+(tests/api/test_zmq_hostile.py, tests/e2e/test_fuzz.py), and a raw ZMTP peer that can announce a frame of any size.
 
 Each kind is a list of frames as a DEALER or PUSH sends them (payload frames only: a ROUTER adds the identity).
 """

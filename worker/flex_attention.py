@@ -113,8 +113,8 @@ def _eager(*args, **kwargs):
 
     Called outside torch.compile, flex_attention (torch 2.13) still traces its operator with dynamo's eager backend,
     once per new shape: seconds of tracing per bucket on a CPU, for the same dense math. Its module flag
-    `_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG` (private, checked against torch 2.13.0) calls the operator directly
-    instead; tests/test_flex_attention.py fails if the flag disappears. The worker is one thread, so setting the flag
+    `_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG` (private, checked against torch 2.13.0) calls the operator directly instead;
+    tests/engine/test_flex_attention.py fails if the flag disappears. The worker is one thread, so setting the flag
     around the call does not leak into another caller's flex."""
     previous = torch_flex._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG
     torch_flex._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = True

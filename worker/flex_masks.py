@@ -10,7 +10,7 @@ every layer reuses what they build), all tensor ops on the cache's device.
 
 Eager flex (the CPU) ignores the lists and evaluates `mask_mod` on every (query, slot) pair; compiled flex (CUDA)
 reads only the listed blocks. So the builders below must list every block `mask_mod` admits anything from and
-call full only blocks it admits wholly; tests/test_flex_attention.py checks both, since eager runs alone cannot.
+call full only blocks it admits wholly; tests/engine/test_flex_attention.py checks both, since eager runs alone cannot.
 
 **Logical positions.** `mask_mod` needs the position of a slot, but a slot is physical. A physical block sits at
 the same logical index in every block table of a step that holds it (the prefix cache shares only

@@ -3,9 +3,9 @@
 The sharding is transformers' own tensor-parallel plan (the model's `base_model_tp_plan` and `_tp_plan`, applied by
 `from_pretrained(distributed_config=DistributedConfig(tp_size=N))`): q/k/v and MLP gate/up projections are split by
 output columns (so each rank computes 1/N of the attention heads and KV heads), o_proj and down_proj by input rows,
-their partial outputs all-reduced; the embedding is split by vocabulary rows (partial lookups summed) and the LM head
-by vocabulary columns (gathered), so every rank ends a forward with the same full logits. On stories260K
-with gloo on a CPU (tests/test_tensor_parallel.py): logits within 1e-5 of the unsharded model, greedy tokens identical.
+their partial outputs all-reduced; the embedding is split by vocabulary rows (partial lookups summed) and the LM head by
+vocabulary columns (gathered), so every rank ends a forward with the same full logits. On stories260K with gloo on a CPU
+(tests/e2e/test_tensor_parallel.py): logits within 1e-5 of the unsharded model, greedy tokens identical.
 
 What this module adds around it:
 - the rendezvous: `torch.distributed.init_process_group` over tcp://master_addr:master_port (gloo on CPU, NCCL on

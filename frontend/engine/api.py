@@ -2,7 +2,7 @@
 
 `Engine` is implemented by frontend/engine/router.py's Router (every serving group: what `serve` runs) and by each
 serving group alone (frontend/engine/client.py's ServingGroup: the EngineClient over its socket, and
-tests/fake_engine.py's FakeEngine over a script, the one fake of it). tests/test_engine_api.py checks that all
+tests/fake_engine.py's FakeEngine over a script, the one fake of it). tests/api/test_engine_api.py checks that all
 three conform.
 """
 

@@ -6,7 +6,7 @@ property "a" gives `{}`, a remote `$ref` accepts any value, `\\A` in a regex mat
 are, those outputs would break the promise that the output follows the schema. So every schema (response_format,
 structured_outputs, guided_json, tool parameters) and every regex is walked here first, and each construct the
 engine would not keep is refused with a 400 that names it and where it is. KEYWORDS is the table of every keyword
-and how it fares; tests/test_schema_support.py checks each row against the engine itself, and docs/
+and how it fares; tests/unit/test_schema_support.py checks each row against the engine itself, and docs/
 structured-outputs.md holds the table as `scripts/dev/schema_keyword_table.py` prints it.
 """
 

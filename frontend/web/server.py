@@ -20,8 +20,8 @@
 
 aiohttp has no public hook for these, so `ShuttleRequestHandler` subclasses its RequestHandler, overrides its
 `set_parser` (where a WebSocket hands over its frame reader) and reads the few private attributes named in
-AIOHTTP_PRIVATE, each read marked where it is made. tests/test_aiohttp_internals.py fails when aiohttp no longer has
-one of them; tests/test_http_edges.py and tests/test_ws_batch_edges.py exercise what each is read for.
+AIOHTTP_PRIVATE, each read marked where it is made. tests/api/test_aiohttp_internals.py fails when aiohttp no longer has
+one of them; tests/api/test_http_edges.py and tests/api/test_ws_batch_edges.py exercise what each is read for.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ PROBE_INTERVAL_S = 0.5
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 LISTEN_BACKLOG = 4096  # a burst of thousands of clients connecting at once should queue, not be refused
 BODY = web.RequestKey("shuttle_body", bytes)  # the request body, decoded from its Content-Encoding
-# RequestHandler's private attributes read below, checked against aiohttp 3.14.5 (tests/test_aiohttp_internals.py):
+# RequestHandler's private attributes read below, checked against aiohttp 3.14.5 (tests/api/test_aiohttp_internals.py):
 #   _waiter: the future start() awaits for the next request head (None while one is queued or handled)
 #   _messages: request heads parsed and not yet taken by start()
 #   _current_request: the request being handled (None between requests)

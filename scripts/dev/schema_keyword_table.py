@@ -1,5 +1,6 @@
 """Print the JSON-schema keyword table of docs/structured-outputs.md from frontend/structured/schema_support.py's
-KEYWORDS (tests/test_schema_support.py checks each row against the grammar engine and that the docs hold this output).
+KEYWORDS (tests/unit/test_schema_support.py checks each row against the grammar engine and that the docs hold this
+output).
 
     .venv/bin/python scripts/dev/schema_keyword_table.py
 """

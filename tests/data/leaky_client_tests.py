@@ -1,4 +1,4 @@
-"""Run by tests/test_loop_guard.py in a pytester subprocess (not collected here: no test_ prefix): the first test
+"""Run by tests/unit/test_loop_guard.py in a pytester subprocess (not collected here: no test_ prefix): the first test
 leaves an openai client open on a server that outlives it; the second collects the garbage and starts a new server,
 whose listening socket gets the freed fd number and, without the guard, is never polled."""
 

@@ -1,0 +1,108 @@
+"""Bad input to the capacity tools (`shuttle simulate`, `tune`, `calibrate`): a one-line
+usage error naming what is wrong (exit status 2), never a traceback, and never a table of nonsense."""
+
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from shuttle.scheduler.step_cost import StepCostModel
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "dev"))
+
+import compare_inprocess  # noqa: E402
+
+from shuttle.capacity import calibrate, simulate, tune  # noqa: E402
+
+MODEL = Path(__file__).resolve().parents[2].parent / "shared" / "models" / "stories260K"
+
+
+@pytest.fixture
+def profile(tmp_path) -> Path:
+    path = tmp_path / "profile.json"
+    StepCostModel({"step": 0.003, "token": 2e-5, "sequence": 1e-4}, client_s=0.001,
+                  meta={"max_model_len": 512, "vocab_size": 512, "kv_bytes_per_token": 1280}).save(path)
+    return path
+
+
+def refused(main, argv, capsys) -> str:
+    """main(argv) must stop with a usage error: its last line of stderr."""
+    with pytest.raises(SystemExit) as stopped:
+        main(argv)
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "Traceback" not in "\n".join(err)
+    return err[-1]
+
+
+@pytest.mark.parametrize("content, says", [
+    (None, "cannot read the step-cost profile"),
+    ("{not json", "is not JSON"),
+    ("[1, 2]", "holds no `coefficients` object"),
+    ('{"coefficients": "oops"}', "holds no `coefficients` object"),
+    ('{"coefficients": {"step": 0.001}, "client_s": -1}', "negative or missing values: client_s"),
+    ('{"coefficients": {"warp": 1.0}}', "unknown cost model features"),
+    ('{"coefficients": {"step": 0.001}}', "meta lacks max_model_len, kv_bytes_per_token"),
+])
+def test_a_bad_profile_is_named(tmp_path, capsys, content, says):
+    path = tmp_path / "bad.json"
+    if content is not None:
+        path.write_text(content)
+    line = refused(simulate.main, ["--profile", str(path)], capsys)
+    assert says in line and (content is None or str(path) in line)
+
+
+@pytest.mark.parametrize("lines, says", [
+    (['{"prompt_len": 8}', '{"prompt_len": 8,,}'], ":2: not JSON"),
+    (['{"prompt_len": 8}', "[1, 2]"], ":2: not a JSON object"),
+    (['{"output_len": 8}'], ":1: needs `prompt`"),
+    (['{"prompt_len": "abc"}'], ":1: `prompt_len` must be a number >= 1, got 'abc'"),
+    (['{"prompt_len": 0}'], ":1: `prompt_len` must be a number >= 1"),
+    (['{"prompt_len": 8, "output_len": -4}'], ":1: `output_len` must be a number >= 1"),
+    (['{"prompt_len": 8, "arrival": "soon"}'], ":1: `arrival` must be a number >= 0.0"),
+    ([], "no requests in the trace"),
+])
+def test_a_bad_trace_is_named_with_its_line(profile, tmp_path, capsys, lines, says):
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("\n".join(lines) + "\n")
+    assert says in refused(simulate.main, ["--profile", str(profile), "--trace", str(trace)], capsys)
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--request-rate", "0"], "--request-rate: must be a rate > 0 (requests per second) or inf, got '0'"),
+    (["--request-rate", "-5"], "--request-rate: must be a rate > 0"),
+    (["--request-rate", "soon"], "--request-rate: must be a rate > 0"),
+    (["--num-prompts", "0"], "--num-prompts: must be at least 1"),
+    (["--max-concurrency", "0"], "--max-concurrency: must be at least 1"),
+    (["--burstiness", "0"], "--burstiness: must be a number > 0"),
+    (["--range-ratio", "1.5"], "--range-ratio must be in [0, 1)"),
+    (["--input-len", "5000"], "exceeds max_model_len 512"),
+])
+def test_simulate_refuses_workloads_it_cannot_mean(profile, capsys, flags, says):
+    assert says in refused(simulate.main, ["--profile", str(profile), *flags], capsys)
+
+
+def test_the_other_tools_refuse_before_any_work(profile, tmp_path, capsys):
+    slos = ["--ttft-slo-ms", "300", "--itl-slo-ms", "50"]
+    assert "does not exist" in refused(tune.main, ["--profile", str(profile), "--model", "/no/model", *slos], capsys)
+    assert "--budgets: must be at least 1" in refused(
+        tune.main, ["--profile", str(profile), "--model", str(MODEL), "--budgets", "0", *slos], capsys)
+    assert "--repeats: must be at least 1" in refused(
+        calibrate.main, ["--model", str(MODEL), "--out", str(tmp_path / "p.json"), "--repeats", "0"], capsys)
+    assert "does not exist" in refused(
+        compare_inprocess.main, ["--profile", str(profile), "--model", "/no/model"], capsys)
+    assert "--load: must be a number > 0" in refused(
+        compare_inprocess.main, ["--profile", str(profile), "--model", str(MODEL), "--load", "0"], capsys)
+
+
+def test_tune_warns_when_the_recommended_rate_is_not_a_found_limit():
+    """Met at the highest rate swept: the limit was not found; above the predicted capacity: a run too short to
+    queue. Neither: no warning."""
+    args = SimpleNamespace(rates=[10.0, 20.0], attainment=0.9, num_prompts=100)
+    point = SimpleNamespace(max_num_batched_tokens=512, max_num_seqs=32, rate=20.0, attainment=1.0)
+    choice = {"max_num_batched_tokens": 512, "max_num_seqs": 32, "request_rate": 16.0}
+    warnings = tune.limit_warnings(args, [point], choice, capacity=15.0)
+    assert len(warnings) == 2 and "highest rate swept (20.0" in warnings[0] and "capacity (15.0" in warnings[1]
+    point.attainment = 0.5
+    assert tune.limit_warnings(args, [point], choice, capacity=None) == []
