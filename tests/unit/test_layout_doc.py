@@ -41,8 +41,9 @@ def test_every_module_is_on_the_layout_page_and_nothing_else():
     documented, on_disk = _documented(), _on_disk()
     assert sorted(documented) == sorted(on_disk), "headings differ from the directories"
     for directory, names in on_disk.items():
-        assert documented[directory] == names, f"{directory}/: layout.md lists {sorted(documented[directory] - names)} " \
-                                               f"that do not exist and misses {sorted(names - documented[directory])}"
+        listed = documented[directory]
+        assert listed == names, f"{directory}/: layout.md lists {sorted(listed - names)} that do not exist and " \
+                                f"misses {sorted(names - listed)}"
 
 
 def test_frontend_keeps_at_most_15_modules_at_its_top():
