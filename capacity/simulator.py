@@ -24,6 +24,7 @@ Deterministic: the same workload, configuration, cost model and seed give the sa
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import math
@@ -37,6 +38,7 @@ from shuttle.common.messages import FinishReason, StepResult, Submit
 from shuttle.common.sampling import SamplingParams
 from shuttle.scheduler.admission import SloAdmission
 from shuttle.scheduler.kv_cache import KVCacheManager
+from shuttle.scheduler.pipeline import StepPipeline
 from shuttle.scheduler.scheduled_step import ScheduledStep
 from shuttle.scheduler.scheduler import Scheduler
 from shuttle.scheduler.step_cost import StepCostModel, StepShape, shape_of
@@ -229,137 +231,149 @@ class Simulator:
 
     def run(self, workload: list[SimRequest]) -> SimResult:
         """Simulate the whole workload to its end. Raises RuntimeError if the scheduler can make no progress."""
-        scheduler, cost, clock = self.scheduler, self.cost, self._clock
+        return _Run(self, workload).run()
+
+
+class _Run:
+    """One simulation of a workload: the clients, the scheduler's turns on its StepPipeline (the served loop's rules,
+    scheduler/pipeline.py) and the worker, as events in virtual time."""
+
+    def __init__(self, sim: Simulator, workload: list[SimRequest]):
+        self.sim, self.workload = sim, workload
+        self.scheduler, self.cost, self.clock = sim.scheduler, sim.cost, sim._clock
         order = sorted(range(len(workload)), key=lambda i: workload[i].arrival)
-        records = [RequestRecord(w.arrival, len(w.prompt_token_ids), w.output_len) for w in workload]
-        pending = deque(order)  # not yet sent, in arrival order
+        self.records = [RequestRecord(w.arrival, len(w.prompt_token_ids), w.output_len) for w in workload]
+        self.pending = deque(order)  # not yet sent, in arrival order
         # closed loop: when each of the max_concurrency client slots is free next (finishes come in time order)
-        slots = deque([0.0] * self.max_concurrency) if self.max_concurrency is not None else None
-        events: list = []  # (time, order, callback): the lanes' job ends
-        worker, planner = _Lane(events, clock), _Lane(events, clock)
-        in_flight: deque[_Flight] = deque()  # in the order planned
-        samples: list[Sample] = []
-        pool = scheduler.kv.pool
-        served: list[ServedSeconds] = []
-        worker_done = 0.0  # when the worker's last step ended
-        blocked_until = -math.inf  # nothing fitted at the last plan: wait for news, or for the idle poll
-        news = True  # something the scheduler acts on happened since its last turn
+        self.slots = deque([0.0] * sim.max_concurrency) if sim.max_concurrency is not None else None
+        self.events: list = []  # (time, order, callback): the lanes' job ends
+        self.worker, self.planner = _Lane(self.events, self.clock), _Lane(self.events, self.clock)
+        self.pipeline = StepPipeline(self.scheduler, sim.max_in_flight)
+        self.flights: deque[_Flight] = deque()  # the pipeline's steps in flight with their virtual times
+        self.samples: list[Sample] = []
+        self.served: list[ServedSeconds] = []
+        self.worker_done = 0.0  # when the worker's last step ended
+        self.blocked_until = -math.inf  # nothing fitted at the last plan: wait for news, or for the idle poll
+        self.news = True  # something the scheduler acts on happened since its last turn
 
-        def unblock(_: float = 0.0) -> None:
-            nonlocal blocked_until, news
-            blocked_until = -math.inf
-            news = True
+    @property
+    def now(self) -> float:
+        return self.clock[0]
 
-        def next_send() -> float:  # when the client sends the next request
-            if not pending or (slots is not None and not slots):
-                return math.inf
-            return max(workload[pending[0]].arrival, slots[0] if slots else 0.0)
-
-        def send_due() -> None:
-            while next_send() <= self.now:
-                at = next_send()
-                index = pending.popleft()
-                records[index].arrival = at
-                if slots:
-                    slots.popleft()
-                request = workload[index]
-                scheduler.add_request(
-                    CLIENT,
-                    Submit(
-                        request_id=str(index),
-                        prompt_token_ids=request.prompt_token_ids,
-                        sampling=SamplingParams(max_tokens=request.output_len, ignore_eos=True, temperature=0.0),
-                        arrival_time=at,
-                        ttft_slo_ms=request.ttft_slo_ms,
-                    ),
-                )
-                unblock()
-                deliver()  # a refusal comes back at once
-
-        def deliver() -> None:  # each output reaches its client client_s later
-            for output in scheduler.take_outputs().get(CLIENT, []):
-                record = records[int(output.request_id)]
-                t = self.now + cost.client_s
-                record.token_times.extend([t] * len(output.new_token_ids))
-                if output.finish_reason is not None:
-                    record.finish = t
-                    if output.finish_reason == FinishReason.ERROR:
-                        record.status = output.error_status or 500
-                        record.retry_after_s = output.retry_after_s
-                    if slots is not None:  # closed loop: the client sends its next request then
-                        slots.append(t)
-
-        def plan() -> bool:  # the scheduler's turn, when it is idle: plan the next step if it can, else settle
-            nonlocal blocked_until
-            if len(in_flight) < self.max_in_flight and scheduler.has_work and blocked_until < self.now:
-                step = scheduler.schedule()
-                if not step.is_empty:
-                    flight = _Flight(step)
-                    in_flight.append(flight)
-                    samples.append(
-                        Sample(
-                            self.now,
-                            scheduler.num_waiting,
-                            len(scheduler.running),
-                            (pool.num_blocks - pool.num_free) / pool.num_blocks,
-                            step.num_tokens,
-                        )
-                    )
-                    shape = shape_of((e.start, e.num_new, e.samples) for e in step.scheduled.values())
-                    work = cost.predict(shape) * cost.spread_factor(uniform(self.seed, len(samples)))
-                    flight.scheduler_s = cost.scheduler_seconds(shape)
-
-                    def result_back(t: float) -> None:
-                        nonlocal news, worker_done
-                        flight.result_back = news = True
-                        served.append(ServedSeconds(shape, t - max(flight.sent_at, worker_done)))
-                        worker_done = t
-
-                    def planned(t: float) -> None:
-                        nonlocal news
-                        news = True
-                        flight.sent_at = t
-                        worker.submit(work, result_back)
-
-                    planner.submit(flight.scheduler_s / 2, planned)
-                    return True
-                if not in_flight and next_send() == math.inf and not events:
-                    raise RuntimeError("the scheduler can make no progress: nothing fits and nothing runs")
-                blocked_until = math.inf if in_flight else self.now + IDLE_POLL_S
-            if in_flight and in_flight[0].result_back:
-                settled = in_flight.popleft()
-                step, settle = settled.step, settled.scheduler_s
-                sampled = step.sampling_ids
-                scheduler.update_from_output(
-                    step,
-                    StepResult(step_id=step.plan.step_id, request_ids=sampled, token_ids=[FILLER_TOKEN] * len(sampled)),
-                )
-                unblock()
-                deliver()
-                planner.submit(settle / 2, unblock)  # settling
-                return True
-            return False
-
+    def run(self) -> SimResult:
+        scheduler, events = self.scheduler, self.events
         while True:
             timed_out = scheduler.num_timed_out
             scheduler.expire(self.now)
-            news |= scheduler.num_timed_out != timed_out
-            while news and not planner.busy():
-                news = plan()
-            idle_poll = blocked_until if not in_flight and blocked_until > self.now else math.inf
-            upcoming = min(events[0][0] if events else math.inf, next_send(), idle_poll)
+            self.news |= scheduler.num_timed_out != timed_out
+            while self.news and not self.planner.busy():
+                self.news = self._turn()
+            idle_poll = self.blocked_until if not self.flights and self.blocked_until > self.now else math.inf
+            upcoming = min(events[0][0] if events else math.inf, self._next_send(), idle_poll)
             if upcoming == math.inf:
-                if scheduler.has_work or in_flight:
+                if scheduler.has_work or self.flights:
                     raise RuntimeError("the scheduler can make no progress: nothing fits and nothing runs")
                 break
-            clock[0] = max(self.now, upcoming)
+            self.clock[0] = max(self.now, upcoming)
             while events and events[0][0] <= self.now:
                 _, _, on_done = heapq.heappop(events)
                 if on_done is not None:
                     on_done(self.now)
-            if -math.inf < blocked_until <= self.now:  # the idle poll: try again
-                unblock()
-            send_due()
+            if -math.inf < self.blocked_until <= self.now:  # the idle poll: try again
+                self._unblock()
+            self._send_due()
+        records = self.records
         start = min((r.arrival for r in records), default=0.0)
         end = max((r.finish for r in records if not math.isnan(r.finish)), default=start)
-        return SimResult(records, samples, len(samples), scheduler.num_preemptions, end - start, served)
+        return SimResult(records, self.samples, len(self.samples), scheduler.num_preemptions, end - start,
+                         self.served)
+
+    def _unblock(self, _: float = 0.0) -> None:
+        self.blocked_until = -math.inf
+        self.news = True
+
+    def _next_send(self) -> float:
+        """When the client sends the next request."""
+        if not self.pending or (self.slots is not None and not self.slots):
+            return math.inf
+        return max(self.workload[self.pending[0]].arrival, self.slots[0] if self.slots else 0.0)
+
+    def _send_due(self) -> None:
+        while self._next_send() <= self.now:
+            at = self._next_send()
+            index = self.pending.popleft()
+            self.records[index].arrival = at
+            if self.slots:
+                self.slots.popleft()
+            request = self.workload[index]
+            sampling = SamplingParams(max_tokens=request.output_len, ignore_eos=True, temperature=0.0)
+            self.scheduler.add_request(CLIENT, Submit(request_id=str(index), prompt_token_ids=request.prompt_token_ids,
+                                                      sampling=sampling, arrival_time=at,
+                                                      ttft_slo_ms=request.ttft_slo_ms))
+            self._unblock()
+            self._deliver()  # a refusal comes back at once
+
+    def _deliver(self) -> None:
+        """Each output reaches its client client_s later."""
+        for output in self.scheduler.take_outputs().get(CLIENT, []):
+            record = self.records[int(output.request_id)]
+            t = self.now + self.cost.client_s
+            record.token_times.extend([t] * len(output.new_token_ids))
+            if output.finish_reason is not None:
+                record.finish = t
+                if output.finish_reason == FinishReason.ERROR:
+                    record.status = output.error_status or 500
+                    record.retry_after_s = output.retry_after_s
+                if self.slots is not None:  # closed loop: the client sends its next request then
+                    self.slots.append(t)
+
+    def _turn(self) -> bool:
+        """The scheduler's turn, when it is idle: plan the next step if it can, else settle the oldest if its result
+        is back. False when it did neither."""
+        if self.pipeline.can_plan and self.blocked_until < self.now:
+            if self._plan():
+                return True
+            if not self.flights and self._next_send() == math.inf and not self.events:
+                raise RuntimeError("the scheduler can make no progress: nothing fits and nothing runs")
+            self.blocked_until = math.inf if self.flights else self.now + IDLE_POLL_S
+        if self.flights and self.flights[0].result_back:
+            self._settle()
+            return True
+        return False
+
+    def _plan(self) -> bool:
+        """Plan a step and hand it to the planner lane (then the worker); False when nothing could be planned."""
+        step = self.pipeline.plan()
+        if step is None:
+            return False
+        flight = _Flight(step)
+        self.flights.append(flight)
+        pool = self.scheduler.kv.pool
+        self.samples.append(Sample(self.now, self.scheduler.num_waiting, len(self.scheduler.running),
+                                   (pool.num_blocks - pool.num_free) / pool.num_blocks, step.num_tokens))
+        shape = shape_of((e.start, e.num_new, e.samples) for e in step.scheduled.values())
+        work = self.cost.predict(shape) * self.cost.spread_factor(uniform(self.sim.seed, len(self.samples)))
+        flight.scheduler_s = self.cost.scheduler_seconds(shape)
+        self.planner.submit(flight.scheduler_s / 2, functools.partial(self._planned, flight, shape, work))
+        return True
+
+    def _planned(self, flight: _Flight, shape: StepShape, work: float, t: float) -> None:
+        """The plan reached the worker at `t`: it runs after the steps before it."""
+        self.news = True
+        flight.sent_at = t
+        self.worker.submit(work, functools.partial(self._result_back, flight, shape))
+
+    def _result_back(self, flight: _Flight, shape: StepShape, t: float) -> None:
+        flight.result_back = self.news = True
+        self.served.append(ServedSeconds(shape, t - max(flight.sent_at, self.worker_done)))
+        self.worker_done = t
+
+    def _settle(self) -> None:
+        """Settle the oldest step with fabricated tokens; the scheduler's settling takes the other half of its time."""
+        flight = self.flights.popleft()
+        sampled = flight.step.sampling_ids
+        self.pipeline.settle(StepResult(step_id=flight.step.plan.step_id, request_ids=sampled,
+                                        token_ids=[FILLER_TOKEN] * len(sampled)))
+        self._unblock()
+        self._deliver()
+        self.planner.submit(flight.scheduler_s / 2, self._unblock)

@@ -1,5 +1,6 @@
 """The scheduler loop without sockets: the Scheduler and a model runner in one process, for tests, checks and
-benchmarks that need the real engine but no processes (scheduler/loop.py is the served loop)."""
+benchmarks that need the real engine but no processes (scheduler/loop.py is the served loop; both turn the same
+StepPipeline of scheduler/pipeline.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from collections import deque
 from typing import Callable, Protocol
 
 from shuttle.common.messages import RequestOutput, StepPlan, StepResult
+from shuttle.scheduler.pipeline import StepPipeline
 from shuttle.scheduler.scheduler import Scheduler
 
 
@@ -27,19 +29,17 @@ def drive(scheduler: Scheduler, runner: StepRunner, on_outputs: Callable[[list[R
         on_outputs: called after every turn with the outputs for `client` (possibly none).
         check_blocks: check the block pool's invariants after every turn (tests).
     """
-    in_flight: deque = deque()
-    while scheduler.has_work or in_flight or scheduler.grammars.num_held:
+    pipeline = StepPipeline(scheduler, max_in_flight)
+    results: deque[StepResult] = deque()  # the runner's results of the steps in flight, in the same order
+    while scheduler.has_work or pipeline.in_flight or scheduler.grammars.num_held:
         specs, evict = scheduler.grammars.take_requests(), scheduler.grammars.take_evictions()
         if specs or evict:  # the served worker compiles on a thread of its own; here the answer is awaited
             scheduler.on_grammars_compiled(runner.grammars.compile_now(specs, evict))
-        planned = False
-        if len(in_flight) < max_in_flight and scheduler.has_work:
-            step = scheduler.schedule()
-            if not step.is_empty:
-                in_flight.append((step, runner.execute(step.plan)))
-                planned = True
-        if in_flight and (not planned or len(in_flight) >= max_in_flight):
-            scheduler.update_from_output(*in_flight.popleft())
+        step = pipeline.plan() if pipeline.can_plan else None
+        if step is not None:
+            results.append(runner.execute(step.plan))
+        if pipeline.must_settle(planned=step is not None):
+            pipeline.settle(results.popleft())
         if check_blocks:
             scheduler.kv.pool.check_invariants()
         on_outputs(scheduler.take_outputs().get(client, []))

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 
 import msgspec
 import zmq
@@ -35,7 +34,7 @@ from shuttle.common.process import HeartbeatSender
 from shuttle.scheduler.admission import make_admission
 from shuttle.scheduler.kv_cache import KVCacheManager
 from shuttle.scheduler.liveness import FrontendWatch, StepWatchdog, WorkerCpuClocks
-from shuttle.scheduler.scheduled_step import ScheduledStep
+from shuttle.scheduler.pipeline import StepPipeline
 from shuttle.scheduler.scheduler import Scheduler
 from shuttle.scheduler.stats import StepStats
 from shuttle.scheduler.step_log import StepLog
@@ -61,8 +60,7 @@ class SchedulerLoop:
         self.clients: set[bytes] = set()
         self.scheduler: Scheduler | None = None
         self.worker: WorkerReady | None = None
-        self.max_in_flight = 2 if config.scheduler.async_scheduling else 1
-        self.in_flight: deque[ScheduledStep] = deque()
+        self.pipeline: StepPipeline | None = None  # built with the scheduler, once the worker has reported
         self.step_stats = StepStats()
         self.step_log = StepLog(config.scheduler.step_log) if config.scheduler.step_log else None
         self._last_broadcast: SchedulerStats | None = None
@@ -105,44 +103,45 @@ class SchedulerLoop:
         config = self.config.scheduler
         self.scheduler = Scheduler(config, kv, model.max_model_len, model.eos_token_ids,
                                    make_admission(config.ttft_slo_ms, config.step_cost_profile))
+        self.pipeline = StepPipeline(self.scheduler, max_in_flight=2 if config.async_scheduling else 1)
         return msg
 
     def run(self) -> None:
-        assert self.scheduler is not None, "wait_for_worker() first"
-        scheduler = self.scheduler
+        assert self.scheduler is not None and self.pipeline is not None, "wait_for_worker() first"
+        scheduler, pipeline = self.scheduler, self.pipeline
         while True:
             self.heartbeat.beat()  # proves this loop turns
-            idle = not self.in_flight and not scheduler.has_work
+            idle = not pipeline.in_flight and not scheduler.has_work
             self._drain_inbox(IDLE_POLL_MS if idle else 0)
             self._reap_gone_frontends()  # after reading the inbox: a heartbeat queued there counts
             scheduler.expire(time.time())
-            sent = len(self.in_flight) < self.max_in_flight and scheduler.has_work and self._plan_and_send()
-            if self.in_flight and (not sent or len(self.in_flight) >= self.max_in_flight):
-                result = self._wait_for_result()
-                self._settle(self.in_flight.popleft(), result)
+            sent = pipeline.can_plan and self._plan_and_send()
+            if pipeline.must_settle(sent):
+                self._settle(self._wait_for_result())
             elif not sent and scheduler.has_work:
                 self._drain_inbox(IDLE_POLL_MS)  # nothing fits and nothing runs: wait for a change, don't spin
             self._publish()
 
     def _plan_and_send(self) -> bool:
         """Plan one step and send it; False when the plan was empty and nothing was sent."""
-        step = self.scheduler.schedule()
-        if step.is_empty:
+        step = self.pipeline.plan()
+        if step is None:
             return False
         for plans in self.plans:
             plans.send(step.plan)
         step.sent_at = time.monotonic()
-        self.in_flight.append(step)
         return True
 
-    def _settle(self, step: ScheduledStep, result: StepResult | WorkerFailed) -> None:
+    def _settle(self, result: StepResult | WorkerFailed) -> None:
+        """Settle the oldest step in flight with its result (or fail its requests, when the worker failed it)."""
         if isinstance(result, WorkerFailed):
             log.error("worker failed step %d: %s", result.step_id, result.message)
-            self.scheduler.fail_step(step, 500, f"model execution failed: {result.message}")
+            self.pipeline.fail_oldest(500, f"model execution failed: {result.message}")
             return
+        settled_at = time.monotonic()
+        step = self.pipeline.settle(result)
         if self.step_log is not None:
-            self.step_log.record(step.scheduled, step.sent_at, time.monotonic())
-        self.scheduler.update_from_output(step, result)
+            self.step_log.record(step.scheduled, step.sent_at, settled_at)
         self.step_stats.on_step(len(step.scheduled), step.num_tokens, step.num_prompt_tokens, len(result.token_ids),
                                 step.num_decode_tokens)
 
@@ -153,7 +152,7 @@ class SchedulerLoop:
             WorkerHung: no result within --step-timeout of sending it (scheduler/__main__.py exits; the launcher
                 restarts the engine).
         """
-        oldest = self.in_flight[0]
+        oldest = self.pipeline.oldest
         expected = oldest.plan.step_id
         self.watchdog.sent(expected, oldest.sent_at)
         while True:
@@ -177,7 +176,7 @@ class SchedulerLoop:
     def _drain_inbox(self, timeout_ms: int) -> None:
         """Take in what the frontends sent, waiting up to timeout_ms for the first message. With no step in flight
         the worker's grammar answers are taken in too (while steps run, _wait_for_result takes them)."""
-        if self.in_flight:
+        if self.pipeline.in_flight:
             if not self.frontends.poll(timeout_ms):
                 return
         else:
