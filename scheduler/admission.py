@@ -49,6 +49,8 @@ class AdmissionView:
         num_blocks: KV blocks in the whole cache.
         running: running requests in rank order.
         waiting: waiting requests in any order (the prediction sorts those ahead by rank).
+        overlapped: two steps in flight (async scheduling): a finished request holds its slot one step longer.
+        prefill_chunk_cap: most prompt tokens one request computes in a step while others wait (0: the budget).
     """
 
     max_num_batched_tokens: int
@@ -57,6 +59,8 @@ class AdmissionView:
     num_blocks: int
     running: Sequence[Request]
     waiting: Iterable[Request]
+    overlapped: bool = True
+    prefill_chunk_cap: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,7 +159,8 @@ class SloAdmission:
         cost = self.cost
         block_size, total_blocks = view.block_size, view.num_blocks
         running = [self._seq(r) for r in view.running]
-        ahead = sorted((r for r in view.waiting if r.rank < request.rank), key=_rank)
+        # a newcomer ranks behind every queued request of the same rank (the queue keeps arrival order among ties)
+        ahead = sorted((r for r in view.waiting if r.rank <= request.rank and r is not request), key=_rank)
         queue = deque(self._seq(r) for r in ahead)
         target = self._seq(request)
         target.target = True
@@ -169,17 +174,18 @@ class SloAdmission:
         # With two steps in flight, a request that sampled its last token still holds its slot and blocks in the
         # step planned before its result came back: a slot is free again one step after its request finished.
         # Those whose last token is booked already (in a step in flight) run no more but hold their slot a step.
-        lingering = [seq for seq in running if seq.outputs <= 0 and seq.prefill == 0]
+        lingering = [seq for seq in running if seq.outputs <= 0 and seq.prefill == 0] if view.overlapped else []
         running = [seq for seq in running if seq.outputs > 0 or seq.prefill > 0]
         now = self._in_flight_remaining()
         for _ in range(MAX_ITERATIONS):
             budget = view.max_num_batched_tokens
             chunks: list[tuple[int, int, bool]] = []
             prefilling: list[tuple[_Seq, int]] = []
+            cap = view.prefill_chunk_cap if view.prefill_chunk_cap > 0 and queue else view.max_num_batched_tokens
             for seq in running:
                 if budget <= 0:
                     break
-                num_new = 1 if seq.prefill == 0 else min(seq.prefill, budget)
+                num_new = 1 if seq.prefill == 0 else min(seq.prefill, budget, cap)
                 chunks.append((seq.context, num_new, seq.prefill <= num_new))
                 prefilling.append((seq, num_new))
                 budget -= num_new
@@ -190,10 +196,15 @@ class SloAdmission:
                 queue.popleft()
                 running.append(head)
                 blocks_used += reserve(head)
-                num_new = min(head.prefill, budget)
+                cap = view.prefill_chunk_cap if view.prefill_chunk_cap > 0 and queue else view.max_num_batched_tokens
+                num_new = min(head.prefill, budget, cap)
                 chunks.append((head.context, num_new, head.prefill <= num_new))
                 prefilling.append((head, num_new))
                 budget -= num_new
+            if not chunks and lingering:  # only finished requests hold the slots: they free them after this turn
+                blocks_used -= sum(reserve(seq) for seq in lingering)
+                lingering = []
+                continue
             if not chunks:
                 break  # nothing can run: the prediction cannot go on (a request larger than the cache)
             if not lingering and all(seq.prefill == 0 for seq in running) and not _can_admit(
@@ -219,9 +230,14 @@ class SloAdmission:
                         seq.context += 1
             for seq in lingering:
                 blocks_used -= reserve(seq)
-            lingering = [seq for seq in running if seq.outputs <= 0 and seq.prefill == 0]
-            if lingering:
+            finished = [seq for seq in running if seq.outputs <= 0 and seq.prefill == 0]
+            if finished:
                 running = [seq for seq in running if seq.outputs > 0 or seq.prefill > 0]
+            if view.overlapped:
+                lingering = finished
+            else:
+                blocks_used -= sum(reserve(seq) for seq in finished)
+                lingering = []
             if now > horizon_s:
                 break
         admitted = queue_len - len(queue)
@@ -238,7 +254,8 @@ class SloAdmission:
         outputs_so_far = len(request.output_token_ids) + request.num_output_placeholders
         expected = max(1.0, request.sampling.max_tokens * self.output_ratio)
         remaining = max(expected - outputs_so_far, 0.0)
-        if to_compute > 1:  # prompt chunks (or a recompute) left; the step that ends them samples
+        # prompt chunks (or a recompute) left, however short (a one-token prompt too); the step that ends them samples
+        if to_compute > 1 or request.num_computed_tokens < len(request.prompt_token_ids):
             return _Seq(to_compute, remaining, request.num_computed_tokens)
         return _Seq(0, remaining, request.num_computed_tokens)  # decoding: one token per step
 

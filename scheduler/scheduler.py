@@ -89,7 +89,8 @@ class Scheduler:
     def _admission_view(self) -> AdmissionView:
         """What SLO admission may read: the budgets, the cache's size, the running set and the waiting queue."""
         return AdmissionView(self.config.max_num_batched_tokens, self.config.max_num_seqs, self.kv.block_size,
-                             self.kv.pool.num_blocks, self.running, self.waiting)
+                             self.kv.pool.num_blocks, self.running, self.waiting, self.config.async_scheduling,
+                             self.prefill_chunk_cap)
 
     # ---- arrivals and departures ------------------------------------------------------------------------
 
