@@ -58,10 +58,12 @@ def set_worker_threads(worker_threads: int) -> None:
 class ModelRunner:
     """Holds the model, its paged KV cache, per-request state and the sampler.
 
-    Construction loads the model, probes its KV geometry, checks that the paged path reproduces transformers'
-    eager attention on it (worker/capability.py), and only then allocates the cache: on CUDA (unless
-    --num-kv-blocks) as many blocks as --gpu-memory-utilization leaves after one profiling step at the largest step
-    shape (worker/kv_sizing.py), elsewhere --kv-cache-memory or --num-kv-blocks.
+    Construction runs the start-up phases in order: claim the device; load the model, probe its KV geometry and
+    check that the paged path reproduces transformers' eager attention on it (worker/capability.py); only then size
+    and allocate the cache; prepare the batch, sampler and grammars; compile (a compiled backend's prefill shapes);
+    capture (CUDA graphs for decode steps). The cache gets, on CUDA (unless --num-kv-blocks), as many blocks as
+    --gpu-memory-utilization leaves after one profiling step at the largest step shape (worker/kv_sizing.py),
+    elsewhere --kv-cache-memory or --num-kv-blocks.
 
     Under tensor parallel (worker/parallel.py) every rank builds one on its shard of the weights, runs the same
     plans and the same check (their collectives pair up), and holds its own KV heads; rank 0 samples.
@@ -80,22 +82,40 @@ class ModelRunner:
 
     def __init__(self, config: ShuttleConfig, device: torch.device | None = None,
                  parallel: TensorParallel = TensorParallel()):
+        self.device = self._claim_device(config, device, parallel)
+        self.parallel = parallel
+        baseline = snapshot(self.device) if self.device.type == "cuda" else None  # before the weights (kv_sizing.py)
+        self._load(config)
+        self._allocate_kv_cache(config, baseline)
+        self._prepare_steps(config)
+        self.warm_up_seconds = 0.0
+        if self.backend.compiled:
+            self.warm_up_prefill_shapes(config.scheduler.max_num_batched_tokens, config.model.max_model_len)
+        self.graphs = graph_runner_for(self, config)  # decode-only steps from CUDA graphs (None: all eager)
+
+    # ---- the phases of start-up, in order ----------------------------------------------------------------
+
+    @staticmethod
+    def _claim_device(config: ShuttleConfig, device: torch.device | None, parallel: TensorParallel) -> torch.device:
+        """This rank's device, made current (CUDA), with the worker's CPU threads set."""
         if device is None:
             device = local_device(config.worker.device, 0, parallel.rank, parallel.size)
         if device.type == "cuda" and device.index is None:  # torch 2.11's set_device refuses a bare "cuda"
             device = torch.device("cuda", torch.cuda.current_device())
         set_worker_threads(config.worker.worker_threads)
-        self.device = device
-        self.parallel = parallel
-        model_cfg, cache_cfg = config.model, config.cache
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        baseline = snapshot(device) if device.type == "cuda" else None  # before the weights (worker/kv_sizing.py)
+        return device
+
+    def _load(self, config: ShuttleConfig) -> None:
+        """Load the weights (quantized, chunked or widened where the device needs it), probe the KV geometry, choose
+        the attention backend and check that the paged path reproduces eager attention on this model."""
+        model_cfg, device, parallel = config.model, self.device, self.parallel
         self.dtype_name = resolve_dtype(model_cfg.dtype, device.type)
         self.dtype = DTYPES[self.dtype_name]
-        kv_name = cache_cfg.kv_cache_dtype  # --kv-cache-dtype: auto is the model's dtype
+        kv_name = config.cache.kv_cache_dtype  # --kv-cache-dtype: auto is the model's dtype
         self.kv_dtype = self.dtype if kv_name == "auto" else DTYPES[kv_name]
-        self.block_size = cache_cfg.block_size
+        self.block_size = config.cache.block_size
         self.staging = StepStaging(device)
         self.model = load_model(model_cfg.model_dir, self.dtype_name, device, **parallel.load_kwargs(),
                                 trust_remote_code=model_cfg.trust_remote_code)
@@ -121,13 +141,17 @@ class ModelRunner:
         self.check_difference = check_exactness(self, model_cfg.max_model_len)
         log.info("%s: paged attention (%s backend) matches eager attention within %.2g nats", self.architecture,
                  self.backend.name, self.check_difference)
+
+    def _allocate_kv_cache(self, config: ShuttleConfig, baseline) -> None:
+        """Size the KV cache (CUDA: from a profiled step, unless --num-kv-blocks) and allocate it."""
+        cache_cfg = config.cache
         self.kv_plan: KVPlan | None = None  # how --gpu-memory-utilization sized the cache (CUDA only)
         self.activation_peak_bytes = 0  # the profiling step's torch peak (CUDA only; 0: not profiled)
         num_blocks = cache_cfg.num_kv_blocks
         if baseline is not None and num_blocks is None:
             self.kv_plan = self._size_kv_cache(config, baseline)
             num_blocks = self.kv_plan.num_blocks
-        self.kv_cache = KVCache.allocate(self.geometry, self.block_size, self.kv_dtype, device, num_blocks,
+        self.kv_cache = KVCache.allocate(self.geometry, self.block_size, self.kv_dtype, self.device, num_blocks,
                                          cache_cfg.kv_cache_memory)
         # how the cache was sized, for the start-up line
         if self.kv_plan is not None:
@@ -138,6 +162,10 @@ class ModelRunner:
             self.kv_budget = "--num-kv-blocks"
         else:
             self.kv_budget = f"--kv-cache-memory {cache_cfg.kv_cache_memory / 2**20:.0f} MiB"
+
+    def _prepare_steps(self, config: ShuttleConfig) -> None:
+        """What every step uses beside the model: the persistent batch, the sampler and (rank 0) the grammars."""
+        model_cfg = config.model
         self.batch = InputBatch(self.block_size, self.kv_cache.null_block,
                                 -(-model_cfg.max_model_len // self.block_size))
         self.sampler = Sampler(model_cfg.eos_token_ids, seed=model_cfg.seed)  # --seed: for requests without one
@@ -145,12 +173,10 @@ class ModelRunner:
         vocab = self.model.config.get_text_config().vocab_size
         self.grammars = GrammarCompiler(model_cfg.tokenizer_dir or model_cfg.model_dir, vocab,
                                         model_cfg.eos_token_ids, model_cfg.trust_remote_code) \
-            if parallel.is_driver else None
+            if self.parallel.is_driver else None
         self._masks: GrammarMasks | None = None  # built on the first constrained step
-        self.warm_up_seconds = 0.0
-        if self.backend.compiled:
-            self.warm_up_prefill_shapes(config.scheduler.max_num_batched_tokens, model_cfg.max_model_len)
-        self.graphs = graph_runner_for(self, config)  # decode-only steps from CUDA graphs (None: all eager)
+
+    # ---- serving ------------------------------------------------------------------------------------------
 
     @property
     def dtype_label(self) -> str:
