@@ -289,10 +289,14 @@ class IpcConfig:
         """Endpoints in `runtime_dir`; serving group `group` > 0 gets its own requests/plans/results sockets, and
         each worker rank r > 0 its own plans socket."""
         suffix = f"-{group}" if group else ""
-        return IpcConfig(*(f"ipc://{runtime_dir}/{name}{suffix}.sock" for name in ("requests", "plans", "results")),
-                         *(f"ipc://{runtime_dir}/{name}.sock" for name in ("control", "supervisor")),
-                         rank_plans=tuple(f"ipc://{runtime_dir}/plans{suffix}-rank{r}.sock"
-                                          for r in range(1, tensor_parallel_size)))
+
+        def endpoint(name: str) -> str:
+            return f"ipc://{runtime_dir}/{name}.sock"
+
+        return IpcConfig(requests=endpoint(f"requests{suffix}"), plans=endpoint(f"plans{suffix}"),
+                         results=endpoint(f"results{suffix}"), control=endpoint("control"),
+                         supervisor=endpoint("supervisor"),
+                         rank_plans=tuple(endpoint(f"plans{suffix}-rank{r}") for r in range(1, tensor_parallel_size)))
 
     @property
     def all_groups(self) -> tuple[str, ...]:

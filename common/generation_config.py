@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from shuttle.common.errors import InvalidRequestError, ModelDirError
 from shuttle.common.model_dir import read_json_object
@@ -33,7 +34,7 @@ class SamplingDefaults:
     repetition_penalty: float | None = None
     max_tokens: int | None = None
 
-    def named(self) -> dict[str, float | int]:
+    def named(self) -> dict[str, Any]:  # by field name: each value has its own field's type
         """The defaults the file names, by field."""
         return {name: getattr(self, name) for name in FILE_KEYS if getattr(self, name) is not None}
 
@@ -74,7 +75,7 @@ def read_sampling_defaults(path: Path | None) -> SamplingDefaults:
     if path is None:
         return SamplingDefaults()
     data = read_json_object(path)
-    values = {}
+    values: dict[str, Any] = {}  # by field name: top_k and max_tokens int, the others float
     for name, key in FILE_KEYS.items():
         value = data.get(key)
         if value is None:
@@ -87,5 +88,6 @@ def read_sampling_defaults(path: Path | None) -> SamplingDefaults:
     try:
         SamplingParams(**defaults.named()).validate(vocab_size=2**31)
     except InvalidRequestError as exc:
-        raise ModelDirError(f"{path}: {FILE_KEYS.get(exc.param, exc.param)} {str(exc).split(' ', 1)[1]}") from None
+        named = FILE_KEYS.get(exc.param or "") or exc.param  # the file's key of the field at fault
+        raise ModelDirError(f"{path}: {named} {str(exc).split(' ', 1)[1]}") from None
     return defaults

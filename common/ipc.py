@@ -130,7 +130,8 @@ class _Reader(Generic[T]):
 
     def __init__(self, socket: zmq.Socket, recv_type: Any, max_depth: int, name: str):
         self.socket = socket
-        self._decoder = GuardedDecoder(recv_type, max_depth) if recv_type is not None else None
+        self._decoder: GuardedDecoder[T] | None = (GuardedDecoder(recv_type, max_depth) if recv_type is not None
+                                                    else None)
         self.faults = FaultLog(name or socket.getsockopt_string(zmq.LAST_ENDPOINT) or "a socket")
 
     @property
@@ -138,11 +139,16 @@ class _Reader(Generic[T]):
         """Messages received that were not one well-formed message (all kinds)."""
         return self.faults.total
 
+    def _decode(self, buffer: memoryview) -> T:
+        if self._decoder is None:
+            raise TypeError("a send-only channel (recv_type=None) cannot receive")
+        return self._decoder.decode(buffer)
+
     def _one(self, frames: list[zmq.Frame]) -> T | None:
         try:
             if len(frames) != 1:
                 raise Malformed("frames", f"expected 1 frame, got {len(frames)}")
-            return self._decoder.decode(frames[0].buffer)
+            return self._decode(frames[0].buffer)
         except Malformed as fault:
             self.faults.record(b"", fault)
             return None
@@ -152,7 +158,7 @@ class _Reader(Generic[T]):
         try:
             if len(frames) != 2:
                 raise Malformed("frames", f"expected 1 payload frame, got {len(frames) - 1}")
-            return identity, self._decoder.decode(frames[1].buffer)
+            return identity, self._decode(frames[1].buffer)
         except Malformed as fault:
             self.faults.record(identity, fault)
             payload = frames[1].bytes if fault.kind == "decode" else None  # within the depth limit: safe to read
@@ -214,6 +220,8 @@ class Channel(_Reader[T]):
 
 class AsyncChannel(_Reader[T]):
     """The asyncio twin of Channel (same arguments), for the frontend's event loop."""
+
+    socket: zmq.asyncio.Socket  # what an asyncio context's socket() makes: its send and recv return awaitables
 
     def __init__(self, ctx: zmq.asyncio.Context, kind: int, endpoint: str, *, bind: bool, recv_type: Any = None,
                  curve: bool = False, max_message_bytes: int = 0, max_depth: int = 0, name: str = ""):

@@ -82,8 +82,8 @@ def report_ready(config: ShuttleConfig, name: str, **info: int | float | str) ->
     """Tell the launcher this process is up (its control socket; no-op in the launcher's absence). Start-up is
     over then, so its heap is frozen first (freeze_startup_heap)."""
     freeze_startup_heap()
-    ctx = zmq.Context.instance()
-    channel = Channel(ctx, zmq.PUSH, config.ipc.control, bind=False)
+    ctx: zmq.Context = zmq.Context.instance()
+    channel: Channel[None] = Channel(ctx, zmq.PUSH, config.ipc.control, bind=False)  # send-only
     channel.socket.setsockopt(zmq.LINGER, 2000)
     channel.send(ProcessReady(name=name, pid=os.getpid(), info=dict(info)))
     channel.socket.close(linger=2000)
