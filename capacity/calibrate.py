@@ -5,9 +5,11 @@ requests are prefilled in chunks, then decode steps run; every step goes through
 the server (plan decoded from msgpack, applied, packed, forward, sample, result encoded) and is timed whole, so the
 engine's per-step overhead is part of what is fitted. The scheduler's own time per step (plan + settle) is
 measured alongside and fitted as `scheduler_s` per step plus `scheduler_sequence_s` per sequence. Per configuration the
-median step is fitted (a loaded machine throws outliers), and how far each step lies from its configuration's median is
-kept as the profile's `spread`, which the simulator draws step times from. The device's peaks are measured first
-(capacity/hardware.py), and the roofline's corrections are fitted by non-negative least squares on relative error.
+median step is fitted (a loaded machine
+throws outliers), and how far each step lies from its configuration's median is kept as the profile's `spread`,
+which the simulator draws step times from. The device's peaks are measured first (capacity/hardware.py), and the
+roofline's corrections are
+fitted by non-negative least squares on relative error.
 
 `shuttle calibrate` (main) runs the grid on the machine it is on, prints each measurement next to its fit and writes
 the JSON profile that `shuttle serve --step-cost-profile`, `shuttle simulate` and `shuttle tune` read:
@@ -207,9 +209,8 @@ class Calibrator:
         label = f"mixed {batch} decodes at {prompt_len} + chunk {chunk}"
         return [Measurement(f"{label}, attention {s.prefill_attention}", s, sec, sch) for s, sec, sch in mixed]
 
-    def calibrate(
-        self, max_num_batched_tokens: int, max_num_seqs: int, repeats: int = 5, progress=print
-    ) -> tuple[StepCostModel, list[Measurement]]:
+    def calibrate(self, max_num_batched_tokens: int, max_num_seqs: int, repeats: int = 5,
+                  progress=print) -> tuple[StepCostModel, list[Measurement]]:
         """Measure the grid and fit. Returns the model and the measurements it was fitted to."""
         with torch.inference_mode():
             # warm-up: first calls pay lazy initialisation (kernels compiled, allocator pools, caches); the first
@@ -222,34 +223,25 @@ class Calibrator:
             with torch.inference_mode():
                 if kind != "decode":  # each run gives one sample per chunk: run it `repeats` times, keep medians
                     runs = [self.measure(kind, batch, prompt_len, chunk, repeats, seed) for seed in range(repeats)]
-                    found = [
-                        _median(same[0].label, [(m.shape, m.seconds, m.scheduler_seconds) for m in same])
-                        for same in zip(*runs)
-                    ]
+                    found = [_median(same[0].label, [(m.shape, m.seconds, m.scheduler_seconds) for m in same])
+                             for same in zip(*runs)]
                 else:
                     found = self.measure(kind, batch, prompt_len, chunk, repeats)
             measurements.extend(found)
             for m in found:
                 progress(f"[{i + 1}/{len(configs)}] {m.label}: {m.seconds * 1e3:.2f} ms")
         device = hardware.measure(self.model_config.dtype, self.runner.device.type)
-        progress(
-            f"{device.name}: {device.peak_flops / 1e9:.1f} GFLOP/s, {device.bandwidth / 1e9:.1f} GB/s ({device.source})"
-        )
+        progress(f"{device.name}: {device.peak_flops / 1e9:.1f} GFLOP/s, {device.bandwidth / 1e9:.1f} GB/s "
+                 f"({device.source})")
         roofline = hardware.roofline_for(self.model_config.model_dir, self.model_config.dtype, device)
         # the spread: each step against the median of its configuration, where a configuration ran more than once
         ratios = [x / m.seconds for m in measurements if len(m.samples) > 1 for x in m.samples]
-        per_step, per_sequence = fit_scheduler_seconds(
-            [m.shape for m in measurements], [m.scheduler_seconds for m in measurements]
-        )
-        model = StepCostModel.fit(
-            [m.shape for m in measurements],
-            [m.seconds for m in measurements],
-            roofline=roofline,
-            scheduler_s=per_step,
-            scheduler_sequence_s=per_sequence,
-            spread=spread_of(ratios),
-            meta=self.meta(),
-        )
+        per_step, per_sequence = fit_scheduler_seconds([m.shape for m in measurements],
+                                                       [m.scheduler_seconds for m in measurements])
+        model = StepCostModel.fit([m.shape for m in measurements], [m.seconds for m in measurements],
+                                  roofline=roofline,
+                                  scheduler_s=per_step, scheduler_sequence_s=per_sequence,
+                                  spread=spread_of(ratios), meta=self.meta())
         return model, measurements
 
     def serve(self, workload: list[SimRequest], config: SchedulerConfig, num_blocks: int) -> InProcessRun:
@@ -262,12 +254,8 @@ class Calibrator:
         """
         if num_blocks > self.runner.kv_cache.num_blocks:
             raise ValueError(f"{num_blocks} KV blocks asked, the runner holds {self.runner.kv_cache.num_blocks}")
-        scheduler = Scheduler(
-            config,
-            KVCacheManager(num_blocks, self.block_size, enable_caching=False),
-            self.model_config.max_model_len,
-            (),
-        )
+        scheduler = Scheduler(config, KVCacheManager(num_blocks, self.block_size, enable_caching=False),
+                              self.model_config.max_model_len, ())
         order = sorted(range(len(workload)), key=lambda i: workload[i].arrival)
         records = [RequestRecord(w.arrival, len(w.prompt_token_ids), w.output_len) for w in workload]
         steps: list[tuple[StepShape, float]] = []
@@ -277,15 +265,9 @@ class Calibrator:
                 now = time.perf_counter() - start
                 while sent < len(order) and workload[order[sent]].arrival <= now:
                     w = workload[order[sent]]
-                    scheduler.add_request(
-                        b"run",
-                        Submit(
-                            request_id=str(order[sent]),
-                            prompt_token_ids=w.prompt_token_ids,
-                            sampling=SamplingParams(max_tokens=w.output_len, temperature=0.0, ignore_eos=True),
-                            arrival_time=start + w.arrival,
-                        ),
-                    )
+                    scheduler.add_request(b"run", Submit(request_id=str(order[sent]),
+                                                         prompt_token_ids=w.prompt_token_ids, sampling=SamplingParams(
+                        max_tokens=w.output_len, temperature=0.0, ignore_eos=True), arrival_time=start + w.arrival))
                     sent += 1
                 if not scheduler.has_work:
                     time.sleep(max(0.0, workload[order[sent]].arrival - now))
@@ -307,17 +289,11 @@ class Calibrator:
 
     def meta(self) -> dict:
         """What the simulator needs besides the coefficients, and how the measurement was made."""
-        return {
-            "model": self.model_config.model_dir,
-            "dtype": self.model_config.dtype,
-            "max_model_len": self.model_config.max_model_len,
-            "vocab_size": self.vocab,
-            "kv_bytes_per_token": self.runner.kv_cache.bytes_per_token,
-            "block_size": self.block_size,
-            "attention_backend": self.runner.backend.name,
-            "torch_threads": torch.get_num_threads(),
-            "cpus": os.cpu_count(),
-        }
+        return {"model": self.model_config.model_dir, "dtype": self.model_config.dtype,
+                "max_model_len": self.model_config.max_model_len, "vocab_size": self.vocab,
+                "kv_bytes_per_token": self.runner.kv_cache.bytes_per_token,
+                "block_size": self.block_size, "attention_backend": self.runner.backend.name,
+                "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count()}
 
 
 def _median(label: str, rows: list[tuple[StepShape, float, float]]) -> Measurement:
@@ -328,9 +304,8 @@ def _median(label: str, rows: list[tuple[StepShape, float, float]]) -> Measureme
 
 def main(argv: list[str] | None = None) -> int:
     """`shuttle calibrate`: measure, fit, print, save the profile."""
-    parser = argparse.ArgumentParser(
-        prog="shuttle calibrate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(prog="shuttle calibrate", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="the model directory to serve")
     parser.add_argument("--out", type=Path, required=True, help="where the JSON profile goes")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -343,18 +318,15 @@ def main(argv: list[str] | None = None) -> int:
     simulate.require_model_dir(parser, args.model, args.max_model_len)
     start = time.time()
     calibrator = Calibrator(args.model, args.dtype, args.max_model_len, attention_backend=args.attention_backend)
-    model, measurements = calibrator.calibrate(
-        args.max_num_batched_tokens, args.max_num_seqs, args.repeats, progress=lambda line: print(line, flush=True)
-    )
+    model, measurements = calibrator.calibrate(args.max_num_batched_tokens, args.max_num_seqs, args.repeats,
+                                               progress=lambda line: print(line, flush=True))
     print(f"{'measurement':<60}{'ms':>10}{'fit ms':>10}")
     for m in measurements:
         print(f"{m.label:<60}{m.seconds * 1e3:10.2f}{model.predict(m.shape) * 1e3:10.2f}")
     model.meta["seconds"] = round(time.time() - start, 1)
     print("coefficients: " + ", ".join(f"{name} {model.coefficients[name]:.3g}" for name in FEATURES))
-    print(
-        f"relative RMS error {model.meta['rel_rmse']:.3f}; scheduler {model.scheduler_s * 1e3:.3f} ms/step + "
-        f"{model.scheduler_sequence_s * 1e6:.2f} us/sequence"
-    )
+    print(f"relative RMS error {model.meta['rel_rmse']:.3f}; scheduler {model.scheduler_s * 1e3:.3f} ms/step + "
+          f"{model.scheduler_sequence_s * 1e6:.2f} us/sequence")
     model.save(args.out)
     print(f"wrote {args.out}")
     return 0

@@ -226,40 +226,26 @@ def measure_queue_memory(vocab_size: int, prompt_len: int = 512) -> tuple[int, f
     return int(small - per_token), per_token
 
 
-def _profile_steps(
-    runner, max_model_len: int, max_num_batched_tokens: int, max_num_seqs: int, vocab_size: int
-) -> tuple[int, str]:
+def _profile_steps(runner, max_model_len: int, max_num_batched_tokens: int, max_num_seqs: int,
+                   vocab_size: int) -> tuple[int, str]:
     """Peak RSS growth of the largest steps of this shape: a max_model_len prompt prefilled in chunks of
     max_num_batched_tokens (the last chunk attends over the whole context), and max_num_seqs sequences in one
     step (prefill, then a decode). Returns (bytes, which step)."""
     block_size = runner.block_size
     worst = (0, "")
-    shapes = [
-        ("one sequence", 1, max_model_len - 1, max_num_batched_tokens),
-        (
-            "max_num_seqs sequences",
-            max_num_seqs,
-            max(1, min(16, max_num_batched_tokens // max_num_seqs)),
-            max_num_batched_tokens,
-        ),
-    ]
+    shapes = [("one sequence", 1, max_model_len - 1, max_num_batched_tokens),
+              ("max_num_seqs sequences", max_num_seqs, max(1, min(16, max_num_batched_tokens // max_num_seqs)),
+               max_num_batched_tokens)]
     generator = torch.Generator().manual_seed(0)
     for label, batch, prompt_len, budget in shapes:
         config = SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=budget)
-        scheduler = Scheduler(
-            config, KVCacheManager(runner.kv_cache.num_blocks, block_size, enable_caching=False), max_model_len, ()
-        )
+        scheduler = Scheduler(config, KVCacheManager(runner.kv_cache.num_blocks, block_size, enable_caching=False),
+                              max_model_len, ())
         for i in range(batch):
             prompt = torch.randint(3, vocab_size, (prompt_len,), generator=generator).tolist()
-            scheduler.add_request(
-                b"plan",
-                Submit(
-                    request_id=f"p{i}",
-                    prompt_token_ids=prompt,
-                    sampling=SamplingParams(max_tokens=2, ignore_eos=True),
-                    arrival_time=float(i),
-                ),
-            )
+            scheduler.add_request(b"plan", Submit(request_id=f"p{i}", prompt_token_ids=prompt,
+                                                  sampling=SamplingParams(max_tokens=2, ignore_eos=True),
+                                                  arrival_time=float(i)))
         while scheduler.has_work:
             step = scheduler.schedule()
             gc.collect()
@@ -277,21 +263,11 @@ def _profile_steps(
     return worst
 
 
-def build_plan(
-    model_dir: str,
-    max_model_len: int | None = None,
-    dtype: str = "auto",
-    kv_cache_memory: int | None = None,
-    gpu_memory_utilization: float | None = None,
-    num_kv_blocks: int | None = None,
-    block_size: int = 16,
-    max_num_seqs: int = 128,
-    max_num_batched_tokens: int = 2048,
-    max_waiting_requests: int = 4096,
-    attention_backend: str = "auto",
-    measure_processes: bool = True,
-    quantization: str = "none",
-) -> MemoryPlan:
+def build_plan(model_dir: str, max_model_len: int | None = None, dtype: str = "auto",
+               kv_cache_memory: int | None = None, gpu_memory_utilization: float | None = None,
+               num_kv_blocks: int | None = None, block_size: int = 16, max_num_seqs: int = 128,
+               max_num_batched_tokens: int = 2048, max_waiting_requests: int = 4096, attention_backend: str = "auto",
+               measure_processes: bool = True, quantization: str = "none") -> MemoryPlan:
     """Measure and compute the memory plan (see the module docstring). Never starts a server.
 
     Raises:
@@ -306,23 +282,15 @@ def build_plan(
     notes: list[str] = []
     cuda = torch.cuda.is_available()
     device = torch.cuda.get_device_name(0) if cuda else "cpu"
-    profile_blocks = (
-        blocks_per_request(model.max_model_len, block_size)
-        + max_num_seqs * blocks_per_request(max(1, min(16, max_num_batched_tokens // max_num_seqs)) + 2, block_size)
-        + 8
-    )
-    config = ShuttleConfig(
-        model=model,
-        ipc=IpcConfig.in_directory("/nonexistent"),
-        cache=CacheConfig(block_size, profile_blocks, enable_prefix_caching=False),
-        worker=WorkerConfig(attention_backend, quantization=quantization),
-    )
+    profile_blocks = (blocks_per_request(model.max_model_len, block_size) + max_num_seqs * blocks_per_request(
+        max(1, min(16, max_num_batched_tokens // max_num_seqs)) + 2, block_size) + 8)
+    config = ShuttleConfig(model=model, ipc=IpcConfig.in_directory("/nonexistent"),
+                           cache=CacheConfig(block_size, profile_blocks, enable_prefix_caching=False),
+                           worker=WorkerConfig(attention_backend, quantization=quantization))
     runner = ModelRunner(config)
     if runner.quantized_linears:
-        notes.append(
-            f"--quantization {quantization}: the weights count {runner.quantized_linears} linear layers at "
-            f"one byte per weight plus their scales (worker/quantization.py)"
-        )
+        notes.append(f"--quantization {quantization}: the weights count {runner.quantized_linears} linear layers at "
+                     f"one byte per weight plus their scales (worker/quantization.py)")
     gc.collect()
     bytes_per_token = KVCache.bytes_per_token_of(runner.geometry, runner.dtype)
     profile_kv = kv_cache_bytes(profile_blocks, block_size, bytes_per_token)
@@ -341,55 +309,32 @@ def build_plan(
             if cuda:
                 total = torch.cuda.get_device_properties(0).total_memory
                 budget = int(total * gpu_memory_utilization) - runner.weight_bytes - peak
-                source = (
-                    f"--gpu-memory-utilization {gpu_memory_utilization}: {gpu_memory_utilization} x "
-                    f"{total / MiB:.0f} MiB less weights and peak activations"
-                )
-                notes.append(
-                    "on CUDA `shuttle serve --gpu-memory-utilization` sizes the KV cache itself from a "
-                    "profiled step's torch peak and non-torch memory (worker/kv_sizing.py); this plan's "
-                    "figure uses the step's resident-set peak instead"
-                )
+                source = (f"--gpu-memory-utilization {gpu_memory_utilization}: {gpu_memory_utilization} x "
+                          f"{total / MiB:.0f} MiB less weights and peak activations")
+                notes.append("on CUDA `shuttle serve --gpu-memory-utilization` sizes the KV cache itself from a "
+                             "profiled step's torch peak and non-torch memory (worker/kv_sizing.py); this plan's "
+                             "figure uses the step's resident-set peak instead")
             else:
-                notes.append(
-                    f"--gpu-memory-utilization {gpu_memory_utilization} applies to a CUDA device only and "
-                    f"there is none here: the KV budget is {source} instead"
-                )
+                notes.append(f"--gpu-memory-utilization {gpu_memory_utilization} applies to a CUDA device only and "
+                             f"there is none here: the KV budget is {source} instead")
         blocks = kv_blocks_for_memory(budget, bytes_per_token, block_size)
     if blocks < 1:
         raise ValueError(f"a KV budget of {budget} bytes holds no block of {block_size} tokens")
     if blocks * block_size < model.max_model_len:
-        notes.append(
-            f"the KV cache holds {blocks * block_size} tokens, fewer than max_model_len "
-            f"{model.max_model_len}: requests needing more are rejected"
-        )
+        notes.append(f"the KV cache holds {blocks * block_size} tokens, fewer than max_model_len "
+                     f"{model.max_model_len}: requests needing more are rejected")
     overhead = measure_process_overhead(model.model_dir) if measure_processes else {}
     queue_fixed, queue_per_token = measure_queue_memory(vocab_size, min(512, model.max_model_len))
     return MemoryPlan(
-        model_dir=model.model_dir,
-        dtype=runner.dtype_name,
-        device=device,
-        max_model_len=model.max_model_len,
-        block_size=block_size,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
-        max_waiting_requests=max_waiting_requests,
-        weight_bytes=runner.weight_bytes,
-        kv_bytes_per_token=bytes_per_token,
-        kv_budget_bytes=budget,
-        kv_budget_source=source,
-        num_kv_blocks=blocks,
-        kv_cache_bytes=kv_cache_bytes(blocks, block_size, bytes_per_token),
-        peak_activation_bytes=peak,
-        peak_activation_step=peak_step,
-        worker_loaded_rss_bytes=loaded_rss,
-        worker_token_state_bytes=WORKER_BYTES_PER_TOKEN,
-        process_overhead_bytes=overhead,
-        queue_bytes_per_request=queue_fixed,
-        queue_bytes_per_prompt_token=queue_per_token,
-        notes=notes,
-        concurrency=concurrency_table(blocks, block_size, model.max_model_len, max_num_seqs),
-    )
+        model_dir=model.model_dir, dtype=runner.dtype_name, device=device, max_model_len=model.max_model_len,
+        block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+        max_waiting_requests=max_waiting_requests, weight_bytes=runner.weight_bytes,
+        kv_bytes_per_token=bytes_per_token, kv_budget_bytes=budget, kv_budget_source=source, num_kv_blocks=blocks,
+        kv_cache_bytes=kv_cache_bytes(blocks, block_size, bytes_per_token), peak_activation_bytes=peak,
+        peak_activation_step=peak_step, worker_loaded_rss_bytes=loaded_rss,
+        worker_token_state_bytes=WORKER_BYTES_PER_TOKEN, process_overhead_bytes=overhead,
+        queue_bytes_per_request=queue_fixed, queue_bytes_per_prompt_token=queue_per_token, notes=notes,
+        concurrency=concurrency_table(blocks, block_size, model.max_model_len, max_num_seqs))
 
 
 # The worker keeps each running request's token ids in a Python list: an 8-byte pointer per token, plus a 28-byte
@@ -408,21 +353,11 @@ def main(args) -> int:
         return 2
     try:
         check_model_dir(args.model_dir)  # one line for a bad directory, as `shuttle serve` refuses it
-        plan = build_plan(
-            args.model_dir,
-            args.max_model_len,
-            args.dtype,
-            args.kv_cache_memory,
-            args.gpu_memory_utilization,
-            args.num_kv_blocks,
-            args.block_size,
-            args.max_num_seqs,
-            args.max_num_batched_tokens,
-            args.max_waiting_requests,
-            args.attention_backend,
-            measure_processes=not args.no_measure_processes,
-            quantization=getattr(args, "quantization", "none"),
-        )
+        plan = build_plan(args.model_dir, args.max_model_len, args.dtype, args.kv_cache_memory,
+                          args.gpu_memory_utilization, args.num_kv_blocks, args.block_size, args.max_num_seqs,
+                          args.max_num_batched_tokens, args.max_waiting_requests, args.attention_backend,
+                          measure_processes=not args.no_measure_processes,
+                          quantization=getattr(args, "quantization", "none"))
     except (ModelDirError, UnsupportedModelError, ValueError) as exc:
         print(f"shuttle: error: {exc}", file=sys.stderr)
         return 2

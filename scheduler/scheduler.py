@@ -194,44 +194,22 @@ class Scheduler:
         (when it left the queue, and the prompt's logprobs)."""
         first = not request.has_output
         request.has_output = True
-        self._pending_outputs[request.client].append(
-            RequestOutput(
-                request_id=request.request_id,
-                new_token_ids=token_ids,
-                finish_reason=reason,
-                num_cached_tokens=max(request.num_cached_tokens, 0),
-                error_status=status,
-                error_message=message,
-                logprobs=logprobs or [],
-                first_scheduled_time=request.first_scheduled_time if first else 0.0,
-                prompt_logprobs=request.prompt_logprobs if first else [],
-            )
-        )
+        self._pending_outputs[request.client].append(RequestOutput(
+            request_id=request.request_id, new_token_ids=token_ids, finish_reason=reason,
+            num_cached_tokens=max(request.num_cached_tokens, 0), error_status=status, error_message=message,
+            logprobs=logprobs or [], first_scheduled_time=request.first_scheduled_time if first else 0.0,
+            prompt_logprobs=request.prompt_logprobs if first else []))
 
-    def _reject(
-        self, client: bytes, request_id: str, status: int, message: str, retry_after_s: float = 0.0, rejection: str = ""
-    ) -> None:
+    def _reject(self, client: bytes, request_id: str, status: int, message: str, retry_after_s: float = 0.0,
+                rejection: str = "") -> None:
         self.num_rejected += 1
         self._pending_outputs[client].append(
-            RequestOutput(
-                request_id=request_id,
-                finish_reason=FinishReason.ERROR,
-                error_status=status,
-                error_message=message,
-                retry_after_s=retry_after_s,
-                rejection=rejection,
-            )
-        )
+            RequestOutput(request_id=request_id, finish_reason=FinishReason.ERROR, error_status=status,
+                          error_message=message,
+                          retry_after_s=retry_after_s, rejection=rejection))
 
-    def _finish(
-        self,
-        request: Request,
-        reason: FinishReason,
-        status: int = 0,
-        message: str = "",
-        new_token_ids: list[int] | None = None,
-        logprobs: list[TokenLogprobs] | None = None,
-    ) -> None:
+    def _finish(self, request: Request, reason: FinishReason, status: int = 0, message: str = "",
+                new_token_ids: list[int] | None = None, logprobs: list[TokenLogprobs] | None = None) -> None:
         if request.status == RequestStatus.RUNNING:
             self._leave_running(request)
         elif not self.grammars.release(request):
@@ -322,16 +300,13 @@ class Scheduler:
         chunked prefill), else no limit beyond the budget."""
         if others_wait is None:
             others_wait = len(self.waiting) > 0
-        return (
-            self.prefill_chunk_cap if others_wait and self.prefill_chunk_cap > 0 else self.config.max_num_batched_tokens
-        )
+        capped = others_wait and self.prefill_chunk_cap > 0
+        return self.prefill_chunk_cap if capped else self.config.max_num_batched_tokens
 
     def _booked_to_the_end(self, request: Request) -> bool:
         """True when a placeholder already books the request's last token (max_tokens or max_model_len)."""
-        return (
-            len(request.output_token_ids) + request.num_output_placeholders >= request.sampling.max_tokens
-            or request.num_tokens_booked >= self.max_model_len
-        )
+        return (len(request.output_token_ids) + request.num_output_placeholders >= request.sampling.max_tokens
+                or request.num_tokens_booked >= self.max_model_len)
 
     def _book(self, step: ScheduledStep, request: Request, num_new: int) -> int:
         """Advance the request's computed tokens now; a chunk that reaches its end books a sampled placeholder."""
@@ -391,26 +366,15 @@ class Scheduler:
             if request_id not in self._known_to_worker:
                 self._known_to_worker.add(request_id)
                 request = entry.request
-                plan.new_requests.append(
-                    NewRequestData(
-                        request_id=request_id,
-                        token_ids=request.all_token_ids,
-                        sampling=request.sampling,
-                        block_ids=list(self.kv.block_tables[request_id]),
-                        num_computed_tokens=entry.start,
-                        num_scheduled_tokens=entry.num_new,
-                        prompt_len=len(request.prompt_token_ids) if request.output_token_ids else 0,
-                    )
-                )
+                plan.new_requests.append(NewRequestData(
+                    request_id=request_id, token_ids=request.all_token_ids, sampling=request.sampling,
+                    block_ids=list(self.kv.block_tables[request_id]), num_computed_tokens=entry.start,
+                    num_scheduled_tokens=entry.num_new,
+                    prompt_len=len(request.prompt_token_ids) if request.output_token_ids else 0))
             else:
-                plan.cached_requests.append(
-                    CachedRequestData(
-                        request_id=request_id,
-                        new_block_ids=new_blocks[request_id],
-                        num_computed_tokens=entry.start,
-                        num_scheduled_tokens=entry.num_new,
-                    )
-                )
+                plan.cached_requests.append(CachedRequestData(
+                    request_id=request_id, new_block_ids=new_blocks[request_id], num_computed_tokens=entry.start,
+                    num_scheduled_tokens=entry.num_new))
 
     # ---- results --------------------------------------------------------------------------------------------
 
@@ -428,7 +392,7 @@ class Scheduler:
             if entry is not None and entry.request.is_live:
                 collected = entry.request.prompt_logprobs
                 if chunk.start <= len(collected) < chunk.start + len(chunk.entries):  # recomputed chunks add nothing
-                    collected.extend(chunk.entries[len(collected) - chunk.start :])
+                    collected.extend(chunk.entries[len(collected) - chunk.start:])
         logprobs = result.logprobs
         for i, (request_id, token_id) in enumerate(zip(result.request_ids, result.token_ids)):
             entry = scheduled.get(request_id)
@@ -464,18 +428,9 @@ class Scheduler:
     def stats(self) -> SchedulerStats:
         pool = self.kv.pool
         return SchedulerStats(
-            num_waiting=self.num_waiting,
-            num_running=len(self.running),
-            num_free_blocks=pool.num_free,
-            num_cached_blocks=pool.num_cached,
-            num_total_blocks=pool.num_blocks,
-            num_preemptions=self.num_preemptions,
-            prefix_cache_queries=self.kv.prefix_queries,
-            prefix_cache_hits=self.kv.prefix_hits,
-            num_steps=self._step_id,
-            num_rejected=self.num_rejected,
-            num_timed_out=self.num_timed_out,
-            num_blocks_in_use=pool.num_blocks - pool.num_free,
-            num_admitted=self.num_admitted,
-            num_scheduled_tokens=self.num_scheduled_tokens,
-        )
+            num_waiting=self.num_waiting, num_running=len(self.running), num_free_blocks=pool.num_free,
+            num_cached_blocks=pool.num_cached, num_total_blocks=pool.num_blocks, num_preemptions=self.num_preemptions,
+            prefix_cache_queries=self.kv.prefix_queries, prefix_cache_hits=self.kv.prefix_hits, num_steps=self._step_id,
+            num_rejected=self.num_rejected, num_timed_out=self.num_timed_out,
+            num_blocks_in_use=pool.num_blocks - pool.num_free, num_admitted=self.num_admitted,
+            num_scheduled_tokens=self.num_scheduled_tokens)

@@ -121,28 +121,18 @@ def _paged_logprobs(runner, sequences: dict[str, list[int]]) -> dict[str, torch.
         plan = StepPlan(step_id=step_id, new_requests=[], cached_requests=[])
         for name, (start, count) in step.items():
             if step_id == 0:
-                plan.new_requests.append(
-                    NewRequestData(
-                        request_id=name,
-                        token_ids=sequences[name],
-                        sampling=SamplingParams(),
-                        block_ids=tables[name],
-                        num_computed_tokens=start,
-                        num_scheduled_tokens=count,
-                    )
-                )
+                plan.new_requests.append(NewRequestData(request_id=name, token_ids=sequences[name],
+                                                        sampling=SamplingParams(), block_ids=tables[name],
+                                                        num_computed_tokens=start, num_scheduled_tokens=count))
             else:
-                plan.cached_requests.append(
-                    CachedRequestData(
-                        request_id=name, new_block_ids=[], num_computed_tokens=start, num_scheduled_tokens=count
-                    )
-                )
+                plan.cached_requests.append(CachedRequestData(request_id=name, new_block_ids=[],
+                                                              num_computed_tokens=start, num_scheduled_tokens=count))
         scheduled = batch.apply(plan)
         inputs = batch.pack(scheduled)
         logits = runner.forward(inputs, cache.layers, torch.arange(inputs.input_ids.shape[0])).float()
         starts = inputs.attention.query_start_list
         for index, (state, _) in enumerate(_ordered(scheduled)):
-            rows[state.request_id].append(logits[starts[index] : starts[index + 1]].log_softmax(-1))
+            rows[state.request_id].append(logits[starts[index]:starts[index + 1]].log_softmax(-1))
     return {name: torch.cat(parts) for name, parts in rows.items()}
 
 
@@ -151,18 +141,15 @@ def _ordered(scheduled):
     return [item for item in scheduled if item[1] == 1] + [item for item in scheduled if item[1] != 1]
 
 
-def _eager_logprobs(
-    model, sequences: dict[str, list[int]], device: torch.device
-) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+def _eager_logprobs(model, sequences: dict[str, list[int]],
+                    device: torch.device) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """Eager attention, one sequence at a time: log-softmax at every position of each sequence (no cache), and,
     for sequence "a", its last positions decoded one token at a time through transformers' own cache."""
     try:
         model.set_attn_implementation("eager")
         if model.config._attn_implementation != "eager":
-            raise UnsupportedModelError(
-                f"{architecture(model)}: its attention implementation cannot be switched, "
-                f"so shuttle cannot check its paged path"
-            )
+            raise UnsupportedModelError(f"{architecture(model)}: its attention implementation cannot be switched, "
+                                        f"so shuttle cannot check its paged path")
         out = {}
         for name, ids in sequences.items():
             logits = model(input_ids=torch.tensor([ids], device=device), use_cache=False).logits[0]
