@@ -19,8 +19,9 @@ request went to (the EngineClient that carries it sends them).
 from __future__ import annotations
 
 import asyncio
+import math
 from collections import OrderedDict
-from typing import AsyncIterator
+from typing import AsyncGenerator
 
 from shuttle.common.block_hash import ROOT_HASH, block_hash
 from shuttle.common.errors import GenerationError
@@ -141,7 +142,8 @@ class Router:
             if error is None:
                 return None
             errors.append(error)
-        return min(errors, key=lambda e: e.retry_after)
+        # a group's own drain (the router's is checked above) promises no time: it sorts last
+        return min(errors, key=lambda e: e.retry_after if e.retry_after is not None else math.inf)
 
     def refusal_retry_after(self) -> float | None:
         """EngineClient.refusal_retry_after of the group a retry would go to (the least loaded that is up)."""
@@ -195,18 +197,23 @@ class Router:
         while len(self._prefix) > PREFIX_MAP_ENTRIES:
             self._prefix.popitem(last=False)
 
-    def generate(self, request: Submit) -> AsyncIterator[RequestOutput]:
+    def generate(self, request: Submit) -> AsyncGenerator[RequestOutput, None]:
         """The chosen group's own `generate` (its outputs, its aborts, its count of sequences in flight).
 
         Raises:
             GenerationError: 503 at once while the server drains or no group is up.
         """
         if self.draining:
-            raise self.admission_error()
-        info = self.info
-        hashes = prompt_block_hashes(request.prompt_token_ids, info.block_size) if info is not None else []
-        group = self.choose(hashes)
-        self._remember(hashes, group)
+            error = self.admission_error()
+            assert error is not None  # draining refuses every request
+            raise error
+        if len(self.groups) == 1:  # nothing to choose: no prefix affinity to keep (the scheduler hashes the blocks)
+            group = 0
+        else:
+            info = self.info
+            hashes = prompt_block_hashes(request.prompt_token_ids, info.block_size) if info is not None else []
+            group = self.choose(hashes)
+            self._remember(hashes, group)
         self.groups[group].routed += 1
         return self.groups[group].generate(request)
 
