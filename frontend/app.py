@@ -161,7 +161,7 @@ async def serve(config: ShuttleConfig, on_ready) -> None:
         await drain(engine, config.ops.shutdown_timeout, shutdown.hurry, state.websockets)
     finally:
         server.close()
-        if batch_task is not None:
+        if batch is not None and batch_task is not None:
             batch_task.cancel()
             batch.close()
         await runner.cleanup()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import AsyncGenerator
 
 from shuttle.common.messages import TokenLogprobs
 from shuttle.frontend.generation import TextDelta, TextGeneration
@@ -44,7 +44,7 @@ async def _collect_one(choice: CollectedChoice) -> CollectedChoice:
     return choice
 
 
-async def merge(generations: list[TextGeneration]) -> AsyncIterator[TextDelta]:
+async def merge(generations: list[TextGeneration]) -> AsyncGenerator[TextDelta, None]:
     """Several choices' deltas in one stream as they arrive (a task per choice feeding one queue; one choice
     needs none of this: stream its own deltas). An error in any is raised here; leaving early cancels (and so
     aborts) the rest."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import AsyncGenerator
 
 from shuttle.common.errors import GenerationError
 from shuttle.common.messages import CONSTRAINT_REFUSAL, NEVER_FITS, FinishReason, RequestOutput, Submit, TokenLogprobs
@@ -62,7 +62,7 @@ class TextGeneration:
     def __post_init__(self):
         self.prompt_token_ids = self.request.prompt_token_ids
 
-    async def deltas(self) -> AsyncIterator[TextDelta]:
+    async def deltas(self) -> AsyncGenerator[TextDelta, None]:
         """Yield text deltas until the sequence finishes; leaving early aborts it in the scheduler.
 
         Token ids and logprobs travel with their text: a token goes out with the delta that releases the first
@@ -106,6 +106,7 @@ class TextGeneration:
         if output.prompt_logprobs:
             self.prompt_logprobs = output.prompt_logprobs
         matcher, detokenizer, held = self._matcher, self._detokenizer, self._held
+        assert matcher is not None and detokenizer is not None  # made by deltas(), the only caller
         pieces = []
         # the stop token that ended the sequence (an end-of-sequence or stop_token_ids id) counts and travels in
         # token_ids, but its text is not output unless include_stop_str_in_output (vLLM's rule): a plain-text EOS

@@ -16,6 +16,7 @@ handler never blocks. A loop stuck in C code that holds the GIL does not run the
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -29,10 +30,10 @@ CLOSE_SERVICE_RESTART = 1012  # RFC 6455 close code, IANA registry: "Service Res
 MESSAGE = "the server's frontend is restarting; retry shortly"
 
 # id -> (transport, () -> the bytes to write, already framed for the wire)
-_open: dict[int, tuple[object, Callable[[], bytes]]] = {}
+_open: dict[int, tuple[asyncio.Transport | None, Callable[[], bytes]]] = {}
 
 
-def register(transport, last_bytes: Callable[[], bytes]) -> int:
+def register(transport: asyncio.Transport | None, last_bytes: Callable[[], bytes]) -> int:
     """Remember an open stream until `unregister`; returns its token. `last_bytes` is called in the signal handler:
     it must not await, lock or allocate much."""
     token = id(last_bytes)
@@ -69,7 +70,7 @@ def _frame(opcode: int, payload: bytes) -> bytes:
     return head + payload
 
 
-def websocket_error(client_id: str) -> str:
+def websocket_error(client_id: str | int) -> str:
     """The WebSocket error frame (as frontend/transports/websocket.py writes them) of a stream ended by a restart."""
     return json.dumps({"type": "error", "id": client_id, "should_retry": True,
                        "error": {"message": MESSAGE, "type": "service_unavailable", "param": None, "code": 503}})
@@ -84,7 +85,7 @@ def _last_words(signum, frame) -> None:
     written = skipped = 0
     for transport, last_bytes in list(_open.values()):
         try:
-            if transport.is_closing() or transport.get_write_buffer_size():
+            if transport is None or transport.is_closing() or transport.get_write_buffer_size():
                 skipped += 1
                 continue
             data = last_bytes()

@@ -43,6 +43,7 @@ class SupervisorLink:
             self._tasks.append(asyncio.create_task(self._listen(), name="launcher-link"))
 
     async def _listen(self) -> None:
+        assert self.channel is not None  # started only with a supervisor endpoint
         while True:
             msg = await self.channel.recv()
             if isinstance(msg, EngineDown):

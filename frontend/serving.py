@@ -20,7 +20,7 @@ import logging
 import time
 import uuid
 from contextlib import aclosing
-from typing import Any, AsyncIterator
+from typing import Any, AsyncGenerator
 
 import msgspec
 
@@ -115,6 +115,7 @@ def chat_prompt_ids(state: FrontendState, body: ChatCompletionRequest | Tokenize
         InvalidRequestError: the template refused the messages or options, or the prompt is empty or too long.
     """
     tokenizer = state.tokenizer
+    assert body.messages is not None  # a TokenizeRequest comes here only with messages
     text = state.chat_template.render(
         body.messages, body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs,
         escape=None if body.parse_special_tokens_in_content else tokenizer.special_text.escape,
@@ -170,7 +171,7 @@ class Call:
         """The choice objects of one delta (`first`: the first of its choice)."""
         raise NotImplementedError
 
-    def deltas(self) -> AsyncIterator[TextDelta]:
+    def deltas(self) -> AsyncGenerator[TextDelta, None]:
         """The choices' text deltas as they arrive: a lone choice's own (no task, no queue), or several merged.
 
         Raises:
@@ -195,7 +196,7 @@ class Call:
         return {**self.envelope, **self.response_object, "choices": choices, "usage": usage(self.generations),
                 **self.first_fields}
 
-    async def chunks(self) -> AsyncIterator[dict]:
+    async def chunks(self) -> AsyncGenerator[dict, None]:
         """Stream chunk bodies as the choices produce text; with stream_options.include_usage a last usage chunk
         (and with continuous_usage_stats, the usage so far on every chunk).
         Nothing is yielded before the first text arrives, so an admission error is raised before any chunk (a
@@ -232,6 +233,8 @@ class CompletionCall(Call):
     Raises:
         InvalidRequestError, ModelNotFoundError: the body is not valid (param names the field).
     """
+
+    body: CompletionRequest
 
     def __init__(self, state: FrontendState, body: CompletionRequest, id_prefix: str = "cmpl",
                  background: bool = False, one_prompt: str | None = None):
@@ -305,6 +308,7 @@ class ChatCall(Call):
         InvalidRequestError, ModelNotFoundError: the body is not valid (param names the field).
     """
 
+    body: ChatCompletionRequest
     response_object = {"object": "chat.completion"}
     chunk_object = {"object": "chat.completion.chunk"}
 

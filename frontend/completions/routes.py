@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 from contextlib import aclosing
+from typing import Any, Callable, TypeVar
 
+import msgspec
 from aiohttp import web
 
 from shuttle.common.errors import GenerationError
@@ -21,6 +23,7 @@ from shuttle.frontend.web.server import request_body
 # The serving core (frontend/serving.py) holds what every transport shares; this module only speaks HTTP.
 
 DONE = b"data: [DONE]\n\n"  # the stream's last event
+_C = TypeVar("_C", bound=Call)
 
 
 async def create_completion(request: web.Request) -> web.StreamResponse:
@@ -41,7 +44,8 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     return await _stream(request, call, _named_event, call.error_event, done=b"")
 
 
-async def _call_of(request: web.Request, call_class, body_class) -> Call:
+async def _call_of(request: web.Request, call_class: Callable[[FrontendState, Any], _C],
+                   body_class: type[msgspec.Struct]) -> _C:
     """The request's body decoded as `body_class` and made a `call_class`, off the event loop for a large body."""
     raw, state = await request_body(request), request.app[STATE]
     return await convert(lambda: call_class(state, decode_body(raw, body_class)), len(raw))

@@ -50,7 +50,9 @@ def prompt_logprobs_object(tokenizer: TextTokenizer, prompt_token_ids: list[int]
     `tokens` and as its own key in `top_logprobs`."""
     texts = echo_token_texts(tokenizer, prompt_token_ids)
     first_text = next((i for i, t in enumerate(prompt_token_ids) if t not in tokenizer.special_ids), -1)
-    tops, offsets, position = [None], [], 0
+    tops: list[dict[str, float] | None] = [None]
+    offsets: list[int] = []
+    position = 0
     for i, (token_id, lp) in enumerate(zip(prompt_token_ids[1:], prompt_logprobs), start=1):
         tops.append({texts[i] if t == token_id else _shown(tokenizer, t, i == first_text): v
                      for t, v in top_alternatives(token_id, lp)})

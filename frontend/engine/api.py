@@ -9,7 +9,7 @@ three conform.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable, Protocol, runtime_checkable
+from typing import AsyncGenerator, Callable, Protocol, runtime_checkable
 
 from shuttle.common.errors import GenerationError
 from shuttle.common.messages import RequestOutput, SchedulerInfo, SchedulerStats, Submit
@@ -72,7 +72,7 @@ class Engine(Protocol):
     def refusal_retry_after(self) -> float | None:
         """Seconds a client whose request ended with a 503 should wait (None while draining: no promise)."""
 
-    def generate(self, request: Submit) -> AsyncIterator[RequestOutput]:
+    def generate(self, request: Submit) -> AsyncGenerator[RequestOutput, None]:
         """Submit `request`; its outputs until exactly one carries a finish_reason. Leaving early aborts it.
 
         Raises:

@@ -15,7 +15,7 @@ import asyncio
 import logging
 import os
 import time
-from typing import AsyncIterator
+from typing import AsyncGenerator
 
 import zmq
 import zmq.asyncio
@@ -75,7 +75,7 @@ class ServingGroup(abc.ABC):
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}  # in flight: where failures are delivered
 
     @abc.abstractmethod
-    def generate(self, request: Submit) -> AsyncIterator[RequestOutput]:
+    def generate(self, request: Submit) -> AsyncGenerator[RequestOutput, None]:
         """frontend.engine_api.Engine.generate, for this group: refused at once while admission_error() says so."""
 
     @abc.abstractmethod
@@ -188,8 +188,9 @@ class EngineClient(ServingGroup):
         self._background: set[asyncio.Task] = set()
 
     def _connect(self) -> AsyncChannel[SchedulerMessage]:
-        channel = AsyncChannel(zmq.asyncio.Context.instance(), zmq.DEALER, self._endpoint, bind=False,
-                               recv_type=SchedulerMessage, curve=self._curve)
+        channel: AsyncChannel[SchedulerMessage] = AsyncChannel(
+            zmq.asyncio.Context.instance(), zmq.DEALER, self._endpoint, bind=False, recv_type=SchedulerMessage,
+            curve=self._curve)
         if self._remote:
             monitor = channel.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
             self._monitor = asyncio.get_running_loop().create_task(self._watch(channel, monitor),
@@ -253,7 +254,7 @@ class EngineClient(ServingGroup):
             except zmq.ZMQError:
                 pass  # the socket was swapped under us (engine restart): the next beat uses the new one
 
-    async def generate(self, request: Submit) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: Submit) -> AsyncGenerator[RequestOutput, None]:
         """Submit `request` and yield its outputs; the last one has a finish_reason.
 
         Raises:

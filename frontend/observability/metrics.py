@@ -42,7 +42,8 @@ _UNKNOWN_MAX_MODEL_LEN = 8192  # token-count buckets of a Metrics built without 
 def one_two_five(max_value: int) -> tuple[int, ...]:
     """1, 2, 5, 10, 20, 50, ... up to max_value: vLLM's bucket boundaries for per-request token counts
     (build_1_2_5_buckets(max_model_len) in vllm/v1/metrics/loggers.py)."""
-    bounds, scale = [], 1
+    bounds: list[int] = []
+    scale = 1
     while True:
         for mantissa in (1, 2, 5):
             if mantissa * scale > max_value:

@@ -38,4 +38,4 @@ class StatTotals:
         for name in COUNTERS:
             self._carried[name] += getattr(self._last, name)
         self._last = SchedulerStats()
-        return SchedulerStats(**self._carried)
+        return msgspec.structs.replace(SchedulerStats(), **self._carried)

@@ -233,8 +233,8 @@ class StatsFeed:
         start = self._since(now.time, subscription.window_s)
         rate_start = self._since(now.time, RATE_WINDOW_S)
         latency = {}
-        for name, current, old in (("ttft", now.ttft, start.ttft), ("itl", now.itl, start.itl)):
-            window = [c - o for c, o in zip(current, old)]
+        for name, current, past in (("ttft", now.ttft, start.ttft), ("itl", now.itl, start.itl)):
+            window = [c - p for c, p in zip(current, past)]
             latency[name] = {"count": int(window[-1]) if window else 0,
                              **{f"p{round(q * 100)}": _ms(histogram_quantile(q, self._bounds[name], window))
                                 for q in QUANTILES}}

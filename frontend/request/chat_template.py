@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
-from transformers.utils.chat_template_utils import render_jinja_template
+from transformers.utils import chat_template_utils
 
 from shuttle.common.arg_types import chat_template_text
 from shuttle.common.errors import InvalidRequestError
@@ -16,6 +16,9 @@ ROLES = ("system", "developer", "user", "assistant", "tool")  # OpenAI's; others
 # Names the renderer itself passes to the template: chat_template_kwargs may not set them.
 RESERVED_KWARGS = frozenset({"messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
                              "chat_template", "conversations", "return_assistant_tokens_mask"})
+# transformers annotates it `-> str` (it returns the rendered texts and the generation indices) and its tools as a
+# list[dict | Callable] (invariant: a list[dict] is refused), so it is typed here as what its code does
+render_jinja_template = cast(Callable[..., tuple[list[str], Any]], chat_template_utils.render_jinja_template)
 
 
 class ChatTemplate:

@@ -7,12 +7,13 @@ made ints. Anything else (1.5, "1", a float meant as a float) reaches msgspec as
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec.inspect as mi
 
-_SEQUENCES = (mi.ListType, mi.VarTupleType, mi.SetType, mi.FrozenSetType)
-_CONTAINERS = _SEQUENCES + (mi.StructType, mi.DictType)
+_SEQUENCES: tuple[type[mi.CollectionType], ...] = (mi.ListType, mi.VarTupleType, mi.SetType, mi.FrozenSetType)
+_CONTAINERS: tuple[type[mi.Type], ...] = _SEQUENCES + (mi.StructType, mi.DictType)
+_Info = TypeVar("_Info", bound=mi.Type)
 
 
 @functools.cache
@@ -22,7 +23,9 @@ def _type_info(request_type: type) -> mi.Type:
 
 @functools.cache
 def _fields(struct_cls: type) -> dict[str, mi.Type]:
-    return {field.encode_name: field.type for field in mi.type_info(struct_cls).fields}
+    info = mi.type_info(struct_cls)
+    assert isinstance(info, mi.StructType)  # only ever a StructType's cls
+    return {field.encode_name: field.type for field in info.fields}
 
 
 def integral_floats_as_ints(data: Any, request_type: type) -> Any:
@@ -35,7 +38,7 @@ def _members(info: mi.Type) -> tuple[mi.Type, ...]:
     return info.types if isinstance(info, mi.UnionType) else (info,)
 
 
-def _member(info: mi.Type, kinds) -> mi.Type | None:
+def _member(info: mi.Type, kinds: type[_Info] | tuple[type[_Info], ...]) -> _Info | None:
     return next((t for t in _members(info) if isinstance(t, kinds)), None)
 
 

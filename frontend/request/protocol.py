@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, overload
 
 import msgspec
 
@@ -257,7 +257,7 @@ REFUSED_FIELDS: dict[str, Refused] = {
 }
 
 
-def refuse_undeclared(data: dict, request_type: type) -> None:
+def refuse_undeclared(data: dict, request_type: type[msgspec.Struct]) -> None:
     """Refuse the first field of `data` (nulls already dropped) that `request_type` does not declare, unless it is
     a REFUSED_FIELDS entry holding its accepted value (`"echo": false` on chat, `"skip_special_tokens": true`).
 
@@ -284,7 +284,7 @@ _DECODE_PATH = re.compile(r"(?:at|in) `\$\.([A-Za-z_]\w*)")  # "at `$.n`", "at `
 _MISSING_FIELD = re.compile(r"missing required field `([A-Za-z_]\w*)`")
 
 
-def decode_body(body: bytes, request_type: type) -> Any:
+def decode_body(body: bytes, request_type: type[msgspec.Struct]) -> Any:
     """Decode a JSON body into `request_type` (see convert_body).
 
     Raises:
@@ -299,7 +299,7 @@ def decode_body(body: bytes, request_type: type) -> Any:
     return convert_body(data, request_type)
 
 
-def convert_body(data: Any, request_type: type) -> Any:
+def convert_body(data: Any, request_type: type[msgspec.Struct]) -> Any:
     """Convert an already parsed body (from JSON or msgpack) into `request_type`.
 
     An explicit `null` for a top-level field means the same as leaving the field out: OpenAI's schema makes its
@@ -460,6 +460,10 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "
                503: "service_unavailable_error"}
 
 
+@overload
+def client_error(exc: InvalidRequestError | ModelNotFoundError | GenerationError) -> tuple[int, str | None]: ...
+@overload
+def client_error(exc: BaseException) -> tuple[int, str | None] | None: ...
 def client_error(exc: BaseException) -> tuple[int, str | None] | None:
     """(HTTP status, param) for an error that is the client's to see, or None for an internal failure.
 

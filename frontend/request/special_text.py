@@ -71,6 +71,8 @@ class SpecialTextGuard:
                 token_id, token = self._specials[special]
                 plain.add_tokens([AddedToken(marker, single_word=token.single_word, lstrip=token.lstrip,
                                              rstrip=token.rstrip, normalized=False, special=False)])
-                self._marker_ids[plain.token_to_id(marker)] = token_id
+                marker_id = plain.token_to_id(marker)
+                assert marker_id is not None  # added just above
+                self._marker_ids[marker_id] = token_id
             self._plain = plain
         return self._plain

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from contextlib import aclosing
-from typing import Any, AsyncIterator
+from typing import Any, AsyncGenerator
 
 import msgspec
 
@@ -119,7 +119,7 @@ class ResponsesCall(ChatCall):
         error = error_body(status, message)["error"]
         return self.event("error", code=error["type"], message=message, param=None)
 
-    async def chunks(self) -> AsyncIterator[dict]:
+    async def chunks(self) -> AsyncGenerator[dict, None]:
         """The stream's events: response.created and response.in_progress once the first text is out (so that an
         admission error is raised before any event), each output item's events, then response.completed or
         response.incomplete with the whole response.
@@ -156,6 +156,7 @@ class _EventStream:
         self.calls: dict[int, int] = {}  # the chat delta's call index -> output index
 
     def feed(self, delta: TextDelta) -> list[dict]:
+        message: dict[str, Any]  # the chat delta's fields: content text, tool_calls pieces
         if self.tool_calls is None:
             message = {"content": delta.text} if delta.text else {}
         else:
@@ -178,6 +179,7 @@ class _EventStream:
         if self.open is None or self.open["type"] != "message":
             events += self._close("completed")
             events += self._open(_message_item(new_id("msg"), "", "in_progress"))
+        assert self.open is not None  # the message item, open already or opened just above
         part = self.open["content"][0]
         part["text"] += text
         return events + [self.call.event("response.output_text.delta", item_id=self.open["id"],

@@ -33,6 +33,7 @@ from shuttle.frontend.tools.request import (
     MessageToolCall,
     NamedToolChoice,
     Tool,
+    ToolChoice,
 )
 
 # ---- the request -------------------------------------------------------------------------------------------------
@@ -292,11 +293,13 @@ def chat_request_of(body: ResponsesRequest, tools: list[FunctionTool] | None) ->
     Raises:
         InvalidRequestError: the input or the text format is malformed (param names the Responses field).
     """
-    choice = body.tool_choice
-    if choice == "auto" and not tools:
+    choice: ToolChoice | None
+    if isinstance(body.tool_choice, FunctionToolChoice):
+        choice = NamedToolChoice(type="function", function=FunctionName(body.tool_choice.name))
+    elif body.tool_choice == "auto" and not tools:
         choice = None  # OpenAI's default, so clients send it without tools: text, as without tools
-    if isinstance(choice, FunctionToolChoice):
-        choice = NamedToolChoice(type="function", function=FunctionName(choice.name))
+    else:
+        choice = body.tool_choice
     sampling = {name: getattr(body, name) for name in ("temperature", "top_p") if getattr(body, name) is not None}
     return ChatCompletionRequest(
         messages=input_messages(body.instructions, body.input), model=body.model,
@@ -326,7 +329,7 @@ _CHAT_PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens
 
 def responses_param(param: str | None) -> str | None:
     """The Responses field of a chat field's name (messages -> input, ...)."""
-    return _CHAT_PARAMS.get(param, param)
+    return _CHAT_PARAMS.get(param, param) if param is not None else None
 
 
 @contextmanager
@@ -335,7 +338,7 @@ def responses_params() -> Iterator[None]:
     try:
         yield
     except InvalidRequestError as exc:
-        exc.param = _CHAT_PARAMS.get(exc.param, exc.param)
+        exc.param = responses_param(exc.param)
         raise
 
 

@@ -196,15 +196,15 @@ def _disjoint(branches: list[Any]) -> bool:
     if not all(isinstance(b, dict) for b in branches):
         return False
     values = [_values(b) for b in branches]
-    if all(v is not None for v in values) and _pairwise_disjoint(values):
+    if _pairwise_disjoint(values):
         return True
     types = [_types(b) for b in branches]
-    if all(t is not None for t in types) and _pairwise_disjoint(types):
+    if _pairwise_disjoint(types):
         return True
     common = set.intersection(*(set(b.get("required") or ()) for b in branches))
     for name in common:
         tags = [_values(b.get("properties", {}).get(name)) for b in branches]
-        if all(t is not None for t in tags) and _pairwise_disjoint(tags):
+        if _pairwise_disjoint(tags):
             return True
     return False
 
@@ -228,10 +228,11 @@ def _values(branch: Any) -> set[str] | None:
     return None
 
 
-def _pairwise_disjoint(sets: list[set]) -> bool:
-    seen: set = set()
+def _pairwise_disjoint(sets: list[set[str] | None]) -> bool:
+    """Whether no two of `sets` share a member; False when any is None (unknown)."""
+    seen: set[str] = set()
     for s in sets:
-        if seen & s:
+        if s is None or seen & s:
             return False
         seen |= s
     return True

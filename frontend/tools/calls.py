@@ -27,6 +27,7 @@ def tool_parser_of(use: ToolUse, server_parser: str | None) -> ToolParser | None
     if use.choice == "required":
         return JsonArrayCallsParser()
     if use.choice == "function":
+        assert use.function is not None  # tool_use_of names the function of every "function" choice
         return NamedFunctionParser(use.function)
     if use.choice == "auto" and server_parser is not None:
         return parser_for(server_parser)

@@ -108,19 +108,19 @@ def tool_use_of(tools: list[Tool] | None, tool_choice: ToolChoice | None, parall
         InvalidRequestError: a tool named twice (param "tools"); tool_choice other than "none" without tools, naming
             a function that is not listed, or "auto" on a server without auto tool choice (param "tool_choice").
     """
-    tools = tuple(tools or ())
-    names = [t.function.name for t in tools]
+    listed = tuple(tools or ())
+    names = [t.function.name for t in listed]
     repeated = sorted(name for name, count in Counter(names).items() if count > 1)
     if repeated:
         raise InvalidRequestError(f"tools must have distinct names; {', '.join(repeated)} is listed more than once",
                                   param="tools")
-    for i, tool in enumerate(tools):
+    for i, tool in enumerate(listed):
         _check_size(tool.function.schema, f"tools[{i}].function.parameters")
     if tool_choice is None:
-        tool_choice = "auto" if tools else "none"
+        tool_choice = "auto" if listed else "none"
     if tool_choice == "none":
-        return ToolUse(tools, "none", None, parallel_tool_calls)
-    if not tools:
+        return ToolUse(listed, "none", None, parallel_tool_calls)
+    if not listed:
         raise InvalidRequestError("tool_choice needs tools: list the functions the model may call",
                                   param="tool_choice")
     if isinstance(tool_choice, NamedToolChoice):
@@ -128,10 +128,10 @@ def tool_use_of(tools: list[Tool] | None, tool_choice: ToolChoice | None, parall
         if name not in names:
             raise InvalidRequestError(f"tool_choice names the function {name!r}, which is not in tools",
                                       param="tool_choice")
-        return ToolUse(tools, "function", name, parallel_tool_calls)
+        return ToolUse(listed, "function", name, parallel_tool_calls)
     if tool_choice == "auto" and not auto_tool_choice:
         raise InvalidRequestError(AUTO_NEEDS, param="tool_choice")
-    return ToolUse(tools, tool_choice, None, parallel_tool_calls)
+    return ToolUse(listed, tool_choice, None, parallel_tool_calls)
 
 
 def tool_constraint(use: ToolUse) -> StructuredOutput | None:
@@ -197,7 +197,7 @@ def _check_size(schema: dict[str, Any], where: str) -> None:
     Raises:
         InvalidRequestError: param "tools".
     """
-    stack = [(schema, 0)]
+    stack: list[tuple[Any, int]] = [(schema, 0)]
     while stack:
         node, depth = stack.pop()
         if depth > MAX_SCHEMA_DEPTH:

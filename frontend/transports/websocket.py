@@ -67,7 +67,7 @@ class _Session:
         self.ws = ws
         self.state = state
         self.peer = peer
-        self.streams: dict[str, _Stream] = {}
+        self.streams: dict[str | int, _Stream] = {}
         self._ids = itertools.count()
         self.broken = False  # the connection failed under a send: logged once, further sends are dropped
 
@@ -140,9 +140,9 @@ class _Session:
         self.streams.pop(stream.client_id, None)
 
     def _done(self, stream: _Stream, finish_reason: str | None) -> dict:
-        started = stream.call is not None and bool(stream.call.generations)
+        call = stream.call
         return {"type": "done", "id": stream.client_id, "finish_reason": finish_reason,
-                "usage": usage(stream.call.generations) if started else None}
+                "usage": usage(call.generations) if call is not None and call.generations else None}
 
     async def run(self, stream: _Stream, frame: dict) -> None:
         client_id = stream.client_id
@@ -174,8 +174,8 @@ class _Session:
             frame = {"type": "error", "id": client_id, "error": error_body(status, message, param)["error"]}
             if status == 503 and self.state.engine.draining:
                 frame["should_retry"] = False  # going away: no promise (frontend/engine/backpressure.py)
-            elif getattr(exc, "retry_after", None):  # a 503: when a retry is expected to be admitted, as in HTTP
-                frame["retry_after"] = round(exc.retry_after, 3)
+            elif retry_after := getattr(exc, "retry_after", None):  # a 503: when a retry is expected, as in HTTP
+                frame["retry_after"] = round(retry_after, 3)
             await self.end(stream, frame)
 
 

@@ -7,6 +7,7 @@ shape, the details being OpenAI's and documented in docs/."""
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import msgspec
 
@@ -91,7 +92,7 @@ def _errors(statuses: tuple[str, ...]) -> dict:
 
 
 def _get(path: str, summary: str, status: str, content: dict | None, errors: tuple[str, ...]) -> dict:
-    success = {"description": "switching to the WebSocket protocol" if status == "101" else summary}
+    success: dict[str, Any] = {"description": "switching to the WebSocket protocol" if status == "101" else summary}
     if content is not None:
         success["content"] = content
     operation = {"summary": summary, "responses": {status: success, **_errors(errors)}}
@@ -119,8 +120,8 @@ def openapi_document(model_name: str, vocab_size: int) -> dict:
             "requestBody": {"required": True, "content": {"application/json": {"schema": ref}}},
             "responses": {"200": {"description": "success", "content": content}, **_errors(errors)},
         }}
-    for path, (summary, status, content, errors) in GETS.items():
-        paths[path] = _get(path, summary, status, content, errors)
+    for path, get in GETS.items():
+        paths[path] = _get(path, *get)
     return {
         "openapi": "3.1.0",
         "info": {"title": f"shuttle serving {model_name}", "version": "1",

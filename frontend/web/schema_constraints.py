@@ -60,7 +60,7 @@ def _sampling(model_name: str, vocab_size: int) -> dict[str, dict]:
 
 # structured outputs (frontend/structured/request.py): each constraint's shape, as structured_outputs' keys
 _PATTERN = {"type": "string", "minLength": 1}
-_CONSTRAINTS = {
+_CONSTRAINTS: dict[str, dict] = {
     "json": {"anyOf": [{"type": "string"}, {"type": "object"}, {"const": True}]},
     "regex": _PATTERN, "grammar": _PATTERN,
     "choice": {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": MAX_CHOICES},

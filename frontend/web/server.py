@@ -81,7 +81,8 @@ class ShuttleRequestHandler(RequestHandler):
 
     def set_parser(self, parser, data_received_cb=None) -> None:
         """A WebSocket's frame reader takes over the connection: screen its bytes for unmasked frames first."""
-        super().set_parser(MaskedFramesOnly(parser, self._refuse_unmasked), data_received_cb)
+        # aiohttp annotates the parser as its WebSocketReader, but only calls the feed_data/feed_eof it wraps
+        super().set_parser(MaskedFramesOnly(parser, self._refuse_unmasked), data_received_cb)  # type: ignore[arg-type]
 
     def _refuse_unmasked(self, close_frame: bytes) -> None:
         if self.transport is not None:
@@ -98,7 +99,8 @@ class ShuttleRequestHandler(RequestHandler):
                      self.transport.get_extra_info("peername"), self._header_timeout)
             self.force_close()
 
-    def eof_received(self) -> bool | None:
+    # asyncio.Protocol.eof_received returns bool | None (True: keep the transport); aiohttp narrowed it to None
+    def eof_received(self) -> bool | None:  # type: ignore[override]
         """Keep a half-closed connection open while its request is answered; close an idle one at once."""
         # Idle: waiting for a request head (or never sent a byte). Otherwise a request is queued or being handled
         # (start() may have taken it off the queue without its handler having run yet: _waiter is then None).
@@ -145,6 +147,7 @@ async def listen(runner: web.AppRunner, host: str, port: int, ops: OpsConfig) ->
     server to stop accepting; `runner.cleanup()` then ends the connections."""
     loop = asyncio.get_running_loop()
     manager = runner.server
+    assert manager is not None  # made by runner.setup()
 
     def protocol() -> ShuttleRequestHandler:
         # auto_decompress off: request_limits decodes bodies, after the API key check (see content_coding.py)

@@ -18,9 +18,17 @@ _STRUCTURE_STOP = re.compile(r'["{}\[\]]')
 _SCALAR = re.compile(r"[^,}\] \t\n\r]*")
 
 
+def match_end(pattern: re.Pattern[str], text: str, pos: int) -> int:
+    """Where the longest run of `pattern` (a starred character class, which matches anywhere, if only the empty
+    string) that starts at `pos` ends."""
+    match = pattern.match(text, pos)
+    assert match is not None  # a pattern that matches the empty string matches at every position
+    return match.end()
+
+
 def skip_ws(text: str, pos: int) -> int:
     """The index of the first non-JSON-whitespace character at or after `pos` (len(text) when none)."""
-    return JSON_WS.match(text, pos).end()
+    return match_end(JSON_WS, text, pos)
 
 
 def partial_suffix(text: str, tag: str) -> int:
@@ -73,7 +81,7 @@ class JsonValueScanner:
             self._started = True
             self._scalar = text[pos] not in '{["'
         if self._scalar:
-            stop = _SCALAR.match(text, pos).end()
+            stop = match_end(_SCALAR, text, pos)
             return stop, stop < end
         while pos < end:
             if self._escape:

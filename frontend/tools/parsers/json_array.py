@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 from shuttle.frontend.tools.parsers.base import ParsedMessage, StreamPiece
-from shuttle.frontend.tools.parsers.common import JSON_WS, JsonValueScanner, Output, load_json, parse_by_streaming
+from shuttle.frontend.tools.parsers.common import JsonValueScanner, Output, load_json, parse_by_streaming, skip_ws
 
 _NO_VALUE_START = ",:]}"
 
@@ -107,7 +107,7 @@ class JsonArrayStreamer:
                 if done:
                     self._value_done(state)
                 continue
-            skipped = JSON_WS.match(text, pos).end()
+            skipped = skip_ws(text, pos)
             if state == "start":
                 self._lead += text[pos:skipped]
             pos = skipped

@@ -21,6 +21,7 @@ from shuttle.frontend.tools.parsers.common import (
     TaggedBlocks,
     call_of,
     load_json,
+    match_end,
     match_tag,
     parse_by_streaming,
     skip_ws,
@@ -83,7 +84,7 @@ class MistralStreamer(TaggedBlocks):
             self._phase = "open" if self._array else "name"
             self._name_start = self._pos
         if self._phase == "name":
-            self._pos = _NAME.match(buf, self._pos).end()
+            self._pos = match_end(_NAME, buf, self._pos)
             if self._pos == len(buf):
                 return wait
             self._name_end = self._pos
@@ -104,7 +105,7 @@ class MistralStreamer(TaggedBlocks):
             else:
                 return False
         if self._phase == "id":
-            self._pos = _ID.match(buf, self._pos).end()
+            self._pos = match_end(_ID, buf, self._pos)
             is_args = match_tag(buf, self._pos, ARGS)
             if is_args is None:
                 return wait
@@ -134,5 +135,6 @@ class MistralStreamer(TaggedBlocks):
                 return False
             calls = [call_of({"name": buf[self._name_start:self._name_end], "arguments": value}, ("arguments",), False)]
         for call in calls:
+            assert call is not None  # checked above (an array's), or a non-empty name and object arguments
             self._out.call(*call)
         return True
