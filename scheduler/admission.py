@@ -157,6 +157,7 @@ class SloAdmission:
         behind the requests that rank before it. Past `horizon_s` the remaining queue is extrapolated at the
         admission rate seen so far."""
         cost = self.cost
+        assert cost is not None  # a prediction needs the step-cost model (check() asks only with one)
         block_size, total_blocks = view.block_size, view.num_blocks
         running = [self._seq(r) for r in view.running]
         # a newcomer ranks behind every queued request of the same rank (the queue keeps arrival order among ties)
@@ -298,4 +299,4 @@ def make_admission(slo_ms: float, profile: str, clock: Callable[[], float] = tim
     return SloAdmission(slo_ms, StepCostModel.load(profile) if profile else None, clock)
 
 
-__all__: Iterable[str] = ("AdmissionView", "SloAdmission", "Verdict", "make_admission")
+__all__ = ("AdmissionView", "SloAdmission", "Verdict", "make_admission")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Sequence
 
 
 @dataclass(eq=False, slots=True)
@@ -73,7 +74,7 @@ class BlockPool:
             return None
         return block_id
 
-    def take(self, block_ids: list[int]) -> None:
+    def take(self, block_ids: Sequence[int]) -> None:
         """Add a reference to each block (prefix-cache hits); cached blocks leave the free queue."""
         for block_id in block_ids:
             block = self.blocks[block_id]
@@ -105,7 +106,7 @@ class BlockPool:
             del self._by_hash[block.block_hash]
             block.block_hash, block.token_ids = None, ()
 
-    def count_unreferenced(self, block_ids: list[int]) -> int:
+    def count_unreferenced(self, block_ids: Sequence[int]) -> int:
         """How many of these blocks sit in the free queue (taking them would shrink `num_free`)."""
         return sum(1 for b in block_ids if self.blocks[b].ref_cnt == 0)
 

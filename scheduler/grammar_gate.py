@@ -75,7 +75,9 @@ class GrammarGate:
 
     def release(self, request: Request) -> bool:
         """Forget a held request (aborted, timed out); False when it was not held."""
-        key = request.sampling.structured.key if request.sampling.structured is not None else None
+        if request.sampling.structured is None:
+            return False  # never held: only a constrained request waits for its grammar
+        key = request.sampling.structured.key
         waiting = self._held.get(key)
         if not waiting or request not in waiting:
             return False
@@ -109,7 +111,8 @@ class GrammarGate:
 
     def answered(self, message: GrammarsCompiled) -> tuple[list[Request], list[tuple[Request, str]]]:
         """(requests that may be queued now, (request, error) pairs that must fail) for the worker's answers."""
-        ready, failed = [], []
+        ready: list[Request] = []
+        failed: list[tuple[Request, str]] = []
         sizes = message.sizes or [0] * len(message.keys)
         for key, error, size in zip(message.keys, message.errors, sizes):
             self._asked.discard(key)

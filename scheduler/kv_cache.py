@@ -8,6 +8,8 @@ token ids.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from shuttle.common.block_hash import ROOT_HASH, block_hash
 from shuttle.scheduler.block_pool import BlockPool
 from shuttle.scheduler.request import Request
@@ -54,7 +56,8 @@ class KVCacheManager:
         self.prefix_queries += num_tokens
         self.prefix_hits += num_cached_tokens
 
-    def allocate_slots(self, request: Request, num_new_tokens: int, cached_blocks: list[int] = ()) -> list[int] | None:
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       cached_blocks: Sequence[int] = ()) -> list[int] | None:
         """Make room for `num_new_tokens` more tokens after the computed (and `cached_blocks`) ones.
 
         Returns the block ids appended to the request's block table (cache hits first), or None, leaving

@@ -108,6 +108,7 @@ class StepWatchdog:
         counts as an advance now: under overlapped scheduling a step is timed from when it became the oldest in
         flight, which may be long after it was sent, and nothing says how the worker fared before the first look.
         An unreadable rank drops the watchdog to the wall-clock rule for this step."""
+        assert self.work is not None  # check() reads only with a CPU-time source
         readings = self.work()
         self._read_at = now
         if not readings or any(r is None for r in readings):

@@ -265,9 +265,10 @@ class Scheduler:
         # A step that had to preempt admits nobody: the blocks it freed belong to the running requests.
         if self.num_preemptions == preemptions_before:
             while budget > 0 and len(self.running) < self.config.max_num_seqs:
-                request = self.waiting.peek()
-                if request is None:
+                head = self.waiting.peek()
+                if head is None:
                     break
+                request = head
                 if self.shares.over_share(request):
                     self.shares.park(self.waiting.pop())  # its client request holds its share: others go first
                     continue
@@ -388,22 +389,23 @@ class Scheduler:
             if request.is_live and request.epoch == entry.epoch:
                 self.kv.commit(request, entry.start + entry.num_new)
         for chunk in result.prompt_logprobs:
-            entry = scheduled.get(chunk.request_id)
-            if entry is not None and entry.request.is_live:
-                collected = entry.request.prompt_logprobs
+            chunk_entry = scheduled.get(chunk.request_id)
+            if chunk_entry is not None and chunk_entry.request.is_live:
+                collected = chunk_entry.request.prompt_logprobs
                 if chunk.start <= len(collected) < chunk.start + len(chunk.entries):  # recomputed chunks add nothing
                     collected.extend(chunk.entries[len(collected) - chunk.start:])
         logprobs = result.logprobs
         for i, (request_id, token_id) in enumerate(zip(result.request_ids, result.token_ids)):
-            entry = scheduled.get(request_id)
-            if entry is None:
+            found = scheduled.get(request_id)
+            if found is None:
                 continue
-            request = entry.request
-            if not request.is_live or request.epoch != entry.epoch:
+            request = found.request
+            if not request.is_live or request.epoch != found.epoch:
                 continue  # finished, aborted or preempted since this step was planned
             request.num_output_placeholders -= 1
             request.output_token_ids.append(token_id)
-            token_logprobs = [logprobs[i]] if logprobs and logprobs[i] is not None else []
+            token_lp = logprobs[i] if logprobs else None
+            token_logprobs = [token_lp] if token_lp is not None else []
             reason = self._stop_reason(request, token_id)
             if reason is not None:
                 self._finish(request, reason, new_token_ids=[token_id], logprobs=token_logprobs)

@@ -33,7 +33,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 FEATURES = ("step", "sequence", "prefill_sequence", "token", "dense", "prefill_attention", "decode_attention")
 
@@ -126,8 +126,9 @@ class Roofline:
     @staticmethod
     def from_json(data: dict) -> "Roofline":
         """Raises ValueError or TypeError on a missing or bad entry."""
-        return Roofline(**{name: (int if name in _ROOFLINE_INTS else float)(data[name]) for name in _ROOFLINE_NUMBERS},
-                        device=str(data.get("device", "")))
+        numbers: dict[str, Any] = {name: (int if name in _ROOFLINE_INTS else float)(data[name])
+                                   for name in _ROOFLINE_NUMBERS}  # by field name: the ints and the floats
+        return Roofline(**numbers, device=str(data.get("device", "")))
 
 
 _ROOFLINE_INTS = ("hidden", "layers", "heads", "kv_heads", "head_dim", "intermediate", "vocab", "dtype_bytes")
