@@ -73,7 +73,8 @@ def _parse(number: int, text: str) -> Line:
 def answered(path: Path) -> tuple[set[str], set[int]]:
     """custom_ids and line numbers (of lines without a custom_id) already in OUTPUT. A last line cut short by a
     crash mid-write is removed, so that the rerun writes it whole."""
-    ids, numbers = set(), set()
+    ids: set[str] = set()
+    numbers: set[int] = set()
     if not path.exists():
         return ids, numbers
     raw = path.read_bytes()

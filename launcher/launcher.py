@@ -299,7 +299,7 @@ class Launcher:
                         for g in range(len(self.group_configs))]
         self.frontend = Unit("frontend", FRONTEND, cores=self.cores) if with_frontend else None
         self.units = self.engines + ([self.frontend] if self.frontend else [])
-        self.ctx = zmq.Context.instance()
+        self.ctx: zmq.Context = zmq.Context.instance()
         self.control: Channel[ControlMessage] = Channel(self.ctx, zmq.PULL, config.ipc.control, bind=True,
                                                         recv_type=ControlMessage)
         self.to_frontend: Channel | None = None
@@ -313,7 +313,7 @@ class Launcher:
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             for unit in self.engines:
-                unit.start(self.group_configs[unit.group], self.env)
+                unit.start(self.group_configs[unit.engine_group], self.env)
             if self.frontend is not None:
                 self.frontend.start(self.config, self.env)
                 self._link_frontend()
@@ -388,8 +388,8 @@ class Launcher:
                 if unit.restart_at is not None:
                     if time.monotonic() >= unit.restart_at:
                         _say(f"restarting the {unit.name}")
-                        unit.start(self.frontend_config if unit is self.frontend else self.group_configs[unit.group],
-                                   self.env)
+                        unit.start(self.frontend_config if unit is self.frontend
+                                   else self.group_configs[unit.engine_group], self.env)
                         if unit is self.frontend:
                             self._link_frontend()
                     continue
@@ -414,7 +414,7 @@ class Launcher:
         backoff = unit.next_backoff()
         if unit is not self.frontend and self.to_frontend is not None:
             eta = backoff + unit.expected_start_s()
-            self.to_frontend.try_send(EngineDown(reason=reason, retry_after=eta, group=unit.group))
+            self.to_frontend.try_send(EngineDown(reason=reason, retry_after=eta, group=unit.engine_group))
         if give_up:
             _say(f"{reason}; {unit.failures_in_a_row} restart(s) in a row already (--max-restarts "
                  f"{self.config.ops.max_restarts}): stopping the others")
@@ -445,10 +445,11 @@ class Launcher:
                 forwarded = self.signals
                 frontend.terminate()
             for unit in self.engines:
-                if unit.restart_at is None and unit.failure(0.0) is not None:
-                    reason = unit.failure(0.0)
+                reason = unit.failure(0.0) if unit.restart_at is None else None
+                if reason is not None:
                     unit.kill()
-                    self.to_frontend.try_send(EngineDown(reason=reason, retry_after=0.0, group=unit.group))
+                    if self.to_frontend is not None:
+                        self.to_frontend.try_send(EngineDown(reason=reason, retry_after=0.0, group=unit.engine_group))
                     unit.restart_at = float("inf")  # no restart while stopping
         if frontend.poll() is None:
             _say("the frontend did not finish draining in time; killing it")

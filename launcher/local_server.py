@@ -100,6 +100,7 @@ class ShuttleServer:
         self.stop()
 
     def _read(self, ready: threading.Event) -> None:
+        assert self.proc.stdout is not None  # started with stdout=PIPE
         for line in self.proc.stdout:
             self.output.append(line.rstrip("\n"))
             if line.startswith("shuttle: ready "):

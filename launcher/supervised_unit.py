@@ -123,6 +123,13 @@ class Unit:
         return worker_env(env, self.cores.threads[index]), self.cores.workers[index] if self.cores.pinned else ()
 
     @property
+    def engine_group(self) -> int:
+        """The serving group of an engine's unit (the frontend's serves none)."""
+        if self.group is None:
+            raise ValueError(f"the {self.name} is no serving group's engine")
+        return self.group
+
+    @property
     def is_ready(self) -> bool:
         return bool(self.procs) and all(role in self.ready for role in self.roles)
 
