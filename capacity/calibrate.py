@@ -38,7 +38,7 @@ from shuttle.capacity.simulator import RequestRecord, SimResult
 from shuttle.capacity.workload import SimRequest
 from shuttle.common.arg_types import positive
 from shuttle.common.config import CacheConfig, IpcConfig, SchedulerConfig, ShuttleConfig, WorkerConfig
-from shuttle.common.messages import PlanMessage, Submit, WorkerMessage
+from shuttle.common.messages import PlanMessage, StepPlan, StepResult, Submit, WorkerMessage
 from shuttle.common.model_config import ModelConfig
 from shuttle.common.sampling import SamplingParams
 from shuttle.scheduler.kv_cache import KVCacheManager
@@ -123,8 +123,10 @@ class Calibrator:
         step = scheduler.schedule()
         t1 = time.perf_counter()
         plan = self._plan_decoder.decode(self._encoder.encode(step.plan))
-        result = self.runner.execute(plan)
-        result = self._result_decoder.decode(self._encoder.encode(result))
+        assert isinstance(plan, StepPlan)  # what was encoded: the round trip adds the wire's cost, not another type
+        executed = self.runner.execute(plan)
+        result = self._result_decoder.decode(self._encoder.encode(executed))
+        assert isinstance(result, StepResult)  # likewise
         t2 = time.perf_counter()
         scheduler.update_from_output(step, result)
         t3 = time.perf_counter()
@@ -152,7 +154,8 @@ class Calibrator:
             prompt = torch.randint(3, self.vocab, (prompt_len,), generator=generator).tolist()
             scheduler.add_request(b"cal", Submit(request_id=f"r{i}", prompt_token_ids=prompt, sampling=params,
                                                  arrival_time=float(i)))
-        prefill, decode = [], []
+        prefill: list[tuple[StepShape, float, float]] = []  # (shape, worker seconds, scheduler seconds)
+        decode: list[tuple[StepShape, float, float]] = []
         while scheduler.has_work and len(decode) < repeats:
             step, seconds, sched = self.step(scheduler)
             scheduler.take_outputs()

@@ -216,7 +216,9 @@ def measure_queue_memory(vocab_size: int, prompt_len: int = 512) -> tuple[int, f
         tracemalloc.start()
         before = tracemalloc.get_traced_memory()[0]
         for message in wire:  # decoded as the scheduler's socket does: every token id a new int object
-            scheduler.add_request(b"plan", decoder.decode(message))
+            request = decoder.decode(message)
+            assert isinstance(request, Submit)  # each one encoded from a Submit
+            scheduler.add_request(b"plan", request)
         after = tracemalloc.get_traced_memory()[0]
         tracemalloc.stop()
         return (after - before) / len(wire)

@@ -22,6 +22,7 @@ import json
 import os
 import random
 import time
+from typing import cast
 
 from shuttle.capacity import bench_serve
 from shuttle.capacity.simulator import SimResult, Simulator
@@ -50,7 +51,8 @@ def bench_serve_workload(num_prompts: int, request_rate: float, input_len: int, 
             times.append(now)
             if request_rate != float("inf"):
                 now += rng.expovariate(request_rate)
-    return [SimRequest(t, spec.prompt, spec.max_tokens) for t, spec in zip(times, specs)]
+    # random_workload's prompts are token ids, never text
+    return [SimRequest(t, cast(list[int], spec.prompt), spec.max_tokens) for t, spec in zip(times, specs)]
 
 
 def add_config_args(parser: argparse.ArgumentParser) -> None:
