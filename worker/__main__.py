@@ -31,10 +31,10 @@ def main() -> None:
     rank = int(os.environ.get(TP_RANK_ENV, "0"))  # set by the launcher, like torchrun's RANK
     group = int(os.environ.get(DP_GROUP_ENV, "0"))
     name = "worker" if rank == 0 else f"worker{rank}"  # the launcher's name for this rank's process
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context = zmq.Context.instance()
     plans: Channel[PlanMessage] = Channel(ctx, zmq.PULL, config.ipc.plans_of(rank), bind=False,
                                           recv_type=PlanMessage, curve=config.ipc.curve)
-    results = Channel(ctx, zmq.PUSH, config.ipc.results, bind=False, curve=config.ipc.curve)
+    results: Channel[None] = Channel(ctx, zmq.PUSH, config.ipc.results, bind=False, curve=config.ipc.curve)  # send-only
     try:
         if config.worker.device == "cpu":
             # a CPU worker on a GPU machine owns no GPU (transformers' tensor-parallel mesh follows the accelerator)

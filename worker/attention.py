@@ -16,6 +16,7 @@ extra logit per head in the softmax's denominator).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from transformers import AttentionInterface
@@ -72,6 +73,13 @@ class LayerFeatures:
     sinks: torch.Tensor | None = None
 
 
+class AttentionBackend(Protocol):
+    """What a layer's attention call uses of a backend (worker/attention_backends.py, worker/flex_attention.py)."""
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                value_cache: torch.Tensor, meta: AttentionMetadata, features: LayerFeatures) -> torch.Tensor: ...
+
+
 @dataclass
 class StepAttention:
     """What every layer's attention call needs for one step, built once per step.
@@ -85,7 +93,7 @@ class StepAttention:
 
     metadata: AttentionMetadata
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
-    backend: object
+    backend: AttentionBackend
 
 
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -107,7 +115,8 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     if paged_attention is None:
         raise ValueError("shuttle_paged attention needs the `paged_attention` metadata keyword")
     step = paged_attention
-    key_cache, value_cache = step.kv_caches[module.layer_idx]
+    # transformers' attention layers hold their int layer_idx; torch types a module's attributes Tensor | Module
+    key_cache, value_cache = step.kv_caches[module.layer_idx]  # type: ignore[index]
     slots = step.metadata.slot_mapping
     # a cache of another dtype than the model's (--kv-cache-dtype) gets the step's K and V rounded to it here
     key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, slots, key[0].transpose(0, 1).to(key_cache.dtype))

@@ -296,6 +296,7 @@ class FlexBackend:
         if self._meta is not meta:
             self._meta, self._step = meta, self._prepare(meta, key_cache, value_cache, query.shape[0])
         step = self._step
+        assert step is not None  # prepared above for this step's metadata
         decode_mask, packed_mask = self._masks(step, features.sliding_window, key_cache.shape[0])
         heads = key_cache.shape[2]
         # [N+1, bs, Hkv, D] -> [1, Hkv, (N+1)*bs, D], a strided view: no copy of the cache
@@ -304,9 +305,11 @@ class FlexBackend:
         d, t = step.num_decodes, query.shape[0]
         parts = []
         if decode_mask is not None:
+            assert step.decode is not None  # each mask is built from its form's inputs
             q = self._padded(query[:d], step.decode.num_queries, 0).unsqueeze(2)  # [B, H, 1, D]
             parts.append(self._attend(q, keys, values, decode_mask, features, "decode")[:d, :, 0])
         if packed_mask is not None:
+            assert step.packed is not None
             q = self._padded(query[d:].transpose(0, 1), step.packed.num_queries, 1).unsqueeze(0)  # [1, H, T', D]
             parts.append(self._attend(q, keys, values, packed_mask, features, "packed")[0, :, :t - d].transpose(0, 1))
         return parts[0] if len(parts) == 1 else torch.cat(parts)

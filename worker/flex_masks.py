@@ -186,6 +186,7 @@ def packed_block_lists(inputs: FormInputs, block_size: int, window: int | None):
     the rest are partial, de-duplicated across rows (shared prefix blocks).
     """
     table, starts = inputs.table, inputs.query_start
+    assert starts is not None  # the packed form's inputs carry their query starts
     device = table.device
     rows, width = table.shape
     num_blocks_q = inputs.num_queries // QUERY_BLOCK

@@ -22,11 +22,15 @@ import re
 import threading
 import time
 from collections import OrderedDict, deque
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
 from shuttle.common.messages import CONSTRAINT_REFUSAL, GRAMMAR_CACHE_ENTRIES, GrammarsCompiled
 from shuttle.common.sampling import StructuredOutput
+
+if TYPE_CHECKING:  # for annotations only: xgrammar is imported where it is first used
+    from xgrammar import CompiledGrammar
 
 log = logging.getLogger("shuttle.worker")
 
@@ -60,7 +64,7 @@ class _Job:
         self.spec = spec
         self.started = 0.0
         self.thread: threading.Thread | None = None
-        self.result = None  # CompiledGrammar or GrammarError
+        self.result: CompiledGrammar | GrammarError | None = None
         self.done = threading.Event()
 
 
@@ -106,13 +110,13 @@ class GrammarCompiler:
         self._lanes = (_Lane(), _Lane())  # small specs, large specs
         self._jobs: dict[str, _Job] = {}  # key -> its job, queued or running
         self._abandoned: list[_Job] = []  # compiles past their patience, still running
-        self._answers: list[tuple[str, object]] = []  # (key, CompiledGrammar or GrammarError), cache hits included
+        self._answers: list[tuple[str, CompiledGrammar | GrammarError]] = []  # cache hits included
         # The tokenizer's grammar tables are built now, on a thread, so no first request waits for them
         threading.Thread(target=self._warm_up, name="grammar-warm-up", daemon=True).start()
 
     # ---- asked by the scheduler -------------------------------------------------------------------------
 
-    def submit(self, specs: list[StructuredOutput], evict: list[str] = ()) -> None:
+    def submit(self, specs: list[StructuredOutput], evict: Sequence[str] = ()) -> None:
         """Drop the compiled grammars keyed `evict`, then start compiling each spec not compiled or compiling yet;
         each spec is answered by `take_finished`."""
         self.evict(evict)
@@ -126,7 +130,7 @@ class GrammarCompiler:
                 self._lanes[len(spec.spec) >= LARGE_SPEC_BYTES].queue.append(job)
         self._pump()
 
-    def evict(self, keys: list[str]) -> None:
+    def evict(self, keys: Sequence[str]) -> None:
         """Drop these compiled grammars (the scheduler's word: no queued or running request needs them)."""
         with self._cache_lock:
             for key in keys:
@@ -166,7 +170,7 @@ class GrammarCompiler:
         answers, self._answers = self._answers, []
         return _answer(answers)
 
-    def compile_now(self, specs: list[StructuredOutput], evict: list[str] = ()) -> GrammarsCompiled:
+    def compile_now(self, specs: list[StructuredOutput], evict: Sequence[str] = ()) -> GrammarsCompiled:
         """`submit`, compiling on the caller's thread and answering every spec (the in-process engine,
         scheduler/in_process.py)."""
         self.evict(evict)
@@ -312,7 +316,7 @@ class GrammarCompiler:
         raise GrammarError(f"unknown structured output kind {spec.kind!r}")
 
 
-def _answer(answers: list[tuple[str, object]]) -> GrammarsCompiled:
+def _answer(answers: list[tuple[str, CompiledGrammar | GrammarError]]) -> GrammarsCompiled:
     """GrammarsCompiled of (key, CompiledGrammar or GrammarError) pairs: the error's text or "", and the bytes."""
     errors = [str(value) if isinstance(value, GrammarError) else "" for _, value in answers]
     sizes = [0 if isinstance(value, GrammarError) else value.memory_size_bytes for _, value in answers]

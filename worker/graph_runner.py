@@ -35,6 +35,7 @@ import bisect
 import functools
 import logging
 import time
+from typing import Callable, cast
 
 import torch
 
@@ -120,15 +121,17 @@ class DecodeGraphRunner:
         self._copied = torch.cuda.Event() if pin else None  # the last H2D copies: host mirrors are free once done
         self._seq_lens_lists: dict[int, list[int]] = {}  # host lists per bucket (non-graph-safe backends only)
         self._steps = {size: StepAttention(self._metadata(size), kv_caches, backend) for size in self.sizes}
-        self._graphs: dict[int, object] = {}
-        self.pool = None
+        self._graphs: dict[int, Callable[[], object]] = {}  # bucket -> its replay
+        self.pool: torch.cuda._POOL_HANDLE | None = None
         self.capture_seconds = 0.0
 
     def _metadata(self, size: int) -> AttentionMetadata:
         """Bucket `size`'s metadata over slices of the static buffers (host lists: placeholders, or for a backend
         that reads them on the CPU, lists refilled in place by each step)."""
         if self.graph_safe:
-            starts, lens = _HostListUnavailable("query_start_list"), _HostListUnavailable("seq_lens_list")
+            # stand-ins for the lists, typed as them: a graph-safe backend never reads them, and any read raises
+            starts = cast(list[int], _HostListUnavailable("query_start_list"))
+            lens = cast(list[int], _HostListUnavailable("seq_lens_list"))
         else:
             starts, lens = list(range(size + 1)), [1] * size
             self._seq_lens_lists[size] = lens
@@ -197,6 +200,7 @@ class DecodeGraphRunner:
         meta = inputs.attention
         rows = meta.seq_lens.shape[0]
         size = self.bucket(rows)
+        assert size is not None and self.logits is not None  # can_run(inputs): a bucket holds it, captured
         self._fill(inputs, rows, size)
         self._graphs[size]()
         sample_rows = inputs.sample_rows

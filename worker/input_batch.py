@@ -102,9 +102,10 @@ class InputBatch:
             self.num_constrained += new.sampling.structured is not None
             scheduled.append((state, new.num_scheduled_tokens))
         for cached in plan.cached_requests:
-            state = self.requests.get(cached.request_id)
-            if state is None:
+            known = self.requests.get(cached.request_id)
+            if known is None:
                 continue
+            state = known
             self._append_blocks(state, cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
             scheduled.append((state, cached.num_scheduled_tokens))
@@ -178,7 +179,7 @@ class InputBatch:
         lens = np.array(seq_lens, dtype=np.int64)
         width = int(-(-lens.max() // bs))
         table = self._table[[state.row for state, _ in ordered], :width]
-        counts = np.diff(np.array(query_start, dtype=np.int64))
+        counts: np.ndarray = np.diff(np.array(query_start, dtype=np.int64))  # numpy's stubs make it timedelta64
         seq_of_token = np.repeat(np.arange(len(ordered)), counts)
         positions = np.arange(query_start[-1], dtype=np.int64) + np.repeat(np.array(starts) - query_start[:-1], counts)
         slots = table[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs

@@ -140,8 +140,9 @@ def plan_kv_blocks(figures: MemoryFigures, utilization: float, bytes_per_token: 
     non_kv = figures.weights + figures.activation_peak + max(figures.non_torch_increase, 0)
     available = requested - non_kv - graph_allowance
     blocks = kv_blocks_for_memory(max(available, 0), bytes_per_token, block_size)
-    capped = max_blocks is not None and blocks > max_blocks
-    if capped:
+    capped = False
+    if max_blocks is not None and blocks > max_blocks:
+        capped = True
         log.info("KV blocks capped at %d (from %d): the flex attention backend addresses one layer's cache with "
                  "32-bit offsets", max_blocks, blocks)
         blocks = max_blocks

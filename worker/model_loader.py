@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 from safetensors import SafetensorError
-from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
+from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from shuttle.common.errors import ModelDirError
 from shuttle.worker import attention
@@ -34,7 +34,7 @@ class LayerGeometry:
     v_head_dim: int
 
 
-def load_model(model_dir: str, dtype: str, device: torch.device, **load_kwargs) -> torch.nn.Module:
+def load_model(model_dir: str, dtype: str, device: torch.device, **load_kwargs) -> PreTrainedModel:
     """Load weights from `model_dir` (config.json + safetensors) in eval mode on `device`.
 
     `load_kwargs` go to `from_pretrained` (worker/parallel.py's tensor-parallel plan).
@@ -59,7 +59,8 @@ def load_model(model_dir: str, dtype: str, device: torch.device, **load_kwargs) 
                                         f"attention functions (transformers' attention interface)") from None
         raise UnsupportedModelError(f"{name}: transformers cannot load it as a causal LM with pluggable attention "
                                     f"({type(exc).__name__}: {_first_line(exc)})") from None
-    return model.to(device).eval()
+    # transformers decorates PreTrainedModel.to with functools.wraps, which typeshed types as no method (self unbound)
+    return model.to(device).eval()  # type: ignore[arg-type]
 
 
 def _first_line(exc: Exception) -> str:

@@ -18,8 +18,13 @@ to bfloat16 once, as a bf16 matmul with float32 accumulation gives it.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:  # for annotations only: importing transformers here would slow this module's import
+    from transformers import PreTrainedModel
 
 CHUNK_COLUMNS = 1024
 MIN_COLUMNS = 8 * CHUNK_COLUMNS  # smaller heads gain nothing measurable
@@ -78,7 +83,7 @@ def widen_bf16_linears(model: torch.nn.Module, device: torch.device, tensor_para
     return len(targets)
 
 
-def chunk_output_projection(model: torch.nn.Module, device: torch.device, tensor_parallel: bool) -> bool:
+def chunk_output_projection(model: PreTrainedModel, device: torch.device, tensor_parallel: bool) -> bool:
     """Swap the model's lm_head for a ColumnChunkedLinear when it is a plain float32 nn.Linear of at least
     MIN_COLUMNS outputs on the CPU (not under tensor parallel, whose plan hooks the original module).
 

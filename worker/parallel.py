@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from transformers import PreTrainedModel
 
 from shuttle.common.config import ParallelConfig, tensor_parallel_error
 from shuttle.common.devices import DeviceError, rank_device, resolve_device
@@ -70,7 +71,7 @@ class TensorParallel:
         from transformers.distributed import DistributedConfig
         return {"distributed_config": DistributedConfig(tp_size=self.size)}
 
-    def check_model(self, model: torch.nn.Module, geometry: list[LayerGeometry]) -> None:
+    def check_model(self, model: PreTrainedModel, geometry: list[LayerGeometry]) -> None:
         """Refuse a model the plan did not shard as expected: no plan, or KV heads that are not 1/N per rank.
 
         Raises:

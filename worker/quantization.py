@@ -32,9 +32,14 @@ CPU only, without tensor parallel (rank shards would need their own scales): bot
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from shuttle.common.devices import quantization_error
+
+if TYPE_CHECKING:  # for annotations only: importing transformers here would slow this module's import
+    from transformers import PreTrainedModel
 
 QMAX = 127
 K_MULTIPLE = 16  # _weight_int8pack_mm's CPU kernel reads K in blocks of 16
@@ -97,7 +102,7 @@ class Int8Linear(torch.nn.Module):
                 f"wide_dtype={self.wide_dtype}")
 
 
-def quantize_model(model: torch.nn.Module, method: str, device: torch.device, tensor_parallel: bool,
+def quantize_model(model: PreTrainedModel, method: str, device: torch.device, tensor_parallel: bool,
                    has_bf16_units: bool) -> int:
     """Replace, in place, every nn.Linear of `model` but its output embeddings by an Int8Linear when `method` is
     "int8" ("none": nothing), whose wide matmul runs in bfloat16 when `has_bf16_units` (the CPU's flags, as

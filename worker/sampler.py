@@ -71,6 +71,7 @@ class SamplingState:
             seen = torch.zeros(vocab_size, dtype=torch.bool)
             seen[torch.tensor(token_ids, dtype=torch.long)] = True
             self.seen = seen.to(device)
+        assert self.seen is not None  # built with output_counts
         return self.output_counts, self.seen
 
     def record(self, token_id: int) -> None:
@@ -83,6 +84,7 @@ class SamplingState:
         if self.grammar is not None and not self.grammar.accept(token_id):
             raise GrammarError(f"sampled token {token_id} does not follow the request's grammar")
         if self.output_counts is not None:
+            assert self.seen is not None  # built with output_counts
             self.output_counts[token_id] += 1
             self.seen[token_id] = True
 
@@ -213,11 +215,11 @@ def _logprobs(raw: torch.Tensor, rows: list[int], params: list[SamplingParams], 
               num_rows: int) -> list[TokenLogprobs | None]:
     """The sampled token's raw logprob and the k most likely, for the rows that asked (raw: [len(rows), vocab])."""
     out: list[TokenLogprobs | None] = [None] * num_rows
-    k_max = max(params[i].logprobs for i in rows)
+    k_max = max(params[i].logprobs or 0 for i in rows)  # (every row here asked: none is None)
     top = raw.topk(k_max, dim=-1) if k_max else None
     chosen = raw.gather(1, torch.tensor([tokens[i] for i in rows], device=raw.device).unsqueeze(1)).squeeze(1).tolist()
-    top_ids = top.indices.tolist() if top is not None else None
-    top_values = top.values.tolist() if top is not None else None
+    top_ids = top.indices.tolist() if top is not None else []  # without top, every k is 0: never read
+    top_values = top.values.tolist() if top is not None else []
     for j, i in enumerate(rows):
         k = params[i].logprobs
         out[i] = TokenLogprobs(logprob=chosen[j], top_token_ids=top_ids[j][:k] if k else [],

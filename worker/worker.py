@@ -278,7 +278,7 @@ class ModelRunner:
             return StepResult(step_id=plan.step_id, request_ids=[], token_ids=[])
         try:
             if self.batch.num_constrained and self.grammars is not None:
-                self._attach_grammars(plan)
+                self._attach_grammars(plan, self.grammars)
             return self._run(plan.step_id, self.batch.pack(scheduled))
         except Exception:
             for state, _ in scheduled:
@@ -310,19 +310,20 @@ class ModelRunner:
                           logprobs=sampled.logprobs or [],
                           prompt_logprobs=prompt_logprobs)
 
-    def _attach_grammars(self, plan: StepPlan) -> None:
+    def _attach_grammars(self, plan: StepPlan, grammars: GrammarCompiler) -> None:
         """A matcher for each new constrained request, past the outputs it already has (after a preemption)."""
         for new in plan.new_requests:
             if new.sampling.structured is not None:
                 state = self.batch.requests[new.request_id]
-                state.sampling.grammar = self.grammars.matcher(new.sampling.structured,
-                                                               state.token_ids[state.sampling.prompt_len:])
+                state.sampling.grammar = grammars.matcher(new.sampling.structured,
+                                                          state.token_ids[state.sampling.prompt_len:])
 
     def _mask_by_grammar(self, logits: torch.Tensor, requests) -> None:
         """Mask, in place, the sampling rows (logits [S, vocab]) of constrained requests."""
         rows = [i for i, r in enumerate(requests) if r.sampling.grammar is not None]
         if rows:
             if self._masks is None:
+                assert self.grammars is not None  # only its matchers give a request a grammar
                 self._masks = GrammarMasks(self.grammars.vocab_size, logits.device)
             self._masks.apply(logits, rows, [requests[i].sampling.grammar for i in rows])
 
