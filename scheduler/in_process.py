@@ -5,15 +5,25 @@ StepPipeline of scheduler/pipeline.py)."""
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable, Protocol
+from typing import Callable, Protocol, Sequence
 
-from shuttle.common.messages import RequestOutput, StepPlan, StepResult
+from shuttle.common.messages import GrammarsCompiled, RequestOutput, StepPlan, StepResult
+from shuttle.common.sampling import StructuredOutput
 from shuttle.scheduler.pipeline import StepPipeline
 from shuttle.scheduler.scheduler import Scheduler
 
 
+class GrammarCompiling(Protocol):
+    """What compiles constrained requests' grammars at once: worker/grammar.py's GrammarCompiler."""
+
+    def compile_now(self, specs: list[StructuredOutput], evict: Sequence[str] = ()) -> GrammarsCompiled: ...
+
+
 class StepRunner(Protocol):
-    """What runs a plan: worker.worker.ModelRunner, or a fake that fabricates results."""
+    """What runs a plan: worker.worker.ModelRunner, or a fake that fabricates results. `grammars` is needed only
+    for constrained requests (None: the runner has none)."""
+
+    grammars: GrammarCompiling | None
 
     def execute(self, plan: StepPlan) -> StepResult: ...
 
@@ -34,6 +44,8 @@ def drive(scheduler: Scheduler, runner: StepRunner, on_outputs: Callable[[list[R
     while scheduler.has_work or pipeline.in_flight or scheduler.grammars.num_held:
         specs, evict = scheduler.grammars.take_requests(), scheduler.grammars.take_evictions()
         if specs or evict:  # the served worker compiles on a thread of its own; here the answer is awaited
+            if runner.grammars is None:
+                raise ValueError("constrained requests need a runner that compiles grammars (ModelRunner on rank 0)")
             scheduler.on_grammars_compiled(runner.grammars.compile_now(specs, evict))
         step = pipeline.plan() if pipeline.can_plan else None
         if step is not None:

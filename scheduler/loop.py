@@ -48,19 +48,22 @@ STATS_INTERVAL_S = 0.5  # stats go out on their own at most this often; otherwis
 class SchedulerLoop:
     """Connects the Scheduler to its sockets. Construct, then `wait_for_worker()` and `run()`."""
 
+    # built by wait_for_worker() around the group's KV capacity; nothing reads them before
+    scheduler: Scheduler
+    pipeline: StepPipeline
+
     def __init__(self, config: ShuttleConfig, ctx: zmq.Context):
         self.config = config
         curve = config.ipc.curve
         self.frontends: Channel[FrontendMessage] = Channel(ctx, zmq.ROUTER, config.ipc.requests, bind=True,
                                                            recv_type=FrontendMessage, curve=curve)
         # One PUSH per worker rank (tensor parallel): every rank must run every plan, in order.
-        self.plans = [Channel(ctx, zmq.PUSH, endpoint, bind=True, curve=curve) for endpoint in config.ipc.all_plans]
+        self.plans: list[Channel[None]] = [Channel(ctx, zmq.PUSH, endpoint, bind=True, curve=curve)  # send-only
+                                           for endpoint in config.ipc.all_plans]
         self.results: Channel[WorkerMessage] = Channel(ctx, zmq.PULL, config.ipc.results, bind=True,
                                                        recv_type=WorkerMessage, curve=curve)
         self.clients: set[bytes] = set()
-        self.scheduler: Scheduler | None = None
         self.worker: WorkerReady | None = None
-        self.pipeline: StepPipeline | None = None  # built with the scheduler, once the worker has reported
         self.step_stats = StepStats()
         self.step_log = StepLog(config.scheduler.step_log) if config.scheduler.step_log else None
         self._last_broadcast: SchedulerStats | None = None
@@ -107,7 +110,7 @@ class SchedulerLoop:
         return msg
 
     def run(self) -> None:
-        assert self.scheduler is not None and self.pipeline is not None, "wait_for_worker() first"
+        assert hasattr(self, "pipeline"), "wait_for_worker() first"
         scheduler, pipeline = self.scheduler, self.pipeline
         while True:
             self.heartbeat.beat()  # proves this loop turns

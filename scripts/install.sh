@@ -7,12 +7,12 @@ cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q torch==2.13.0
-.venv/bin/python -m pip install -q -e '.[test,tune,docs]'
+.venv/bin/python -m pip install -q -e '.[test,tune,docs,lint]'
 # The dashboard's browser test drives Debian's chromium through playwright (no browser download); without it the test
 # is skipped. Installed system-wide once, where this runs as root with apt (CI, the project's machines).
 if ! command -v chromium >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
   { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver; } >/dev/null \
-    || echo "install.sh: could not install chromium; tests/test_dashboard_browser.py will be skipped" >&2
+    || echo "install.sh: could not install chromium; tests/e2e/test_dashboard_browser.py will be skipped" >&2
 fi
 # Compile the CPU paged-attention kernel once now for both cache dtypes (numba caches it beside
 # worker/decode_kernel.py; bfloat16 is `--dtype auto` on a CPU with bf16 units), so no worker pays the compilation

@@ -71,7 +71,7 @@ class _Job:
 class _Lane:
     """Compiles waiting in order, and the one running."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.queue: deque[_Job] = deque()
         self.running: _Job | None = None
 

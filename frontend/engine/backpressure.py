@@ -71,7 +71,7 @@ class SlotRate:
     stretch is two bisections, however many messages arrive.
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._times: list[float] = []
         self._finished: list[int] = []  # cumulative finished requests over saturated intervals
         self._seconds: list[float] = []  # cumulative saturated seconds
@@ -117,7 +117,7 @@ class RetryAfterEstimator:
     """Feeds on the scheduler's stats (`observe`) and answers each full-queue refusal (`refused`) with seconds
     to wait (module docstring, point 1)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.slots = SlotRate()
         self._num_running = 0
         self._waiting_since: float | None = None  # since when requests have waited without a break
@@ -179,7 +179,7 @@ class RetryAfterEstimator:
 class RestartClock:
     """When an engine that went down serves again (module docstring, point 2); times are monotonic seconds."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._down_since: float | None = None
         self._expected = 0.0
         self.last_restart_s: float | None = None  # the last outage measured, down to serving again

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 from prometheus_client import (
     CollectorRegistry,
@@ -59,7 +59,7 @@ class _ModelNameLabel:
         self._inner = inner
         self._model_name = model_name
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         for family in self._inner.collect():
             labelled = Metric(family.name, family.documentation, family.type, family.unit)
             labelled.samples = [sample._replace(labels={"model_name": self._model_name, **sample.labels})
@@ -74,7 +74,7 @@ class _CacheConfigCollector:
         self._config = config
         self._info = info_source
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         family = GaugeMetricFamily("shuttle:cache_config_info", "Information of the KV cache configuration.",
                                    labels=["block_size", "num_gpu_blocks", "num_gpu_blocks_override", "cache_dtype",
                                            "enable_prefix_caching", "gpu_memory_utilization"])
@@ -94,7 +94,7 @@ class _SchedulerCollector:
     def __init__(self, stats_source):
         self._stats = stats_source
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         stats: SchedulerStats = self._stats()
         gauges = {"num_requests_running": ("Requests in the running set.", stats.num_running),
                   "num_requests_waiting": ("Requests in the waiting queue.", stats.num_waiting),
@@ -116,7 +116,7 @@ class _GroupCollector:
     def __init__(self, groups_source):
         self._groups = groups_source
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         groups = self._groups()
         families = {
             "group_up": (GaugeMetricFamily, "1 while the serving group takes new requests, else 0.",

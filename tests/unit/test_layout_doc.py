@@ -16,6 +16,8 @@ def _documented() -> dict[str, set[str]]:
     for line in (REPO / "docs" / "layout.md").read_text().splitlines():
         if heading := re.match(r"## (\S+)/$", line):
             current = sections.setdefault(heading.group(1), set())
+        elif line.startswith("## "):  # a section that is no directory of modules
+            current = None
         elif (bullet := re.match(r"- `([^`/]+)`", line)) and current is not None:
             current.add(bullet.group(1))
     return sections
