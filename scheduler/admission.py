@@ -81,6 +81,107 @@ class _Seq:
     target: bool = False  # the arriving request
 
 
+class _Replay:
+    """The scheduler's rules on the prediction's requests: budgets, the long-prefill cap, slots and KV blocks.
+
+    Blocks are reserved for a request's whole expected length when it is admitted. With two steps in flight
+    (`view.overlapped`), a request that sampled its last token still holds its slot and blocks in the step planned
+    before its result came back: its slot is free again one step after it finished ("lingering").
+    """
+
+    def __init__(self, view: AdmissionView, running: list[_Seq], queue: list[_Seq]):
+        self.view = view
+        self.queue = deque(queue)
+        self.blocks_used = sum(map(self.reserve, running))
+        # those whose last token is booked already (in a step in flight) run no more but hold their slot a step
+        self.lingering = [s for s in running if s.outputs <= 0 and s.prefill == 0] if view.overlapped else []
+        self.running = [s for s in running if s.outputs > 0 or s.prefill > 0]
+
+    def reserve(self, seq: _Seq) -> int:
+        """Blocks a request holds by its end (expected)."""
+        return -(-(seq.context + seq.prefill + math.ceil(seq.outputs)) // self.view.block_size)
+
+    def release(self, seqs: list[_Seq]) -> None:
+        self.blocks_used -= sum(map(self.reserve, seqs))
+
+    def _cap(self) -> int:
+        """Most prompt tokens of one request this step: the long-prefill cap while others wait."""
+        view = self.view
+        return view.prefill_chunk_cap if view.prefill_chunk_cap > 0 and self.queue else view.max_num_batched_tokens
+
+    def compose(self) -> tuple[list[tuple[int, int, bool]], list[tuple[_Seq, int]]]:
+        """The next step: the running requests' decodes and prompt chunks, then admissions from the queue while the
+        budget, the slots and the blocks allow. Returns the chunks (context, tokens, samples) for the cost model
+        and each request with the tokens it computes."""
+        view = self.view
+        budget = view.max_num_batched_tokens
+        chunks: list[tuple[int, int, bool]] = []
+        computed: list[tuple[_Seq, int]] = []
+        cap = self._cap()
+        for seq in self.running:
+            if budget <= 0:
+                break
+            num_new = 1 if seq.prefill == 0 else min(seq.prefill, budget, cap)
+            chunks.append((seq.context, num_new, seq.prefill <= num_new))
+            computed.append((seq, num_new))
+            budget -= num_new
+        while self.queue and budget > 0 and len(self.running) + len(self.lingering) < view.max_num_seqs:
+            head = self.queue[0]
+            if self.blocks_used + self.reserve(head) > view.num_blocks and self.running:
+                break
+            self.queue.popleft()
+            self.running.append(head)
+            self.blocks_used += self.reserve(head)
+            num_new = min(head.prefill, budget, self._cap())
+            chunks.append((head.context, num_new, head.prefill <= num_new))
+            computed.append((head, num_new))
+            budget -= num_new
+        return chunks, computed
+
+    def only_decodes_ahead(self) -> bool:
+        """Every running request decodes and none can be admitted until one of them finishes."""
+        view, queue = self.view, self.queue
+        can_admit = bool(queue) and len(self.running) < view.max_num_seqs and \
+            self.blocks_used + self.reserve(queue[0]) <= view.num_blocks
+        return not self.lingering and all(s.prefill == 0 for s in self.running) and not can_admit
+
+    def decode_stretch(self, cost: StepCostModel) -> float:
+        """Run the decodes until the next request finishes; returns their seconds."""
+        steps = max(1, math.ceil(min(s.outputs for s in self.running)))
+        seconds = cost.decode_run(len(self.running), sum(s.context for s in self.running), steps)
+        for seq in self.running:
+            seq.outputs -= steps
+            seq.context += steps
+        return seconds
+
+    def advance(self, computed: list[tuple[_Seq, int]]) -> bool:
+        """Apply one composed step; True when it ends the target's prompt (its first token is sampled)."""
+        for seq, num_new in computed:
+            if seq.prefill:
+                seq.prefill -= num_new
+                seq.context += num_new
+                if seq.prefill == 0:
+                    if seq.target:
+                        return True
+                    seq.outputs -= 1
+            else:
+                seq.outputs -= 1
+                seq.context += 1
+        return False
+
+    def end_step(self) -> None:
+        """After a step: last step's finished requests free their slots; this step's finish (or linger)."""
+        self.release(self.lingering)
+        finished = [s for s in self.running if s.outputs <= 0 and s.prefill == 0]
+        if finished:
+            self.running = [s for s in self.running if s.outputs > 0 or s.prefill > 0]
+        if self.view.overlapped:
+            self.lingering = finished
+        else:
+            self.release(finished)
+            self.lingering = []
+
+
 class SloAdmission:
     """Predicts queueing delay and refuses requests that would miss their TTFT objective.
 
@@ -154,94 +255,36 @@ class SloAdmission:
 
     def predict_ttft(self, view: AdmissionView, request: Request, horizon_s: float = math.inf) -> float:
         """Predicted seconds from now until `request`'s first token reaches its client, if it were queued now
-        behind the requests that rank before it. Past `horizon_s` the remaining queue is extrapolated at the
-        admission rate seen so far."""
+        behind the requests that rank before it: the scheduler's rules replayed step by step on the step-cost model
+        (tests/unit/test_ttft_prediction.py checks them against the simulator). Past `horizon_s` the remaining
+        queue is extrapolated at the admission rate seen so far."""
         cost = self.cost
         assert cost is not None  # a prediction needs the step-cost model (check() asks only with one)
-        block_size, total_blocks = view.block_size, view.num_blocks
-        running = [self._seq(r) for r in view.running]
         # a newcomer ranks behind every queued request of the same rank (the queue keeps arrival order among ties)
         ahead = sorted((r for r in view.waiting if r.rank <= request.rank and r is not request), key=_rank)
-        queue = deque(self._seq(r) for r in ahead)
         target = self._seq(request)
         target.target = True
-        queue.append(target)
-        queue_len = len(queue)
-
-        def reserve(seq: _Seq) -> int:  # blocks a request holds by its end (expected)
-            return -(-(seq.context + seq.prefill + math.ceil(seq.outputs)) // block_size)
-
-        blocks_used = sum(reserve(s) for s in running)
-        # With two steps in flight, a request that sampled its last token still holds its slot and blocks in the
-        # step planned before its result came back: a slot is free again one step after its request finished.
-        # Those whose last token is booked already (in a step in flight) run no more but hold their slot a step.
-        lingering = [seq for seq in running if seq.outputs <= 0 and seq.prefill == 0] if view.overlapped else []
-        running = [seq for seq in running if seq.outputs > 0 or seq.prefill > 0]
+        replay = _Replay(view, [self._seq(r) for r in view.running], [*map(self._seq, ahead), target])
+        queue_len = len(replay.queue)
         now = self._in_flight_remaining()
         for _ in range(MAX_ITERATIONS):
-            budget = view.max_num_batched_tokens
-            chunks: list[tuple[int, int, bool]] = []
-            prefilling: list[tuple[_Seq, int]] = []
-            cap = view.prefill_chunk_cap if view.prefill_chunk_cap > 0 and queue else view.max_num_batched_tokens
-            for seq in running:
-                if budget <= 0:
-                    break
-                num_new = 1 if seq.prefill == 0 else min(seq.prefill, budget, cap)
-                chunks.append((seq.context, num_new, seq.prefill <= num_new))
-                prefilling.append((seq, num_new))
-                budget -= num_new
-            while queue and budget > 0 and len(running) + len(lingering) < view.max_num_seqs:
-                head = queue[0]
-                if blocks_used + reserve(head) > total_blocks and running:
-                    break
-                queue.popleft()
-                running.append(head)
-                blocks_used += reserve(head)
-                cap = view.prefill_chunk_cap if view.prefill_chunk_cap > 0 and queue else view.max_num_batched_tokens
-                num_new = min(head.prefill, budget, cap)
-                chunks.append((head.context, num_new, head.prefill <= num_new))
-                prefilling.append((head, num_new))
-                budget -= num_new
-            if not chunks and lingering:  # only finished requests hold the slots: they free them after this turn
-                blocks_used -= sum(reserve(seq) for seq in lingering)
-                lingering = []
+            chunks, computed = replay.compose()
+            if not chunks and replay.lingering:  # only finished requests hold the slots: free after this turn
+                replay.release(replay.lingering)
+                replay.lingering = []
                 continue
             if not chunks:
                 break  # nothing can run: the prediction cannot go on (a request larger than the cache)
-            if not lingering and all(seq.prefill == 0 for seq in running) and not _can_admit(
-                    queue, running, blocks_used, reserve, view.max_num_seqs, total_blocks):
-                # only decodes until the next request finishes: sum that stretch in closed form
-                steps = max(1, math.ceil(min(seq.outputs for seq in running)))
-                now += cost.decode_run(len(running), sum(s.context for s in running), steps)
-                for seq in running:
-                    seq.outputs -= steps
-                    seq.context += steps
+            if replay.only_decodes_ahead():  # until the next request finishes: that stretch in closed form
+                now += replay.decode_stretch(cost)
             else:
                 now += cost.predict(shape_of(chunks))
-                for seq, num_new in prefilling:
-                    if seq.prefill:
-                        seq.prefill -= num_new
-                        seq.context += num_new
-                        if seq.prefill == 0:
-                            if seq.target:
-                                return now + cost.client_s
-                            seq.outputs -= 1
-                    else:
-                        seq.outputs -= 1
-                        seq.context += 1
-            for seq in lingering:
-                blocks_used -= reserve(seq)
-            finished = [seq for seq in running if seq.outputs <= 0 and seq.prefill == 0]
-            if finished:
-                running = [seq for seq in running if seq.outputs > 0 or seq.prefill > 0]
-            if view.overlapped:
-                lingering = finished
-            else:
-                blocks_used -= sum(reserve(seq) for seq in finished)
-                lingering = []
+                if replay.advance(computed):
+                    return now + cost.client_s
+            replay.end_step()
             if now > horizon_s:
                 break
-        admitted = queue_len - len(queue)
+        admitted = queue_len - len(replay.queue)
         if now <= 0:  # the model predicts no time for any of it: it knows nothing about waiting here
             return 0.0
         if admitted <= 0:
@@ -276,10 +319,6 @@ class SloAdmission:
             return
         self.cost = fitted
         self._since_fit = 0
-
-
-def _can_admit(queue, running, blocks_used, reserve, max_num_seqs: int, total_blocks: int) -> bool:
-    return bool(queue) and len(running) < max_num_seqs and blocks_used + reserve(queue[0]) <= total_blocks
 
 
 def _rank(request: Request):
