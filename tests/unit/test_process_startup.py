@@ -1,20 +1,34 @@
-"""Start-up shared by the child processes (common/process.py), without processes."""
+"""Start-up shared by the child processes (common/process.py), without processes: report_ready tells the launcher
+who is up, and freezes the start-up heap first."""
 
 import gc
+import os
 
-from shuttle.common.process import freeze_startup_heap
+import msgspec
+import zmq
+
+from shuttle.common.config import IpcConfig, ShuttleConfig
+from shuttle.common.messages import ProcessReady
+from shuttle.common.model_config import ModelConfig
+from shuttle.common.process import report_ready
+from tests.server import MODEL_DIR
 
 
-def test_startup_heap_leaves_the_collectors_generations():
-    """What is alive when start-up ends (report_ready) is out of every generation the collector walks while
-    serving; what is made afterwards is walked as usual."""
+def test_report_ready_freezes_the_startup_heap_then_tells_the_launcher(tmp_path):
+    """What is alive when start-up ends is out of every generation the collector walks while serving (gc.freeze);
+    then one ProcessReady with this pid and the process's figures reaches the launcher's control socket."""
+    config = ShuttleConfig(ModelConfig.from_dir(MODEL_DIR), IpcConfig.in_directory(str(tmp_path)))
+    ctx = zmq.Context.instance()
+    launcher = ctx.socket(zmq.PULL)
+    launcher.bind(config.ipc.control)
     gc.unfreeze()
     built_at_startup = [object()]
     try:
-        freeze_startup_heap()
-        assert gc.get_freeze_count() > 0
+        report_ready(config, "worker", num_kv_blocks=64)
         assert not any(o is built_at_startup for o in gc.get_objects())
-        made_while_serving = [object()]
-        assert any(o is made_while_serving for o in gc.get_objects())
+        assert launcher.poll(5000)
+        message = msgspec.msgpack.decode(launcher.recv(), type=ProcessReady)
+        assert (message.name, message.pid, message.info) == ("worker", os.getpid(), {"num_kv_blocks": 64})
     finally:
         gc.unfreeze()
+        launcher.close(linger=0)
