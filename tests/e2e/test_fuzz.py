@@ -129,6 +129,19 @@ def _pack(value) -> bytes:
         return msgspec.msgpack.encode(value)
     except OverflowError:  # an integer msgpack cannot carry: send its text instead
         return msgspec.msgpack.encode(repr(value))
+    except UnicodeEncodeError:  # a lone surrogate, which UTF-8 cannot carry: send the string's valid part
+        return _pack(_without_surrogates(value))
+
+
+def _without_surrogates(value):
+    """`value` with every string's lone surrogates replaced by U+FFFD (a msgpack str is UTF-8)."""
+    if isinstance(value, str):
+        return value.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+    if isinstance(value, dict):
+        return {_without_surrogates(k): _without_surrogates(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_without_surrogates(v) for v in value]
+    return value
 
 
 def batch_messages() -> st.SearchStrategy:
