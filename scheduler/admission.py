@@ -79,6 +79,7 @@ class _Seq:
     outputs: float
     context: int
     target: bool = False  # the arriving request
+    request_id: str = ""
 
 
 class _Replay:
@@ -89,13 +90,17 @@ class _Replay:
     before its result came back: its slot is free again one step after it finished ("lingering").
     """
 
-    def __init__(self, view: AdmissionView, running: list[_Seq], queue: list[_Seq]):
+    def __init__(self, view: AdmissionView, running: list[_Seq], queue: list[_Seq],
+                 in_newest_step: frozenset[str] = frozenset()):
         self.view = view
         self.queue = deque(queue)
-        self.blocks_used = sum(map(self.reserve, running))
-        # those whose last token is booked already (in a step in flight) run no more but hold their slot a step
-        self.lingering = [s for s in running if s.outputs <= 0 and s.prefill == 0] if view.overlapped else []
+        # Those whose last token is booked already run no more. Booked in the newest step in flight, they hold their
+        # slot through the next plan (made before that step settles); booked only in an older one, they are gone by
+        # then (it settles first).
+        booked_out = [s for s in running if s.outputs <= 0 and s.prefill == 0]
+        self.lingering = [s for s in booked_out if s.request_id in in_newest_step] if view.overlapped else []
         self.running = [s for s in running if s.outputs > 0 or s.prefill > 0]
+        self.blocks_used = sum(map(self.reserve, self.running + self.lingering))
 
     def reserve(self, seq: _Seq) -> int:
         """Blocks a request holds by its end (expected)."""
@@ -201,21 +206,22 @@ class SloAdmission:
         self._observed: deque[tuple[StepShape, float]] = deque(maxlen=ONLINE_WINDOW)
         self._since_fit = 0
         self._planned: dict[int, tuple[float, float]] = {}  # step id -> (planned at, predicted seconds)
+        self._newest_step: tuple[int, frozenset[str]] | None = None  # the last planned step (id, requests) unsettled
         self._last_settled = 0.0
         self.num_refused = 0
         # Steps are watched only once an objective exists (the server's, or the first request carrying one), so
         # a server without objectives does exactly what it did before.
         self.armed = default_slo_ms > 0
 
-
     # ---- hooks the scheduler calls ------------------------------------------------------------------
 
     def on_planned(self, step: ScheduledStep) -> None:
-        if not self.armed:
+        if not self.armed or step.is_empty:  # an empty plan is never sent, so never settled: nothing in flight
             return
         if len(self._planned) >= 4:  # a step that failed is never settled: forget it
             del self._planned[next(iter(self._planned))]
         self._planned[step.plan.step_id] = (self.clock(), self.cost.predict(_shape(step)) if self.cost else 0.0)
+        self._newest_step = (step.plan.step_id, frozenset(step.scheduled))
 
     def on_settled(self, step: ScheduledStep) -> None:
         """Measure the step (from when it could start: planned, or the previous step's end) for the online fit."""
@@ -223,6 +229,8 @@ class SloAdmission:
             return
         now = self.clock()
         planned_at, _ = self._planned.pop(step.plan.step_id, (now, 0.0))
+        if self._newest_step is not None and self._newest_step[0] == step.plan.step_id:
+            self._newest_step = None
         began, self._last_settled = max(planned_at, self._last_settled), now
         if self.online and now > began and step.scheduled:
             self._observed.append((_shape(step), now - began))
@@ -264,7 +272,8 @@ class SloAdmission:
         ahead = sorted((r for r in view.waiting if r.rank <= request.rank and r is not request), key=_rank)
         target = self._seq(request)
         target.target = True
-        replay = _Replay(view, [self._seq(r) for r in view.running], [*map(self._seq, ahead), target])
+        in_newest_step = self._newest_step[1] if self._newest_step is not None else frozenset()
+        replay = _Replay(view, [self._seq(r) for r in view.running], [*map(self._seq, ahead), target], in_newest_step)
         queue_len = len(replay.queue)
         now = self._in_flight_remaining()
         for _ in range(MAX_ITERATIONS):
@@ -300,8 +309,9 @@ class SloAdmission:
         remaining = max(expected - outputs_so_far, 0.0)
         # prompt chunks (or a recompute) left, however short (a one-token prompt too); the step that ends them samples
         if to_compute > 1 or request.num_computed_tokens < len(request.prompt_token_ids):
-            return _Seq(to_compute, remaining, request.num_computed_tokens)
-        return _Seq(0, remaining, request.num_computed_tokens)  # decoding: one token per step
+            return _Seq(to_compute, remaining, request.num_computed_tokens, request_id=request.request_id)
+        # decoding: one token per step
+        return _Seq(0, remaining, request.num_computed_tokens, request_id=request.request_id)
 
     def _in_flight_remaining(self) -> float:
         """Predicted seconds until the steps already sent are done (their tokens are booked already)."""

@@ -1,8 +1,8 @@
 """SLO admission's TTFT prediction (scheduler/admission.py's predict_ttft) against the simulator (capacity/simulator.py,
 the real Scheduler in virtual time) on the same state: when a request arrives, the prediction made at its admission
 check equals the time its first token reaches its client in the simulation that follows, for any queue of requests
-and any budgets. Arrivals spread over time (requests running and decoding when it arrives) are checked with one step
-in flight; with two, the prediction is checked on queues that arrive together."""
+and any budgets, with one step in flight and with two, for queues that arrive together and for arrivals spread over
+time (requests prefilling, decoding and finishing in the steps in flight when it arrives)."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ requests_st = st.lists(st.tuples(st.integers(1, 90), st.integers(1, 20)), min_si
 budgets_st = st.tuples(st.integers(1, 6), st.sampled_from([16, 32, 64, 256]))
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(shapes=requests_st, budgets=budgets_st, overlapped=st.booleans())
 def test_a_queue_that_arrives_together(shapes, budgets, overlapped):
     config = SchedulerConfig(max_num_seqs=budgets[0], max_num_batched_tokens=budgets[1], async_scheduling=overlapped,
@@ -51,10 +51,11 @@ def test_a_queue_that_arrives_together(shapes, budgets, overlapped):
     assert predicted == pytest.approx(simulated, rel=1e-9)
 
 
-@settings(max_examples=150, deadline=None)
-@given(shapes=requests_st, budgets=budgets_st, gaps=st.lists(st.floats(0, 0.03), min_size=8, max_size=8))
-def test_arrivals_while_others_run(shapes, budgets, gaps):
-    config = SchedulerConfig(max_num_seqs=budgets[0], max_num_batched_tokens=budgets[1], async_scheduling=False,
+@settings(max_examples=200, deadline=None)
+@given(shapes=requests_st, budgets=budgets_st, gaps=st.lists(st.floats(0, 0.03), min_size=8, max_size=8),
+       overlapped=st.booleans())
+def test_arrivals_while_others_run(shapes, budgets, gaps, overlapped):
+    config = SchedulerConfig(max_num_seqs=budgets[0], max_num_batched_tokens=budgets[1], async_scheduling=overlapped,
                              ttft_slo_ms=NEVER)
     arrivals = [math.fsum(gaps[:i]) for i in range(len(shapes))]
     requests = [SimRequest(arrivals[i], [10 + (i + j) % 50 for j in range(p)], o) for i, (p, o) in enumerate(shapes)]
