@@ -25,11 +25,12 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
+from typing import Callable
 
 from shuttle.scheduler.request import Request
 from shuttle.scheduler.scheduled_step import ScheduledStep
 from shuttle.scheduler.step_cost import StepCostModel, StepShape, shape_of
+from shuttle.scheduler.ttft_replay import AdmissionView, Replay, Seq
 
 MIN_ONLINE_STEPS = 32  # steps measured before the online model predicts anything
 ONLINE_WINDOW = 512  # most recent measured steps the online model is fitted to
@@ -39,152 +40,11 @@ MAX_ITERATIONS = 4000  # bound on one prediction's work; past it the rest is ext
 
 
 @dataclass(frozen=True, slots=True)
-class AdmissionView:
-    """The read-only part of the scheduler's state that a prediction replays: budgets, cache size, requests.
-
-    Attributes:
-        max_num_batched_tokens: the per-step token budget.
-        max_num_seqs: most sequences in one step.
-        block_size: tokens per KV block.
-        num_blocks: KV blocks in the whole cache.
-        running: running requests in rank order.
-        waiting: waiting requests in any order (the prediction sorts those ahead by rank).
-        overlapped: two steps in flight (async scheduling): a finished request holds its slot one step longer.
-        prefill_chunk_cap: most prompt tokens one request computes in a step while others wait (0: the budget).
-    """
-
-    max_num_batched_tokens: int
-    max_num_seqs: int
-    block_size: int
-    num_blocks: int
-    running: Sequence[Request]
-    waiting: Iterable[Request]
-    overlapped: bool = True
-    prefill_chunk_cap: int = 0
-
-
-@dataclass(frozen=True, slots=True)
 class Verdict:
     """A refusal: the predicted TTFT (seconds from now) and when to retry (seconds, >= 1)."""
 
     predicted_ttft_s: float
     retry_after_s: float
-
-
-@dataclass(slots=True)
-class _Seq:
-    """A request in the prediction: prompt (or recompute) tokens still to prefill, outputs still to come."""
-
-    prefill: int
-    outputs: float
-    context: int
-    target: bool = False  # the arriving request
-    request_id: str = ""
-
-
-class _Replay:
-    """The scheduler's rules on the prediction's requests: budgets, the long-prefill cap, slots and KV blocks.
-
-    Blocks are reserved for a request's whole expected length when it is admitted. With two steps in flight
-    (`view.overlapped`), a request that sampled its last token still holds its slot and blocks in the step planned
-    before its result came back: its slot is free again one step after it finished ("lingering").
-    """
-
-    def __init__(self, view: AdmissionView, running: list[_Seq], queue: list[_Seq],
-                 in_newest_step: frozenset[str] = frozenset()):
-        self.view = view
-        self.queue = deque(queue)
-        # Those whose last token is booked already run no more. Booked in the newest step in flight, they hold their
-        # slot through the next plan (made before that step settles); booked only in an older one, they are gone by
-        # then (it settles first).
-        booked_out = [s for s in running if s.outputs <= 0 and s.prefill == 0]
-        self.lingering = [s for s in booked_out if s.request_id in in_newest_step] if view.overlapped else []
-        self.running = [s for s in running if s.outputs > 0 or s.prefill > 0]
-        self.blocks_used = sum(map(self.reserve, self.running + self.lingering))
-
-    def reserve(self, seq: _Seq) -> int:
-        """Blocks a request holds by its end (expected)."""
-        return -(-(seq.context + seq.prefill + math.ceil(seq.outputs)) // self.view.block_size)
-
-    def release(self, seqs: list[_Seq]) -> None:
-        self.blocks_used -= sum(map(self.reserve, seqs))
-
-    def _cap(self) -> int:
-        """Most prompt tokens of one request this step: the long-prefill cap while others wait."""
-        view = self.view
-        return view.prefill_chunk_cap if view.prefill_chunk_cap > 0 and self.queue else view.max_num_batched_tokens
-
-    def compose(self) -> tuple[list[tuple[int, int, bool]], list[tuple[_Seq, int]]]:
-        """The next step: the running requests' decodes and prompt chunks, then admissions from the queue while the
-        budget, the slots and the blocks allow. Returns the chunks (context, tokens, samples) for the cost model
-        and each request with the tokens it computes."""
-        view = self.view
-        budget = view.max_num_batched_tokens
-        chunks: list[tuple[int, int, bool]] = []
-        computed: list[tuple[_Seq, int]] = []
-        cap = self._cap()
-        for seq in self.running:
-            if budget <= 0:
-                break
-            num_new = 1 if seq.prefill == 0 else min(seq.prefill, budget, cap)
-            chunks.append((seq.context, num_new, seq.prefill <= num_new))
-            computed.append((seq, num_new))
-            budget -= num_new
-        while self.queue and budget > 0 and len(self.running) + len(self.lingering) < view.max_num_seqs:
-            head = self.queue[0]
-            if self.blocks_used + self.reserve(head) > view.num_blocks and self.running:
-                break
-            self.queue.popleft()
-            self.running.append(head)
-            self.blocks_used += self.reserve(head)
-            num_new = min(head.prefill, budget, self._cap())
-            chunks.append((head.context, num_new, head.prefill <= num_new))
-            computed.append((head, num_new))
-            budget -= num_new
-        return chunks, computed
-
-    def only_decodes_ahead(self) -> bool:
-        """Every running request decodes and none can be admitted until one of them finishes."""
-        view, queue = self.view, self.queue
-        can_admit = bool(queue) and len(self.running) < view.max_num_seqs and \
-            self.blocks_used + self.reserve(queue[0]) <= view.num_blocks
-        return not self.lingering and all(s.prefill == 0 for s in self.running) and not can_admit
-
-    def decode_stretch(self, cost: StepCostModel) -> float:
-        """Run the decodes until the next request finishes; returns their seconds."""
-        steps = max(1, math.ceil(min(s.outputs for s in self.running)))
-        seconds = cost.decode_run(len(self.running), sum(s.context for s in self.running), steps)
-        for seq in self.running:
-            seq.outputs -= steps
-            seq.context += steps
-        return seconds
-
-    def advance(self, computed: list[tuple[_Seq, int]]) -> bool:
-        """Apply one composed step; True when it ends the target's prompt (its first token is sampled)."""
-        for seq, num_new in computed:
-            if seq.prefill:
-                seq.prefill -= num_new
-                seq.context += num_new
-                if seq.prefill == 0:
-                    if seq.target:
-                        return True
-                    seq.outputs -= 1
-            else:
-                seq.outputs -= 1
-                seq.context += 1
-        return False
-
-    def end_step(self) -> None:
-        """After a step: last step's finished requests free their slots; this step's finish (or linger)."""
-        self.release(self.lingering)
-        finished = [s for s in self.running if s.outputs <= 0 and s.prefill == 0]
-        if finished:
-            self.running = [s for s in self.running if s.outputs > 0 or s.prefill > 0]
-        if self.view.overlapped:
-            self.lingering = finished
-        else:
-            self.release(finished)
-            self.lingering = []
 
 
 class SloAdmission:
@@ -273,7 +133,7 @@ class SloAdmission:
         target = self._seq(request)
         target.target = True
         in_newest_step = self._newest_step[1] if self._newest_step is not None else frozenset()
-        replay = _Replay(view, [self._seq(r) for r in view.running], [*map(self._seq, ahead), target], in_newest_step)
+        replay = Replay(view, [self._seq(r) for r in view.running], [*map(self._seq, ahead), target], in_newest_step)
         queue_len = len(replay.queue)
         now = self._in_flight_remaining()
         for _ in range(MAX_ITERATIONS):
@@ -300,7 +160,7 @@ class SloAdmission:
             return now * (queue_len + 1)
         return now * queue_len / admitted + cost.client_s  # the rest of the queue at the rate seen so far
 
-    def _seq(self, request: Request) -> _Seq:
+    def _seq(self, request: Request) -> Seq:
         """A request as the prediction sees it: tokens booked but not computed are prefill (prompt chunks or a
         recompute after preemption); expected outputs still to sample."""
         to_compute = request.num_tokens_booked - request.num_computed_tokens
@@ -309,9 +169,9 @@ class SloAdmission:
         remaining = max(expected - outputs_so_far, 0.0)
         # prompt chunks (or a recompute) left, however short (a one-token prompt too); the step that ends them samples
         if to_compute > 1 or request.num_computed_tokens < len(request.prompt_token_ids):
-            return _Seq(to_compute, remaining, request.num_computed_tokens, request_id=request.request_id)
+            return Seq(to_compute, remaining, request.num_computed_tokens, request_id=request.request_id)
         # decoding: one token per step
-        return _Seq(0, remaining, request.num_computed_tokens, request_id=request.request_id)
+        return Seq(0, remaining, request.num_computed_tokens, request_id=request.request_id)
 
     def _in_flight_remaining(self) -> float:
         """Predicted seconds until the steps already sent are done (their tokens are booked already)."""
