@@ -79,7 +79,7 @@ def build_generations(state: FrontendState, body: SamplingFields, prompts: list[
     stops = body.stop_strings()
     model = state.config.model
     if body.priority and state.config.scheduler.scheduling_policy != "priority":  # vLLM's rule: never ignored
-        raise InvalidRequestError(f"priority {body.priority} is honoured only under --scheduling-policy priority; "
+        raise InvalidRequestError("priority is honoured only under --scheduling-policy priority; "
                                   f"this server schedules {state.config.scheduler.scheduling_policy} (leave it out "
                                   f"or 0)", param="priority")
     queue_bound = state.config.scheduler.max_waiting_requests

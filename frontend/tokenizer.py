@@ -87,7 +87,8 @@ class TextTokenizer:
 
     def _check_length(self, text: str, max_tokens: int | None, param: str) -> None:
         if max_tokens is not None and len(text) > 2 * max_tokens * self.max_chars_per_token:
-            raise InvalidRequestError(f"the {param} is far longer than the model's maximum context of {max_tokens} "
+            what = "the rendered chat prompt" if param == "messages" else f"the {param}"
+            raise InvalidRequestError(f"{what} is far longer than the model's maximum context of {max_tokens} "
                                       f"tokens ({len(text)} characters)", param=param)
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
