@@ -62,6 +62,7 @@ from tests.malformed import (
     malformed_batch_frames,
     send_frame_of,
 )
+from tests.scheduler_peers import scheduler_with_peers
 from tests.server import MODEL_DIR, REPO
 
 KEY = "sk-hostile"
@@ -355,17 +356,9 @@ def wait_until(predicate, what: str, step=lambda: time.sleep(0.01)) -> None:
 
 
 def test_the_scheduler_reads_on_past_malformed_messages(tmp_path):
-    from shuttle.scheduler.loop import SchedulerLoop
-    ipc = IpcConfig.in_directory(str(tmp_path))
-    config = ShuttleConfig(ModelConfig.from_dir(MODEL_DIR), ipc, cache=CacheConfig(num_kv_blocks=None))
-    ctx = zmq.Context()
-    loop = SchedulerLoop(config, ctx)
-    results, frontend = ctx.socket(zmq.PUSH), ctx.socket(zmq.DEALER)
-    results.connect(ipc.results)
-    frontend.connect(ipc.requests)
-    worker = Channel(ctx, zmq.PULL, ipc.plans, bind=False, recv_type=PlanMessage)
     encode = msgspec.msgpack.encode
-    try:
+    with scheduler_with_peers(tmp_path, cache=CacheConfig(num_kv_blocks=None)) as peers:
+        loop, results, frontend = peers.loop, peers.results, peers.frontend
         kinds = internal_kinds(encode(WorkerReady(rank=0, num_kv_blocks=64, kv_bytes_per_token=640, weight_bytes=1000)))
         for frames in kinds.values():
             results.send_multipart(frames)
@@ -378,16 +371,12 @@ def test_the_scheduler_reads_on_past_malformed_messages(tmp_path):
         wait_until(lambda: loop.scheduler.has_work, "the Submit after the malformed messages is taken",
                    lambda: loop._drain_inbox(10))
         assert loop._plan_and_send()
-        plan = worker.recv()
+        plan = peers.plans.recv()
         for frames in kinds.values():
             results.send_multipart(frames)
         results.send(encode(StepResult(step_id=plan.step_id, request_ids=["r1"], token_ids=[5])))
         assert loop._wait_for_result().step_id == plan.step_id
         assert loop.results.num_malformed == 2 * len(kinds) and loop.frontends.num_malformed == len(kinds)
-    finally:
-        for channel in (results, frontend, worker, loop.results, loop.frontends, *loop.plans):
-            channel.close()
-        ctx.term()
 
 
 def test_the_worker_reads_on_past_malformed_plans(tmp_path):

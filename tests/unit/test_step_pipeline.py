@@ -9,21 +9,18 @@ import threading
 
 import msgspec
 import pytest
-import zmq
 
 from shuttle.capacity.simulator import FILLER_TOKEN, Simulator
 from shuttle.capacity.workload import SimRequest
-from shuttle.common.config import CacheConfig, IpcConfig, SchedulerConfig, ShuttleConfig
-from shuttle.common.ipc import Channel
-from shuttle.common.messages import PlanMessage, Shutdown, StepPlan, StepResult, Submit, WorkerReady
-from shuttle.common.model_config import ModelConfig
+from shuttle.common.config import CacheConfig, SchedulerConfig
+from shuttle.common.messages import Shutdown, StepPlan, StepResult, Submit, WorkerReady
 from shuttle.common.sampling import SamplingParams
 from shuttle.scheduler.in_process import drive
 from shuttle.scheduler.kv_cache import KVCacheManager
 from shuttle.scheduler.pipeline import StepPipeline
 from shuttle.scheduler.scheduler import Scheduler
 from shuttle.scheduler.step_cost import StepCostModel
-from tests.server import MODEL_DIR
+from tests.scheduler_peers import scheduler_with_peers
 
 PROMPT_LENS = (40, 7, 25, 60, 3, 33, 18)
 OUTPUT_LENS = (5, 9, 3, 4, 12, 6, 7)
@@ -93,25 +90,16 @@ class _Finished(Exception):
 
 
 def served_steps(async_scheduling: bool, tmp_path) -> list:
-    from shuttle.scheduler.loop import SchedulerLoop
-    ipc = IpcConfig.in_directory(str(tmp_path))
-    config = ShuttleConfig(ModelConfig.from_dir(MODEL_DIR), ipc, cache=CacheConfig(block_size=BLOCK_SIZE),
-                           scheduler=budgets(async_scheduling))
-    ctx = zmq.Context()
-    loop = SchedulerLoop(config, ctx)
-    results, frontend = ctx.socket(zmq.PUSH), ctx.socket(zmq.DEALER)
-    results.connect(ipc.results)
-    frontend.connect(ipc.requests)
-    plans = Channel(ctx, zmq.PULL, ipc.plans, bind=False, recv_type=PlanMessage)
     encode = msgspec.msgpack.encode
-    worker = None
-    try:
+    with scheduler_with_peers(tmp_path, cache=CacheConfig(block_size=BLOCK_SIZE),
+                              scheduler=budgets(async_scheduling)) as peers:
+        loop, results = peers.loop, peers.results
         results.send(encode(WorkerReady(rank=0, num_kv_blocks=NUM_BLOCKS, kv_bytes_per_token=64, weight_bytes=1)))
         loop.wait_for_worker()
         assert loop.scheduler.max_model_len == MAX_MODEL_LEN
         steps, sampling = recording(loop.scheduler)
         for i in range(len(PROMPT_LENS)):
-            frontend.send(encode(submit(i)))
+            peers.frontend.send(encode(submit(i)))
         for _ in range(500):  # every Submit taken before the first step, as in the other two loops
             loop._drain_inbox(10)
             if len(loop.scheduler.requests) == len(PROMPT_LENS):
@@ -119,7 +107,7 @@ def served_steps(async_scheduling: bool, tmp_path) -> list:
         assert len(loop.scheduler.requests) == len(PROMPT_LENS)
 
         def scripted_worker():
-            while isinstance(plan := plans.recv(), StepPlan):
+            while isinstance(plan := peers.plans.recv(), StepPlan):
                 results.send(encode(filler_result(plan, sampling)))
         worker = threading.Thread(target=scripted_worker, daemon=True)
         worker.start()
@@ -130,18 +118,13 @@ def served_steps(async_scheduling: bool, tmp_path) -> list:
             if not loop.scheduler.requests and not loop.pipeline.in_flight:
                 raise _Finished
         loop._publish = publish_until_done
-        with pytest.raises(_Finished):
-            loop.run()
-        return steps
-    finally:
-        if worker is not None:
+        try:
+            with pytest.raises(_Finished):
+                loop.run()
+        finally:
             loop.plans[0].send(Shutdown())
             worker.join(10)
-        for sock in (results, frontend):
-            sock.close(linger=0)
-        for channel in (plans, loop.results, loop.frontends, *loop.plans):
-            channel.close()
-        ctx.term()
+        return steps
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False], ids=["two_in_flight", "one_in_flight"])
