@@ -11,7 +11,7 @@ HTTP (frontend/completions/routes.py), the WebSocket (frontend/transports/websoc
 (frontend/transports/zmq_batch.py) are thin adapters around it: they only read their transport's frames, make a call and
 write `collect()` or `chunks()` back in their own framing. So every transport has the same parameters, the same
 validation and the same errors (InvalidRequestError, ModelNotFoundError, GenerationError;
-`frontend.protocol.client_error` maps them to HTTP statuses).
+`frontend/request/errors.py`'s `client_error` maps them to HTTP statuses).
 """
 
 from __future__ import annotations
@@ -30,16 +30,9 @@ from shuttle.common.sampling import StructuredOutput
 from shuttle.frontend.choices import CollectedChoice, collect, merge, usage
 from shuttle.frontend.completions.shapes import chat_logprobs, completion_logprobs, prompt_logprobs_object
 from shuttle.frontend.generation import TextDelta, TextGeneration
-from shuttle.frontend.request.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    SamplingFields,
-    TokenizeRequest,
-    check_logprobs,
-    completion_prompts,
-    convert_body,
-    sampling_params,
-)
+from shuttle.frontend.request.decoding import convert_body
+from shuttle.frontend.request.params import check_logprobs, completion_prompts, sampling_params
+from shuttle.frontend.request.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, TokenizeRequest
 from shuttle.frontend.state import FrontendState
 from shuttle.frontend.structured.request import constraint_source, structured_output_of
 from shuttle.frontend.tools.calls import ToolCallChoices, tool_parser_of

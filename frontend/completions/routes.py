@@ -12,7 +12,9 @@ from aiohttp import web
 
 from shuttle.common.errors import GenerationError
 from shuttle.frontend import last_words
-from shuttle.frontend.request.protocol import ChatCompletionRequest, CompletionRequest, decode_body, error_body
+from shuttle.frontend.request.decoding import decode_body
+from shuttle.frontend.request.errors import error_body
+from shuttle.frontend.request.protocol import ChatCompletionRequest, CompletionRequest
 from shuttle.frontend.responses.api import ResponsesCall
 from shuttle.frontend.responses.request import ResponsesRequest
 from shuttle.frontend.serving import Call, ChatCall, CompletionCall, check_model

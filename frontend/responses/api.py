@@ -15,7 +15,7 @@ import msgspec
 
 from shuttle.frontend.choices import collect, usage
 from shuttle.frontend.generation import TextDelta, TextGeneration
-from shuttle.frontend.request.protocol import error_body
+from shuttle.frontend.request.errors import error_body
 from shuttle.frontend.responses.request import (
     ResponsesRequest,
     chat_request_of,

@@ -17,11 +17,11 @@ from typing import Annotated, Any, Iterator, Literal
 import msgspec
 
 from shuttle.common.errors import InvalidRequestError
+from shuttle.frontend.request.decoding import Refused
 from shuttle.frontend.request.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     JsonSchemaFormat,
-    Refused,
     ResponseFormatJsonObject,
     ResponseFormatJsonSchema,
 )

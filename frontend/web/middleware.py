@@ -11,7 +11,7 @@ from aiohttp import web
 
 from shuttle.common.errors import GenerationError, InvalidRequestError, ModelNotFoundError
 from shuttle.frontend.engine.backpressure import refusal_headers
-from shuttle.frontend.request.protocol import client_error, error_body
+from shuttle.frontend.request.errors import client_error, error_body
 from shuttle.frontend.state import RESPONSE_ID, STATE
 
 OPEN_PATHS = ("/health", "/metrics", "/dashboard")  # the dashboard page holds no data; its feed needs the key

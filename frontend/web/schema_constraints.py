@@ -1,14 +1,14 @@
 """The checks the code makes beyond the request Structs' types, told to /openapi.json's JSON Schemas: ranges, the shapes
 of a prompt, the served model name, the chat roles, and that no other field is taken (additionalProperties false) but
 for the one accepted value of a field of OpenAI's or vLLM's schema that shuttle does not implement
-(frontend/request/protocol.py's REFUSED_FIELDS: `"echo": false` on chat, `"skip_special_tokens": true`). So a request
+(frontend/request/decoding.py's REFUSED_FIELDS: `"echo": false` on chat, `"skip_special_tokens": true`). So a request
 drawn from the document (a client generator, scripts/dev/fuzz_schema.py) is one the server takes, but for what these
 schemas do not say: prompt plus max_tokens within max_model_len, min_tokens at most max_tokens, best_of equal to n, at
 most one output constraint (and none with min_tokens or ignore_eos), a schema given as text being JSON, tool_choice
 naming a listed tool (and "auto", the default beside tools, only on a server started with --enable-auto-tool-choice),
 tool-call arguments that are JSON objects as text.
 
-The limits come from where they are checked (common/sampling.py, frontend/request/protocol.py,
+The limits come from where they are checked (common/sampling.py, frontend/request/params.py,
 frontend/request/chat_template.py); the fuzzer's count of schema-valid requests refused is what shows a drift.
 """
 
@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from shuttle.common.sampling import MAX_LOGPROBS
 from shuttle.frontend.request.chat_template import RESERVED_KWARGS, ROLES
-from shuttle.frontend.request.protocol import MAX_N, MAX_PROMPTS, REFUSED_FIELDS
+from shuttle.frontend.request.decoding import REFUSED_FIELDS
+from shuttle.frontend.request.protocol import MAX_N, MAX_PROMPTS
 from shuttle.frontend.structured.request import BACKENDS, MAX_CHOICES, REFUSED_KEYS
 
 NULL = {"type": "null"}
@@ -123,7 +124,7 @@ def constrain(components: dict, model_name: str, vocab_size: int) -> None:
                                                                   "required": ["logprobs"]})]
     tokenize["allOf"] = [continued]
     for request in (completion, chat, tokenize, detokenize):
-        # a field not declared is refused (protocol.refuse_undeclared), but for a refused field's one accepted value
+        # a field not declared is refused (decoding.refuse_undeclared), but for a refused field's one accepted value
         request["properties"].update({name: {"const": refused.accepted} for name, refused in REFUSED_FIELDS.items()
                                       if refused.accepted is not None and name not in request["properties"]})
         request["additionalProperties"] = False

@@ -35,7 +35,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 
 from shuttle.common.config import OpsConfig
-from shuttle.frontend.request.protocol import error_body
+from shuttle.frontend.request.errors import error_body
 from shuttle.frontend.transports.ws_frames import MaskedFramesOnly
 from shuttle.frontend.web.content_coding import BodyRefused, content_coding, decode
 

@@ -15,7 +15,8 @@ import pytest
 
 from shuttle.common.messages import BatchRequest
 from shuttle.common.sampling import StructuredOutput
-from shuttle.frontend.request.protocol import REFUSED_FIELDS, ChatCompletionRequest, CompletionRequest
+from shuttle.frontend.request.decoding import REFUSED_FIELDS
+from shuttle.frontend.request.protocol import ChatCompletionRequest, CompletionRequest
 from tests.batch_wire import dealer, next_response
 from tests.inprocess import start_app
 

@@ -1,6 +1,6 @@
 """generation_config.json sampling defaults (--generation-config, common/generation_config.py): the model's values
 become the defaults of the request fields a request leaves unset, as vLLM applies them; `vllm` ignores the file; a
-folder path reads that folder's. Pure units: ModelConfig.from_dir and frontend/request/protocol.py sampling_params."""
+folder path reads that folder's. Pure units: ModelConfig.from_dir and frontend/request/params.py sampling_params."""
 
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ import pytest
 from shuttle.common.errors import ModelDirError
 from shuttle.common.model_config import ModelConfig
 from shuttle.common.sampling import SamplingParams
-from shuttle.frontend.request.protocol import CompletionRequest, convert_body, sampling_params
+from shuttle.frontend.request.decoding import convert_body
+from shuttle.frontend.request.params import sampling_params
+from shuttle.frontend.request.protocol import CompletionRequest
 from shuttle.launcher.cli import build_parser
 from tests.server import MODEL_DIR
 

@@ -1,5 +1,5 @@
-"""Issue 27, the request side of structured outputs: frontend/structured/request.py's structured_output_of over
-bodies decoded as the server decodes them (frontend.protocol.convert_body), for both completion endpoints. Each
+"""Issue 27, the request side of structured outputs: frontend/structured/request.py's structured_output_of over bodies
+decoded as the server decodes them (frontend/request/decoding.py convert_body), for both completion endpoints. Each
 accepted form gives its exact StructuredOutput; each refused form raises InvalidRequestError naming the field."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import pytest
 
 from shuttle.common.errors import InvalidRequestError
 from shuttle.common.sampling import StructuredOutput
-from shuttle.frontend.request.protocol import ChatCompletionRequest, CompletionRequest, convert_body
+from shuttle.frontend.request.decoding import convert_body
+from shuttle.frontend.request.protocol import ChatCompletionRequest, CompletionRequest
 from shuttle.frontend.structured.request import MAX_CHOICES, MAX_PATTERN_BYTES, MAX_SCHEMA_BYTES, structured_output_of
 
 BASES = {CompletionRequest: {"prompt": "Hi"}, ChatCompletionRequest: {"messages": [{"role": "user", "content": "Hi"}]}}
