@@ -26,10 +26,8 @@ from operator import attrgetter
 from shuttle.common.config import SchedulerConfig
 from shuttle.common.messages import (
     NEVER_FITS,
-    CachedRequestData,
     FinishReason,
     GrammarsCompiled,
-    NewRequestData,
     RequestOutput,
     SchedulerStats,
     StepPlan,
@@ -44,6 +42,7 @@ from shuttle.scheduler.kv_cache import KVCacheManager
 from shuttle.scheduler.queue import WaitingQueue
 from shuttle.scheduler.request import Request, RequestStatus
 from shuttle.scheduler.scheduled_step import ScheduledRequest, ScheduledStep
+from shuttle.scheduler.worker_mirror import WorkerMirror
 
 _RANK = attrgetter("rank")
 
@@ -71,8 +70,7 @@ class Scheduler:
         self.shares = GroupShares(config.max_num_seqs, config.max_seqs_per_request)
         threshold = config.long_prefill_token_threshold
         self.prefill_chunk_cap = max(1, config.max_num_batched_tokens // 4) if threshold is None else threshold
-        self._known_to_worker: set[str] = set()
-        self._finished_since_plan: list[str] = []
+        self.worker_mirror = WorkerMirror()  # what the worker holds of each request
         self._step_id = 0
         self.num_preemptions = 0
         self.num_rejected = 0
@@ -220,7 +218,7 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         self.admission.on_finished(request)
         del self.requests[request.request_id]
-        self._forget_in_worker(request)
+        self.worker_mirror.forget(request)
         self._emit(request, new_token_ids or [], reason, logprobs, status, message)
 
     def _leave_running(self, request: Request) -> None:
@@ -228,11 +226,6 @@ class Scheduler:
         unparked = self.shares.stop_running(request)
         if unparked is not None:
             self.waiting.push(unparked)
-
-    def _forget_in_worker(self, request: Request) -> None:
-        if request.request_id in self._known_to_worker:
-            self._known_to_worker.discard(request.request_id)
-            self._finished_since_plan.append(request.request_id)
 
     # ---- planning -----------------------------------------------------------------------------------------
 
@@ -292,7 +285,7 @@ class Scheduler:
                 new_blocks[request.request_id] = added
                 budget -= self._book(step, request, num_new)
 
-        self._fill_plan(step, new_blocks)
+        self.worker_mirror.fill_plan(step, self.kv.block_tables, new_blocks)
         self.admission.on_planned(step)
         return step
 
@@ -357,25 +350,8 @@ class Scheduler:
         request.epoch += 1
         request.status = RequestStatus.PREEMPTED
         self.num_preemptions += 1
-        self._forget_in_worker(request)
+        self.worker_mirror.forget(request)
         self.waiting.push(request)
-
-    def _fill_plan(self, step: ScheduledStep, new_blocks: dict[str, list[int]]) -> None:
-        plan = step.plan
-        plan.finished_ids, self._finished_since_plan = self._finished_since_plan, []
-        for request_id, entry in step.scheduled.items():
-            if request_id not in self._known_to_worker:
-                self._known_to_worker.add(request_id)
-                request = entry.request
-                plan.new_requests.append(NewRequestData(
-                    request_id=request_id, token_ids=request.all_token_ids, sampling=request.sampling,
-                    block_ids=list(self.kv.block_tables[request_id]), num_computed_tokens=entry.start,
-                    num_scheduled_tokens=entry.num_new,
-                    prompt_len=len(request.prompt_token_ids) if request.output_token_ids else 0))
-            else:
-                plan.cached_requests.append(CachedRequestData(
-                    request_id=request_id, new_block_ids=new_blocks[request_id], num_computed_tokens=entry.start,
-                    num_scheduled_tokens=entry.num_new))
 
     # ---- results --------------------------------------------------------------------------------------------
 
