@@ -244,9 +244,48 @@ def tool_call_error(tools: ToolCallConfig) -> str | None:
     return None
 
 
+REASONING_PARSERS = ("deepseek_r1", "qwen3")  # --reasoning-parser's names (vLLM's; frontend/reasoning)
+METRIC_PREFIXES = ("shuttle", "vllm")  # --metric-prefix: the same series under shuttle's or vLLM's prefix
+
+
+@dataclass(frozen=True)
+class ApiConfig:
+    """The HTTP API's options, under vLLM's flag names where vLLM has them (docs/vllm-flags.md). Each field's help
+    says what it means."""
+
+    uds: str | None = option(None, "serve HTTP on this Unix domain socket instead of --host/--port", metavar="PATH")
+    root_path: str = option("", "path prefix a reverse proxy adds in front of every route (e.g. /llm): each route "
+                                "answers both with and without it", metavar="PREFIX")
+    enable_server_load_tracking: bool = option(False, "count the requests being served and report them on GET /load")
+    enable_tokenizer_info_endpoint: bool = option(False, "serve GET /tokenizer_info (the tokenizer's configuration "
+                                                         "and chat template)")
+    enable_request_id_headers: bool = option(False, "answer every response with an X-Request-Id header (the "
+                                                    "client's own, or the response's id)")
+    return_tokens_as_token_ids: bool = option(False, "logprobs name each token as token_id:ID instead of its text "
+                                                     "(a token that is not whole UTF-8 can then be told apart)")
+    enable_force_include_usage: bool = option(False, "every response carries usage, a stream too (its last chunk), "
+                                                     "whether or not the request asked with stream_options")
+    enable_prompt_tokens_details: bool = option(True, "usage reports prompt_tokens_details.cached_tokens (the prompt "
+                                                      "tokens found in the prefix cache)")
+    disable_fastapi_docs: bool = option(False, "serve neither /openapi.json nor the API docs pages (vLLM's name; "
+                                               "shuttle's HTTP server is aiohttp)")
+    uvicorn_log_level: str = option("info", "level of the HTTP access log, one line per request (vLLM's name; "
+                                            "shuttle's HTTP server is aiohttp, its logger aiohttp.access)",
+                                    choices=["trace", *LOG_LEVELS], type=str.lower)
+    reasoning_parser: str | None = option(None, "the format a reasoning model writes its thinking in, split out of "
+                                                "its output as reasoning_content: " + ", ".join(REASONING_PARSERS),
+                                          choices=list(REASONING_PARSERS))
+    metric_prefix: str = option("shuttle", "prefix of every /metrics series: shuttle, or vllm for vLLM's dashboards, "
+                                           "alerts and autoscalers", choices=list(METRIC_PREFIXES))
+    responses_store_max_entries: int = option(1024, "most responses of /v1/responses kept for previous_response_id "
+                                                    "and GET (the oldest go first; 0: none kept)", type=count)
+    responses_store_max_age: float = option(3600.0, "seconds a stored response is kept (0: no age limit)",
+                                            type=seconds)
+
+
 # whose fields are `shuttle serve` flags
 SERVE_SECTIONS = (SchedulerConfig, CacheConfig, WorkerConfig, OpsConfig, ParallelConfig, ObservabilityConfig,
-                  ToolCallConfig)
+                  ToolCallConfig, ApiConfig)
 
 
 def section_from_args(cls, args: argparse.Namespace):
@@ -332,6 +371,7 @@ class ShuttleConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
     tool_calls: ToolCallConfig = field(default_factory=ToolCallConfig)
+    api: ApiConfig = field(default_factory=ApiConfig)
 
     @staticmethod
     def from_args(args: argparse.Namespace, ipc: IpcConfig) -> "ShuttleConfig":
@@ -362,6 +402,7 @@ class ShuttleConfig:
             parallel=section_from_args(ParallelConfig, args),
             observability=section_from_args(ObservabilityConfig, args),
             tool_calls=tool_calls,
+            api=section_from_args(ApiConfig, args),
         )
 
     def to_json(self) -> str:

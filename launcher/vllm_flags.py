@@ -29,13 +29,9 @@ REFUSED_FLAGS: dict[str, RefusedFlag] = {
     "--speculative-config": RefusedFlag("speculative decoding is not implemented"),
     "--enable-lora": RefusedFlag("LoRA adapters are not implemented"),
     "--lora-modules": RefusedFlag("LoRA adapters are not implemented"),
-    "--uvicorn-log-level": RefusedFlag("the HTTP server is aiohttp, not uvicorn: --log-level sets shuttle's log "
-                                       "level"),
-    "--root-path": RefusedFlag("a path prefix is not implemented: serve behind a proxy that strips it"),
     "--ssl-keyfile": RefusedFlag("TLS is not implemented: terminate it in a reverse proxy"),
     "--ssl-certfile": RefusedFlag("TLS is not implemented: terminate it in a reverse proxy"),
     "--response-role": RefusedFlag("chat responses always have the role assistant", "assistant"),
-    "--return-tokens-as-token-ids": RefusedFlag("the request field return_token_ids lists the token ids"),
     "--max-num-partial-prefills": RefusedFlag("how many prompts are prefilled in chunks at once is bounded by "
                                               "--max-num-batched-tokens and --long-prefill-token-threshold"),
 }

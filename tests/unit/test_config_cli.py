@@ -25,10 +25,15 @@ NON_DEFAULTS = {
     "header_timeout": ("2", 2.0), "body_timeout": ("3", 3.0), "max_batch_message_bytes": ("1KiB", 1024),
     "tensor_parallel_size": ("2", 2), "master_addr": ("127.0.0.2", "127.0.0.2"), "master_port": ("29500", 29500),
     "tool_call_parser": ("llama3_json", "llama3_json"),
+    "uds": ("/tmp/s.sock", "/tmp/s.sock"), "root_path": ("/llm", "/llm"), "uvicorn_log_level": ("WARNING", "warning"),
+    "reasoning_parser": ("qwen3", "qwen3"), "metric_prefix": ("vllm", "vllm"),
+    "responses_store_max_entries": ("7", 7), "responses_store_max_age": ("60", 60.0),
 }
-BOOLEANS = {"enable_prefix_caching", "async_scheduling", "batch_background"}
+BOOLEANS = {"enable_prefix_caching", "async_scheduling", "batch_background", "enable_prompt_tokens_details"}
 # off by default: the test turns them on
-TRUE_BOOLEANS = {"enforce_eager", "enable_log_requests", "disable_log_stats", "enable_auto_tool_choice"}
+TRUE_BOOLEANS = {"enforce_eager", "enable_log_requests", "disable_log_stats", "enable_auto_tool_choice",
+                 "enable_server_load_tracking", "enable_tokenizer_info_endpoint", "enable_request_id_headers",
+                 "return_tokens_as_token_ids", "enable_force_include_usage", "disable_fastapi_docs"}
 
 
 def test_every_field_is_a_flag_that_reaches_its_section():
@@ -48,7 +53,7 @@ def test_every_field_is_a_flag_that_reaches_its_section():
                            (WorkerConfig, config.worker), (type(config.ops), config.ops),
                            (type(config.parallel), config.parallel),
                            (type(config.observability), config.observability),
-                           (type(config.tool_calls), config.tool_calls)):
+                           (type(config.tool_calls), config.tool_calls), (type(config.api), config.api)):
         for f in dataclasses.fields(section):
             want = False if f.name in BOOLEANS else True if f.name in TRUE_BOOLEANS else NON_DEFAULTS[f.name][1]
             assert getattr(built, f.name) == want, f.name
