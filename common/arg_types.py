@@ -131,6 +131,17 @@ def origins(text: str) -> tuple[str, ...]:
     return found
 
 
+def json_object(text: str) -> dict:
+    """A JSON object, as vLLM takes a flag whose value is a dict (--hf-overrides '{"key": 1}')."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"not a JSON object: {text!r}")
+    return value
+
+
 JINJA_MARKS = ("{{", "{%")  # what makes a --chat-template value that names no file the template itself
 
 

@@ -44,7 +44,7 @@ def _model_config(args: argparse.Namespace) -> ModelConfig:
                                 max_logprobs=getattr(args, "max_logprobs", 20),
                                 trust_remote_code=getattr(args, "trust_remote_code", False),
                                 generation_config=getattr(args, "generation_config", AUTO),
-                                model_as_given=str(typed))
+                                hf_overrides=getattr(args, "hf_overrides", None), model_as_given=str(typed))
 
 
 def option(default, help: str, **argparse_kwargs):

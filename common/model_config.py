@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from shuttle.common.errors import ModelDirError
 from shuttle.common.generation_config import AUTO, SamplingDefaults, generation_config_path, read_sampling_defaults
@@ -32,6 +33,7 @@ class ModelConfig:
             common/generation_config.py).
         model_as_given: MODEL as the command line gave it (a hub id or a path; "": model_dir), what /v1/models
             reports as `root`, as vLLM does.
+        hf_overrides: --hf-overrides, merged into config.json wherever a process reads it (apply_hf_overrides).
     """
 
     model_dir: str
@@ -46,21 +48,25 @@ class ModelConfig:
     trust_remote_code: bool = False
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
     model_as_given: str = ""
+    hf_overrides: dict[str, Any] = field(default_factory=dict, hash=False)
 
     @property
     def served_model_names(self) -> tuple[str, ...]:
         return (self.served_model_name, *self.served_model_aliases)
 
     def hf_config(self) -> dict:
-        """The model's config.json. Raises ModelDirError when it is missing, unreadable or not an object."""
-        return _read_json(Path(self.model_dir) / "config.json")
+        """The model's config.json with --hf-overrides merged in. Raises ModelDirError when it is missing, unreadable
+        or not an object."""
+        return apply_hf_overrides(_read_json(Path(self.model_dir) / "config.json"), self.hf_overrides)
 
     @staticmethod
     def from_dir(model_dir: str | os.PathLike, max_model_len: int | None = None,
                  served_model_name: str | None = None, dtype: str = "float32", generation_config: str = AUTO,
-                 **options) -> "ModelConfig":
+                 hf_overrides: dict[str, Any] | None = None, **options) -> "ModelConfig":
         """Read config.json (and generation_config.json if present) from `model_dir`; `options`: the fields
         after dtype. `generation_config`: where the sampling defaults come from (auto, vllm or a folder).
+        `hf_overrides`: merged into config.json first (apply_hf_overrides), so that they set the context limit and
+        the end-of-sequence ids config.json gives.
 
         Raises:
             ModelDirError: the directory or config.json is missing or malformed, or max_model_len exceeds
@@ -69,7 +75,7 @@ class ModelConfig:
         path = Path(model_dir)
         if not path.is_dir():
             raise ModelDirError(f"model directory {str(path)!r} does not exist")
-        hf_config = _read_json(path / "config.json")
+        hf_config = apply_hf_overrides(_read_json(path / "config.json"), hf_overrides or {})
         generation = _read_json(path / "generation_config.json") if (path / "generation_config.json").exists() else {}
         limit = context_limit(hf_config)
         if max_model_len is None:
@@ -88,6 +94,7 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             dtype=dtype,
             sampling_defaults=read_sampling_defaults(generation_config_path(path, generation_config)),
+            hf_overrides=dict(hf_overrides or {}),
             **options,
         )
 
@@ -105,6 +112,30 @@ def context_limit(hf_config: dict) -> int | None:
             if isinstance(value, int) and not isinstance(value, bool) and value > 0:
                 return value
     return None
+
+
+def apply_hf_overrides(hf_config: dict, overrides: dict[str, Any]) -> dict:
+    """`hf_config` (a config.json, parsed) with `overrides` merged in as vLLM merges --hf-overrides into the model's
+    configuration: a key whose value is a nested configuration (an object with its own model_type, as text_config)
+    takes the override's keys into it, recursively; any other key, an object-valued one too (rope_scaling), is
+    replaced whole. Returns a new dict; `hf_config` is left as it was."""
+    merged = dict(hf_config)
+    for key, value in overrides.items():
+        current = merged.get(key)
+        if isinstance(current, dict) and "model_type" in current and isinstance(value, dict):
+            merged[key] = _merge_nested(current, value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _merge_nested(config: dict, overrides: dict) -> dict:
+    """A nested configuration with `overrides` merged in, objects into objects at every depth."""
+    merged = dict(config)
+    for key, value in overrides.items():
+        current = merged.get(key)
+        merged[key] = _merge_nested(current, value) if isinstance(current, dict) and isinstance(value, dict) else value
+    return merged
 
 
 def _read_json(path: Path) -> dict:

@@ -21,6 +21,7 @@ from shuttle.common.arg_types import (
     chat_template,
     count,
     dtype_name,
+    json_object,
     origins,
     parse_bytes,
     positive,
@@ -36,7 +37,8 @@ from shuttle.common.config import (
     WorkerConfig,
 )
 from shuttle.common.generation_config import AUTO
-from shuttle.launcher.vllm_flags import ConfigFileError, add_refused_flags, expand_config_file
+from shuttle.launcher.config_file import ConfigFileError, expand_config_file
+from shuttle.launcher.vllm_flags import RefusingParser, add_vllm_flags
 
 __all__ = ["TOOLS", "build_parser", "main", "parse_bytes"]
 
@@ -56,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shuttle", description="LLM serving engine")
     from shuttle.common.version import shuttle_version
     parser.add_argument("--version", action="version", version=shuttle_version())
-    commands = parser.add_subparsers(dest="command", required=True)
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=RefusingParser)
     serve = commands.add_parser("serve", help="start frontend, scheduler and worker on one model",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     default_model = str(DEFAULT_MODEL_DIR) if DEFAULT_MODEL_DIR.is_dir() else None
@@ -94,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "win over the file's")
     serve.add_argument("--log-level", default=None, type=str.lower, choices=LOG_LEVELS,
                        help=f"log level of every process (default: ${LOG_LEVEL_ENV}, else info)")
-    add_refused_flags(serve)  # vLLM's flags shuttle does not implement: refused by name (launcher/vllm_flags.py)
+    add_vllm_flags(serve)  # vLLM's flags taken where they name what shuttle does, else refused by name
     _add_engine_parser(commands, serve)
     serve.add_argument("-dp", "--data-parallel-size", type=count, default=1, metavar="M",
                        help="serving groups (each a scheduler + its worker, with its own KV cache) behind the one "
@@ -134,6 +136,10 @@ def _add_model_options(serve: argparse.ArgumentParser) -> None:
                             "avx512_bf16 (else float32); the start-up line says which and why")
     serve.add_argument("--max-model-len", type=token_count, default=None,
                        help="default: the model's position limit; 32k = 32000, 32K = 32768 (vLLM's suffixes)")
+    serve.add_argument("--hf-overrides", type=json_object, default=None, metavar="JSON",
+                       help="a JSON object merged into the model's config.json, as vLLM does, for every process (e.g. "
+                            "'{\"max_position_embeddings\": 256}' also lowers the --max-model-len default): a nested "
+                            "configuration (text_config) takes its keys, any other key is replaced")
     serve.add_argument("--seed", type=int, default=0,
                        help="seeds the worker's generator, which samples the requests that give no `seed` (a "
                             "request's own seed is reproducible in any batch; these only for the same arrivals)")

@@ -16,13 +16,16 @@ from shuttle.common.errors import ModelDirError
 from shuttle.common.model_dir import check_model_dir
 from shuttle.common.model_source import locate, remote_code_refusal, sentencepiece_tokenizer
 
+SAFETENSORS_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")  # what --load-format safetensors loads
+
 
 def resolve_model_args(args: argparse.Namespace) -> None:
     """Set args.model (MODEL as typed), args.model_dir and args.tokenizer_dir (local directories).
 
     Raises:
         ModelDirError: a one-line reason: no MODEL, both MODEL and --model, a flag shuttle cannot honour, an id
-            that cannot be resolved, a bad model or tokenizer directory.
+            that cannot be resolved, a bad model or tokenizer directory, --load-format safetensors for a model
+            without safetensors weights.
     """
     if getattr(args, "enable_chunked_prefill", True) is False:
         raise ModelDirError("--no-enable-chunked-prefill: shuttle always prefills long prompts in chunks within "
@@ -46,6 +49,10 @@ def resolve_model_args(args: argparse.Namespace) -> None:
         tokenizer_dir = sentencepiece_tokenizer(tokenizer_dir, Path(tempfile.mkdtemp(prefix="shuttle-tokenizer-")),
                                                 trust)
     hf_config = check_model_dir(source.model_dir, tokenizer=frontend_tokenizes, tokenizer_dir=tokenizer_dir)
+    if getattr(args, "load_format", "auto") == "safetensors" and not any(
+            (Path(source.model_dir) / name).is_file() for name in SAFETENSORS_WEIGHTS):
+        raise ModelDirError(f"--load-format safetensors: {source.model_dir} has no {' or '.join(SAFETENSORS_WEIGHTS)} "
+                            f"(--load-format auto loads its pytorch_model.bin)")
     refusal = remote_code_refusal(source.model_dir, hf_config, trust)
     if refusal:
         raise ModelDirError(refusal)

@@ -2,11 +2,9 @@
 $SHUTTLE_TP_RANK (default 0) of local serving group $SHUTTLE_DP_GROUP (default 0), on the device that pair owns
 (worker/parallel.py local_device)."""
 
-import json
 import logging
 import os
 import sys
-from pathlib import Path
 
 import zmq
 
@@ -40,7 +38,7 @@ def main() -> None:
             # a CPU worker on a GPU machine owns no GPU (transformers' tensor-parallel mesh follows the accelerator)
             os.environ["CUDA_VISIBLE_DEVICES"] = ""
         device = local_device(config.worker.device, group, rank, config.parallel.tensor_parallel_size)
-        hf_config = json.loads((Path(config.model.model_dir) / "config.json").read_text())
+        hf_config = config.model.hf_config()  # with --hf-overrides, as the launcher checked it
         parallel = join_group(config.parallel, rank, config.model.model_dir, hf_config, device)
         runner = ModelRunner(config, device, parallel=parallel)
     except (UnsupportedModelError, ModelDirError) as exc:  # a clear refusal, not a traceback; the launcher exits 2

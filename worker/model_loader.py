@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 from safetensors import SafetensorError
-from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from shuttle.common.errors import ModelDirError
 from shuttle.worker import attention
@@ -34,10 +34,12 @@ class LayerGeometry:
     v_head_dim: int
 
 
-def load_model(model_dir: str, dtype: str, device: torch.device, **load_kwargs) -> PreTrainedModel:
+def load_model(model_dir: str, dtype: str, device: torch.device, hf_overrides: dict | None = None,
+               **load_kwargs) -> PreTrainedModel:
     """Load weights from `model_dir` (config.json + safetensors) in eval mode on `device`.
 
-    `load_kwargs` go to `from_pretrained` (worker/parallel.py's tensor-parallel plan).
+    `hf_overrides`: --hf-overrides, set on the model's configuration before it is built (overridden_config).
+    `load_kwargs` go to `from_pretrained` (worker/parallel.py's tensor-parallel plan, trust_remote_code).
 
     Raises:
         ValueError: unknown dtype.
@@ -47,6 +49,8 @@ def load_model(model_dir: str, dtype: str, device: torch.device, **load_kwargs) 
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    if hf_overrides:
+        load_kwargs["config"] = overridden_config(model_dir, hf_overrides, load_kwargs.get("trust_remote_code", False))
     try:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype],
                                                      attn_implementation=attention.register(), **load_kwargs)
@@ -61,6 +65,32 @@ def load_model(model_dir: str, dtype: str, device: torch.device, **load_kwargs) 
                                     f"({type(exc).__name__}: {_first_line(exc)})") from None
     # transformers decorates PreTrainedModel.to with functools.wraps, which typeshed types as no method (self unbound)
     return model.to(device).eval()  # type: ignore[arg-type]
+
+
+def overridden_config(model_dir: str, overrides: dict, trust_remote_code: bool = False) -> PretrainedConfig:
+    """`model_dir`'s configuration with --hf-overrides set on it as vLLM sets them: a key naming a nested
+    configuration (text_config) takes the override's keys into it, recursively; any other key is set to the
+    override's value whole (common/model_config.py apply_hf_overrides does the same to config.json's dict, for the
+    processes that read no PretrainedConfig)."""
+    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    for key, value in overrides.items():
+        current = getattr(config, key, None)
+        if isinstance(current, PretrainedConfig) and isinstance(value, dict):
+            _update_nested(current, value)
+        else:
+            setattr(config, key, value)
+    return config
+
+
+def _update_nested(target: PretrainedConfig | dict, values: dict) -> None:
+    for key, value in values.items():
+        current = target.get(key) if isinstance(target, dict) else getattr(target, key, None)
+        if isinstance(value, dict) and isinstance(current, (dict, PretrainedConfig)):
+            _update_nested(current, value)
+        elif isinstance(target, dict):
+            target[key] = value
+        else:
+            setattr(target, key, value)
 
 
 def _first_line(exc: Exception) -> str:

@@ -117,8 +117,8 @@ class ModelRunner:
         self.kv_dtype = self.dtype if kv_name == "auto" else DTYPES[kv_name]
         self.block_size = config.cache.block_size
         self.staging = StepStaging(device)
-        self.model = load_model(model_cfg.model_dir, self.dtype_name, device, **parallel.load_kwargs(),
-                                trust_remote_code=model_cfg.trust_remote_code)
+        self.model = load_model(model_cfg.model_dir, self.dtype_name, device, model_cfg.hf_overrides,
+                                **parallel.load_kwargs(), trust_remote_code=model_cfg.trust_remote_code)
         bf16_units = bool(cpu_bf16_flags())  # what the int8 and bf16 linears' matmul dtype follows
         self.quantized_linears = quantize_model(self.model, config.worker.quantization, device, parallel.enabled,
                                                 bf16_units)

@@ -166,8 +166,8 @@ def test_no_enable_chunked_prefill_is_refused_by_name():
 
 
 def test_an_unknown_vllm_flag_is_still_refused():
-    result = shuttle("serve", str(MODEL_DIR), "--pipeline-parallel-size", "2")
-    assert result.returncode == 2 and "unrecognized arguments: --pipeline-parallel-size" in result.stderr
+    result = shuttle("serve", str(MODEL_DIR), "--kv-transfer-config", "{}")
+    assert result.returncode == 2 and "unrecognized arguments: --kv-transfer-config" in result.stderr
 
 
 async def test_get_version_and_every_served_name():
