@@ -62,6 +62,11 @@ class TextGeneration:
     def __post_init__(self):
         self.prompt_token_ids = self.request.prompt_token_ids
 
+    @property
+    def stop_string(self) -> str | None:
+        """The stop string that ended the output (None: it ended otherwise, or has not ended)."""
+        return self._matcher.matched if self._matcher is not None else None
+
     async def deltas(self) -> AsyncGenerator[TextDelta, None]:
         """Yield text deltas until the sequence finishes; leaving early aborts it in the scheduler.
 

@@ -30,6 +30,7 @@ class StopStringMatcher:
         self._search_from: float = math.inf if protected else 0
         self.released = 0  # characters emitted so far
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the output (Anthropic's stop_sequence)
 
     def protect(self, position: int) -> None:
         """Stop strings may start at `position` or later (the length of the first min_tokens tokens' text)."""
@@ -47,7 +48,7 @@ class StopStringMatcher:
             hits = [(index, stop) for index, stop in hits if index >= 0]
             if hits:
                 index, stop = min(hits)
-                self.stopped, self._held = True, ""
+                self.stopped, self._held, self.matched = True, "", stop
                 return self._emit(buffer[:index] + (stop if self.include_stop else ""))
         keep = self._partial_match_length(buffer[first:])
         self._held = buffer[len(buffer) - keep:] if keep else ""

@@ -10,6 +10,7 @@ import uuid
 from aiohttp import web
 
 from shuttle.common.errors import GenerationError, InvalidRequestError, ModelNotFoundError
+from shuttle.frontend.anthropic.errors import is_messages_path
 from shuttle.frontend.engine.backpressure import refusal_headers
 from shuttle.frontend.request.errors import client_error, error_body
 from shuttle.frontend.state import RESPONSE_ID, STATE
@@ -57,8 +58,9 @@ async def openai_errors(request: web.Request, handler) -> web.StreamResponse:
 
 
 def api_key_auth(api_key: str):
-    """Requests outside OPEN_PATHS need `Authorization: Bearer <api_key>` (else 401). The scheme name is
-    case-insensitive (RFC 9110, section 11.1), the key is compared exactly, in constant time."""
+    """Requests outside OPEN_PATHS need `Authorization: Bearer <api_key>` (else 401); under /v1/messages
+    `x-api-key: <api_key>` (Anthropic's header) is taken too. The scheme name is case-insensitive (RFC 9110,
+    section 11.1), the key is compared exactly, in constant time."""
     expected = api_key.encode()
 
     @web.middleware
@@ -66,11 +68,18 @@ def api_key_auth(api_key: str):
         if request.path not in OPEN_PATHS:
             scheme, _, key = request.headers.get("Authorization", "").partition(" ")
             given = key.lstrip(" ").encode("utf-8", "surrogateescape")
-            if not (hmac.compare_digest(given, expected) and scheme.lower() == "bearer"):
-                return _error(401, "invalid or missing API key: send Authorization: Bearer <key>")
+            anthropic = is_messages_path(request.path)
+            if not (hmac.compare_digest(given, expected) and scheme.lower() == "bearer") and not (
+                    anthropic and hmac.compare_digest(_header_bytes(request, "x-api-key"), expected)):
+                return _error(401, "invalid or missing API key: send Authorization: Bearer <key>"
+                              + (" or x-api-key: <key>" if anthropic else ""))
         return await handler(request)
 
     return check
+
+
+def _header_bytes(request: web.Request, name: str) -> bytes:
+    return request.headers.get(name, "").encode("utf-8", "surrogateescape")
 
 
 async def request_id_header(request: web.Request, response: web.StreamResponse) -> None:

@@ -12,6 +12,8 @@ from typing import Any
 import msgspec
 
 from shuttle.common.messages import BatchRequest, BatchResponse
+from shuttle.frontend.anthropic.errors import is_messages_path
+from shuttle.frontend.anthropic.request import CountTokensRequest, MessagesRequest
 from shuttle.frontend.request.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -30,6 +32,13 @@ ERROR = {
         "required": ["message", "type", "param", "code"],
         "properties": {"message": {"type": "string"}, "type": {"type": "string"},
                        "param": {"type": ["string", "null"]}, "code": {"type": "integer"}}}},
+}
+ANTHROPIC_ERROR = {  # the Messages API's (frontend/anthropic/errors.py)
+    "type": "object",
+    "required": ["type", "error"],
+    "properties": {"type": {"const": "error"}, "error": {
+        "type": "object", "required": ["type", "message"],
+        "properties": {"type": {"type": "string"}, "message": {"type": "string"}}}},
 }
 STATUSES = {  # every error status a route may answer -> its description
     "400": "invalid request (a field, the JSON, or the body's encoding)",
@@ -55,6 +64,8 @@ _COMPLETION = _object({"id": _STR, "object": _STR, "created": _INT, "model": _ST
                        "usage": {"type": "object"}})
 _RESPONSE = _object({"id": _STR, "object": _STR, "created_at": _INT, "status": _STR, "model": _STR,
                      "output": _ARRAY})
+_MESSAGE = _object({"id": _STR, "type": _STR, "role": _STR, "model": _STR, "content": _ARRAY,
+                    "stop_reason": {"type": ["string", "null"]}, "usage": {"type": "object"}})
 _MODEL = _object({"id": _STR, "object": _STR, "created": _INT, "owned_by": _STR})
 POSTS = {  # path -> (request Struct, summary, success body schema, streams, error statuses)
     "/v1/completions": (CompletionRequest, "OpenAI completions; Server-Sent Events with stream: true",
@@ -63,6 +74,11 @@ POSTS = {  # path -> (request Struct, summary, success body schema, streams, err
                              _COMPLETION, True, POST_ERRORS),
     "/v1/responses": (ResponsesRequest, "OpenAI Responses API (nothing stored); named Server-Sent Events with "
                       "stream: true", _RESPONSE, True, POST_ERRORS),
+    "/v1/messages": (MessagesRequest, "Anthropic's Messages API (errors in Anthropic's shape); named Server-Sent "
+                     "Events with stream: true", _MESSAGE, True, POST_ERRORS),
+    "/v1/messages/count_tokens": (CountTokensRequest, "the prompt's token count of a Messages request (errors in "
+                                  "Anthropic's shape)", _object({"input_tokens": _INT}), False,
+                                  tuple(s for s in POST_ERRORS if s != "503")),
     "/tokenize": (TokenizeRequest, "text or chat messages to token ids",
                   _object({"tokens": {"type": "array", "items": _INT}, "count": _INT, "max_model_len": _INT,
                            "token_strs": {"type": ["array", "null"], "items": _STR}}),
@@ -86,8 +102,8 @@ GETS = {  # path -> (summary, success status, its content, error statuses)
 }
 
 
-def _errors(statuses: tuple[str, ...]) -> dict:
-    error = {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}
+def _errors(statuses: tuple[str, ...], schema: str = "Error") -> dict:
+    error = {"application/json": {"schema": {"$ref": f"#/components/schemas/{schema}"}}}
     return {status: {"description": STATUSES[status], "content": error} for status in statuses}
 
 
@@ -110,6 +126,7 @@ def openapi_document(model_name: str, vocab_size: int) -> dict:
     refs, components = msgspec.json.schema_components(structs, ref_template="#/components/schemas/{name}")
     constrain(components, model_name, vocab_size)
     components["Error"] = ERROR
+    components["AnthropicError"] = ANTHROPIC_ERROR
     paths: dict[str, dict] = {}
     for (path, (_, summary, success, streams, errors)), ref in zip(POSTS.items(), refs):
         content = {"application/json": {"schema": success}}
@@ -118,7 +135,8 @@ def openapi_document(model_name: str, vocab_size: int) -> dict:
         paths[path] = {"post": {
             "summary": summary,
             "requestBody": {"required": True, "content": {"application/json": {"schema": ref}}},
-            "responses": {"200": {"description": "success", "content": content}, **_errors(errors)},
+            "responses": {"200": {"description": "success", "content": content},
+                          **_errors(errors, "AnthropicError" if is_messages_path(path) else "Error")},
         }}
     for path, get in GETS.items():
         paths[path] = _get(path, *get)

@@ -1,0 +1,175 @@
+"""POST /v1/messages on the chat machinery: MessagesCall (a ChatCall, with the same template, tools, tool-call
+parsing and structured output) shapes a chat call's one choice into Anthropic's message object (`collect()`) and its
+stream's events (`chunks()`); POST /v1/messages/count_tokens is `count_tokens`. The request and its conversion to a
+chat request are in frontend/anthropic/request.py.
+
+    finish        stop_reason
+    stop          end_turn, or stop_sequence (with `stop_sequence` the string) when a stop sequence ended it
+    length        max_tokens
+    tool_calls    tool_use (the text made calls)
+
+`usage.input_tokens` is the whole prompt's token count (cached tokens included, as in the chat API's prompt_tokens).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from contextlib import aclosing
+from typing import Any, AsyncGenerator
+
+from shuttle.frontend.anthropic.request import CountTokensRequest, MessagesRequest, chat_request_of
+from shuttle.frontend.choices import collect
+from shuttle.frontend.serving import ChatCall, chat_prompt_ids, check_model
+from shuttle.frontend.state import FrontendState
+
+STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def count_tokens(state: FrontendState, body: CountTokensRequest) -> dict:
+    """POST /v1/messages/count_tokens: {"input_tokens": the prompt's token count}, the prompt being the one a
+    Messages request with these messages, system and tools would be served.
+
+    Raises:
+        InvalidRequestError: as a Messages request's prompt (param names the field).
+        ModelNotFoundError: `model` is not the served model.
+    """
+    check_model(state, body.model)
+    chat = chat_request_of(body)
+    return {"input_tokens": len(chat_prompt_ids(state, chat, chat.add_special_tokens))}
+
+
+class MessagesCall(ChatCall):
+    """POST /v1/messages: a ChatCall of one choice whose result is a message object (`collect`) or Anthropic's
+    stream events (`chunks`, each a dict with its `type`).
+
+    Raises:
+        InvalidRequestError, ModelNotFoundError: the body is not valid (param names the field).
+    """
+
+    def __init__(self, state: FrontendState, request: MessagesRequest):
+        super().__init__(state, chat_request_of(request))
+        self.request_id = new_id("msg")  # before build(): the engine's requests are named after it
+
+    def message(self, content: list[dict], finish: str | None, output_tokens: int) -> dict:
+        """The message object; `finish` None: still being written (no stop_reason yet)."""
+        [generation] = self.generations
+        stop = STOP_REASONS.get(finish) if finish is not None else None
+        stop_string = generation.stop_string if finish == "stop" else None
+        return {"id": self.request_id, "type": "message", "role": "assistant", "model": self.state.model_name,
+                "content": content, "stop_reason": "stop_sequence" if stop_string is not None else stop,
+                "stop_sequence": stop_string,
+                "usage": {"input_tokens": len(generation.prompt_token_ids), "output_tokens": output_tokens}}
+
+    async def collect(self) -> dict:
+        """The message object.
+
+        Raises:
+            InvalidRequestError: a sampling parameter out of range.
+            GenerationError: the generation failed.
+        """
+        if not self.generations:
+            self.generations = self.build()
+        [choice] = await collect(self.generations)
+        finish = choice.generation.finish_reason
+        text, calls = choice.text, []
+        if self.tool_calls is not None:
+            message, finish = self.tool_calls.message(choice.text, finish)
+            text, calls = message["content"] or "", message.get("tool_calls", [])
+        content = [_text_block(text)] if text else []
+        content += [_tool_use_block(c["function"]["name"], _input(c["function"]["arguments"])) for c in calls]
+        return self.message(content, finish, choice.generation.num_output_tokens)
+
+    async def chunks(self) -> AsyncGenerator[dict, None]:
+        """The stream's events: message_start and a ping once the first text is out (so that an admission error is
+        raised before any event), each content block's content_block_start, its deltas (text_delta,
+        input_json_delta) and content_block_stop, then message_delta (stop_reason, stop_sequence, usage) and
+        message_stop.
+
+        Raises:
+            InvalidRequestError: a sampling parameter out of range.
+            GenerationError: the generation failed.
+        """
+        blocks = _Blocks()
+        async with aclosing(self.deltas()) as deltas:  # deltas() builds the generation
+            [generation] = self.generations
+            delta = await anext(deltas, None)
+            yield {"type": "message_start", "message": self.message([], None, generation.num_output_tokens)}
+            yield {"type": "ping"}
+            finish = None
+            while delta is not None:
+                message, reason = {"content": delta.text} if delta.text else {}, delta.finish_reason
+                if self.tool_calls is not None:
+                    message, reason = self.tool_calls.delta(delta.index, delta.text, delta.finish_reason)
+                finish = reason or finish
+                for event in blocks.feed(message):
+                    yield event
+                delta = await anext(deltas, None)
+        for event in blocks.close():
+            yield event
+        whole = self.message([], finish, generation.num_output_tokens)
+        yield {"type": "message_delta", "delta": {"stop_reason": whole["stop_reason"],
+                                                  "stop_sequence": whole["stop_sequence"]}, "usage": whole["usage"]}
+        yield {"type": "message_stop"}
+
+
+class _Blocks:
+    """The content blocks of a stream as its chat deltas arrive, and the events that open, extend and close them."""
+
+    def __init__(self) -> None:
+        self.count = 0  # blocks opened
+        self.open: str | None = None  # the kind of the block being written: "text", or "call <index>"
+
+    def feed(self, message: dict[str, Any]) -> list[dict]:
+        """The events of one chat delta's fields (content text, tool_calls pieces)."""
+        events = []
+        if message.get("content"):
+            if self.open != "text":
+                events += self._start(_text_block(""), "text")
+            events.append(self._delta({"type": "text_delta", "text": message["content"]}))
+        for piece in message.get("tool_calls", []):
+            kind = f"call {piece['index']}"
+            if self.open != kind:
+                events += self._start(_tool_use_block(piece["function"]["name"], {}), kind)
+            arguments = piece["function"].get("arguments") or ""
+            if arguments:
+                events.append(self._delta({"type": "input_json_delta", "partial_json": arguments}))
+        return events
+
+    def close(self) -> list[dict]:
+        if self.open is None:
+            return []
+        self.open = None
+        return [{"type": "content_block_stop", "index": self.count - 1}]
+
+    def _start(self, block: dict, kind: str) -> list[dict]:
+        events = self.close()
+        self.open = kind
+        self.count += 1
+        return events + [{"type": "content_block_start", "index": self.count - 1, "content_block": block}]
+
+    def _delta(self, delta: dict) -> dict:
+        return {"type": "content_block_delta", "index": self.count - 1, "delta": delta}
+
+
+def _text_block(text: str) -> dict:
+    return {"type": "text", "text": text}
+
+
+def _tool_use_block(name: str, tool_input: dict) -> dict:
+    return {"type": "tool_use", "id": new_id("toolu"), "name": name, "input": tool_input}
+
+
+def _input(arguments: str) -> dict:
+    """A call's arguments text as tool_use's `input`; a call cut by max_tokens before its arguments object closed
+    has what it had: {} (a stream has sent the partial text as input_json_delta pieces)."""
+    try:
+        value = json.loads(arguments)
+    except (ValueError, RecursionError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
