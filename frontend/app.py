@@ -17,6 +17,7 @@ from shuttle.frontend.anthropic.routes import add_routes as add_messages_routes
 from shuttle.frontend.completions.routes import (
     create_chat_completion,
     create_completion,
+    create_response,
     list_models,
     retrieve_model,
 )
@@ -28,7 +29,6 @@ from shuttle.frontend.lifecycle import Shutdown, SupervisorLink, drain
 from shuttle.frontend.observability.dashboard import add_dashboard
 from shuttle.frontend.observability.metrics import Metrics
 from shuttle.frontend.request.chat_template import ChatTemplate
-from shuttle.frontend.responses.routes import add_routes as add_responses_routes
 from shuttle.frontend.state import STATE, FrontendState
 from shuttle.frontend.tokenizer import TextTokenizer
 from shuttle.frontend.transports.websocket import websocket_handler
@@ -36,11 +36,7 @@ from shuttle.frontend.transports.zmq_batch import BatchEndpoint
 from shuttle.frontend.web.cors import Cors
 from shuttle.frontend.web.middleware import api_key_auth, json_content_type, openai_errors, request_id_header
 from shuttle.frontend.web.openapi import openapi_document
-from shuttle.frontend.web.root_path import add_root_path
-from shuttle.frontend.web.sagemaker import invocations
-from shuttle.frontend.web.server import access_logger, listen, remove_socket_file, request_limits
-from shuttle.frontend.web.server_load import LOAD, count_load, server_load
-from shuttle.frontend.web.tokenizer_info import add_tokenizer_info
+from shuttle.frontend.web.server import listen, request_limits
 
 log = logging.getLogger("shuttle.frontend")
 
@@ -108,44 +104,31 @@ def build_app(state: FrontendState, api_key: str | None = None) -> web.Applicati
     middlewares = ([cors.preflight] if cors else []) + [anthropic_errors, openai_errors] + (
         [api_key_auth(api_key)] if api_key else []) + [json_content_type]
     middlewares.append(request_limits(MAX_BODY_BYTES, state.config.ops.body_timeout))
-    api = state.config.api
-    if api.enable_server_load_tracking:
-        middlewares.append(count_load)
     app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
     app[STATE] = state
-    if api.enable_server_load_tracking:
-        app[LOAD] = [0]
     app.on_response_prepare.append(request_id_header)
     if cors:
         app.on_response_prepare.append(cors.on_response_prepare)
     app.router.add_get("/health", health)
-    app.router.add_get("/ping", health)  # SageMaker's health route, as vLLM's
-    app.router.add_post("/ping", health)
-    app.router.add_post("/invocations", invocations)  # SageMaker's inference route (frontend/web/sagemaker.py)
-    app.router.add_get("/load", server_load)
     app.router.add_get("/metrics", metrics)
-    if not api.disable_fastapi_docs:
-        app.router.add_get("/openapi.json", openapi)
-    if api.enable_tokenizer_info_endpoint:
-        add_tokenizer_info(app)
+    app.router.add_get("/openapi.json", openapi)
     app.router.add_get("/version", version)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model_id:.+}", retrieve_model)
     app.router.add_post("/v1/completions", create_completion)
     app.router.add_post("/v1/chat/completions", create_chat_completion)
-    add_responses_routes(app)  # OpenAI's Responses API, with its store
+    app.router.add_post("/v1/responses", create_response)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/v1/ws", websocket_handler)
     add_messages_routes(app)  # Anthropic's Messages API
     add_dashboard(app, state)
-    add_root_path(app, api.root_path)  # last, though routes added later are served under it too
     return app
 
 
 async def serve(config: ShuttleConfig, on_ready) -> None:
-    """Connect to the scheduler, listen on config.host:config.port or the Unix socket config.api.uds (and the batch
-    endpoint), call `on_ready(url, batch_endpoint)` (url "unix:PATH" on a socket), serve until SIGTERM, then drain."""
+    """Connect to the scheduler, listen on config.host:config.port (and the batch endpoint), call
+    `on_ready(url, batch_endpoint)`, serve until SIGTERM, then drain."""
     tokenizer = TextTokenizer(config.model.tokenizer_dir or config.model.model_dir)
     local = len(config.ipc.all_groups) - len(config.ipc.remote_groups)  # the launcher's; remote ones join later
     engine = Router([EngineClient(endpoint, config.ipc.curve, remote=endpoint in config.ipc.remote_groups)
@@ -170,11 +153,9 @@ async def serve(config: ShuttleConfig, on_ready) -> None:
     shutdown = Shutdown()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, shutdown.on_signal)
     last_words.install()  # the launcher's SIGUSR2 when it replaces this process: open streams end with an error
-    uds = config.api.uds
-    server = await listen(runner, config.host, config.port, config.ops, uds=uds,
-                          access_log=access_logger(config.api.uvicorn_log_level))
-    # vLLM's name for a socket's address; the launcher prints it as it is (`curl --unix-socket PATH` reaches it)
-    url = f"unix:{uds}" if uds else f"http://{config.host}:{server.sockets[0].getsockname()[1]}"
+    server = await listen(runner, config.host, config.port, config.ops)
+    port = server.sockets[0].getsockname()[1]
+    url = f"http://{config.host}:{port}"
     log.info("serving %s on %s", config.model.served_model_name, url)
     on_ready(url, batch.endpoint if batch else "")
     try:
@@ -183,8 +164,6 @@ async def serve(config: ShuttleConfig, on_ready) -> None:
         await drain(engine, config.ops.shutdown_timeout, shutdown.hurry, state.websockets)
     finally:
         server.close()
-        if uds:
-            remove_socket_file(uds)
         if batch is not None and batch_task is not None:
             batch_task.cancel()
             batch.close()

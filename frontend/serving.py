@@ -84,7 +84,6 @@ def build_generations(state: FrontendState, body: SamplingFields, prompts: list[
         base = sampling_params(body, len(ids), model.max_model_len, state.tokenizer.vocab_size, max_tokens, logprobs,
                                prompt_param, prompt_logprobs, max_tokens_param, model.max_logprobs, structured,
                                model.sampling_defaults)
-        prompt_metrics = state.metrics.prompt(body.n)
         for j in range(body.n):
             sampling = base if base.seed is None else msgspec.structs.replace(base, seed=(base.seed + j) % 2**64)
             index = p * body.n + j
@@ -93,7 +92,7 @@ def build_generations(state: FrontendState, body: SamplingFields, prompts: list[
                              group_id=request_id, ttft_slo_ms=body.ttft_slo_ms or 0.0, background=background)
             if state.config.observability.enable_log_requests:  # never the prompt's text
                 log.info("request %s: %d prompt tokens, %s", request.request_id, len(ids), sampling)
-            metrics = prompt_metrics.sequence(len(ids))
+            metrics = state.metrics.request(len(ids), n=body.n if j == 0 else 0)  # n observed once per prompt
             generations.append(TextGeneration(state.engine, state.tokenizer, request, index, stops,
                                               body.include_stop_str_in_output, metrics,
                                               refusal_params=(constraint_param, max_tokens_param)))
