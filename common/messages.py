@@ -32,11 +32,14 @@ class FinishReason(enum.IntEnum):
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, kw_only=True):
-    """Log-probabilities (natural log, of the model's raw distribution) around one sampled token."""
+    """Log-probabilities (natural log, of the model's raw distribution) around one sampled or prompt token.
+    `rank`: how many tokens of the vocabulary have a logprob at least the token's own (1: the most likely; vLLM's
+    rank), computed for prompt tokens only (0: not computed)."""
 
     logprob: float
     top_token_ids: list[int] = []
     top_logprobs: list[float] = []
+    rank: int = 0
 
 
 # ---- frontend -> scheduler (DEALER -> ROUTER) -------------------------------------------------------------

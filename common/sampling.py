@@ -50,8 +50,9 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
             multiplied when negative (CTRL, Keskar et al. 2019; as in transformers). 1 = off.
         logit_bias: (token id, bias) pairs added to the logits before sampling (OpenAI, bias in [-100, 100]).
         logprobs: None for no log-probabilities; k >= 0 returns the sampled token's and the k most likely.
-        prompt_logprobs: like logprobs, for every prompt token after the first (completions' echo + logprobs).
-            Such a request bypasses the prefix cache: cached tokens have no logits.
+        prompt_logprobs: like logprobs, for every prompt token after the first (vLLM's prompt_logprobs, and
+            completions' echo + logprobs), at most the vocabulary. Such a request bypasses the prefix cache: cached
+            tokens have no logits.
         structured: the grammar every output token must follow (None: unconstrained).
     """
 
@@ -84,6 +85,7 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     def validate(self, vocab_size: int, max_logprobs: int = MAX_LOGPROBS) -> None:
         """Raise InvalidRequestError (naming the parameter) for a value out of range (`max_logprobs`: the server's
         --max-logprobs)."""
+        prompt_cap = min(max_logprobs, vocab_size)  # the worker's top-k cannot list more than the vocabulary
         checks = (
             ("max_tokens", self.max_tokens >= 1, "must be at least 1"),
             ("temperature", 0.0 <= self.temperature <= 100.0, "must be in [0, 100]"),
@@ -101,6 +103,8 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
              f"keys must be token ids in [0, {vocab_size}) and values in [-100, 100]"),
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= max_logprobs,
              f"must be in [0, {max_logprobs}]"),
+            ("prompt_logprobs", self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= prompt_cap,
+             f"must be in [0, {prompt_cap}]"),
         )
         for param, ok, why in checks:
             if not ok:

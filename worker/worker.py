@@ -329,7 +329,7 @@ class ModelRunner:
 
     @staticmethod
     def _prompt_logprobs(logits: torch.Tensor, prompt_rows) -> list[PromptLogprobs]:
-        """Raw log-softmax at prompt positions: the logprob of each next prompt token and the top k."""
+        """Raw log-softmax at prompt positions: the logprob of each next prompt token, its rank, and the top k."""
         out, offset = [], 0
         for state, first, rows, targets in prompt_rows:
             log_softmax = logits[offset:offset + len(rows)].float().log_softmax(dim=-1).clamp_(min=LOGPROB_FLOOR)
@@ -337,9 +337,12 @@ class ModelRunner:
             k = state.sampling.params.prompt_logprobs
             top = log_softmax.topk(k, dim=-1) if k else None
             rows_index = torch.arange(len(rows), device=logits.device)
-            chosen = log_softmax[rows_index, torch.tensor(targets, device=logits.device)].tolist()
+            chosen = log_softmax[rows_index, torch.tensor(targets, device=logits.device)]
+            # vLLM's rank counts the tokens at least as likely, the token itself included (ties share the worse rank)
+            ranks = (log_softmax >= chosen.unsqueeze(1)).sum(dim=-1).tolist()
+            values = chosen.tolist()
             out.append(PromptLogprobs(request_id=state.request_id, entries=[
-                TokenLogprobs(logprob=chosen[i], top_token_ids=top.indices[i].tolist() if top else [],
-                              top_logprobs=top.values[i].tolist() if top else [])
+                TokenLogprobs(logprob=values[i], top_token_ids=top.indices[i].tolist() if top else [],
+                              top_logprobs=top.values[i].tolist() if top else [], rank=ranks[i])
                 for i in range(len(rows))], start=first))
         return out

@@ -128,3 +128,82 @@ def test_prompt_logprobs_across_prefill_chunks_and_preemption():
             reference = hf_model()(torch.tensor([prompt])).logits[0].log_softmax(-1)
         want = reference[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
         assert torch.allclose(torch.tensor(got[str(i)]), want, atol=1e-4)
+
+
+def run_alone(scheduler, runner, request_id, prompt, **sampling):
+    """Run one request to its end, alone: (its prompt logprobs, its num_cached_tokens, how many steps computed a
+    chunk of them)."""
+    scheduler.add_request(b"c", Submit(request_id=request_id, prompt_token_ids=prompt, arrival_time=time.time(),
+                                       sampling=SamplingParams(max_tokens=2, temperature=0.0, **sampling)))
+    prompt_logprobs, cached, chunks, finished = [], -1, 0, False
+    while not finished:
+        step = scheduler.schedule()
+        result = runner.execute(step.plan)
+        chunks += any(chunk.request_id == request_id for chunk in result.prompt_logprobs)
+        scheduler.update_from_output(step, result)
+        for out in scheduler.take_outputs().get(b"c", []):
+            prompt_logprobs = prompt_logprobs or out.prompt_logprobs
+            cached = max(cached, out.num_cached_tokens)
+            finished = out.finish_reason is not None
+    return prompt_logprobs, cached, chunks
+
+
+def reference_log_softmax(prompt):
+    """transformers' log_softmax over the whole prompt's forward, the rows that predict prompt tokens 1.. [P-1, V]."""
+    import torch
+
+    from tests.conftest import hf_model
+
+    with torch.inference_mode():
+        return hf_model()(torch.tensor([prompt])).logits[0, :-1].float().log_softmax(-1)
+
+
+# float32 on both sides, but chunked prefill adds attention over the cache in another order than one full forward:
+# the logprobs (magnitudes up to ~15 here) differ by a few 1e-6; 1e-4 is far above that noise and far below the gap
+# between two tokens' logprobs, so ranks and top-k ids must agree exactly.
+ATOL = 1e-4
+
+
+def test_prompt_logprobs_top_k_and_ranks_match_transformers_under_chunked_prefill():
+    import torch
+
+    from tests.conftest import hf_tokenizer
+
+    rng = random.Random(11)
+    story = hf_tokenizer()("Once upon a time, there was a little girl named Lily. She loved to play.").input_ids
+    prompt = story + [rng.randrange(3, 512) for _ in range(51 - len(story))]  # likely tokens, then unlikely ones
+    scheduler, runner = make_engine(64, 7)  # 7 tokens a step: the prompt's logprobs come in 8 chunks
+    got, cached, chunks = run_alone(scheduler, runner, "0", prompt, prompt_logprobs=4)
+    reference = reference_log_softmax(prompt)
+    want = reference[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+    assert (chunks, cached, len(got)) == (8, 0, len(prompt) - 1)
+    assert torch.allclose(torch.tensor([lp.logprob for lp in got]), want, atol=ATOL)
+    # a rank counts the tokens at least as likely: exact, but for tokens within ATOL of the prompt token's logprob
+    # (the tail of 512 logits is dense), which may fall on either side
+    surely_above = (reference > want.unsqueeze(1) + ATOL).sum(-1)
+    maybe_above = (reference >= want.unsqueeze(1) - ATOL).sum(-1)
+    ranks = torch.tensor([lp.rank for lp in got])
+    assert bool(((surely_above < ranks) & (ranks <= maybe_above)).all())
+    assert int((surely_above + 1 == maybe_above).sum()) > len(got) // 2  # most leave no room: those are exact
+    assert min(lp.rank for lp in got) == 1 and max(lp.rank for lp in got) > 4  # both cases of the prompt token
+    top = reference.topk(4)
+    assert [lp.top_token_ids for lp in got] == top.indices.tolist()
+    assert torch.allclose(torch.tensor([lp.top_logprobs for lp in got]), top.values, atol=ATOL)
+
+
+def test_prompt_logprobs_are_computed_for_positions_the_prefix_cache_holds():
+    """vLLM's rule: a request with prompt_logprobs takes no prefix-cache hit (cached positions have no logits), so
+    every prompt token gets its logprob though the same prompt's blocks are cached; the cache stays for others."""
+    import torch
+
+    rng = random.Random(12)
+    prompt = [1] + [rng.randrange(3, 512) for _ in range(52)]
+    scheduler, runner = make_engine(64, 2048)
+    assert run_alone(scheduler, runner, "warm", prompt)[1] == 0
+    got, cached, _ = run_alone(scheduler, runner, "scored", prompt, prompt_logprobs=0)
+    assert run_alone(scheduler, runner, "again", prompt)[1] == 48  # three whole blocks were there to hit
+    reference = reference_log_softmax(prompt)
+    want = reference[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+    assert (cached, len(got)) == (0, len(prompt) - 1)
+    assert torch.allclose(torch.tensor([lp.logprob for lp in got]), want, atol=ATOL)
+    assert all(lp.top_token_ids == [] for lp in got)
