@@ -36,7 +36,11 @@ from shuttle.frontend.transports.zmq_batch import BatchEndpoint
 from shuttle.frontend.web.cors import Cors
 from shuttle.frontend.web.middleware import api_key_auth, json_content_type, openai_errors, request_id_header
 from shuttle.frontend.web.openapi import openapi_document
-from shuttle.frontend.web.server import listen, request_limits
+from shuttle.frontend.web.root_path import add_root_path, normalize_root_path
+from shuttle.frontend.web.sagemaker import invocations
+from shuttle.frontend.web.server import access_logger, listen, listen_url, remove_socket_file, request_limits
+from shuttle.frontend.web.server_load import LOAD, count_load, server_load
+from shuttle.frontend.web.tokenizer_info import add_tokenizer_info
 
 log = logging.getLogger("shuttle.frontend")
 
@@ -91,7 +95,9 @@ async def openapi(request: web.Request) -> web.Response:
     """The OpenAPI 3.1 document of the HTTP API, its request bodies generated from the request Structs (and bounded
     by the served model's name and vocabulary)."""
     state = request.app[STATE]
-    return web.json_response(openapi_document(state.model_name, state.tokenizer.vocab_size))
+    api = state.config.api
+    return web.json_response(openapi_document(state.model_name, state.tokenizer.vocab_size,
+                                              api.enable_tokenizer_info_endpoint, normalize_root_path(api.root_path)))
 
 
 async def version(request: web.Request) -> web.Response:
@@ -104,14 +110,26 @@ def build_app(state: FrontendState, api_key: str | None = None) -> web.Applicati
     middlewares = ([cors.preflight] if cors else []) + [anthropic_errors, openai_errors] + (
         [api_key_auth(api_key)] if api_key else []) + [json_content_type]
     middlewares.append(request_limits(MAX_BODY_BYTES, state.config.ops.body_timeout))
+    api = state.config.api
+    if api.enable_server_load_tracking:
+        middlewares.append(count_load)
     app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
     app[STATE] = state
+    if api.enable_server_load_tracking:
+        app[LOAD] = [0]
     app.on_response_prepare.append(request_id_header)
     if cors:
         app.on_response_prepare.append(cors.on_response_prepare)
     app.router.add_get("/health", health)
+    app.router.add_get("/ping", health)  # SageMaker's health route, as vLLM's
+    app.router.add_post("/ping", health)
+    app.router.add_post("/invocations", invocations)  # SageMaker's inference route (frontend/web/sagemaker.py)
+    app.router.add_get("/load", server_load)
     app.router.add_get("/metrics", metrics)
-    app.router.add_get("/openapi.json", openapi)
+    if not api.disable_fastapi_docs:
+        app.router.add_get("/openapi.json", openapi)
+    if api.enable_tokenizer_info_endpoint:
+        add_tokenizer_info(app)
     app.router.add_get("/version", version)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model_id:.+}", retrieve_model)
@@ -123,12 +141,13 @@ def build_app(state: FrontendState, api_key: str | None = None) -> web.Applicati
     app.router.add_get("/v1/ws", websocket_handler)
     add_messages_routes(app)  # Anthropic's Messages API
     add_dashboard(app, state)
+    add_root_path(app, api.root_path)  # last, though routes added later are served under it too
     return app
 
 
 async def serve(config: ShuttleConfig, on_ready) -> None:
-    """Connect to the scheduler, listen on config.host:config.port (and the batch endpoint), call
-    `on_ready(url, batch_endpoint)`, serve until SIGTERM, then drain."""
+    """Connect to the scheduler, listen on config.host:config.port or the Unix socket config.api.uds (and the batch
+    endpoint), call `on_ready(url, batch_endpoint)` (url "unix:PATH" on a socket), serve until SIGTERM, then drain."""
     tokenizer = TextTokenizer(config.model.tokenizer_dir or config.model.model_dir)
     local = len(config.ipc.all_groups) - len(config.ipc.remote_groups)  # the launcher's; remote ones join later
     engine = Router([EngineClient(endpoint, config.ipc.curve, remote=endpoint in config.ipc.remote_groups)
@@ -153,9 +172,10 @@ async def serve(config: ShuttleConfig, on_ready) -> None:
     shutdown = Shutdown()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, shutdown.on_signal)
     last_words.install()  # the launcher's SIGUSR2 when it replaces this process: open streams end with an error
-    server = await listen(runner, config.host, config.port, config.ops)
-    port = server.sockets[0].getsockname()[1]
-    url = f"http://{config.host}:{port}"
+    uds = config.api.uds
+    server = await listen(runner, config.host, config.port, config.ops, uds=uds,
+                          access_log=access_logger(config.api.uvicorn_log_level))
+    url = listen_url(config.host, server, uds)
     log.info("serving %s on %s", config.model.served_model_name, url)
     on_ready(url, batch.endpoint if batch else "")
     try:
@@ -164,6 +184,8 @@ async def serve(config: ShuttleConfig, on_ready) -> None:
         await drain(engine, config.ops.shutdown_timeout, shutdown.hurry, state.websockets)
     finally:
         server.close()
+        if uds:
+            remove_socket_file(uds)
         if batch is not None and batch_task is not None:
             batch_task.cancel()
             batch.close()

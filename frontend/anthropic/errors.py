@@ -9,6 +9,8 @@ import json
 
 from aiohttp import web
 
+from shuttle.frontend.web.root_path import route_path
+
 MESSAGES_PATH = "/v1/messages"  # the Messages API's routes are this path and those below it
 
 # Anthropic's error types by HTTP status (its API answers 529 overloaded_error where shuttle answers 503)
@@ -38,7 +40,7 @@ async def anthropic_errors(request: web.Request, handler) -> web.StreamResponse:
     inside this one) becomes Anthropic's, with its message; other paths and responses pass unchanged, and so does an
     answer already sent (a body too slow or too large is answered as it arrives)."""
     response = await handler(request)
-    if not is_messages_path(request.path) or response.status < 400 or not isinstance(response, web.Response) \
+    if not is_messages_path(route_path(request)) or response.status < 400 or not isinstance(response, web.Response) \
             or response.prepared or response.content_type != "application/json" or not isinstance(response.body, bytes):
         return response
     try:

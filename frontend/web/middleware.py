@@ -14,8 +14,11 @@ from shuttle.frontend.anthropic.errors import is_messages_path
 from shuttle.frontend.engine.backpressure import refusal_headers
 from shuttle.frontend.request.errors import client_error, error_body
 from shuttle.frontend.state import RESPONSE_ID, STATE
+from shuttle.frontend.web.root_path import route_path
 
-OPEN_PATHS = ("/health", "/metrics", "/dashboard")  # the dashboard page holds no data; its feed needs the key
+# probes (SageMaker's /ping is /health; /load a count, as /metrics has) and the dashboard page, which holds no data
+# (its feed needs the key)
+OPEN_PATHS = ("/health", "/ping", "/load", "/metrics", "/dashboard")
 # A client's x-request-id is echoed when it is a plain printable ASCII string of reasonable length
 _ECHOABLE_ID = re.compile(r"^[\x21-\x7e]{1,256}$")
 
@@ -65,10 +68,10 @@ def api_key_auth(api_key: str):
 
     @web.middleware
     async def check(request: web.Request, handler) -> web.StreamResponse:
-        if request.path not in OPEN_PATHS:
+        if route_path(request) not in OPEN_PATHS:
             scheme, _, key = request.headers.get("Authorization", "").partition(" ")
             given = key.lstrip(" ").encode("utf-8", "surrogateescape")
-            anthropic = is_messages_path(request.path)
+            anthropic = is_messages_path(route_path(request))
             if not (hmac.compare_digest(given, expected) and scheme.lower() == "bearer") and not (
                     anthropic and hmac.compare_digest(_header_bytes(request, "x-api-key"), expected)):
                 return _error(401, "invalid or missing API key: send Authorization: Bearer <key>"
@@ -92,8 +95,10 @@ async def request_id_header(request: web.Request, response: web.StreamResponse) 
 
 @web.middleware
 async def json_content_type(request: web.Request, handler) -> web.StreamResponse:
-    """POST bodies must be JSON: a Content-Type other than application/json (or +json) gets 415."""
-    if request.method == "POST" and request.content_type and request.headers.get("Content-Type"):
+    """POST bodies must be JSON: a Content-Type other than application/json (or +json) gets 415 (but on POST /ping,
+    SageMaker's health check, which reads no body)."""
+    if request.method == "POST" and request.content_type and request.headers.get("Content-Type") \
+            and route_path(request) != "/ping":
         content_type = request.content_type
         if content_type != "application/json" and not content_type.endswith("+json"):
             return _error(415, f"Content-Type must be application/json, got {content_type}")

@@ -99,7 +99,12 @@ GETS = {  # path -> (summary, success status, its content, error statuses)
     "/version": ("shuttle's version, {\"version\": \"0.1.0\"}", "200", _JSON_OBJECT, ("401", "500")),
     "/v1/ws": ("WebSocket streaming; frames described in the README", "101", None,
                ("400", "401", "403", "426", "500")),
+    "/ping": ("SageMaker's health route: /health's answer (POST too)", "200", _JSON_OBJECT, ("500", "503")),
+    "/load": ("{\"server_load\": requests being served} (0 without --enable-server-load-tracking)", "200",
+              {"application/json": {"schema": _object({"server_load": _INT})}}, ("500",)),
 }
+TOKENIZER_INFO = ("the tokenizer's configuration and chat template (--enable-tokenizer-info-endpoint)", "200",
+                  {"application/json": {"schema": _object({"tokenizer_class": _STR})}}, ("401", "500"))
 
 
 def _errors(statuses: tuple[str, ...], schema: str = "Error") -> dict:
@@ -120,8 +125,9 @@ def _get(path: str, summary: str, status: str, content: dict | None, errors: tup
 
 
 @functools.cache
-def openapi_document(model_name: str, vocab_size: int) -> dict:
-    """The whole document (built once per served model name and vocabulary size, which bound request fields)."""
+def openapi_document(model_name: str, vocab_size: int, tokenizer_info: bool = False, root_path: str = "") -> dict:
+    """The whole document (built once per served model name and vocabulary size, which bound request fields):
+    with GET /tokenizer_info when `tokenizer_info`, and `root_path` (--root-path, normalized) as its server URL."""
     structs = [struct for struct, *_ in POSTS.values()] + [BatchRequest, BatchResponse]
     refs, components = msgspec.json.schema_components(structs, ref_template="#/components/schemas/{name}")
     constrain(components, model_name, vocab_size)
@@ -138,14 +144,22 @@ def openapi_document(model_name: str, vocab_size: int) -> dict:
             "responses": {"200": {"description": "success", "content": content},
                           **_errors(errors, "AnthropicError" if is_messages_path(path) else "Error")},
         }}
-    for path, get in GETS.items():
+    for path, get in (GETS | ({"/tokenizer_info": TOKENIZER_INFO} if tokenizer_info else {})).items():
         paths[path] = _get(path, *get)
+    paths["/ping"]["post"] = paths["/ping"]["get"]
+    bodies = [refs[list(POSTS).index(path)] for path in ("/v1/chat/completions", "/v1/completions")]
+    paths["/invocations"] = {"post": {
+        **paths["/v1/chat/completions"]["post"],
+        "summary": "SageMaker's inference route: a body with messages is a chat completion, else one with prompt a "
+                   "completion (400 for one with neither)",
+        "requestBody": {"required": True, "content": {"application/json": {"schema": {"anyOf": bodies}}}}}}
     return {
         "openapi": "3.1.0",
         "info": {"title": f"shuttle serving {model_name}", "version": "1",
                  "description": "BatchRequest and BatchResponse are the ZeroMQ batch endpoint's messages (msgpack "
                                 "maps). Request bodies may be sent gzip or deflate encoded (Content-Encoding)."},
         "paths": paths,
+        **({"servers": [{"url": root_path}]} if root_path else {}),
         "security": [{"bearer": []}],  # when the server has an API key; OPEN_PATHS never need one
         "components": {"schemas": components,
                        "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},

@@ -27,8 +27,11 @@ one of them; tests/api/test_http_edges.py and tests/api/test_ws_batch_edges.py e
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
+import os
 import socket
+import stat
 
 from aiohttp import hdrs, web
 from aiohttp.http_exceptions import HttpProcessingError
@@ -43,6 +46,8 @@ log = logging.getLogger("shuttle.frontend")
 
 PROBE_INTERVAL_S = 0.5
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+# uvicorn's access line ('127.0.0.1:5000 - "GET /health HTTP/1.1" 200') plus the bytes sent and the seconds taken
+ACCESS_LOG_FORMAT = '%a - "%r" %s %b %Tf'
 LISTEN_BACKLOG = 4096  # a burst of thousands of clients connecting at once should queue, not be refused
 BODY = web.RequestKey("shuttle_body", bytes)  # the request body, decoded from its Content-Encoding
 # RequestHandler's private attributes read below, checked against aiohttp 3.14.5 (tests/api/test_aiohttp_internals.py):
@@ -142,9 +147,16 @@ class ShuttleRequestHandler(RequestHandler):
         super().log_exception(*args, **kwargs)
 
 
-async def listen(runner: web.AppRunner, host: str, port: int, ops: OpsConfig) -> asyncio.Server:
-    """Accept connections on host:port with ShuttleRequestHandler (after `runner.setup()`). Close the returned
-    server to stop accepting; `runner.cleanup()` then ends the connections."""
+async def listen(runner: web.AppRunner, host: str, port: int, ops: OpsConfig, *, uds: str | None = None,
+                 access_log: logging.Logger | None = None) -> asyncio.Server:
+    """Accept connections on host:port, or on the Unix domain socket at `uds` instead (--uds), with
+    ShuttleRequestHandler (after `runner.setup()`), one `access_log` line per request (None: none). Close the
+    returned server to stop accepting; `runner.cleanup()` then ends the connections.
+
+    Raises:
+        OSError: the address cannot be listened on (for `uds`: a server already answers on it, or its directory
+            does not exist or cannot be written).
+    """
     loop = asyncio.get_running_loop()
     manager = runner.server
     assert manager is not None  # made by runner.setup()
@@ -152,10 +164,52 @@ async def listen(runner: web.AppRunner, host: str, port: int, ops: OpsConfig) ->
     def protocol() -> ShuttleRequestHandler:
         # auto_decompress off: request_limits decodes bodies, after the API key check (see content_coding.py)
         return ShuttleRequestHandler(manager, loop=loop, keepalive_timeout=ops.keep_alive_timeout,
-                                     header_timeout=ops.header_timeout, access_log=None, auto_decompress=False)
+                                     header_timeout=ops.header_timeout, access_log=access_log,
+                                     access_log_format=ACCESS_LOG_FORMAT, auto_decompress=False)
 
+    if uds:
+        _refuse_live_socket(uds)
+        return await loop.create_unix_server(protocol, uds, backlog=LISTEN_BACKLOG)
     return await loop.create_server(protocol, host, port, reuse_address=True, backlog=LISTEN_BACKLOG,
                                     family=socket.AF_UNSPEC)
+
+
+def listen_url(host: str, server: asyncio.Server, uds: str | None = None) -> str:
+    """Where `server` (from listen) answers: http://HOST:PORT with the port it got, or unix:PATH on a Unix socket
+    (vLLM's name for it; `curl --unix-socket PATH http://localhost/health` reaches it)."""
+    if uds:
+        return f"unix:{uds}"
+    return f"http://{host}:{server.sockets[0].getsockname()[1]}"
+
+
+def _refuse_live_socket(path: str) -> None:
+    """asyncio replaces a socket file left at `path` (by a server that ended without removing it); one that a
+    server still accepts on is refused instead of being taken from it."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except OSError:
+        return  # nothing there, or nobody listening: free to take
+    finally:
+        probe.close()
+    raise OSError(errno.EADDRINUSE, f"a server already listens on the Unix socket {path}")
+
+
+def remove_socket_file(path: str) -> None:
+    """Remove the Unix socket file `path` this server listened on (when it is still a socket)."""
+    try:
+        if stat.S_ISSOCK(os.stat(path).st_mode):
+            os.remove(path)
+    except OSError:
+        pass  # gone already, or not ours to remove
+
+
+def access_logger(level: str) -> logging.Logger | None:
+    """aiohttp's access logger (`aiohttp.access`, one INFO line per request) set to --uvicorn-log-level `level`
+    ("trace" is DEBUG: uvicorn's level below debug); None when `level` hides its lines, so none is formatted."""
+    logger = logging.getLogger("aiohttp.access")
+    logger.setLevel(logging.DEBUG if level == "trace" else getattr(logging, level.upper()))
+    return logger if logger.isEnabledFor(logging.INFO) else None
 
 
 def request_limits(max_body_bytes: int, body_timeout: float):

@@ -57,7 +57,8 @@ async function connect() {
   setConnection("connecting");
   try {
     const headers = key ? {Authorization: "Bearer " + key} : {};
-    const response = await fetch("/v1/stats/stream?window=" + encodeURIComponent(WINDOW_S),
+    // relative to the page, so that a page served under --root-path reads the feed under it too
+    const response = await fetch("./v1/stats/stream?window=" + encodeURIComponent(WINDOW_S),
                                  {headers, signal: mine.signal, cache: "no-store"});
     if (response.status === 401) {
       setConnection("unauthorized");
