@@ -80,14 +80,13 @@ class TextGeneration:
         Raises:
             GenerationError: the scheduler rejected or failed the request.
         """
-        self._detokenizer = IncrementalDetokenizer(self.tokenizer, self.prompt_token_ids)
-        self._matcher = StopStringMatcher(self.stop, self.include_stop, protected=self.request.sampling.min_tokens > 0)
+        self.begin()
         if self.metrics is not None:
             self.metrics.on_submit(self.request)
         try:
             async with aclosing(self.engine.generate(self.request)) as outputs:
                 async for output in outputs:
-                    delta = self._advance(output)
+                    delta = self.advance(output)
                     if delta is not None:
                         yield delta
                     if self.finish_reason is not None:
@@ -96,9 +95,15 @@ class TextGeneration:
             if self.metrics is not None:
                 self.metrics.on_finish(self.finish_reason or "abort")
 
-    def _advance(self, output: RequestOutput) -> TextDelta | None:
-        """Take one output: the delta it releases (None when all its text is still held); finish_reason once
-        the sequence has finished (the scheduler said so, or a stop string ended it).
+    def begin(self) -> None:
+        """Start decoding afresh (detokenizer, stop strings): deltas() does, and so does a driver that runs the engine
+        itself and hands each output to advance() (offline/llm.py)."""
+        self._detokenizer = IncrementalDetokenizer(self.tokenizer, self.prompt_token_ids)
+        self._matcher = StopStringMatcher(self.stop, self.include_stop, protected=self.request.sampling.min_tokens > 0)
+
+    def advance(self, output: RequestOutput) -> TextDelta | None:
+        """Take one output (after begin()): the delta it releases (None when all its text is still held);
+        finish_reason once the sequence has finished (the scheduler said so, or a stop string ended it).
 
         Raises:
             GenerationError: an error output.
@@ -111,7 +116,7 @@ class TextGeneration:
         if output.prompt_logprobs:
             self.prompt_logprobs = output.prompt_logprobs
         matcher, detokenizer, held = self._matcher, self._detokenizer, self._held
-        assert matcher is not None and detokenizer is not None  # made by deltas(), the only caller
+        assert matcher is not None and detokenizer is not None  # made by begin()
         pieces = []
         # the stop token that ended the sequence (an end-of-sequence or stop_token_ids id) counts and travels in
         # token_ids, but its text is not output unless include_stop_str_in_output (vLLM's rule): a plain-text EOS

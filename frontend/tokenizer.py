@@ -94,6 +94,10 @@ class TextTokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
+    def token_id(self, token: str) -> int | None:
+        """The id of the vocabulary entry (or added token) spelled exactly `token`; None when there is none."""
+        return self._tokenizer.token_to_id(token)
+
     def token_strs(self, token_ids: list[int]) -> list[str]:
         """Each id's vocabulary entry as the tokenizer stores it (transformers' convert_ids_to_tokens: "▁Once",
         "<0x0A>", "</s>"); "" for an id outside the vocabulary."""

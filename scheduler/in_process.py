@@ -23,7 +23,8 @@ class StepRunner(Protocol):
     """What runs a plan: worker.worker.ModelRunner, or a fake that fabricates results. `grammars` is needed only
     for constrained requests (None: the runner has none)."""
 
-    grammars: GrammarCompiling | None
+    @property  # read-only, so that a runner's own compiler type (GrammarCompiler) conforms
+    def grammars(self) -> GrammarCompiling | None: ...
 
     def execute(self, plan: StepPlan) -> StepResult: ...
 

@@ -11,7 +11,7 @@ TREE="$(mktemp -d)"
 trap 'rm -rf "$TREE"' EXIT
 mkdir "$TREE/shuttle"
 ln -s "$REPO/shuttle/__init__.py" "$TREE/shuttle/__init__.py"
-for package in common frontend scheduler worker launcher capacity batch_jobs; do
+for package in common frontend scheduler worker launcher capacity batch_jobs offline; do
   ln -s "$REPO/$package" "$TREE/shuttle/$package"
 done
 cd "$TREE" && "$PY" -m mypy --config-file "$REPO/pyproject.toml" --cache-dir "$REPO/.mypy_cache" -p shuttle

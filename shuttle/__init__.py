@@ -22,4 +22,14 @@ if not (_HERE / "common").is_dir() and (_HERE.parent / "common" / "__init__.py")
 
 __version__ = shuttle_version()
 
-__all__ = ["__version__"]
+# vLLM's offline API (offline/), imported on first use: `import shuttle` stays light (no torch, no model code)
+_OFFLINE = ("LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "TextPrompt", "TokensPrompt")
+
+__all__ = ["__version__", *_OFFLINE]
+
+
+def __getattr__(name: str):
+    if name in _OFFLINE:
+        from shuttle import offline
+        return getattr(offline, name)
+    raise AttributeError(f"module 'shuttle' has no attribute {name!r}")

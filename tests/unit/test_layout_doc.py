@@ -5,7 +5,8 @@ import re
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-PRODUCT = ("shuttle", "common", "launcher", "batch_jobs", "frontend", "scheduler", "worker", "capacity", "scripts")
+PRODUCT = ("shuttle", "common", "launcher", "batch_jobs", "frontend", "scheduler", "worker", "capacity",
+           "offline", "scripts")
 IGNORED_DIRS = {"__pycache__", "static"}
 
 
