@@ -20,10 +20,14 @@ class StructuredOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
             regular expression the whole output matches), "choice" (spec: a JSON list of the strings allowed), or
             "grammar" (spec: an EBNF grammar in xgrammar's GBNF dialect, rule `root` first).
         spec: the kind's text, normalized by the frontend so that equal constraints have equal keys.
+        starts_after: a token id: the output is free up to and including the first such token, and the grammar
+            governs what follows (a reasoning model's end-of-thinking token: frontend/reasoning/); None: the grammar
+            governs the whole output. Not part of `key`: the compiled grammar is the same.
     """
 
     kind: str
     spec: str = ""
+    starts_after: int | None = None
 
     @property
     def key(self) -> str:

@@ -205,7 +205,7 @@ class GrammarCompiler:
         if isinstance(compiled, GrammarError):
             raise compiled
         state = GrammarState(xgr.GrammarMatcher(compiled, override_stop_tokens=self.eos_token_ids or None),
-                             self.eos_token_ids)
+                             self.eos_token_ids, spec.starts_after)
         for position, token in enumerate(outputs):
             if not state.accept(token):
                 raise GrammarError(f"output token {token} at position {position} does not follow the grammar")
@@ -333,14 +333,23 @@ class GrammarState:
 
     Once the grammar has ended (a stop token accepted), the only allowed tokens are the end-of-sequence ids: a step
     planned before the scheduler saw that end may still sample the request once more, and that token is dropped.
+
+    With `starts_after` (StructuredOutput.starts_after: a reasoning model's end-of-thinking token), every token is
+    free until that one has been sampled (`active` is False until then, and the row is not masked); the grammar
+    governs the tokens after it.
     """
 
-    def __init__(self, matcher, eos_token_ids: list[int]):
+    def __init__(self, matcher, eos_token_ids: list[int], starts_after: int | None = None):
         self.matcher = matcher
         self.eos_token_ids = eos_token_ids
+        self.starts_after = starts_after
+        self.active = starts_after is None
 
     def accept(self, token: int) -> bool:
         """Advance by one sampled token; False when the grammar does not allow it (nothing changes then)."""
+        if not self.active:
+            self.active = token == self.starts_after
+            return True
         if self.matcher.is_terminated():
             return token in self.eos_token_ids
         return self.matcher.accept_token(token)

@@ -319,8 +319,9 @@ class ModelRunner:
                                                           state.token_ids[state.sampling.prompt_len:])
 
     def _mask_by_grammar(self, logits: torch.Tensor, requests) -> None:
-        """Mask, in place, the sampling rows (logits [S, vocab]) of constrained requests."""
-        rows = [i for i, r in enumerate(requests) if r.sampling.grammar is not None]
+        """Mask, in place, the sampling rows (logits [S, vocab]) of constrained requests whose grammar applies
+        already (not while a reasoning model still thinks: GrammarState.active)."""
+        rows = [i for i, r in enumerate(requests) if r.sampling.grammar is not None and r.sampling.grammar.active]
         if rows:
             if self._masks is None:
                 assert self.grammars is not None  # only its matchers give a request a grammar
