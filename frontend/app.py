@@ -17,7 +17,6 @@ from shuttle.frontend.anthropic.routes import add_routes as add_messages_routes
 from shuttle.frontend.completions.routes import (
     create_chat_completion,
     create_completion,
-    create_response,
     list_models,
     retrieve_model,
 )
@@ -29,6 +28,7 @@ from shuttle.frontend.lifecycle import Shutdown, SupervisorLink, drain
 from shuttle.frontend.observability.dashboard import add_dashboard
 from shuttle.frontend.observability.metrics import Metrics
 from shuttle.frontend.request.chat_template import ChatTemplate
+from shuttle.frontend.responses.routes import add_routes as add_responses_routes
 from shuttle.frontend.state import STATE, FrontendState
 from shuttle.frontend.tokenizer import TextTokenizer
 from shuttle.frontend.transports.websocket import websocket_handler
@@ -135,7 +135,7 @@ def build_app(state: FrontendState, api_key: str | None = None) -> web.Applicati
     app.router.add_get("/v1/models/{model_id:.+}", retrieve_model)
     app.router.add_post("/v1/completions", create_completion)
     app.router.add_post("/v1/chat/completions", create_chat_completion)
-    app.router.add_post("/v1/responses", create_response)
+    add_responses_routes(app)  # OpenAI's Responses API, with its store
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/v1/ws", websocket_handler)

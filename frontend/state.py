@@ -10,6 +10,7 @@ from shuttle.common.config import ShuttleConfig
 from shuttle.frontend.engine.api import Engine
 from shuttle.frontend.observability.metrics import Metrics
 from shuttle.frontend.request.chat_template import ChatTemplate
+from shuttle.frontend.responses.store import ResponseStore
 from shuttle.frontend.tokenizer import TextTokenizer
 
 
@@ -21,6 +22,11 @@ class FrontendState:
     chat_template: ChatTemplate
     metrics: Metrics
     websockets: set[web.WebSocketResponse] = field(default_factory=set)  # open ones, closed at the end of a drain
+    responses: ResponseStore = field(init=False)  # the Responses API's stored responses (--responses-store-*)
+
+    def __post_init__(self):
+        api = self.config.api
+        self.responses = ResponseStore(api.responses_store_max_entries, api.responses_store_max_age)
 
     @property
     def model_name(self) -> str:

@@ -1,5 +1,5 @@
-"""POST /v1/completions, POST /v1/chat/completions, POST /v1/responses and GET /v1/models in OpenAI's shapes, with
-SSE streaming."""
+"""POST /v1/completions, POST /v1/chat/completions and GET /v1/models in OpenAI's shapes, with SSE streaming (the
+Responses API's handlers, frontend/responses/routes.py, stream through `_stream` too)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,6 @@ from shuttle.frontend import last_words
 from shuttle.frontend.request.decoding import decode_body
 from shuttle.frontend.request.errors import error_body
 from shuttle.frontend.request.protocol import ChatCompletionRequest, CompletionRequest
-from shuttle.frontend.responses.api import ResponsesCall
-from shuttle.frontend.responses.request import ResponsesRequest
 from shuttle.frontend.serving import Call, ChatCall, CompletionCall, check_model
 from shuttle.frontend.state import RESPONSE_ID, STATE, FrontendState
 from shuttle.frontend.web.off_loop import convert
@@ -34,16 +32,6 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
 
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     return await _respond(request, await _call_of(request, ChatCall, ChatCompletionRequest))
-
-
-async def create_response(request: web.Request) -> web.StreamResponse:
-    """The Responses API's stream is named events (`event:` lines) with no [DONE]; a failure after the first is an
-    `error` event."""
-    call = await _call_of(request, ResponsesCall, ResponsesRequest)
-    if not call.body.stream:
-        return await _respond(request, call)
-    request[RESPONSE_ID] = call.request_id
-    return await _stream(request, call, _named_event, call.error_event, done=b"")
 
 
 async def _call_of(request: web.Request, call_class: Callable[[FrontendState, Any], _C],

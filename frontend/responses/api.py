@@ -1,8 +1,9 @@
 """POST /v1/responses, OpenAI's Responses API, on the chat machinery: ResponsesCall (a ChatCall, with the same
 template, tools, tool-call parsing and structured output) shapes a chat call's one choice into the response object
 (`collect()`) and the stream's events (`chunks()`: response.created ... response.completed). The request and its
-conversion to a chat request are in frontend/responses/request.py. The response says `store: false`: nothing is
-stored.
+conversion to a chat request are in frontend/responses/request.py. A response asked with `store` (the default) is
+kept in the server's ResponseStore (frontend/responses/store.py) once it has ended; `previous_response_id` continues
+a stored one.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any, AsyncGenerator
 
 import msgspec
 
+from shuttle.common.errors import InvalidRequestError
 from shuttle.frontend.choices import collect, usage
 from shuttle.frontend.generation import TextDelta, TextGeneration
 from shuttle.frontend.request.errors import error_body
@@ -20,11 +22,13 @@ from shuttle.frontend.responses.request import (
     ResponsesRequest,
     chat_request_of,
     function_tools,
+    input_items,
     new_id,
     refusals,
     responses_param,
     responses_params,
 )
+from shuttle.frontend.responses.store import StoredResponse
 from shuttle.frontend.serving import ChatCall, build_generations
 from shuttle.frontend.state import FrontendState
 from shuttle.frontend.tools.calls import ToolCallChoices
@@ -38,16 +42,32 @@ class ResponsesCall(ChatCall):
     """POST /v1/responses: a ChatCall of one choice whose result is a response object (`collect`) or the Responses
     stream's events (`chunks`, each a dict with its `type` and `sequence_number`).
 
+    Args:
+        previous: the stored response previous_response_id names (looked up on the event loop by the caller,
+            since this may run in a conversion thread): its conversation comes before the input.
+
+    Attributes:
+        input_items: the conversation this response answers, as input items (what a later turn continues).
+        stored: the response is kept in the store once it has ended (`store`, unless the store keeps nothing).
+        input_size: about the bytes of `input_items` (the caller's count of the bodies; see StoredResponse.size).
+
     Raises:
         InvalidRequestError, ModelNotFoundError: the body is not valid (param names the Responses field).
     """
 
-    def __init__(self, state: FrontendState, request: ResponsesRequest):
+    def __init__(self, state: FrontendState, request: ResponsesRequest, previous: StoredResponse | None = None):
         refusals(request)
+        if request.background and not state.responses.enabled:
+            raise InvalidRequestError("background needs the response store, and this server keeps no responses "
+                                      "(--responses-store-max-entries 0)", param="background")
         self.request = request
         self.function_tools = function_tools(request.tools)
+        history = previous.conversation() if previous is not None else []
         with responses_params():
-            super().__init__(state, chat_request_of(request, self.function_tools))
+            super().__init__(state, chat_request_of(request, self.function_tools, history))
+        self.input_items = [*history, *input_items(request.input)]
+        self.stored = request.store and state.responses.enabled
+        self.input_size = 0
         self.request_id = new_id("resp")
         self.created_at = int(time.time())
         self.sequence_number = 0
@@ -82,12 +102,20 @@ class ResponsesCall(ChatCall):
                              "completed") for c in calls]
         if finish == "length":
             items[-1]["status"] = "incomplete"
-        return self.response(items, finish)
+        return self.remember(self.response(items, finish))
 
-    def response(self, output: list[dict], finish: str | None) -> dict:
-        """The response object; `finish` None: still in progress (no usage yet)."""
+    def remember(self, response: dict) -> dict:
+        """Keep the ended `response` in the store if the request asked to (a background one is there already and
+        advances in place); returns it."""
+        if self.stored and not self.request.background:
+            self.state.responses.put(response, self.input_items, self.input_size)
+        return response
+
+    def response(self, output: list[dict], finish: str | None, status: str | None = None) -> dict:
+        """The response object; `finish` None: still in progress (no usage yet), or `status` (queued)."""
         request = self.request
-        status = "in_progress" if finish is None else "incomplete" if finish == "length" else "completed"
+        if status is None:
+            status = "in_progress" if finish is None else "incomplete" if finish == "length" else "completed"
         tool_use = self.tool_use
         tool_choice: Any = tool_use.choice
         if tool_use.choice == "function":
@@ -96,12 +124,12 @@ class ResponsesCall(ChatCall):
         sampling = self.generations[0].request.sampling  # what was asked, defaults filled in
         return {
             "id": self.request_id, "object": "response", "created_at": self.created_at, "status": status,
-            "background": False, "error": None,
+            "background": request.background, "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": request.instructions, "max_output_tokens": request.max_output_tokens,
             "metadata": request.metadata or {}, "model": self.state.model_name, "output": output,
-            "parallel_tool_calls": tool_use.parallel, "previous_response_id": None, "reasoning": None,
-            "store": False, "temperature": sampling.temperature,
+            "parallel_tool_calls": tool_use.parallel, "previous_response_id": request.previous_response_id,
+            "reasoning": None, "store": self.stored, "temperature": sampling.temperature,
             "text": {"format": msgspec.to_builtins(text_format) if text_format is not None else {"type": "text"}},
             "tool_choice": tool_choice, "tools": msgspec.to_builtins(self.function_tools or []),
             "top_p": sampling.top_p, "truncation": "disabled", "user": request.user,
@@ -142,7 +170,7 @@ class ResponsesCall(ChatCall):
         for event in stream.finish(finish):
             yield event
         kind = "response.incomplete" if finish == "length" else "response.completed"
-        yield self.event(kind, response=self.response(stream.items, finish))
+        yield self.event(kind, response=self.remember(self.response(stream.items, finish)))
 
 
 class _EventStream:

@@ -3,8 +3,8 @@ the request as a chat request: `instructions` as a system message first, then `i
 function_call items as an assistant's tool_calls, function_call_output items as tool messages); `tools` from the
 flat Responses shape, `text.format` as response_format, max_output_tokens as the chat's max_completion_tokens.
 
-Nothing is stored: `store` is taken; previous_response_id, conversation and item_reference inputs are refused, since
-there is nothing to refer to.
+`previous_response_id` continues a stored response (frontend/responses/store.py): its conversation's items come
+before `input` (`history` below); conversation and item_reference inputs are refused.
 """
 
 from __future__ import annotations
@@ -85,7 +85,8 @@ class TextConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 class ResponsesRequest(msgspec.Struct, kw_only=True):
     """Body of POST /v1/responses. `input`: a string (one user message) or a list of input items. `seed` is ours
     (the Responses schema has none), as in the chat API. `metadata`, `user`, `store`, `service_tier`,
-    `safety_identifier`, `prompt_cache_key` are taken and change nothing (nothing is stored).
+    `safety_identifier`, `prompt_cache_key` are taken and change nothing. `store` (the default): the response is
+    kept for GET and previous_response_id; `background`: answered at once, run on (frontend/responses/background.py).
 
     The fields after `parallel_tool_calls` are in the Responses schema and not implemented: a request that sets
     one (to anything but the value in REFUSED, which asks for what shuttle does anyway) gets 400 naming it.
@@ -102,6 +103,8 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     metadata: dict[str, str] | None = None
     user: str | None = None
     store: bool = True
+    previous_response_id: str | None = None
+    background: bool = False
     service_tier: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
@@ -110,10 +113,8 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     tool_choice: Literal["none", "auto", "required"] | FunctionToolChoice | None = None
     parallel_tool_calls: bool = True
     # refused (REFUSED)
-    previous_response_id: Any = None
     conversation: Any = None
     include: Any = None
-    background: Any = None
     truncation: Any = None
     reasoning: Any = None
     prompt: Any = None
@@ -129,13 +130,11 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     background_options: Any = None
 
 
-_NOT_STORED = "responses are not stored: send the whole conversation in input"
+_USE_PREVIOUS = "conversations are not implemented: continue a stored response with previous_response_id"
 _NOT_IMPLEMENTED = "not implemented"
 REFUSED: dict[str, Refused] = {
-    "previous_response_id": Refused(_NOT_STORED),
-    "conversation": Refused(_NOT_STORED),
+    "conversation": Refused(_USE_PREVIOUS),
     "include": Refused("there is no extra output data to include", []),
-    "background": Refused("responses run in the foreground (they are not stored to poll)", False),
     "truncation": Refused("the input is never truncated: one too long for the context gets 400", "disabled"),
     "reasoning": Refused("reasoning models' options are not implemented"),
     "prompt": Refused("stored prompt templates are not implemented: send the text in instructions and input"),
@@ -148,7 +147,7 @@ REFUSED: dict[str, Refused] = {
     "moderation": Refused(_NOT_IMPLEMENTED),
     "image": Refused("only text is served"),
     "access_programs": Refused(_NOT_IMPLEMENTED),
-    "background_options": Refused("responses run in the foreground"),
+    "background_options": Refused(_NOT_IMPLEMENTED),
 }
 
 
@@ -165,6 +164,12 @@ def refusals(body: ResponsesRequest) -> None:
         raise InvalidRequestError(f"{name} is {what}: {refused.why}", param=name)
     if body.text is not None and body.text.verbosity is not None:
         raise InvalidRequestError("text.verbosity is not supported: not implemented", param="text")
+    if body.background and not body.store:
+        raise InvalidRequestError("background needs store: true (a background response is read back with "
+                                  "GET /v1/responses/{id})", param="background")
+    if body.background and body.stream:
+        raise InvalidRequestError("stream is not supported with background: true (poll GET /v1/responses/{id})",
+                                  param="stream")
 
 
 # ---- input items to chat messages --------------------------------------------------------------------------------
@@ -200,20 +205,29 @@ _ITEMS = {"message": _MessageItem, "function_call": _FunctionCallItem,
 _TEXT_PARTS = ("input_text", "output_text")
 
 
-def input_messages(instructions: str | None, given: str | list[dict[str, Any]]) -> list[ChatMessage]:
-    """The chat messages of `instructions` and `input`. Consecutive function_call items become one assistant
-    message's tool_calls (joined to the assistant message right before them, if any).
+def input_items(given: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`input` as a list of input items (a string is one user message)."""
+    return [{"type": "message", "role": "user", "content": given}] if isinstance(given, str) else given
+
+
+def input_messages(instructions: str | None, given: str | list[dict[str, Any]],
+                   history: list[dict[str, Any]] | None = None) -> list[ChatMessage]:
+    """The chat messages of `instructions`, then `history` (a stored conversation's input items, already checked),
+    then `input`. Consecutive function_call items become one assistant message's tool_calls (joined to the
+    assistant message right before them, if any).
 
     Raises:
-        InvalidRequestError: an empty input, an item of a type not served or malformed (param "input").
+        InvalidRequestError: an empty input, an item of a type not served or malformed (param "input"; the index
+            is the item's in `input`).
     """
     messages = [ChatMessage(role="system", content=instructions)] if instructions is not None else []
-    if isinstance(given, str):
+    if isinstance(given, str) and not history:
         return [*messages, ChatMessage(role="user", content=given)]
-    if not given:
+    if isinstance(given, list) and not given:
         raise InvalidRequestError("input must not be empty", param="input")
+    history = history or []
     calls_open = False  # the last message is an assistant's that function_call items may join
-    for i, data in enumerate(given):
+    for i, data in enumerate([*history, *input_items(given)], start=-len(history)):
         item = _item(i, data)
         if isinstance(item, _FunctionCallItem):
             call = MessageToolCall(id=item.call_id, type="function",
@@ -240,7 +254,8 @@ def _item(i: int, data: Any) -> _MessageItem | _FunctionCallItem | _FunctionCall
         raise InvalidRequestError(f"input[{i}] must be an object (an input item)", param="input")
     kind = data.get("type", "message")  # a message may leave its type out (the SDKs' "easy" input message)
     if kind == "item_reference":
-        raise InvalidRequestError(f"input[{i}] is an item_reference: {_NOT_STORED}", param="input")
+        raise InvalidRequestError(f"input[{i}] is an item_reference: item references are not implemented (continue a "
+                                  f"stored response with previous_response_id)", param="input")
     shape = _ITEMS.get(kind)
     if shape is None:
         raise InvalidRequestError(f"input[{i}] is of type {kind!r}; the input items served are "
@@ -287,8 +302,10 @@ def function_tools(tools: list[dict[str, Any]] | None) -> list[FunctionTool] | N
     return out
 
 
-def chat_request_of(body: ResponsesRequest, tools: list[FunctionTool] | None) -> ChatCompletionRequest:
-    """The chat completion request that asks for what `body` does.
+def chat_request_of(body: ResponsesRequest, tools: list[FunctionTool] | None,
+                    history: list[dict[str, Any]] | None = None) -> ChatCompletionRequest:
+    """The chat completion request that asks for what `body` does, continuing `history` (the input items of the
+    stored conversation previous_response_id names, if any).
 
     Raises:
         InvalidRequestError: the input or the text format is malformed (param names the Responses field).
@@ -302,7 +319,7 @@ def chat_request_of(body: ResponsesRequest, tools: list[FunctionTool] | None) ->
         choice = body.tool_choice
     sampling = {name: getattr(body, name) for name in ("temperature", "top_p") if getattr(body, name) is not None}
     return ChatCompletionRequest(
-        messages=input_messages(body.instructions, body.input), model=body.model,
+        messages=input_messages(body.instructions, body.input, history), model=body.model,
         max_completion_tokens=body.max_output_tokens, seed=body.seed, stream=body.stream, **sampling, user=body.user,
         response_format=_response_format(body.text),
         tools=None if tools is None else [Tool(type="function", function=FunctionDefinition(

@@ -7,6 +7,7 @@ shape, the details being OpenAI's and documented in docs/."""
 from __future__ import annotations
 
 import functools
+import re
 from typing import Any
 
 import msgspec
@@ -72,8 +73,9 @@ POSTS = {  # path -> (request Struct, summary, success body schema, streams, err
                         _COMPLETION, True, POST_ERRORS),
     "/v1/chat/completions": (ChatCompletionRequest, "OpenAI chat completions; Server-Sent Events with stream: true",
                              _COMPLETION, True, POST_ERRORS),
-    "/v1/responses": (ResponsesRequest, "OpenAI Responses API (nothing stored); named Server-Sent Events with "
-                      "stream: true", _RESPONSE, True, POST_ERRORS),
+    "/v1/responses": (ResponsesRequest, "OpenAI Responses API (kept for GET and previous_response_id unless store: "
+                      "false; background: true answers at once); named Server-Sent Events with stream: true",
+                      _RESPONSE, True, POST_ERRORS),
     "/v1/messages": (MessagesRequest, "Anthropic's Messages API (errors in Anthropic's shape); named Server-Sent "
                      "Events with stream: true", _MESSAGE, True, POST_ERRORS),
     "/v1/messages/count_tokens": (CountTokensRequest, "the prompt's token count of a Messages request (errors in "
@@ -92,6 +94,9 @@ GETS = {  # path -> (summary, success status, its content, error statuses)
         {"object": _STR, "data": {"type": "array", "items": _MODEL}})}}, ("401", "500")),
     "/v1/models/{model_id}": ("the served model's object (404 for any other id)", "200",
                               {"application/json": {"schema": _MODEL}}, ("401", "404", "500")),
+    "/v1/responses/{response_id}": ("a stored response (404 once evicted; POST .../cancel cancels a background one, "
+                                    "DELETE forgets it)", "200", {"application/json": {"schema": _RESPONSE}},
+                                    ("400", "401", "404", "500")),
     "/health": ("200 while serving; 503 while draining or while the engine restarts", "200", _JSON_OBJECT,
                 ("500", "503")),
     "/metrics": ("Prometheus metrics (text)", "200", {"text/plain": {"schema": _STR}}, ("500",)),
@@ -103,6 +108,13 @@ GETS = {  # path -> (summary, success status, its content, error statuses)
     "/load": ("{\"server_load\": requests being served} (0 without --enable-server-load-tracking)", "200",
               {"application/json": {"schema": _object({"server_load": _INT})}}, ("500",)),
 }
+# the stored responses' other operations: (method, path, summary, error statuses)
+STORED_RESPONSE_OPS = [
+    ("delete", "/v1/responses/{response_id}", "forget a stored response (a background one still running is "
+                                              "cancelled)", ("401", "404", "500")),
+    ("post", "/v1/responses/{response_id}/cancel", "cancel a background response (400 for one that is not, or that "
+                                                   "has ended otherwise)", ("400", "401", "404", "500")),
+]
 TOKENIZER_INFO = ("the tokenizer's configuration and chat template (--enable-tokenizer-info-endpoint)", "200",
                   {"application/json": {"schema": _object({"tokenizer_class": _STR})}}, ("401", "500"))
 
@@ -117,8 +129,9 @@ def _get(path: str, summary: str, status: str, content: dict | None, errors: tup
     if content is not None:
         success["content"] = content
     operation = {"summary": summary, "responses": {status: success, **_errors(errors)}}
-    if "{model_id}" in path:
-        operation["parameters"] = [{"name": "model_id", "in": "path", "required": True, "schema": _STR}]
+    names = re.findall(r"\{(\w+)\}", path)
+    if names:
+        operation["parameters"] = [{"name": name, "in": "path", "required": True, "schema": _STR} for name in names]
     if path in OPEN_PATHS:
         operation["security"] = []
     return {"get": operation}
@@ -146,6 +159,8 @@ def openapi_document(model_name: str, vocab_size: int, tokenizer_info: bool = Fa
         }}
     for path, get in (GETS | ({"/tokenizer_info": TOKENIZER_INFO} if tokenizer_info else {})).items():
         paths[path] = _get(path, *get)
+    for method, path, summary, errors in STORED_RESPONSE_OPS:
+        paths.setdefault(path, {})[method] = _get(path, summary, "200", _JSON_OBJECT, errors)["get"]
     paths["/ping"]["post"] = paths["/ping"]["get"]
     bodies = [refs[list(POSTS).index(path)] for path in ("/v1/chat/completions", "/v1/completions")]
     paths["/invocations"] = {"post": {

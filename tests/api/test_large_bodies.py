@@ -7,7 +7,7 @@ import asyncio
 import json
 import threading
 
-from shuttle.frontend.completions import routes as openai_api
+from shuttle.frontend.responses import routes as responses_routes
 from shuttle.frontend.responses.request import input_messages
 from shuttle.frontend.web.off_loop import OFF_LOOP_BYTES
 from tests.api.test_api_details import STORY, served, stream
@@ -30,11 +30,11 @@ def test_consecutive_function_calls_join_one_assistant_message():
 async def test_a_large_body_converts_off_the_loop_while_other_streams_finish(monkeypatch):
     threads = {}  # number of input items -> the thread that made the call
 
-    class Recorded(openai_api.ResponsesCall):
-        def __init__(self, state, request):
+    class Recorded(responses_routes.ResponsesCall):
+        def __init__(self, state, request, previous=None):
             threads[len(request.input)] = threading.current_thread()
-            super().__init__(state, request)
-    monkeypatch.setattr(openai_api, "ResponsesCall", Recorded)
+            super().__init__(state, request, previous)
+    monkeypatch.setattr(responses_routes, "ResponsesCall", Recorded)
     big = json.dumps(calls_body(40_000)).encode()
     small = json.dumps(calls_body(1)).encode()
     assert len(small) < OFF_LOOP_BYTES <= len(big)

@@ -85,7 +85,7 @@ async def test_a_string_input_answers_one_message_item_with_usage_and_the_echoed
     expected = {"object": "response", "status": "completed", "background": False, "error": None,
                 "incomplete_details": None, "instructions": None, "max_output_tokens": None,
                 "metadata": {"k": "v"}, "model": "stories", "parallel_tool_calls": True,
-                "previous_response_id": None, "reasoning": None, "store": False, "temperature": 0.5,
+                "previous_response_id": None, "reasoning": None, "store": True, "temperature": 0.5,
                 "text": {"format": {"type": "text"}}, "tool_choice": "none", "tools": [], "top_p": 0.9,
                 "truncation": "disabled", "user": "u"}
     assert {k: body[k] for k in expected} == expected
@@ -234,11 +234,10 @@ async def test_text_format_is_the_output_constraint(form, constraint):
 # ---- refusals --------------------------------------------------------------------------------------------------
 
 REFUSALS = [
-    ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"conversation": "conv_1"}, "conversation"),
     ({"reasoning": {"effort": "low"}}, "reasoning"),
     ({"include": ["message.output_text.logprobs"]}, "include"),
-    ({"background": True}, "background"),
+    ({"background": True, "store": False}, "background"),
     ({"truncation": "auto"}, "truncation"),
     ({"prompt": {"id": "pmpt_1"}}, "prompt"),
     ({"top_logprobs": 2}, "top_logprobs"),

@@ -1,0 +1,388 @@
+"""Issue 43, the Responses API with state: the bounded store (--responses-store-max-entries, --responses-store-max-age;
+oldest out first; `store: false` keeps a response out), previous_response_id (the stored conversation, then the new
+input), GET / DELETE /v1/responses/{id}, `background: true` with POST /v1/responses/{id}/cancel, and that a
+background response ends with exactly one terminal status whether its client stays, leaves, cancels it or the
+server drains. In process, over the scripted engine (tests/fake_engine.py), with the official `openai` client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import openai
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from shuttle.common.config import ApiConfig
+from shuttle.common.errors import InvalidRequestError
+from shuttle.frontend.lifecycle import drain
+from shuttle.frontend.responses.store import ResponseNotFoundError, ResponseStore
+from shuttle.frontend.state import STATE
+from tests.api.test_api_details import PROMPT, STORY, STORY_TEXT, openai_client, post, served
+from tests.api.test_responses_api import TOOLS, served_tools
+from tests.api.test_tool_calling import NAMED_TEXT
+from tests.fake_engine import FakeEngine, frontend_app
+
+URL = "/v1/responses"
+
+
+def store_of(client: TestClient) -> ResponseStore:
+    return client.server.app[STATE].responses
+
+
+async def until(client: TestClient, response_id: str, *statuses: str) -> dict:
+    """GET the response until its status is one of `statuses` (within 5 s)."""
+    deadline = time.monotonic() + 5
+    while True:
+        async with client.get(f"{URL}/{response_id}") as answer:
+            assert answer.status == 200, await answer.text()
+            body = await answer.json()
+        if body["status"] in statuses or time.monotonic() > deadline:
+            return body
+        await asyncio.sleep(0.01)
+
+
+def not_found(response_id: str) -> str:
+    return f"Response with id '{response_id}' not found."
+
+
+# ---- the store ---------------------------------------------------------------------------------------------------
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_store_evicts_the_oldest_beyond_its_count_and_its_age():
+    clock = Clock()
+    store = ResponseStore(max_entries=2, max_age=10.0, clock=clock)
+    for name in ("a", "b", "c"):
+        store.put({"id": name, "status": "completed", "output": []}, [])
+        clock.now += 4
+    assert len(store) == 2  # a went when c came
+    with pytest.raises(ResponseNotFoundError) as missing:
+        store.get("a", "previous_response_id")
+    assert (missing.value.status, missing.value.param, str(missing.value)) == (404, "previous_response_id",
+                                                                                not_found("a"))
+    # now 112: b (stored at 104) is 8 s old, c (108) 4 s
+    assert store.get("b").stored_at == 104.0
+    clock.now = 114.0  # b is 10 s old: gone; c stays
+    with pytest.raises(ResponseNotFoundError):
+        store.get("b")
+    assert store.get("c").response["id"] == "c" and len(store) == 1
+    clock.now = 118.0
+    assert len(store) == 0
+
+
+def test_no_age_limit_and_a_store_of_nothing():
+    clock = Clock()
+    store = ResponseStore(max_entries=1, max_age=0.0, clock=clock)
+    store.put({"id": "a", "status": "completed", "output": []}, [])
+    clock.now += 1e9
+    assert store.get("a").response["id"] == "a"
+    with pytest.raises(InvalidRequestError):
+        ResponseStore(max_entries=0, max_age=0.0).put({"id": "a"}, [])
+
+
+async def test_a_stored_response_is_retrieved_as_it_was_answered():
+    async with served() as (client, _):
+        api = openai_client(client)
+        created = await api.responses.create(model="stories", input=PROMPT, metadata={"k": "v"})
+        retrieved = await api.responses.retrieve(created.id)
+        status, raw = await post(client, URL, {"input": PROMPT})
+        async with client.get(f"{URL}/{raw['id']}") as answer:
+            assert answer.status == 200
+            assert await answer.json() == raw
+    assert created.store is True and created.output_text == STORY_TEXT
+    assert retrieved.model_dump() == created.model_dump()
+
+
+async def test_store_false_keeps_a_response_out():
+    async with served() as (client, _):
+        api = openai_client(client)
+        created = await api.responses.create(model="stories", input=PROMPT, store=False)
+        with pytest.raises(openai.NotFoundError) as missing:
+            await api.responses.retrieve(created.id)
+        assert len(store_of(client)) == 0
+    assert created.store is False and created.status == "completed"
+    assert missing.value.body["message"] == not_found(created.id)
+
+
+async def test_a_server_that_stores_nothing_answers_store_false_and_refuses_background():
+    async with served(api=ApiConfig(responses_store_max_entries=0)) as (client, engine):
+        status, body = await post(client, URL, {"input": PROMPT})
+        assert status == 200 and body["store"] is False
+        async with client.get(f"{URL}/{body['id']}") as answer:
+            assert answer.status == 404
+        status, refused = await post(client, URL, {"input": PROMPT, "background": True})
+    assert status == 400 and refused["error"]["param"] == "background"
+    assert "--responses-store-max-entries 0" in refused["error"]["message"] and len(engine.submitted) == 1
+
+
+async def test_the_oldest_response_is_evicted_by_count_and_then_answers_404():
+    async with served(api=ApiConfig(responses_store_max_entries=2)) as (client, engine):
+        api = openai_client(client)
+        ids = [(await api.responses.create(model="stories", input=PROMPT)).id for _ in range(3)]
+        with pytest.raises(openai.NotFoundError) as gone:
+            await api.responses.retrieve(ids[0])
+        assert [(await api.responses.retrieve(i)).id for i in ids[1:]] == ids[1:]
+        status, body = await post(client, URL, {"input": "more", "previous_response_id": ids[0]})
+    assert gone.value.body["message"] == not_found(ids[0])
+    assert status == 404 and body["error"] == {"message": not_found(ids[0]), "type": "not_found_error",
+                                               "param": "previous_response_id", "code": 404}
+    assert len(engine.submitted) == 3  # the refused continuation never reached the engine
+
+
+async def test_a_response_older_than_the_max_age_is_evicted():
+    clock = Clock()
+    async with served(api=ApiConfig(responses_store_max_age=60.0)) as (client, _):
+        store_of(client).clock = clock
+        api = openai_client(client)
+        old = await api.responses.create(model="stories", input=PROMPT)
+        clock.now += 30
+        young = await api.responses.create(model="stories", input=PROMPT)
+        clock.now += 30  # old is 60 s old, young 30 s
+        with pytest.raises(openai.NotFoundError):
+            await api.responses.retrieve(old.id)
+        assert (await api.responses.retrieve(young.id)).id == young.id
+        clock.now += 30
+        with pytest.raises(openai.NotFoundError):
+            await api.responses.retrieve(young.id)
+
+
+async def test_delete_forgets_a_response():
+    async with served() as (client, _):
+        api = openai_client(client)
+        created = await api.responses.create(model="stories", input=PROMPT)
+        async with client.delete(f"{URL}/{created.id}") as answer:
+            assert answer.status == 200
+            assert await answer.json() == {"id": created.id, "object": "response", "deleted": True}
+        with pytest.raises(openai.NotFoundError):
+            await api.responses.retrieve(created.id)
+        async with client.delete(f"{URL}/{created.id}") as again:
+            assert again.status == 404
+
+
+@pytest.mark.parametrize("query, param", [("stream=true", "stream"), ("starting_after=3", "starting_after"),
+                                          ("include=x", "include")])
+async def test_retrieve_refuses_the_query_parameters_it_does_not_serve(query, param):
+    async with served() as (client, _):
+        _, created = await post(client, URL, {"input": PROMPT})
+        async with client.get(f"{URL}/{created['id']}?{query}") as answer:
+            body = await answer.json()
+            assert answer.status == 400 and body["error"]["param"] == param, body
+        async with client.get(f"{URL}/{created['id']}?stream=false") as answer:
+            assert answer.status == 200
+
+
+# ---- previous_response_id ----------------------------------------------------------------------------------------
+
+async def test_previous_response_id_continues_the_stored_conversation():
+    """The new request's instructions, then the previous turns' input and output, then the new input: the prompt
+    of the chat request that says the same (the previous instructions are not carried over, as OpenAI's)."""
+    async with served() as (client, engine):
+        api = openai_client(client)
+        first = await api.responses.create(model="stories", instructions="Be kind.", input="Tom had a ball.")
+        second = await api.responses.create(model="stories", instructions="Be brief.", input="And then?",
+                                            previous_response_id=first.id)
+        third = await api.responses.create(model="stories", input=[{"role": "user", "content": "The end?"}],
+                                           previous_response_id=second.id, stream=False)
+        for messages in ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tom had a ball."},
+                          {"role": "assistant", "content": STORY_TEXT}, {"role": "user", "content": "And then?"}],
+                         [{"role": "user", "content": "Tom had a ball."},
+                          {"role": "assistant", "content": STORY_TEXT}, {"role": "user", "content": "And then?"},
+                          {"role": "assistant", "content": STORY_TEXT}, {"role": "user", "content": "The end?"}]):
+            status, _ = await post(client, "/v1/chat/completions", {"messages": messages})
+            assert status == 200
+    prompts = [r.prompt_token_ids for r in engine.submitted]
+    assert prompts[1] == prompts[3] and prompts[2] == prompts[4] and len(prompts[2]) > len(prompts[1])
+    assert (second.previous_response_id, third.previous_response_id) == (first.id, second.id)
+    assert first.previous_response_id is None and third.output_text == STORY_TEXT
+
+
+async def test_a_function_call_output_continues_the_stored_call():
+    messages = [{"role": "user", "content": "Weather?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "CALL", "type": "function", "function": {"name": "get_weather",
+                                                                    "arguments": NAMED_TEXT}}]},
+                {"role": "tool", "tool_call_id": "CALL", "content": "sunny"}]
+    async with served_tools(NAMED_TEXT) as (client, engine):
+        status, called = await post(client, URL, {"input": "Weather?", "tools": TOOLS,
+                                                  "tool_choice": {"type": "function", "name": "get_weather"}})
+        assert status == 200, called
+        [call] = called["output"]
+        status, body = await post(client, URL, {"previous_response_id": called["id"], "tools": TOOLS,
+                                                "tool_choice": "none", "input": [
+                                                    {"type": "function_call_output", "call_id": call["call_id"],
+                                                     "output": "sunny"}]})
+        assert status == 200, body
+        messages[1]["tool_calls"][0]["id"] = messages[2]["tool_call_id"] = call["call_id"]
+        status, _ = await post(client, "/v1/chat/completions", {"messages": messages, "tools": [
+            {"type": "function", "function": {k: v for k, v in TOOLS[0].items() if k != "type"}},
+            {"type": "function", "function": {"name": "get_time"}}], "tool_choice": "none"})
+        assert status == 200
+    assert call["type"] == "function_call" and call["arguments"] == NAMED_TEXT
+    assert engine.submitted[1].prompt_token_ids == engine.submitted[2].prompt_token_ids
+
+
+async def test_an_unknown_previous_response_id_is_404_naming_it():
+    async with served() as (client, engine):
+        api = openai_client(client)
+        with pytest.raises(openai.NotFoundError) as missing:
+            await api.responses.create(model="stories", input=PROMPT, previous_response_id="resp_nope")
+        status, _ = await post(client, URL, {"input": PROMPT, "previous_response_id": "resp_nope", "stream": True})
+    assert missing.value.body["message"] == not_found("resp_nope")
+    assert missing.value.body["param"] == "previous_response_id"
+    assert status == 404 and engine.submitted == []
+
+
+# ---- background --------------------------------------------------------------------------------------------------
+
+async def test_a_background_response_is_answered_queued_and_runs_to_its_end():
+    async with served(FakeEngine(script=STORY, step_delay=0.01)) as (client, engine):
+        api = openai_client(client)
+        queued = await api.responses.create(model="stories", input=PROMPT, background=True)
+        running = await api.responses.retrieve(queued.id)
+        done = await until(client, queued.id, "completed")
+        _, foreground = await post(client, URL, {"input": PROMPT})
+    assert (queued.status, queued.background, queued.output, queued.usage) == ("queued", True, [], None)
+    assert running.status == "in_progress" and running.output == []
+    assert done["status"] == "completed" and done["background"] is True and done["error"] is None
+    assert done["output"][0]["content"][0]["text"] == STORY_TEXT
+    assert done["usage"] == foreground["usage"] and done["usage"]["output_tokens"] == len(STORY) + 1
+    assert engine.aborted == []
+
+
+async def test_a_background_response_that_fails_says_why():
+    async with served(FakeEngine(error=(500, "the model failed"))) as (client, _):
+        api = openai_client(client)
+        queued = await api.responses.create(model="stories", input=PROMPT, background=True)
+        failed = await until(client, queued.id, "failed")
+    assert failed["error"] == {"code": "server_error", "message": "the model failed"} and failed["output"] == []
+
+
+async def test_background_refusals():
+    async with served(FakeEngine(script=STORY, step_delay=0.05)) as (client, engine):
+        status, streamed = await post(client, URL, {"input": PROMPT, "background": True, "stream": True})
+        assert status == 400 and streamed["error"]["param"] == "stream"
+        status, unstored = await post(client, URL, {"input": PROMPT, "background": True, "store": False})
+        assert status == 400 and unstored["error"]["param"] == "background"
+        status, bad = await post(client, URL, {"input": PROMPT, "background": True, "temperature": -1})
+        assert status == 400 and bad["error"]["param"] == "temperature" and len(store_of(client)) == 0
+        _, queued = await post(client, URL, {"input": PROMPT, "background": True})
+        status, early = await post(client, URL, {"input": "next", "previous_response_id": queued["id"]})
+        assert status == 400 and early["error"]["param"] == "previous_response_id"
+        assert "is still in_progress" in early["error"]["message"]
+        engine.draining = True
+        status, draining = await post(client, URL, {"input": PROMPT, "background": True})
+        assert status == 503 and len(store_of(client)) == 1
+        engine.draining = False
+    assert len(engine.submitted) == 1
+
+
+async def test_cancel_aborts_a_background_response_once():
+    async with served(FakeEngine(script=STORY, step_delay=0.05)) as (client, engine):
+        api = openai_client(client)
+        queued = await api.responses.create(model="stories", input=PROMPT, background=True)
+        await until(client, queued.id, "in_progress")
+        cancelled = await api.responses.cancel(queued.id)
+        retrieved = await api.responses.retrieve(queued.id)
+        again = await api.responses.cancel(queued.id)  # idempotent, as OpenAI's
+        await asyncio.sleep(0.1)
+        later = await api.responses.retrieve(queued.id)
+        foreground = await api.responses.create(model="stories", input=PROMPT, max_output_tokens=2)
+        with pytest.raises(openai.BadRequestError) as synchronous:
+            await api.responses.cancel(foreground.id)
+        with pytest.raises(openai.NotFoundError):
+            await api.responses.cancel("resp_nope")
+    assert cancelled.status == retrieved.status == again.status == later.status == "cancelled"
+    assert engine.aborted == [f"{queued.id}-0"]
+    assert synchronous.value.body["message"] == "Cannot cancel a synchronous response."
+
+
+async def test_cancelling_a_finished_background_response_is_refused():
+    async with served() as (client, _):
+        api = openai_client(client)
+        queued = await api.responses.create(model="stories", input=PROMPT, background=True)
+        await until(client, queued.id, "completed")
+        with pytest.raises(openai.BadRequestError) as refused:
+            await api.responses.cancel(queued.id)
+        assert (await api.responses.retrieve(queued.id)).status == "completed"
+    assert "'completed'" in refused.value.body["message"]
+
+
+async def test_a_background_response_cancelled_before_it_started_is_cancelled():
+    async with served() as (client, engine):
+        state = client.server.app[STATE]
+        _, queued = await post(client, URL, {"input": PROMPT, "background": True})
+        # a second one is cancelled from the loop before its task has run once
+        from shuttle.frontend.responses import background
+        from shuttle.frontend.responses.api import ResponsesCall
+        from shuttle.frontend.responses.request import ResponsesRequest
+        call = ResponsesCall(state, ResponsesRequest(input=PROMPT, background=True))
+        response = background.start(call)
+        cancelled = await background.cancel(state.responses, response["id"])
+        await until(client, queued["id"], "completed")
+    assert (response["status"], cancelled["status"]) == ("queued", "cancelled")
+    assert [r.request_id for r in engine.submitted] == [f"{queued['id']}-0"]
+
+
+async def test_a_background_response_whose_client_left_runs_to_its_end():
+    """The client sends the request and closes the connection without reading the answer (the server cancels its
+    handler, as shuttle serve runs aiohttp): the response still ends, once, completed."""
+    engine = FakeEngine(script=STORY, step_delay=0.01)
+    server = TestServer(frontend_app(engine), handler_cancellation=True)
+    async with TestClient(server) as client:
+        reader, writer = await asyncio.open_connection(server.host, server.port)
+        body = b'{"input": "Once upon a time", "background": true}'
+        writer.write(b"POST /v1/responses HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        await writer.drain()
+        writer.close()
+        deadline = time.monotonic() + 5
+        while not len(store_of(client)) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        [response_id] = store_of(client)._entries
+        done = await until(client, response_id, "completed")
+    assert done["output"][0]["content"][0]["text"] == STORY_TEXT and engine.aborted == []
+
+
+async def test_a_drain_fails_background_responses_still_running():
+    async with served(FakeEngine(script=STORY, step_delay=0.05)) as (client, engine):
+        api = openai_client(client)
+        queued = await api.responses.create(model="stories", input=PROMPT, background=True)
+        await until(client, queued.id, "in_progress")
+        await drain(engine, 0.05, asyncio.Event(), set())
+        failed = store_of(client).get(queued.id).response
+    assert failed["status"] == "failed" and engine.num_in_flight == 0
+    assert failed["error"] == {"code": "server_error", "message": "the server shut down before this request finished"}
+
+
+async def test_background_responses_still_running_when_the_server_stops_fail_once():
+    async with served(FakeEngine(script=STORY, step_delay=0.05)) as (client, engine):
+        api = openai_client(client)
+        queued = await api.responses.create(model="stories", input=PROMPT, background=True)
+        await until(client, queued.id, "in_progress")
+        store = store_of(client)
+    entry = store.get(queued.id)
+    assert entry.status == "failed" and entry.task is None
+    assert entry.response["error"] == {"code": "server_error",
+                                       "message": "the server shut down before this response finished"}
+    assert engine.aborted == [f"{queued.id}-0"]
+
+
+async def test_a_running_background_response_evicted_from_the_store_is_aborted():
+    async with served(FakeEngine(script=STORY, step_delay=0.05), api=ApiConfig(responses_store_max_entries=1)) \
+            as (client, engine):
+        api = openai_client(client)
+        queued = await api.responses.create(model="stories", input=PROMPT, background=True)
+        await until(client, queued.id, "in_progress")
+        await api.responses.create(model="stories", input=PROMPT, max_output_tokens=1)
+        await asyncio.sleep(0.1)
+        with pytest.raises(openai.NotFoundError):
+            await api.responses.retrieve(queued.id)
+    assert engine.aborted == [f"{queued.id}-0"]
