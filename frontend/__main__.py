@@ -16,9 +16,10 @@ def main() -> None:
         uvloop.run(serve(config, lambda url, batch: report_ready(config, "frontend", url=url, batch_endpoint=batch)))
     except (OSError, zmq.ZMQError) as exc:  # e.g. a port taken since the launcher checked it (launcher/ports.py):
         # one line naming both listening addresses, not a traceback
-        logging.getLogger("shuttle.frontend").error("cannot serve HTTP on %s:%d (--host, --port) with the batch "
-                                                    "endpoint %s (--batch-endpoint): %s", config.host, config.port,
-                                                    config.batch_endpoint or "off", exc)
+        http = f"the Unix socket {config.api.uds} (--uds)" if config.api.uds else \
+            f"{config.host}:{config.port} (--host, --port)"
+        logging.getLogger("shuttle.frontend").error("cannot serve HTTP on %s with the batch endpoint %s "
+                                                    "(--batch-endpoint): %s", http, config.batch_endpoint or "off", exc)
         sys.exit(1)
 
 

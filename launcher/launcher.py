@@ -238,8 +238,10 @@ def _cuda_devices(config: ShuttleConfig) -> int:
 
 
 def _frontend_listens(args: argparse.Namespace, config: ShuttleConfig) -> list[Listen]:
-    """The frontend's TCP ports: HTTP (unless --port 0) and the batch endpoint (PORT+1 unless --batch-endpoint)."""
-    listens = [Listen(config.host, config.port, "the HTTP server, --port")] if config.port else []
+    """The frontend's TCP ports: HTTP (unless --port 0 or --uds) and the batch endpoint (PORT+1 unless
+    --batch-endpoint)."""
+    listens = [Listen(config.host, config.port, "the HTTP server, --port")] if config.port and not config.api.uds \
+        else []
     flag = "--batch-endpoint" if args.batch_endpoint else "PORT+1 unless --batch-endpoint says otherwise ('none' " \
                                                           "turns it off)"
     batch = tcp_listen(config.batch_endpoint, f"the batch endpoint, {flag}")
@@ -375,7 +377,9 @@ class Launcher:
             return True
         url = urlsplit(self.frontend.ready["frontend"]["url"])
         batch = self.frontend.ready["frontend"].get("batch_endpoint", "") or self.config.batch_endpoint
-        self.frontend_config = dataclasses.replace(self.config, port=url.port, batch_endpoint=batch)
+        # a restarted frontend listens where this one does (on --uds, the same socket: no port to keep)
+        self.frontend_config = dataclasses.replace(self.config, port=self.config.port if url.port is None else url.port,
+                                                   batch_endpoint=batch)
         return True
 
     def _supervise(self) -> int:

@@ -4,10 +4,12 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import logging
 import socket
+from dataclasses import replace
 from pathlib import Path
 
 import aiohttp
@@ -20,8 +22,10 @@ from shuttle.frontend.web.root_path import normalize_root_path
 from shuttle.frontend.web.sagemaker import route_of
 from shuttle.frontend.web.server import access_logger, listen, listen_url, remove_socket_file
 from shuttle.frontend.web.tokenizer_info import tokenizer_info
+from shuttle.launcher.launcher import _frontend_listens
 from tests.api.test_api_details import PROMPT, STORY, STORY_TEXT, USER, post, served
 from tests.fake_engine import TEMPLATES, FakeEngine, frontend_app
+from tests.inprocess import make_config
 
 KEY = "Secret-Key"
 WITH_KEY = {"Authorization": f"Bearer {KEY}"}
@@ -295,3 +299,11 @@ async def test_uvicorn_log_level_sets_the_access_log(level, logged, caplog):
     lines = [r.getMessage() for r in caplog.records if r.name == "aiohttp.access"]
     assert (lines[0].split(" - ", 1)[1].startswith('"GET /ping HTTP/1.1" 200') if logged else lines == []), lines
     assert len(lines) == (1 if logged else 0)
+
+
+def test_the_launcher_checks_no_http_port_on_uds():
+    """On --uds no TCP port is listened on for HTTP, so none is checked (the batch endpoint's still is)."""
+    config = replace(make_config(), port=8000, batch_endpoint="tcp://127.0.0.1:8001")
+    args = argparse.Namespace(batch_endpoint=None)
+    assert [listen.port for listen in _frontend_listens(args, config)] == [8000, 8001]
+    assert [listen.port for listen in _frontend_listens(args, replace(config, api=ApiConfig(uds="/tmp/s")))] == [8001]
