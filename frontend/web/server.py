@@ -46,7 +46,7 @@ log = logging.getLogger("shuttle.frontend")
 
 PROBE_INTERVAL_S = 0.5
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
-# uvicorn's access line ('127.0.0.1:5000 - "GET /health HTTP/1.1" 200') plus the bytes sent and the seconds taken
+# uvicorn's access line ('127.0.0.1 - "GET /health HTTP/1.1" 200') plus the bytes sent and the seconds taken
 ACCESS_LOG_FORMAT = '%a - "%r" %s %b %Tf'
 LISTEN_BACKLOG = 4096  # a burst of thousands of clients connecting at once should queue, not be refused
 BODY = web.RequestKey("shuttle_body", bytes)  # the request body, decoded from its Content-Encoding
