@@ -30,6 +30,7 @@ from shuttle.common.sampling import StructuredOutput
 from shuttle.frontend.choices import CollectedChoice, collect, merge, usage
 from shuttle.frontend.completions.shapes import chat_logprobs, completion_logprobs, prompt_logprobs_object
 from shuttle.frontend.generation import TextDelta, TextGeneration
+from shuttle.frontend.reasoning.choices import ReasoningChoices, reasoning_fields
 from shuttle.frontend.request.decoding import convert_body
 from shuttle.frontend.request.params import check_logprobs, completion_prompts, sampling_params
 from shuttle.frontend.request.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, TokenizeRequest
@@ -318,6 +319,9 @@ class ChatCall(Call):
         parser = tool_parser_of(self.tool_use, tool_config.tool_call_parser)
         self.tool_calls = ToolCallChoices(parser, self.tool_use.parallel) if parser is not None else None
         self.prompt = chat_prompt_ids(state, body, body.add_special_tokens)
+        # a reasoning model's thinking, split from each choice's content (frontend/reasoning/)
+        self.reasoning = ReasoningChoices(state.reasoning, state.reasoning.thinks(
+            self.prompt, body.chat_template_kwargs)) if state.reasoning is not None else None
         request_id = new_request_id(id_prefix)
         super().__init__(state, body, request_id, {"id": request_id, "created": int(time.time()),
                                                    "model": state.model_name})
@@ -349,19 +353,43 @@ class ChatCall(Call):
         forced = tool_constraint(self.tool_use)
         if forced is not None:
             self.constraint_param = "tools"
-        return forced or own
+        found = forced or own
+        after = self.reasoning.grammar_starts_after if self.reasoning is not None else None
+        if found is not None and after is not None:  # the thinking is free; the grammar governs the answer (vLLM)
+            found = msgspec.structs.replace(found, starts_after=after)
+        return found
+
+    def split_reasoning(self, text: str) -> tuple[dict, str | None]:
+        """A whole choice's thinking as message fields (none without a reasoning parser; null under
+        include_reasoning false) and the text left for content and tool calls (None: the thinking never ended)."""
+        if self.reasoning is None:
+            return {}, text
+        thought, content = self.reasoning.split(text)
+        return reasoning_fields(thought if self.body.include_reasoning else None), content
+
+    def reasoning_delta(self, delta: TextDelta) -> tuple[str, str]:
+        """(thinking, answer) text that a streamed delta releases; the thinking "" under include_reasoning false."""
+        if self.reasoning is None:
+            return "", delta.text
+        piece = self.reasoning.delta(delta.index, delta.text, delta.finish_reason is not None)
+        return piece.reasoning if self.body.include_reasoning else "", piece.content
 
     def final_choice(self, choice: CollectedChoice) -> dict:
         g = choice.generation
-        message, finish = {"role": "assistant", "content": choice.text}, g.finish_reason
+        thought, text = self.split_reasoning(choice.text)  # tool calls are read from the answer only
+        message, finish = {"role": "assistant", "content": text}, g.finish_reason
         if self.tool_calls is not None:
-            message, finish = self.tool_calls.message(choice.text, finish)
+            message, finish = self.tool_calls.message(text or "", finish)
+        message.update(thought)
         return self._choice("message", g.index, message, choice.token_ids, choice.logprobs, finish)
 
     def chunk_choices(self, delta: TextDelta, first: bool) -> list[dict]:
-        message, finish = {"content": delta.text} if delta.text else {}, delta.finish_reason
+        thought, text = self.reasoning_delta(delta)
+        message, finish = {"content": text} if text else {}, delta.finish_reason
         if self.tool_calls is not None:
-            message, finish = self.tool_calls.delta(delta.index, delta.text, finish)
+            message, finish = self.tool_calls.delta(delta.index, text, finish)
+        if thought:
+            message = {**reasoning_fields(thought), **message}
         choice = self._choice("delta", delta.index, message, delta.token_ids, delta.logprobs, finish)
         if not first:
             return [choice]

@@ -9,6 +9,7 @@ from aiohttp import web
 from shuttle.common.config import ShuttleConfig
 from shuttle.frontend.engine.api import Engine
 from shuttle.frontend.observability.metrics import Metrics
+from shuttle.frontend.reasoning import ReasoningParser, reasoning_parser_of
 from shuttle.frontend.request.chat_template import ChatTemplate
 from shuttle.frontend.responses.store import ResponseStore
 from shuttle.frontend.tokenizer import TextTokenizer
@@ -23,10 +24,12 @@ class FrontendState:
     metrics: Metrics
     websockets: set[web.WebSocketResponse] = field(default_factory=set)  # open ones, closed at the end of a drain
     responses: ResponseStore = field(init=False)  # the Responses API's stored responses (--responses-store-*)
+    reasoning: ReasoningParser | None = field(init=False)  # --reasoning-parser, when the tokenizer has its tags
 
     def __post_init__(self):
         api = self.config.api
         self.responses = ResponseStore(api.responses_store_max_entries, api.responses_store_max_age)
+        self.reasoning = reasoning_parser_of(api.reasoning_parser, self.tokenizer)
 
     @property
     def model_name(self) -> str:

@@ -180,6 +180,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True
+    include_reasoning: bool = True  # vLLM's: false leaves a reasoning model's thinking out of the response
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):

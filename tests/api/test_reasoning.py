@@ -1,0 +1,222 @@
+"""Reasoning models on /v1/chat/completions (--reasoning-parser): the thinking split from the answer as
+`reasoning_content` (and vLLM's newer `reasoning`), whole and streamed; include_reasoning false; tool calls read
+from the answer only; a structured output's grammar told to start after the end-of-thinking token; a prompt that
+ended the thinking; and a model whose tokenizer has no think tokens (stories260K), served as plain content.
+
+In process: the real application over a scripted engine (tests/fake_engine.py). stories260K's tokenizer has no
+think tokens, so `think_model` is a copy of it with `<think>` (512) and `</think>` (513) added, as Qwen3's and
+DeepSeek-R1's tokenizers have them (added, not special: their text shows in the output).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import openai
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+from tokenizers import Tokenizer
+
+from shuttle.common.config import ApiConfig, IpcConfig, ShuttleConfig, ToolCallConfig
+from shuttle.common.messages import FinishReason
+from shuttle.common.model_config import ModelConfig
+from shuttle.frontend.app import build_app
+from shuttle.frontend.observability.metrics import Metrics
+from shuttle.frontend.request.chat_template import ChatTemplate
+from shuttle.frontend.state import FrontendState
+from shuttle.frontend.tokenizer import TextTokenizer
+from tests.fake_engine import TEMPLATES, FakeEngine
+from tests.server import MODEL_DIR
+
+CHAT = "/v1/chat/completions"
+THINK, END_THINK, EOS = 512, 513, 2
+USER = [{"role": "user", "content": "Is 7 prime?"}]
+# A Qwen3-style prompt: enable_thinking false writes an empty, closed thinking into it
+QWEN_TEMPLATE = ("{% for m in messages %}{{ m.role + ': ' + m.content + '\\n' }}{% endfor %}"
+                 "{% if add_generation_prompt %}assistant: {% if enable_thinking is defined and not enable_thinking %}"
+                 "<think>\\n\\n</think>\\n\\n{% endif %}{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def think_model(tmp_path_factory) -> Path:
+    """stories260K with `<think>` and `</think>` added to its tokenizer (ids 512 and 513)."""
+    directory = tmp_path_factory.mktemp("think_model")
+    for source in MODEL_DIR.iterdir():
+        shutil.copy(source, directory / source.name)
+    spec = json.loads((directory / "tokenizer.json").read_text())
+    for token_id, content in ((THINK, "<think>"), (END_THINK, "</think>")):
+        spec["added_tokens"].append({"id": token_id, "content": content, "single_word": False, "lstrip": False,
+                                     "rstrip": False, "normalized": False, "special": False})
+    (directory / "tokenizer.json").write_text(json.dumps(spec))
+    (directory / "qwen.jinja").write_text(QWEN_TEMPLATE)
+    return directory
+
+
+def script(model_dir: Path, text: str) -> list[int]:
+    """Token ids the fake engine generates for `text`, then end-of-sequence: each tag its one token, each text
+    between tags as the tokenizer writes it except that its first word is spelled without the "▁" (a space) the
+    tokenizer prepends to a text."""
+    plain = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    ids: list[int] = []
+    for part in re.split(r"(</?think>)", text):
+        if part in ("<think>", "</think>"):
+            ids.append(plain.token_to_id(part))
+        elif part:
+            encoded = plain.encode(part, add_special_tokens=False).ids
+            first = plain.id_to_token(encoded[0]).removeprefix("\u2581")
+            ids += [plain.token_to_id(c) or plain.token_to_id(f"<0x{ord(c):02X}>") for c in first] + encoded[1:]
+    return ids + [EOS]
+
+
+@asynccontextmanager
+async def served(model_dir: Path, text: str, parser: str | None = "deepseek_r1", template: str | None = None,
+                 tool_calls: ToolCallConfig | None = None):
+    """An in-process server of `model_dir` under --reasoning-parser `parser`, whose engine writes `text`; yields
+    (test client, engine)."""
+    engine = FakeEngine(script=script(model_dir, text), script_end=FinishReason.LENGTH)
+    model = ModelConfig.from_dir(model_dir, served_model_name="stories")
+    config = ShuttleConfig(model=model, ipc=IpcConfig("", "", "", ""),
+                           chat_template=template or str(TEMPLATES / "stories_chat.jinja"),
+                           api=ApiConfig(reasoning_parser=parser), tool_calls=tool_calls or ToolCallConfig())
+    state = FrontendState(config, engine, TextTokenizer(model.model_dir),
+                          ChatTemplate(model.model_dir, config.chat_template), Metrics(lambda: engine.stats))
+    async with TestClient(TestServer(build_app(state, None))) as client:
+        yield client, engine
+
+
+async def post(client: TestClient, body: dict) -> dict:
+    async with client.post(CHAT, json={"model": "stories", "messages": USER, **body}) as response:
+        assert response.status == 200, await response.text()
+        return await response.json()
+
+
+async def stream(client: TestClient, body: dict) -> list[dict]:
+    async with client.post(CHAT, json={"model": "stories", "messages": USER, "stream": True, **body}) as response:
+        assert response.status == 200, await response.text()
+        events = [line.decode().strip()[len("data: "):] async for line in response.content
+                  if line.startswith(b"data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def joined(chunks: list[dict], key: str) -> str:
+    return "".join(c["choices"][0]["delta"].get(key) or "" for c in chunks if c["choices"])
+
+
+async def test_the_thinking_is_reasoning_content_and_the_answer_content(think_model):
+    async with served(think_model, "<think>Seven has no divisors.</think>Yes, it is.") as (client, engine):
+        body = await post(client, {})
+    message = body["choices"][0]["message"]
+    assert message == {"role": "assistant", "content": "Yes, it is.", "reasoning": "Seven has no divisors.",
+                       "reasoning_content": "Seven has no divisors."}
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert engine.submitted[0].sampling.structured is None
+
+
+async def test_a_stream_carries_the_thinking_and_the_answer_as_deltas(think_model):
+    async with served(think_model, "<think>Seven has no divisors.</think>Yes, it is.") as (client, _):
+        chunks = await stream(client, {})
+    assert joined(chunks, "reasoning_content") == joined(chunks, "reasoning") == "Seven has no divisors."
+    assert joined(chunks, "content") == "Yes, it is."
+    # one token a chunk here: a delta carries thinking or answer, the thinking first, and never a tag
+    kinds = [("reasoning" if "reasoning_content" in d else "content") for c in chunks[1:]
+             if (d := c["choices"][0]["delta"]) and (d.get("reasoning_content") or d.get("content"))]
+    assert kinds == sorted(kinds, key=lambda kind: kind != "reasoning") and len(set(kinds)) == 2
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+async def test_a_thinking_cut_by_max_tokens_is_all_reasoning(think_model):
+    async with served(think_model, "<think>Seven has no divisors. So yes.</think>Yes.") as (client, _):
+        body = await post(client, {"max_tokens": 6})
+        chunks = await stream(client, {"max_tokens": 6})
+    message = body["choices"][0]["message"]
+    assert message["content"] is None and message["reasoning_content"] == joined(chunks, "reasoning_content")
+    assert message["reasoning_content"].startswith("Seven") and joined(chunks, "content") == ""
+    assert body["choices"][0]["finish_reason"] == "length"
+
+
+async def test_include_reasoning_false_leaves_the_thinking_out(think_model):
+    async with served(think_model, "<think>Seven has no divisors.</think>Yes, it is.") as (client, _):
+        body = await post(client, {"include_reasoning": False})
+        chunks = await stream(client, {"include_reasoning": False})
+    message = body["choices"][0]["message"]
+    assert (message["content"], message["reasoning_content"], message["reasoning"]) == ("Yes, it is.", None, None)
+    assert joined(chunks, "content") == "Yes, it is."
+    assert not any("reasoning_content" in c["choices"][0]["delta"] for c in chunks if c["choices"])
+
+
+async def test_the_openai_client_reads_reasoning_content(think_model):
+    async with served(think_model, "<think>Seven has no divisors.</think>Yes, it is.") as (client, _):
+        openai_client = openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="x")
+        completion = await openai_client.chat.completions.create(model="stories", messages=USER)
+        await openai_client.close()
+    message = completion.choices[0].message
+    assert (message.content, message.model_extra["reasoning_content"]) == ("Yes, it is.", "Seven has no divisors.")
+
+
+async def test_tool_calls_are_read_from_the_answer_only(think_model):
+    hermes = ToolCallConfig(enable_auto_tool_choice=True, tool_call_parser="hermes")
+    call = '<tool_call>\n{"name": "is_prime", "arguments": {"n": 7}}\n</tool_call>'
+    text = f"<think>I could write {call} here.</think>{call}"
+    tools = [{"type": "function", "function": {"name": "is_prime", "parameters": {"type": "object"}}}]
+    async with served(think_model, text, template=str(TEMPLATES / "tools_chat.jinja"), tool_calls=hermes) as \
+            (client, _):
+        body = await post(client, {"tools": tools})
+        chunks = await stream(client, {"tools": tools})
+    message = body["choices"][0]["message"]
+    assert message["reasoning_content"] == f"I could write {call} here." and message["content"] is None
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]] == \
+        [("is_prime", {"n": 7})]
+    assert body["choices"][0]["finish_reason"] == "tool_calls"
+    streamed = [t for c in chunks if c["choices"] for t in c["choices"][0]["delta"].get("tool_calls", [])]
+    assert [t["function"].get("name") for t in streamed if "id" in t] == ["is_prime"]
+    assert joined(chunks, "reasoning_content") == f"I could write {call} here."
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+SCHEMA = {"type": "object", "properties": {"answer": {"type": "boolean"}}}
+JSON_FORMAT = {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}
+
+
+async def test_a_structured_output_starts_after_the_thinking(think_model):
+    async with served(think_model, '<think>Seven has no divisors.</think>{"answer": true}') as (client, engine):
+        body = await post(client, {"response_format": JSON_FORMAT})
+        await post(client, {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"})
+    assert [s.sampling.structured.starts_after for s in engine.submitted] == [END_THINK, END_THINK]
+    assert json.loads(engine.submitted[0].sampling.structured.spec) == SCHEMA
+    assert json.loads(body["choices"][0]["message"]["content"]) == {"answer": True}
+
+
+async def test_qwen3_with_thinking_off_is_all_content_and_constrained_from_the_start(think_model):
+    template = str(think_model / "qwen.jinja")
+    async with served(think_model, '{"answer": true}', "qwen3", template) as (client, engine):
+        body = await post(client, {"response_format": JSON_FORMAT, "chat_template_kwargs": {"enable_thinking": False}})
+        on = await post(client, {"response_format": JSON_FORMAT})
+    assert engine.submitted[0].prompt_token_ids[-6:].count(END_THINK) == 1  # the template closed the thinking
+    assert [s.sampling.structured.starts_after for s in engine.submitted] == [None, END_THINK]
+    message = body["choices"][0]["message"]
+    assert (message["content"], message["reasoning_content"]) == ('{"answer": true}', None)
+    assert (on["choices"][0]["message"]["content"], on["choices"][0]["message"]["reasoning_content"]) == \
+        (None, '{"answer": true}')  # thinking on and no </think>: all of it was thinking
+
+
+async def test_a_model_without_think_tokens_serves_plain_content():
+    # the issue's vLLM command line serves stories260K under --reasoning-parser deepseek_r1
+    async with served(MODEL_DIR, "Once upon a time.") as (client, engine):
+        body = await post(client, {"response_format": JSON_FORMAT})
+        chunks = await stream(client, {})
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": "Once upon a time."}
+    assert engine.submitted[0].sampling.structured.starts_after is None  # constrained from the first token
+    assert joined(chunks, "content") == "Once upon a time."
+    assert not any("reasoning_content" in c["choices"][0]["delta"] for c in chunks if c["choices"])
+
+
+async def test_without_a_reasoning_parser_the_tags_are_content(think_model):
+    async with served(think_model, "<think>Hmm.</think>Yes.", parser=None) as (client, _):
+        body = await post(client, {})
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": "<think>Hmm.</think>Yes."}
