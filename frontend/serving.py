@@ -28,6 +28,7 @@ from shuttle.common.errors import InvalidRequestError, ModelNotFoundError
 from shuttle.common.messages import Submit
 from shuttle.common.sampling import StructuredOutput
 from shuttle.frontend.choices import CollectedChoice, collect, merge, usage
+from shuttle.frontend.completions.prompt_logprobs import first_k, prompt_logprobs_list, prompt_logprobs_of
 from shuttle.frontend.completions.shapes import chat_logprobs, completion_logprobs, prompt_logprobs_object
 from shuttle.frontend.generation import TextDelta, TextGeneration
 from shuttle.frontend.reasoning.choices import ReasoningChoices, reasoning_fields
@@ -238,6 +239,12 @@ class CompletionCall(Call):
         if body.suffix:
             raise InvalidRequestError("suffix is not supported", param="suffix")
         self.logprobs = check_logprobs(body.logprobs, "logprobs", state.config.model.max_logprobs)
+        asked = prompt_logprobs_of(body.prompt_logprobs, body.stream, state.config.model.max_logprobs,
+                                   state.tokenizer.vocab_size)
+        # echo with logprobs also scores the prompt (how lm-eval-harness computes loglikelihoods), as vLLM: with
+        # the k of prompt_logprobs when both are given; a stream shows prompt logprobs only in its echo
+        echoed = self.logprobs if body.echo and self.logprobs is not None else None
+        self.prompt_logprobs = asked if asked is not None and (echoed is not None or not body.stream) else echoed
         self.prompts = completion_prompts(body.prompt, state.tokenizer, state.config.model.max_model_len,
                                           body.add_special_tokens)
         if one_prompt is not None and len(self.prompts) != 1:
@@ -251,9 +258,8 @@ class CompletionCall(Call):
 
     def build(self) -> list[TextGeneration]:
         body, state = self.body, self.state
-        # echo with logprobs also scores the prompt (how lm-eval-harness computes loglikelihoods)
         generations = build_generations(state, body, self.prompts, self.request_id, body.max_tokens, self.logprobs,
-                                        prompt_logprobs=self.logprobs if body.echo else None,
+                                        prompt_logprobs=self.prompt_logprobs,
                                         background=self.background, structured=self.structured_output(),
                                         constraint_param=self.constraint_param)
         if body.echo:
@@ -267,7 +273,11 @@ class CompletionCall(Call):
 
     def final_choice(self, choice: CollectedChoice) -> dict:
         g = choice.generation
-        return self._choice(g, choice.text, choice.token_ids, choice.logprobs, g.finish_reason, True)
+        out = self._choice(g, choice.text, choice.token_ids, choice.logprobs, g.finish_reason, True)
+        if self.prompt_logprobs is not None:  # vLLM's, on each choice of a whole response
+            out["prompt_logprobs"] = prompt_logprobs_list(self.state.tokenizer, g.prompt_token_ids, g.prompt_logprobs,
+                                                          self.state.config.api.return_tokens_as_token_ids)
+        return out
 
     def chunk_choices(self, delta: TextDelta, first: bool) -> list[dict]:
         return [self._choice(self.generations[delta.index], delta.text, delta.token_ids, delta.logprobs,
@@ -283,8 +293,8 @@ class CompletionCall(Call):
         if self.logprobs is not None:
             lp_object = completion_logprobs(tokenizer, token_ids, lps, start, len(text))
             if first and g.index in self.echo_texts:
-                lp_object = prompt_logprobs_object(tokenizer, g.prompt_token_ids, g.prompt_logprobs, lp_object,
-                                                   len(prefix))
+                echoed = [first_k(lp, self.logprobs) for lp in g.prompt_logprobs]
+                lp_object = prompt_logprobs_object(tokenizer, g.prompt_token_ids, echoed, lp_object, len(prefix))
         out = {"index": g.index, "text": prefix + text, "logprobs": lp_object, "finish_reason": finish}
         if self.body.return_token_ids:
             out["token_ids"] = token_ids
@@ -313,6 +323,9 @@ class ChatCall(Call):
             raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
         self.logprobs = check_logprobs(body.top_logprobs or 0, "top_logprobs", state.config.model.max_logprobs) \
             if body.logprobs else None
+        asked = prompt_logprobs_of(body.prompt_logprobs, body.stream, state.config.model.max_logprobs,
+                                   state.tokenizer.vocab_size)
+        self.prompt_logprobs = None if body.stream else asked  # a stream's chunks never carry them (vLLM)
         tool_config = state.config.tool_calls
         self.tool_use = tool_use_of(body.tools, body.tool_choice, body.parallel_tool_calls,
                                     tool_config.enable_auto_tool_choice and tool_config.tool_call_parser is not None)
@@ -335,7 +348,8 @@ class ChatCall(Call):
         newer = body.max_completion_tokens is not None
         return build_generations(self.state, body, [self.prompt], self.request_id,
                                  body.max_completion_tokens if newer else body.max_tokens, self.logprobs,
-                                 prompt_param="messages", background=self.background,
+                                 prompt_param="messages", prompt_logprobs=self.prompt_logprobs,
+                                 background=self.background,
                                  max_tokens_param="max_completion_tokens" if newer else "max_tokens",
                                  structured=self.structured_output(), constraint_param=self.constraint_param)
 
@@ -373,6 +387,16 @@ class ChatCall(Call):
             return "", delta.text
         piece = self.reasoning.delta(delta.index, delta.text, delta.finish_reason is not None)
         return piece.reasoning if self.body.include_reasoning else "", piece.content
+
+    async def collect(self) -> dict:
+        """As Call.collect, with vLLM's `prompt_logprobs` of the (one) prompt beside the choices when asked."""
+        body = await super().collect()
+        if self.prompt_logprobs is not None:
+            g = self.generations[0]
+            body["prompt_logprobs"] = prompt_logprobs_list(self.state.tokenizer, g.prompt_token_ids,
+                                                           g.prompt_logprobs,
+                                                           self.state.config.api.return_tokens_as_token_ids)
+        return body
 
     def final_choice(self, choice: CollectedChoice) -> dict:
         g = choice.generation

@@ -139,7 +139,10 @@ class FakeEngine(ServingGroup):
     def _logprobs(self, token_id: int, position: int, k: int) -> TokenLogprobs:
         top = self.top[:k]
         logprob = dict(self.top).get(token_id, sampled_logprob(position))
-        return TokenLogprobs(logprob=logprob, top_token_ids=[t for t, _ in top], top_logprobs=[v for _, v in top])
+        ranked = [t for t, _ in self.top]
+        rank = ranked.index(token_id) + 1 if token_id in ranked else len(ranked) + 1  # as if TOP were the head
+        return TokenLogprobs(logprob=logprob, top_token_ids=[t for t, _ in top], top_logprobs=[v for _, v in top],
+                             rank=rank)
 
 
 def frontend_app(engine: FakeEngine, template: str | None = "stories_chat.jinja", api_key: str | None = None,

@@ -37,7 +37,6 @@ REFUSED_FIELDS: dict[str, Refused] = {
     "use_beam_search": Refused("beam search is not implemented", False),
     "length_penalty": Refused("beam search is not implemented"),
     "echo": Refused("only /v1/completions echoes the prompt", False),
-    "prompt_logprobs": Refused("prompt logprobs come from /v1/completions with echo and logprobs"),
     "allowed_token_ids": Refused(_NOT_IMPLEMENTED),
     "bad_words": Refused(_NOT_IMPLEMENTED),
     "truncate_prompt_tokens": Refused("prompts are never truncated: one too long for the context gets 400"),

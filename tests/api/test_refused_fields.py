@@ -53,7 +53,7 @@ REFUSED = [
     ("allowed_token_ids", [1, 2, 3], (C, CHAT)),
     ("bad_words", ["dog"], (C, CHAT)),
     ("truncate_prompt_tokens", 2, (C, CHAT)),
-    ("prompt_logprobs", 1, (C, CHAT)),
+    ("prompt_logprobs", -2, (C, CHAT)),  # implemented (tests/api/test_prompt_logprobs.py): -1 or k >= 0
     ("use_beam_search", True, (C, CHAT)),
     ("length_penalty", 0.5, (C, CHAT)),
     ("echo", True, (CHAT,)),
