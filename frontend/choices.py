@@ -77,8 +77,10 @@ async def merge(generations: list[TextGeneration]) -> AsyncGenerator[TextDelta, 
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def usage(generations: list[TextGeneration]) -> dict:
-    """OpenAI `usage`: each distinct prompt counted once (n choices share it), every choice's output counted."""
+def usage(generations: list[TextGeneration], prompt_tokens_details: bool = True) -> dict:
+    """OpenAI `usage`: each distinct prompt counted once (n choices share it), every choice's output counted;
+    `prompt_tokens_details` (cached_tokens: prompt tokens found in the prefix cache) unless told not to
+    (--no-enable-prompt-tokens-details)."""
     prompts: dict[int, TextGeneration] = {}
     for g in generations:
         prompts.setdefault(id(g.prompt_token_ids), g)
@@ -86,5 +88,6 @@ def usage(generations: list[TextGeneration]) -> dict:
     completion_tokens = sum(g.num_output_tokens for g in generations)
     cached = sum(max(h.num_cached_tokens for h in generations if h.prompt_token_ids is g.prompt_token_ids)
                  for g in prompts.values())
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
+    counts = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+              "total_tokens": prompt_tokens + completion_tokens}
+    return {**counts, "prompt_tokens_details": {"cached_tokens": cached}} if prompt_tokens_details else counts

@@ -86,6 +86,7 @@ def build_generations(state: FrontendState, body: SamplingFields, prompts: list[
         base = sampling_params(body, len(ids), model.max_model_len, state.tokenizer.vocab_size, max_tokens, logprobs,
                                prompt_param, prompt_logprobs, max_tokens_param, model.max_logprobs, structured,
                                model.sampling_defaults)
+        prompt_metrics = state.metrics.prompt(body.n)
         for j in range(body.n):
             sampling = base if base.seed is None else msgspec.structs.replace(base, seed=(base.seed + j) % 2**64)
             index = p * body.n + j
@@ -94,7 +95,7 @@ def build_generations(state: FrontendState, body: SamplingFields, prompts: list[
                              group_id=request_id, ttft_slo_ms=body.ttft_slo_ms or 0.0, background=background)
             if state.config.observability.enable_log_requests:  # never the prompt's text
                 log.info("request %s: %d prompt tokens, %s", request.request_id, len(ids), sampling)
-            metrics = state.metrics.request(len(ids), n=body.n if j == 0 else 0)  # n observed once per prompt
+            metrics = prompt_metrics.sequence(len(ids))
             generations.append(TextGeneration(state.engine, state.tokenizer, request, index, stops,
                                               body.include_stop_str_in_output, metrics,
                                               refusal_params=(constraint_param, max_tokens_param)))
@@ -188,12 +189,13 @@ class Call:
         if not self.generations:
             self.generations = self.build()
         choices = [self.final_choice(c) for c in await collect(self.generations)]
-        return {**self.envelope, **self.response_object, "choices": choices, "usage": usage(self.generations),
+        return {**self.envelope, **self.response_object, "choices": choices, "usage": self.usage(),
                 **self.first_fields}
 
     async def chunks(self) -> AsyncGenerator[dict, None]:
         """Stream chunk bodies as the choices produce text; with stream_options.include_usage a last usage chunk
-        (and with continuous_usage_stats, the usage so far on every chunk).
+        (and with continuous_usage_stats, the usage so far on every chunk). --enable-force-include-usage gives every
+        stream both, whatever stream_options say, as vLLM does.
         Nothing is yielded before the first text arrives, so an admission error is raised before any chunk (a
         transport can still answer it with a status).
 
@@ -205,17 +207,23 @@ class Call:
         first_fields = self.first_fields
         started: set[int] = set()
         options = self.body.stream_options
-        continuous = options is not None and options.include_usage and options.continuous_usage_stats
+        forced = self.state.config.api.enable_force_include_usage
+        include = forced or (options is not None and options.include_usage)
+        continuous = forced or (include and options is not None and options.continuous_usage_stats)
         async with aclosing(self.deltas()) as deltas:
             async for delta in deltas:
                 first = delta.index not in started
                 started.add(delta.index)
                 for choice in self.chunk_choices(delta, first):
-                    so_far = {"usage": usage(self.generations)} if continuous else {}
+                    so_far = {"usage": self.usage()} if continuous else {}
                     yield {**envelope, "choices": [choice], **first_fields, **so_far}
                     first_fields = {}
-        if options is not None and options.include_usage:
-            yield {**envelope, "choices": [], "usage": usage(self.generations)}
+        if include:
+            yield {**envelope, "choices": [], "usage": self.usage()}
+
+    def usage(self) -> dict:
+        """The response's usage so far (prompt_tokens_details unless --no-enable-prompt-tokens-details)."""
+        return usage(self.generations, self.state.config.api.enable_prompt_tokens_details)
 
 
 class CompletionCall(Call):
@@ -254,6 +262,7 @@ class CompletionCall(Call):
                                                    "created": int(time.time()), "model": state.model_name})
         self.background = background
         self.echo_texts: dict[int, str] = {}  # choice index -> the prompt as given, to prepend (echo)
+        self.echo_ids: set[int] = set()  # choices whose prompt was token ids: their echo keeps special tokens
         self.emitted: dict[int, int] = {}  # choice index -> characters of its text sent so far (stream chunks)
 
     def build(self) -> list[TextGeneration]:
@@ -267,8 +276,11 @@ class CompletionCall(Call):
             originals = body.prompt if several else [body.prompt]
             for g in generations:
                 original = originals[g.index // body.n]
-                self.echo_texts[g.index] = original if isinstance(original, str) else \
-                    state.tokenizer.decode(g.prompt_token_ids)
+                if isinstance(original, str):
+                    self.echo_texts[g.index] = original
+                else:  # vLLM echoes decode(ids), special tokens and all
+                    self.echo_texts[g.index] = state.tokenizer.decode(g.prompt_token_ids, skip_special_tokens=False)
+                    self.echo_ids.add(g.index)
         return generations
 
     def final_choice(self, choice: CollectedChoice) -> dict:
@@ -291,10 +303,12 @@ class CompletionCall(Call):
         self.emitted[g.index] = start + len(text)
         lp_object = None
         if self.logprobs is not None:
-            lp_object = completion_logprobs(tokenizer, token_ids, lps, start, len(text))
+            as_ids = self.state.config.api.return_tokens_as_token_ids
+            lp_object = completion_logprobs(tokenizer, token_ids, lps, start, len(text), as_ids)
             if first and g.index in self.echo_texts:
                 echoed = [first_k(lp, self.logprobs) for lp in g.prompt_logprobs]
-                lp_object = prompt_logprobs_object(tokenizer, g.prompt_token_ids, echoed, lp_object, len(prefix))
+                lp_object = prompt_logprobs_object(tokenizer, g.prompt_token_ids, echoed, lp_object, len(prefix),
+                                                   g.index in self.echo_ids, as_ids)
         out = {"index": g.index, "text": prefix + text, "logprobs": lp_object, "finish_reason": finish}
         if self.body.return_token_ids:
             out["token_ids"] = token_ids
@@ -423,7 +437,8 @@ class ChatCall(Call):
 
     def _choice(self, key: str, index: int, message: dict, token_ids: list[int], lps, finish: str | None) -> dict:
         out = {"index": index, key: message,
-               "logprobs": chat_logprobs(self.state.tokenizer, token_ids, lps) if self.logprobs is not None else None,
+               "logprobs": None if self.logprobs is None else chat_logprobs(
+                   self.state.tokenizer, token_ids, lps, self.state.config.api.return_tokens_as_token_ids),
                "finish_reason": finish}
         if self.body.return_token_ids:
             out["token_ids"] = token_ids

@@ -1,4 +1,5 @@
-"""Prometheus metrics of what clients feel, named like vLLM's under the `shuttle:` prefix.
+"""Prometheus metrics of what clients feel, named like vLLM's under the `shuttle:` prefix (`--metric-prefix vllm`:
+under vLLM's own, `vllm:`, so its dashboards, alerts and autoscalers read them unchanged).
 
 Request-level latencies and per-request sizes are measured here, in the frontend, where the client's experience
 is. Scheduler figures (queue lengths, KV usage, prefix cache, preemptions) come from the scheduler's periodic
@@ -6,8 +7,8 @@ stats messages and are read at scrape time; the frontend never waits for them.
 
 As vLLM does, every `shuttle:` series carries `model_name` (the first --served-model-name), so dashboards written
 for vLLM's series filter the same way. The series are kept unlabelled by model inside (the dashboard feed reads
-them as they are) and get the label on the way out, in one collector; the process and GC collectors of
-prometheus-client stand beside them, unlabelled, as in any Python exporter.
+them as they are) and get the label, and the prefix --metric-prefix names, on the way out, in one collector; the
+process and GC collectors of prometheus-client stand beside them, unlabelled, as in any Python exporter.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ _LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.
 _COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 # The n request parameter: vLLM's buckets (vllm/v1/metrics/loggers.py, vllm:request_params_n).
 _N = (1, 2, 5, 10, 20)
+_OWN_PREFIX = "shuttle:"  # every series' name inside; --metric-prefix renames it on the way out
 _UNKNOWN_MAX_MODEL_LEN = 8192  # token-count buckets of a Metrics built without a config (unit tests)
 
 
@@ -52,17 +54,23 @@ def one_two_five(max_value: int) -> tuple[int, ...]:
         scale *= 10
 
 
-class _ModelNameLabel:
-    """Re-exports every family of `inner` with model_name="<name>" added to each sample's labels."""
+class _Exported:
+    """Re-exports every family of `inner` with model_name="<name>" added to each sample's labels and, when `prefix`
+    is not "shuttle", its `shuttle:` prefix replaced by `prefix:` (family and sample names alike)."""
 
-    def __init__(self, inner: CollectorRegistry, model_name: str):
+    def __init__(self, inner: CollectorRegistry, model_name: str, prefix: str = "shuttle"):
         self._inner = inner
         self._model_name = model_name
+        self._prefix = f"{prefix}:"
+
+    def _name(self, name: str) -> str:
+        return self._prefix + name[len(_OWN_PREFIX):] if name.startswith(_OWN_PREFIX) else name
 
     def collect(self) -> Iterator[Metric]:
         for family in self._inner.collect():
-            labelled = Metric(family.name, family.documentation, family.type, family.unit)
-            labelled.samples = [sample._replace(labels={"model_name": self._model_name, **sample.labels})
+            labelled = Metric(self._name(family.name), family.documentation, family.type, family.unit)
+            labelled.samples = [sample._replace(name=self._name(sample.name),
+                                                labels={"model_name": self._model_name, **sample.labels})
                                 for sample in family.samples]
             yield labelled
 
@@ -145,9 +153,9 @@ class Metrics:
     Args:
         stats_source: () -> the schedulers' SchedulerStats (summed over serving groups).
         groups_source: () -> list of frontend.engine_api.GroupState, for the per-group metrics (None: none).
-        config: the server's configuration: the model_name label, max_model_len (the token-count buckets) and
-            the cache settings of shuttle:cache_config_info. None (bare registries in unit tests): no model_name
-            label, no cache_config_info.
+        config: the server's configuration: the model_name label, the prefix (--metric-prefix), max_model_len
+            (the token-count buckets) and the cache settings of shuttle:cache_config_info. None (bare registries in
+            unit tests): no model_name label, the shuttle: prefix, no cache_config_info.
         info_source: () -> the scheduler's SchedulerInfo (None until one answered), for cache_config_info.
     """
 
@@ -182,6 +190,9 @@ class Metrics:
                                            "applied: the default fills the context).", buckets=tokens, registry=r)
         self.params_n = Histogram("shuttle:request_params_n", "The n request parameter, once per prompt.",
                                   buckets=_N, registry=r)
+        # vLLM's name; what it observes is the most tokens any of a prompt's n sequences generated
+        self.max_generation_tokens = Histogram("shuttle:request_max_num_generation_tokens", "Per prompt, the most "
+                                               "tokens any of its n sequences generated.", buckets=tokens, registry=r)
         self.prompt_tokens = Counter("shuttle:prompt_tokens", "Prompt tokens of requests that were prefilled.",
                                      registry=r)
         self.generation_tokens = Counter("shuttle:generation_tokens", "Generated tokens.", registry=r)
@@ -210,16 +221,16 @@ class Metrics:
             r.register(_GroupCollector(groups_source))
         if config is not None and info_source is not None:
             r.register(_CacheConfigCollector(config, info_source))
-        self.registry.register(self.series if config is None else _ModelNameLabel(self.series,
-                                                                                 config.model.served_model_name))
+        self.registry.register(self.series if config is None else _Exported(self.series,
+                                                                            config.model.served_model_name,
+                                                                            config.api.metric_prefix))
         ProcessCollector(registry=self.registry)
         GCCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)
 
-    def request(self, num_prompt_tokens: int, n: int = 0) -> "RequestMetrics":
-        """The recorder of one sequence. `n`: the request's n parameter, given to one sequence of each prompt
-        (the first choice; 0 for the others), which observes it in shuttle:request_params_n when it finishes."""
-        return RequestMetrics(self, num_prompt_tokens, n)
+    def prompt(self, n: int = 1) -> "PromptMetrics":
+        """The recorder of one prompt's `n` sequences (its choices); each gets its own from `sequence()`."""
+        return PromptMetrics(self, n)
 
     def observe_steps(self, stats: SchedulerStats) -> None:
         for size in stats.step_batch_sizes:
@@ -232,12 +243,49 @@ class Metrics:
 
 
 @dataclass
+class PromptMetrics:
+    """One prompt's n sequences. As vLLM does, once the last of them has ended, and if any ran to a token, the
+    prompt is observed once: n in shuttle:request_params_n, and the most tokens any of them generated in
+    shuttle:request_max_num_generation_tokens.
+
+    Attributes:
+        n: the request's n parameter (how many sequences will report here).
+        pending: sequences not yet ended.
+        most_tokens: the most tokens one sequence generated so far.
+        ran: whether any sequence got a token.
+    """
+
+    metrics: Metrics
+    n: int
+    pending: int = field(init=False)
+    most_tokens: int = 0
+    ran: bool = False
+
+    def __post_init__(self):
+        self.pending = self.n
+
+    def sequence(self, num_prompt_tokens: int) -> "RequestMetrics":
+        """The recorder of one of the prompt's sequences."""
+        return RequestMetrics(self.metrics, num_prompt_tokens, self)
+
+    def ended(self, sequence: "RequestMetrics") -> None:
+        """One sequence's terminal outcome (each reports once)."""
+        self.pending -= 1
+        if sequence.first_token:
+            self.ran = True
+            self.most_tokens = max(self.most_tokens, sequence.num_tokens)
+        if self.pending == 0 and self.ran:
+            self.metrics.params_n.observe(self.n)
+            self.metrics.max_generation_tokens.observe(self.most_tokens)
+
+
+@dataclass
 class RequestMetrics:
     """Times one sequence from arrival (time.time() seconds) to its one terminal outcome."""
 
     metrics: Metrics
     num_prompt_tokens: int
-    n: int = 0  # the request's n, on one sequence of each prompt (0: not this one's to observe)
+    prompt: PromptMetrics | None = None  # the prompt it is one of the n sequences of (None: a lone sequence)
     max_tokens: int = 0  # from the Submit (on_submit); 0: not known
     arrival: float = field(default_factory=time.time)
     first_scheduled: float = 0.0
@@ -275,6 +323,8 @@ class RequestMetrics:
         self.done = True
         metrics = self.metrics
         metrics.finished.labels(finish_reason).inc()
+        if self.prompt is not None:
+            self.prompt.ended(self)
         if not self.first_token:  # never ran to a token: no latencies, and no sizes (as vLLM counts)
             return
         metrics.e2e.observe(self.last_token - self.arrival)
@@ -287,10 +337,10 @@ class RequestMetrics:
         metrics.request_generation_tokens.observe(self.num_tokens)
         if self.max_tokens:
             metrics.params_max_tokens.observe(self.max_tokens)
-        if self.n:
-            metrics.params_n.observe(self.n)
 
     def on_rejected(self, status: int, reason: str = "") -> None:
         """Count a refusal at arrival: `reason` when the scheduler gave one ("slo"), else by status."""
         self.done = True
+        if self.prompt is not None:
+            self.prompt.ended(self)
         self.metrics.rejected.labels(reason or ("queue_full" if status == 503 else "never_fits")).inc()

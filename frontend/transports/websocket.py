@@ -34,7 +34,6 @@ from yarl import URL
 
 from shuttle.common.errors import InvalidRequestError
 from shuttle.frontend import last_words
-from shuttle.frontend.choices import usage
 from shuttle.frontend.request.decoding import decode_body
 from shuttle.frontend.request.errors import client_error, error_body
 from shuttle.frontend.request.protocol import CompletionRequest
@@ -144,7 +143,7 @@ class _Session:
     def _done(self, stream: _Stream, finish_reason: str | None) -> dict:
         call = stream.call
         return {"type": "done", "id": stream.client_id, "finish_reason": finish_reason,
-                "usage": usage(call.generations) if call is not None and call.generations else None}
+                "usage": call.usage() if call is not None and call.generations else None}
 
     async def run(self, stream: _Stream, frame: dict) -> None:
         client_id = stream.client_id

@@ -425,8 +425,10 @@ async def test_the_text_of_the_stop_token_is_not_output(include_stop):
 
 
 async def test_echo_logprobs_describe_the_echoed_text():
+    """A text prompt (its BOS is not in the echoed text); a token-id prompt's echo keeps its special tokens
+    (tests/api/test_vllm_response_contract.py)."""
     async with served(FakeEngine(script=STORY[:2], script_end=FinishReason.LENGTH)) as (client, _):
-        for prompt in (PROMPT, PROMPT_IDS):
+        for prompt in (PROMPT, [PROMPT]):
             status, result = await post(client, "/v1/completions", {"prompt": prompt, "echo": True, "logprobs": 0})
             choice = result["choices"][0]
             lp = choice["logprobs"]
