@@ -99,14 +99,19 @@ def _same(body):
     return body
 
 
+def _generates(path: str) -> bool:
+    return path.startswith("/v1/") or path == "/invocations"
+
+
 def http_cases(document: dict) -> st.SearchStrategy:
     components = document["components"]["schemas"]
     posts = [(path, op["post"]["requestBody"]["content"]["application/json"]["schema"])
-             for path, op in document["paths"].items() if "post" in op]
+             for path, op in document["paths"].items() if "requestBody" in op.get("post", {})]
     gets = [path for path, op in document["paths"].items() if "get" in op and path != "/v1/ws"]
-    # only the generating endpoints take max_tokens and timeout (any other field is refused, as unknown)
+    # only the generating endpoints (and /invocations, which routes to them) take max_tokens and timeout (any other
+    # field is refused, as unknown); a POST that takes no body (/ping) is drawn among `anything` only
     typed = st.one_of([st.tuples(st.just("POST"), st.just(path),
-                                 from_schema(ref, components).map(bounded if path.startswith("/v1/") else _same),
+                                 from_schema(ref, components).map(bounded if _generates(path) else _same),
                                  st.just("application/json")) for path, ref in posts])
     anything = st.tuples(st.sampled_from(["POST", "GET", "PUT", "DELETE"]),
                          st.sampled_from([p for p, _ in posts] + gets + ["/", "/v1/nothing", "/v1/completions/x"]),
