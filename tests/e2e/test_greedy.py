@@ -7,8 +7,9 @@ import pytest
 from transformers import AutoTokenizer
 
 from shuttle.capacity.story_prompts import MAX_TOKENS, story_prompts
-from tests.conftest import hf_greedy, hf_tokenizer
+from tests.conftest import CHAT_TEMPLATE, hf_greedy, hf_tokenizer
 from tests.hf_cache import REPO_ID
+from tests.server import MODEL_DIR, REPO
 
 BLOCK_SIZE = 16  # the servers' default --block-size
 
@@ -81,3 +82,43 @@ async def test_a_server_started_by_hugging_face_id_serves_it_by_that_id(chunked_
                                               local_files_only=True)
     ids = tokenizer("Once upon a time").input_ids
     assert result["choices"][0]["token_ids"] == hf_greedy(ids, 8)
+
+
+async def test_offline_llm_equals_the_server_token_for_token(server):
+    """Acceptance (issue 43): `LLM(model).generate` on the server's model, with the server's flags (its chat template;
+    a smaller KV cache, which changes no output), gives its greedy completions token for token and text for text, and
+    `LLM.chat` its chat replies: the same scheduler, model runner and detokenizer, in this process."""
+    from shuttle import LLM, SamplingParams
+
+    prompts = story_prompts()
+    conversations = [[{"role": "user", "content": p}] for p in prompts[1:6]]
+    async with aiohttp.ClientSession() as session:
+        completions = await asyncio.gather(*(complete(session, server.url, p, m)
+                                             for p, m in zip(prompts, MAX_TOKENS)))
+
+        async def chat(messages: list) -> dict:
+            body = {"messages": messages, "max_tokens": 40, "temperature": 0, "return_token_ids": True}
+            async with session.post(f"{server.url}/v1/chat/completions", json=body) as response:
+                assert response.status == 200, await response.text()
+                return await response.json()
+
+        chats = await asyncio.gather(*(chat(c) for c in conversations))
+
+    def offline():
+        llm = LLM(str(MODEL_DIR), chat_template=str(REPO / CHAT_TEMPLATE), kv_cache_memory="256MiB")
+        greedy = [SamplingParams(temperature=0, max_tokens=m) for m in MAX_TOKENS]
+        return (llm.generate(prompts, greedy, use_tqdm=False),
+                llm.chat(conversations, SamplingParams(temperature=0, max_tokens=40), use_tqdm=False))
+
+    generated, replies = await asyncio.to_thread(offline)
+    for output, result in zip(generated, completions):
+        choice = result["choices"][0]
+        assert output.prompt_token_ids == choice["prompt_token_ids"]
+        assert output.outputs[0].token_ids == choice["token_ids"]
+        assert (output.outputs[0].text, output.outputs[0].finish_reason) == (choice["text"], choice["finish_reason"])
+    for output, result in zip(replies, chats):
+        choice = result["choices"][0]
+        assert output.prompt_token_ids == result["prompt_token_ids"]
+        assert output.outputs[0].token_ids == choice["token_ids"]
+        assert (output.outputs[0].text, output.outputs[0].finish_reason) == (choice["message"]["content"],
+                                                                             choice["finish_reason"])

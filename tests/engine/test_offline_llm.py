@@ -186,3 +186,19 @@ def test_engine_args_take_vllm_spellings():
               device="cpu", tensor_parallel_size=1, swap_space=4, disable_log_stats=True, seed=3)
     assert (llm.config.model.dtype, llm.config.model.max_model_len, llm.config.cache.enable_prefix_caching,
             llm.config.model.seed) == ("float32", 128, False, 3)
+
+
+def test_the_docs_example_runs_as_written(monkeypatch, capsys):
+    """docs/offline.md's example, exactly as the page shows it, from the repository root (its model path)."""
+    page = (REPO / "docs" / "offline.md").read_text()
+    (example,) = re.findall(r"```python\n(.*?)```", page, re.S)
+    monkeypatch.chdir(REPO)
+    exec(compile(example, "docs/offline.md", "exec"), {})
+    lines = capsys.readouterr().out.splitlines()
+    # greedy, cut at the first ".": transformers' greedy continuations of the two prompts, up to it
+    assert lines[:2] == ["Once upon a time -> , there was a little girl named Lily (stop)",
+                         "The little dog ->  was a little girl named Lily (stop)"]
+    samples = eval(lines[2])
+    assert len(samples) == 3 and len(set(samples)) > 1
+    assert lines[3] == "<s>Once upon a time  -> , there was a little girl named Lily"
+    assert len(lines) == 4
