@@ -69,6 +69,7 @@ class ResponsesCall(ChatCall):
         self.stored = request.store and state.responses.enabled
         self.input_size = 0
         self.request_id = new_id("resp")
+        self.output_token_ids: list[int] = []  # the choice's, once known (usage's reasoning_tokens)
         self.created_at = int(time.time())
         self.sequence_number = 0
 
@@ -90,13 +91,15 @@ class ResponsesCall(ChatCall):
             self.generations = self.build()
         [choice] = await collect(self.generations)
         finish = choice.generation.finish_reason
-        if self.tool_calls is not None:
-            message, _ = self.tool_calls.message(choice.text, finish)
+        thought, text = self.reasoning.split(choice.text) if self.reasoning is not None else (None, choice.text)
+        self.output_token_ids = choice.token_ids
+        if self.tool_calls is not None:  # calls are read from the answer only
+            message, _ = self.tool_calls.message(text or "", finish)
             content, calls = message["content"] or "", message.get("tool_calls", [])
         else:
-            content, calls = choice.text, []
-        items = []
-        if content or not calls:
+            content, calls = text or "", []
+        items = [_reasoning_item(new_id("rs"), thought, "completed")] if thought else []
+        if content or not (calls or items):
             items.append(_message_item(new_id("msg"), content, "completed"))
         items += [_call_item(new_id("fc"), new_id("call"), c["function"]["name"], c["function"]["arguments"],
                              "completed") for c in calls]
@@ -122,7 +125,7 @@ class ResponsesCall(ChatCall):
             tool_choice = {"type": "function", "name": tool_use.function}
         text_format = request.text.format if request.text is not None else None
         sampling = self.generations[0].request.sampling  # what was asked, defaults filled in
-        return {
+        out = {
             "id": self.request_id, "object": "response", "created_at": self.created_at, "status": status,
             "background": request.background, "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
@@ -136,6 +139,10 @@ class ResponsesCall(ChatCall):
             "usage": None if finish is None else _usage(self.generations,
                                                          self.state.config.api.enable_prompt_tokens_details),
         }
+        if out["usage"] is not None and self.reasoning is not None:
+            out["usage"]["output_tokens_details"]["reasoning_tokens"] = \
+                self.reasoning.count_tokens(self.output_token_ids)
+        return out
 
     def event(self, kind: str, **fields) -> dict:
         """One stream event, numbered in order."""
@@ -185,12 +192,14 @@ class _EventStream:
         self.calls: dict[int, int] = {}  # the chat delta's call index -> output index
 
     def feed(self, delta: TextDelta) -> list[dict]:
+        self.call.output_token_ids.extend(delta.token_ids)
+        thought, text = self.call.reasoning_delta(delta)
         message: dict[str, Any]  # the chat delta's fields: content text, tool_calls pieces
         if self.tool_calls is None:
-            message = {"content": delta.text} if delta.text else {}
+            message = {"content": text} if text else {}
         else:
-            message, _ = self.tool_calls.delta(delta.index, delta.text, delta.finish_reason)
-        events = []
+            message, _ = self.tool_calls.delta(delta.index, text, delta.finish_reason)
+        events = self._reasoning(thought) if thought else []
         if message.get("content"):
             events += self._text(message["content"])
         for piece in message.get("tool_calls", []):
@@ -214,6 +223,16 @@ class _EventStream:
         return events + [self.call.event("response.output_text.delta", item_id=self.open["id"],
                                          output_index=len(self.items) - 1, content_index=0, delta=text, logprobs=[])]
 
+    def _reasoning(self, text: str) -> list[dict]:
+        events = []
+        if self.open is None or self.open["type"] != "reasoning":
+            events += self._close("completed")
+            events += self._open(_reasoning_item(new_id("rs"), "", "in_progress"))
+        assert self.open is not None  # the reasoning item, open already or opened just above
+        self.open["content"][0]["text"] += text
+        return events + [self.call.event("response.reasoning_text.delta", item_id=self.open["id"],
+                                         output_index=len(self.items) - 1, content_index=0, delta=text)]
+
     def _call(self, piece: dict) -> list[dict]:
         events = []
         function = piece["function"]
@@ -234,9 +253,9 @@ class _EventStream:
         self.items.append(item)
         self.open = item
         index = len(self.items) - 1
-        added = dict(item, content=[]) if item["type"] == "message" else dict(item)
+        added = dict(item, content=[]) if item["type"] in ("message", "reasoning") else dict(item)
         events = [self.call.event("response.output_item.added", output_index=index, item=added)]
-        if item["type"] == "message":
+        if item["type"] in ("message", "reasoning"):
             events.append(self.call.event("response.content_part.added", item_id=item["id"], output_index=index,
                                           content_index=0, part=dict(item["content"][0])))
         return events
@@ -248,7 +267,13 @@ class _EventStream:
         item["status"] = status
         index = self.items.index(item)
         event = self.call.event
-        if item["type"] == "message":
+        if item["type"] == "reasoning":
+            part = item["content"][0]
+            events = [event("response.reasoning_text.done", item_id=item["id"], output_index=index, content_index=0,
+                            text=part["text"]),
+                      event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
+                            part=dict(part))]
+        elif item["type"] == "message":
             part = item["content"][0]
             events = [event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
                             text=part["text"], logprobs=[]),
@@ -263,6 +288,12 @@ class _EventStream:
 def _message_item(item_id: str, text: str, status: str) -> dict:
     return {"type": "message", "id": item_id, "role": "assistant", "status": status,
             "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+
+
+def _reasoning_item(item_id: str, text: str, status: str) -> dict:
+    """A reasoning model's thinking as OpenAI's reasoning output item (its text in content, no summary)."""
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": [{"type": "reasoning_text", "text": text}],
+            "encrypted_content": None, "status": status}
 
 
 def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict:

@@ -200,8 +200,20 @@ class _FunctionCallOutputItem(msgspec.Struct, kw_only=True, forbid_unknown_field
     status: str | None = None
 
 
+class _ReasoningItem(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """A reasoning model's earlier thinking (an output item sent back, as the Agents SDK does): taken and left out
+    of the prompt, as the reasoning models' own chat templates leave earlier turns' thinking out."""
+
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: list[dict[str, Any]] = []
+    content: list[dict[str, Any]] | None = None
+    encrypted_content: str | None = None
+    status: str | None = None
+
+
 _ITEMS = {"message": _MessageItem, "function_call": _FunctionCallItem,
-          "function_call_output": _FunctionCallOutputItem}
+          "function_call_output": _FunctionCallOutputItem, "reasoning": _ReasoningItem}
 _TEXT_PARTS = ("input_text", "output_text")
 
 
@@ -229,6 +241,8 @@ def input_messages(instructions: str | None, given: str | list[dict[str, Any]],
     calls_open = False  # the last message is an assistant's that function_call items may join
     for i, data in enumerate([*history, *input_items(given)], start=-len(history)):
         item = _item(i, data)
+        if isinstance(item, _ReasoningItem):
+            continue
         if isinstance(item, _FunctionCallItem):
             call = MessageToolCall(id=item.call_id, type="function",
                                    function=CalledFunction(name=item.name, arguments=item.arguments))
@@ -249,7 +263,7 @@ def input_messages(instructions: str | None, given: str | list[dict[str, Any]],
     return messages
 
 
-def _item(i: int, data: Any) -> _MessageItem | _FunctionCallItem | _FunctionCallOutputItem:
+def _item(i: int, data: Any) -> _MessageItem | _FunctionCallItem | _FunctionCallOutputItem | _ReasoningItem:
     if not isinstance(data, dict):
         raise InvalidRequestError(f"input[{i}] must be an object (an input item)", param="input")
     kind = data.get("type", "message")  # a message may leave its type out (the SDKs' "easy" input message)

@@ -220,3 +220,56 @@ async def test_without_a_reasoning_parser_the_tags_are_content(think_model):
     async with served(think_model, "<think>Hmm.</think>Yes.", parser=None) as (client, _):
         body = await post(client, {})
     assert body["choices"][0]["message"] == {"role": "assistant", "content": "<think>Hmm.</think>Yes."}
+
+
+# ---- the Responses API ---------------------------------------------------------------------------------------------
+
+def thinking_tokens(model_dir: Path) -> int:
+    """Tokens of the thinking of the responses below (between <think> and </think>)."""
+    ids = script(model_dir, "<think>Seven has no divisors.</think>Yes, it is.")
+    return ids.index(END_THINK) - ids.index(THINK) - 1
+
+
+async def test_a_response_has_a_reasoning_item_before_its_message(think_model):
+    async with served(think_model, "<think>Seven has no divisors.</think>Yes, it is.") as (client, _):
+        openai_client = openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="x")
+        response = await openai_client.responses.create(model="stories", input="Is 7 prime?")
+        # the reasoning item sent back (as the Agents SDK does) or kept by the store is taken, not refused
+        again = await openai_client.responses.create(model="stories", input=[
+            *[item.model_dump(exclude_none=True) for item in response.output],
+            {"role": "user", "content": "And 9?"}])
+        follow = await openai_client.responses.create(model="stories", input="And 9?",
+                                                      previous_response_id=response.id)
+        await openai_client.close()
+    reasoning, message = response.output
+    assert (reasoning.type, [c.text for c in reasoning.content], reasoning.summary, reasoning.status) == \
+        ("reasoning", ["Seven has no divisors."], [], "completed")
+    assert reasoning.id.startswith("rs")
+    assert (message.type, response.output_text) == ("message", "Yes, it is.")
+    assert response.usage.output_tokens_details.reasoning_tokens == thinking_tokens(think_model)
+    assert again.output_text == follow.output_text == "Yes, it is."
+
+
+async def test_a_response_stream_has_reasoning_events(think_model):
+    async with served(think_model, "<think>Seven has no divisors.</think>Yes, it is.") as (client, _):
+        openai_client = openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="x")
+        events = [e async for e in await openai_client.responses.create(model="stories", input="Is 7 prime?",
+                                                                          stream=True)]
+        await openai_client.close()
+    kinds = [e.type for e in events]
+    deltas = [e for e in events if e.type == "response.reasoning_text.delta"]
+    assert "".join(e.delta for e in deltas) == "Seven has no divisors."
+    assert {(e.output_index, e.content_index) for e in deltas} == {(0, 0)}
+    opened = [k for k in kinds if k not in ("response.reasoning_text.delta", "response.output_text.delta")]
+    assert opened == ["response.created", "response.in_progress",
+                      "response.output_item.added", "response.content_part.added",
+                      "response.reasoning_text.done", "response.content_part.done", "response.output_item.done",
+                      "response.output_item.added", "response.content_part.added",
+                      "response.output_text.done", "response.content_part.done", "response.output_item.done",
+                      "response.completed"]
+    done = next(e for e in events if e.type == "response.reasoning_text.done")
+    assert done.text == "Seven has no divisors."
+    final = events[-1].response
+    assert [item.type for item in final.output] == ["reasoning", "message"]
+    assert (final.output[0].content[0].text, final.output_text) == ("Seven has no divisors.", "Yes, it is.")
+    assert final.usage.output_tokens_details.reasoning_tokens == thinking_tokens(think_model)
