@@ -260,7 +260,7 @@ class ApiConfig:
     enable_tokenizer_info_endpoint: bool = option(False, "serve GET /tokenizer_info (the tokenizer's configuration "
                                                          "and chat template)")
     enable_request_id_headers: bool = option(False, "answer every response with an X-Request-Id header (the "
-                                                    "client's own, or the response's id)")
+                                                    "client's own, or the response's id): shuttle always does")
     return_tokens_as_token_ids: bool = option(False, "logprobs name each token as token_id:ID instead of its text "
                                                      "(a token that is not whole UTF-8 can then be told apart)")
     enable_force_include_usage: bool = option(False, "every response carries usage, a stream too (its last chunk), "
