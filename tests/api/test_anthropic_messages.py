@@ -19,8 +19,9 @@ import pytest
 from aiohttp.test_utils import TestClient
 
 from shuttle.common.config import ToolCallConfig
-from shuttle.common.messages import FinishReason
+from shuttle.common.messages import FinishReason, RequestOutput
 from shuttle.common.sampling import StructuredOutput
+from shuttle.frontend.app import MAX_BODY_BYTES
 from tests.api.test_api_details import STORY, STORY_TEXT, post, served
 from tests.api.test_tool_calling import NAMED_TEXT, REQUIRED_TEXT, script
 from tests.fake_engine import FakeEngine
@@ -346,6 +347,40 @@ async def test_an_engine_refusal_before_the_first_event_is_an_http_status_in_ant
             status, answer, headers = response.status, await response.json(), response.headers
     assert status == 503 and "Retry-After" in headers
     assert answer == {"type": "error", "error": {"type": "overloaded_error", "message": "the server is at capacity"}}
+
+
+class FailingMidway(FakeEngine):
+    """Writes the script's first two tokens, then fails the request (a worker lost mid-generation)."""
+
+    def _outputs(self, request):
+        outputs = super()._outputs(request)
+        yield next(outputs)
+        yield next(outputs)
+        yield RequestOutput(request_id=request.request_id, finish_reason=FinishReason.ERROR, error_status=500,
+                            error_message="the worker failed")
+
+
+async def test_a_failure_after_the_first_event_is_an_error_event_in_anthropics_shape():
+    async with served(FailingMidway(script=list(STORY))) as (client, _):
+        events = await events_of(client, BASE)
+        async with anthropic_client(client) as api:
+            with pytest.raises(anthropic.APIStatusError) as failed:
+                async with api.messages.stream(**BASE) as stream:
+                    async for _ in stream:
+                        pass
+    assert [e["type"] for e in events[:2]] == ["message_start", "ping"]
+    assert events[-1] == {"type": "error", "error": {"type": "api_error", "message": "the worker failed"}}
+    assert "message_stop" not in [e["type"] for e in events]
+    assert failed.value.body == events[-1]
+
+
+async def test_a_body_over_the_limit_is_an_anthropic_413():
+    async with served() as (client, engine):
+        async with client.post(URL, data=b" " * (MAX_BODY_BYTES + 1),
+                               headers={"Content-Type": "application/json"}) as response:
+            status, answer = response.status, await response.json()
+    assert status == 413 and answer["type"] == "error" and answer["error"]["type"] == "request_too_large"
+    assert engine.submitted == []
 
 
 async def test_other_paths_keep_openais_error_shape():
