@@ -263,8 +263,9 @@ class ApiConfig:
                                                     "client's own, or the response's id): shuttle always does")
     return_tokens_as_token_ids: bool = option(False, "logprobs name each token as token_id:ID instead of its text "
                                                      "(a token that is not whole UTF-8 can then be told apart)")
-    enable_force_include_usage: bool = option(False, "every response carries usage, a stream too (its last chunk), "
-                                                     "whether or not the request asked with stream_options")
+    enable_force_include_usage: bool = option(False, "every response carries usage, a stream too (the usage so far "
+                                                     "on every chunk and a last usage chunk, as vLLM), whatever "
+                                                     "the request's stream_options say")
     enable_prompt_tokens_details: bool = option(True, "usage reports prompt_tokens_details.cached_tokens (the prompt "
                                                       "tokens found in the prefix cache)")
     disable_fastapi_docs: bool = option(False, "serve neither /openapi.json nor the API docs pages (vLLM's name; "
