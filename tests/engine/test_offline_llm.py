@@ -202,3 +202,27 @@ def test_the_docs_example_runs_as_written(monkeypatch, capsys):
     assert len(samples) == 3 and len(set(samples)) > 1
     assert lines[3] == "<s>Once upon a time  -> , there was a little girl named Lily"
     assert len(lines) == 4
+
+
+def test_an_engine_refusal_raises_and_an_interrupted_call_leaves_the_llm_usable():
+    small = LLM(str(MODEL_DIR), num_kv_blocks=4, device="cpu")  # 64 tokens of KV cache
+    greedy = SamplingParams(temperature=0, max_tokens=5)
+    expected = small.generate("Once", greedy, use_tqdm=False)[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match=r"needs 105 tokens of KV cache; the whole cache holds 64"):
+        small.generate([{"prompt_token_ids": [1] * 100}, "Once"], greedy, use_tqdm=False)
+
+    class Interrupting:
+        def __init__(self, **kwargs):
+            pass
+
+        def update(self, count):
+            raise KeyboardInterrupt  # Ctrl-C while sequences are in flight
+
+        def close(self):
+            pass
+
+    with pytest.raises(KeyboardInterrupt):
+        small.generate(["Once", "Lily", "Tom"], SamplingParams(temperature=0, max_tokens=20), use_tqdm=Interrupting)
+    # nothing of the interrupted call runs on or holds a block
+    assert not small._scheduler.has_work and small._scheduler.kv.pool.num_free == 4
+    assert small.generate("Once", greedy, use_tqdm=False)[0].outputs[0].token_ids == expected
