@@ -574,12 +574,12 @@ PROBES = [
     ("GET", f"/v1/models/{SERVED}", "/v1/models/{model_id}", None, WITH_KEY, 200),
     ("GET", "/openapi.json", "/openapi.json", None, {}, 401),
     ("GET", "/metrics", "/metrics", None, {}, 200),
-]
-
     ("GET", "/v1/responses/resp_nope", "/v1/responses/{response_id}", None, WITH_KEY, 404),
     ("GET", "/v1/responses/resp_nope?stream=true", "/v1/responses/{response_id}", None, WITH_KEY, 400),
     ("DELETE", "/v1/responses/resp_nope", "/v1/responses/{response_id}", None, WITH_KEY, 404),
     ("POST", "/v1/responses/resp_nope/cancel", "/v1/responses/{response_id}/cancel", {}, WITH_KEY, 404),
+]
+
 
 async def test_every_status_answered_is_in_the_openapi_document():
     async with served(api_key=KEY) as (client, _):
