@@ -69,6 +69,8 @@ def _flag_words(name: str, value: Any, action: argparse.Action) -> list[str]:
         ValueError: a switch given something other than True or False.
     """
     flag = next(s for s in action.option_strings if s.startswith("--"))
+    if type(value).__module__ == "torch":  # vLLM takes dtype=torch.float16 as well as "float16"
+        value = str(value).removeprefix("torch.")
     if action.nargs == 0:  # a switch: store_true / store_false / --x and --no-x
         if not isinstance(value, bool):
             raise ValueError(f"{name} must be True or False, not {value!r}")

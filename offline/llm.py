@@ -56,6 +56,14 @@ class _Prompt:
     unfinished: int = 0
 
 
+class _DrivenHere:
+    """The engine as an offline TextGeneration sees it: never asked for outputs (LLM._run hands each to advance()),
+    and with no estimate of when to retry a refusal (a server's queue-drain estimate)."""
+
+    def refusal_retry_after(self) -> float | None:
+        return None
+
+
 def _value_error(exc: InvalidRequestError) -> ValueError:
     return ValueError(str(exc))
 
@@ -301,9 +309,8 @@ class LLM:
                 engine = base if base.seed is None else msgspec.structs.replace(base, seed=(base.seed + j) % 2**64)
                 submit = Submit(request_id=f"{request_id}-{j}", prompt_token_ids=ids, sampling=engine,
                                 arrival_time=time.time(), group_id=request_id)
-                # engine is never asked: _run drives the scheduler and hands each output to advance()
-                generation = TextGeneration(cast(Engine, None), self.tokenizer, submit, j, sampling.stop_strings,
-                                            sampling.include_stop_str_in_output)
+                generation = TextGeneration(cast(Engine, _DrivenHere()), self.tokenizer, submit, j,
+                                            sampling.stop_strings, sampling.include_stop_str_in_output)
                 prompt.sequences.append(_Sequence(generation))
             prompts.append(prompt)
         return prompts

@@ -182,6 +182,9 @@ def test_a_bad_model_path_is_one_clear_error(tmp_path):
 
 
 def test_engine_args_take_vllm_spellings():
+    import torch
+
+    assert LLM(str(MODEL_DIR), dtype=torch.bfloat16, num_kv_blocks=16, device="cpu").config.model.dtype == "bfloat16"
     llm = LLM(str(MODEL_DIR), dtype="float", max_model_len="128", enable_prefix_caching=False, num_kv_blocks=16,
               device="cpu", tensor_parallel_size=1, swap_space=4, disable_log_stats=True, seed=3)
     assert (llm.config.model.dtype, llm.config.model.max_model_len, llm.config.cache.enable_prefix_caching,
