@@ -274,3 +274,27 @@ def test_echo_with_logprobs_scores_the_prompt_like_transformers(client):
         assert len(lp.top_logprobs[-1]) == 2  # the greedy output token is the most likely
         assert result.choices[0].text.startswith(hf_tokenizer().decode(ids))  # "<s> Once": vLLM echoes decode(ids)
         assert lp.text_offset == sorted(lp.text_offset)
+
+
+def test_prompt_logprobs_cross_the_processes_with_their_ranks(client):
+    """vLLM's prompt_logprobs through the scheduler and worker processes (ranks and top-k over ZeroMQ), twice: the
+    second time the prompt's blocks are cached, and every prompt token still gets its logprob."""
+    ids = hf_tokenizer()(PROMPT + ", there was a little girl named Lily").input_ids
+    with torch.inference_mode():
+        reference = hf_model()(torch.tensor([ids])).logits[0, :-1].log_softmax(-1)
+    want = reference[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+    for _ in range(2):
+        result = client.completions.create(model="stories", prompt=ids, max_tokens=1, temperature=0,
+                                           extra_body={"prompt_logprobs": 2})
+        entries = result.choices[0].model_extra["prompt_logprobs"]
+        assert entries[0] is None and len(entries) == len(ids)
+        own = [entry[str(token_id)] for entry, token_id in zip(entries[1:], ids[1:])]
+        assert torch.allclose(torch.tensor([e["logprob"] for e in own]), want, atol=1e-4)
+        ranks = torch.tensor([e["rank"] for e in own])  # exact but where another token is within 1e-4
+        assert bool(((reference > want.unsqueeze(1) + 1e-4).sum(-1) < ranks).all())
+        assert bool((ranks <= (reference >= want.unsqueeze(1) - 1e-4).sum(-1)).all())
+        by_rank = [sorted((e["rank"], int(t)) for t, e in entry.items()) for entry in entries[1:]]
+        assert [[t for rank, t in ranked if rank <= 2] for ranked in by_rank] == reference.topk(2).indices.tolist()
+    chat = client.chat.completions.create(model="stories", messages=[{"role": "user", "content": PROMPT}],
+                                          max_tokens=1, extra_body={"prompt_logprobs": 0})
+    assert len(chat.model_extra["prompt_logprobs"]) == chat.usage.prompt_tokens
