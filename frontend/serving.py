@@ -225,6 +225,13 @@ class Call:
         """The response's usage so far (prompt_tokens_details unless --no-enable-prompt-tokens-details)."""
         return usage(self.generations, self.state.config.api.enable_prompt_tokens_details)
 
+    @property
+    def as_token_ids(self) -> bool:
+        """Whether logprobs name tokens "token_id:ID": the request's return_tokens_as_token_ids, else the server's
+        --return-tokens-as-token-ids (vLLM's precedence)."""
+        asked = self.body.return_tokens_as_token_ids
+        return self.state.config.api.return_tokens_as_token_ids if asked is None else asked
+
 
 class CompletionCall(Call):
     """POST /v1/completions (and a WebSocket generate): text choices, `echo`, `logprobs` as in OpenAI's legacy API.
@@ -288,7 +295,7 @@ class CompletionCall(Call):
         out = self._choice(g, choice.text, choice.token_ids, choice.logprobs, g.finish_reason, True)
         if self.prompt_logprobs is not None:  # vLLM's, on each choice of a whole response
             out["prompt_logprobs"] = prompt_logprobs_list(self.state.tokenizer, g.prompt_token_ids, g.prompt_logprobs,
-                                                          self.state.config.api.return_tokens_as_token_ids)
+                                                          self.as_token_ids)
         return out
 
     def chunk_choices(self, delta: TextDelta, first: bool) -> list[dict]:
@@ -303,7 +310,7 @@ class CompletionCall(Call):
         self.emitted[g.index] = start + len(text)
         lp_object = None
         if self.logprobs is not None:
-            as_ids = self.state.config.api.return_tokens_as_token_ids
+            as_ids = self.as_token_ids
             lp_object = completion_logprobs(tokenizer, token_ids, lps, start, len(text), as_ids)
             if first and g.index in self.echo_texts:
                 echoed = [first_k(lp, self.logprobs) for lp in g.prompt_logprobs]
@@ -408,8 +415,7 @@ class ChatCall(Call):
         if self.prompt_logprobs is not None:
             g = self.generations[0]
             body["prompt_logprobs"] = prompt_logprobs_list(self.state.tokenizer, g.prompt_token_ids,
-                                                           g.prompt_logprobs,
-                                                           self.state.config.api.return_tokens_as_token_ids)
+                                                           g.prompt_logprobs, self.as_token_ids)
         return body
 
     def final_choice(self, choice: CollectedChoice) -> dict:
@@ -437,8 +443,8 @@ class ChatCall(Call):
 
     def _choice(self, key: str, index: int, message: dict, token_ids: list[int], lps, finish: str | None) -> dict:
         out = {"index": index, key: message,
-               "logprobs": None if self.logprobs is None else chat_logprobs(
-                   self.state.tokenizer, token_ids, lps, self.state.config.api.return_tokens_as_token_ids),
+               "logprobs": None if self.logprobs is None else chat_logprobs(self.state.tokenizer, token_ids, lps,
+                                                                            self.as_token_ids),
                "finish_reason": finish}
         if self.body.return_token_ids:
             out["token_ids"] = token_ids

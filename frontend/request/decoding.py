@@ -42,7 +42,6 @@ REFUSED_FIELDS: dict[str, Refused] = {
     "truncate_prompt_tokens": Refused("prompts are never truncated: one too long for the context gets 400"),
     "skip_special_tokens": Refused("special tokens are always left out of the text", True),
     "spaces_between_special_tokens": Refused(_NOT_IMPLEMENTED),
-    "return_tokens_as_token_ids": Refused("return_token_ids lists the token ids"),
     "logits_processors": Refused(_NOT_IMPLEMENTED),
     "request_id": Refused("the server names each response (the x-request-id header carries a client's own id)"),
     "cache_salt": Refused(_NOT_IMPLEMENTED),

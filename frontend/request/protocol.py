@@ -78,7 +78,8 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     vLLM extensions: top_k, min_p, repetition_penalty, stop_token_ids, ignore_eos, min_tokens, priority,
     include_stop_str_in_output, return_token_ids (adds prompt_token_ids and token_ids to each choice),
     prompt_logprobs (k, or -1 for the whole vocabulary: each prompt token's logprob and the k most likely;
-    frontend/completions/prompt_logprobs.py).
+    frontend/completions/prompt_logprobs.py), return_tokens_as_token_ids (logprobs name tokens "token_id:ID"; unset:
+    as --return-tokens-as-token-ids says).
     Structured outputs (frontend/structured/request.py, at most one per request): OpenAI's `response_format`
     (text, json_object, json_schema), vLLM's `structured_outputs` object and its older top-level `guided_json`,
     `guided_regex`, `guided_choice`, `guided_grammar` (`guided_decoding_backend`: "xgrammar" or "auto" only).
@@ -113,6 +114,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     timeout: float | None = None
     ttft_slo_ms: float | None = None
     return_token_ids: bool = False
+    return_tokens_as_token_ids: bool | None = None
     prompt_logprobs: int | None = None
     user: str | None = None
     metadata: dict[str, str] | None = None

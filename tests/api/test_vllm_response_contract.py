@@ -114,6 +114,22 @@ async def test_logprobs_name_tokens_by_id():
                for c in content)
 
 
+async def test_the_request_field_overrides_the_flag():
+    """vLLM's request field return_tokens_as_token_ids: true names tokens by id on a server without the flag, false
+    by text on a server with it; left out, the flag decides."""
+    body = {"prompt": PROMPT, "max_tokens": 2, "logprobs": 0}
+    chat = {"messages": USER, "max_tokens": 2, "logprobs": True}
+    texts = [TOK.token_text(t)[0] for t in STORY[:2]]
+    ids = [named(t) for t in STORY[:2]]
+    for flag, field, expected in ((False, True, ids), (True, False, texts), (True, None, ids), (False, None, texts)):
+        asked = {} if field is None else {"return_tokens_as_token_ids": field}
+        async with served(api=ApiConfig(return_tokens_as_token_ids=flag)) as (client, _):
+            status, result = await post(client, "/v1/completions", {**body, **asked})
+            _, answer = await post(client, "/v1/chat/completions", {**chat, **asked})
+        assert status == 200 and result["choices"][0]["logprobs"]["tokens"] == expected, (flag, field)
+        assert [c["token"] for c in answer["choices"][0]["logprobs"]["content"]] == expected, (flag, field)
+
+
 # ---- the echo of a token-id prompt -------------------------------------------------------------------------------
 
 async def test_an_echoed_token_id_prompt_is_decoded_with_its_special_tokens():
