@@ -8,7 +8,9 @@ chat request are in frontend/anthropic/request.py.
     length        max_tokens
     tool_calls    tool_use (the text made calls)
 
-`usage.input_tokens` is the whole prompt's token count (cached tokens included, as in the chat API's prompt_tokens).
+Under --reasoning-parser the thinking is a `thinking` block first (its `signature` empty); text and tool calls are
+read from the answer after it. `usage.input_tokens` is the whole prompt's token count (cached tokens included, as in
+the chat API's prompt_tokens).
 """
 
 from __future__ import annotations
@@ -76,18 +78,20 @@ class MessagesCall(ChatCall):
             self.generations = self.build()
         [choice] = await collect(self.generations)
         finish = choice.generation.finish_reason
-        text, calls = choice.text, []
+        thought, answer = self.split_reasoning(choice.text)  # tool calls are read from the answer only
+        text, calls = answer or "", []
         if self.tool_calls is not None:
-            message, finish = self.tool_calls.message(choice.text, finish)
+            message, finish = self.tool_calls.message(text, finish)
             text, calls = message["content"] or "", message.get("tool_calls", [])
-        content = [_text_block(text)] if text else []
+        content = [_thinking_block(thought["reasoning"])] if thought.get("reasoning") else []
+        content += [_text_block(text)] if text else []
         content += [_tool_use_block(c["function"]["name"], _input(c["function"]["arguments"])) for c in calls]
         return self.message(content, finish, choice.generation.num_output_tokens)
 
     async def chunks(self) -> AsyncGenerator[dict, None]:
         """The stream's events: message_start and a ping once the first text is out (so that an admission error is
-        raised before any event), each content block's content_block_start, its deltas (text_delta,
-        input_json_delta) and content_block_stop, then message_delta (stop_reason, stop_sequence, usage) and
+        raised before any event), each content block's content_block_start, its deltas (thinking_delta,
+        text_delta, input_json_delta) and content_block_stop, then message_delta (stop_reason, stop_sequence, usage) and
         message_stop.
 
         Raises:
@@ -102,11 +106,12 @@ class MessagesCall(ChatCall):
             yield {"type": "ping"}
             finish = None
             while delta is not None:
-                message, reason = {"content": delta.text} if delta.text else {}, delta.finish_reason
+                thought, text = self.reasoning_delta(delta)
+                message, reason = {"content": text} if text else {}, delta.finish_reason
                 if self.tool_calls is not None:
-                    message, reason = self.tool_calls.delta(delta.index, delta.text, delta.finish_reason)
+                    message, reason = self.tool_calls.delta(delta.index, text, delta.finish_reason)
                 finish = reason or finish
-                for event in blocks.feed(message):
+                for event in blocks.feed(thought, message):
                     yield event
                 delta = await anext(deltas, None)
         for event in blocks.close():
@@ -122,11 +127,15 @@ class _Blocks:
 
     def __init__(self) -> None:
         self.count = 0  # blocks opened
-        self.open: str | None = None  # the kind of the block being written: "text", or "call <index>"
+        self.open: str | None = None  # the kind of the block being written: "thinking", "text", or "call <index>"
 
-    def feed(self, message: dict[str, Any]) -> list[dict]:
-        """The events of one chat delta's fields (content text, tool_calls pieces)."""
+    def feed(self, thought: str, message: dict[str, Any]) -> list[dict]:
+        """The events of one delta's thinking and chat fields (content text, tool_calls pieces)."""
         events = []
+        if thought:
+            if self.open != "thinking":
+                events += self._start(_thinking_block(""), "thinking")
+            events.append(self._delta({"type": "thinking_delta", "thinking": thought}))
         if message.get("content"):
             if self.open != "text":
                 events += self._start(_text_block(""), "text")
@@ -154,6 +163,11 @@ class _Blocks:
 
     def _delta(self, delta: dict) -> dict:
         return {"type": "content_block_delta", "index": self.count - 1, "delta": delta}
+
+
+def _thinking_block(thinking: str) -> dict:
+    # no signature: nothing signs a local model's thinking (the field is there, empty, for clients that read it)
+    return {"type": "thinking", "thinking": thinking, "signature": ""}
 
 
 def _text_block(text: str) -> dict:

@@ -4,6 +4,7 @@ Structs, the fields refused by name, and the request as the chat request that as
     system (a string or text blocks)         a system message first
     messages[i] text blocks                  that turn's content (text parts, joined as chat joins them)
     an assistant's tool_use blocks           its tool_calls (input as the arguments' JSON text)
+    an assistant's thinking blocks           left out (reasoning models' templates drop earlier thinking)
     a user's tool_result blocks              tool messages answering tool_use_id, in order, before its text
     a last assistant message (prefill)       continued: continue_final_message, no generation prompt
     tools (name, description, input_schema)  function tools
@@ -14,7 +15,7 @@ Structs, the fields refused by name, and the request as the chat request that as
 
 `metadata`, `service_tier`, `user_profile_id`, `workspace_id` and `cache_control` (top-level, on blocks and tools)
 are taken and change nothing (the prefix cache is automatic). Content shuttle does not serve (images, documents,
-thinking, server tools, ...) is refused by name.
+server tools, ...) and the `thinking` option are refused by name.
 """
 
 from __future__ import annotations
@@ -169,9 +170,22 @@ class _ToolResultBlock(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     cache_control: Any = None
 
 
+class _ThinkingBlock(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    type: Literal["thinking"]
+    thinking: str
+    signature: str = ""
+
+
+class _RedactedThinkingBlock(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    type: Literal["redacted_thinking"]
+    data: str
+
+
 _BLOCKS: dict[str, type[msgspec.Struct]] = {"text": _TextBlock, "tool_use": _ToolUseBlock,
-                                            "tool_result": _ToolResultBlock}
-_SERVED_IN = {"user": ("text", "tool_result"), "assistant": ("text", "tool_use"), "system": ("text",)}
+                                            "tool_result": _ToolResultBlock, "thinking": _ThinkingBlock,
+                                            "redacted_thinking": _RedactedThinkingBlock}
+_SERVED_IN = {"user": ("text", "tool_result"), "system": ("text",),
+              "assistant": ("text", "tool_use", "thinking", "redacted_thinking")}
 
 
 def _block(where: str, data: Any, role: str) -> Any:
@@ -189,8 +203,8 @@ def _block(where: str, data: Any, role: str) -> Any:
     if kind not in served:
         what = f"{', '.join(served[:-1])} and {served[-1]}" if len(served) > 1 else served[0]
         raise InvalidRequestError(f"{where} is of type {kind!r}: in a {role} {'prompt' if role == 'system' else 'turn'}"
-                                  f" only {what} blocks are served (images, documents, thinking and server tools "
-                                  f"are not implemented)", param=param)
+                                  f" only {what} blocks are served (images, documents and server tools are not "
+                                  f"implemented)", param=param)
     try:
         return msgspec.convert({k: v for k, v in data.items() if v is not None}, _BLOCKS[kind])
     except msgspec.ValidationError as exc:
@@ -230,6 +244,8 @@ def chat_messages(system: str | list[Any] | None, messages: list[MessageParam]) 
             block = _block(where, data, message.role)
             if isinstance(block, _TextBlock):
                 parts.append({"type": "text", "text": block.text})
+            elif isinstance(block, (_ThinkingBlock, _RedactedThinkingBlock)):
+                pass  # an earlier answer's thinking: left out of the prompt, as reasoning models' templates do
             elif isinstance(block, _ToolUseBlock):
                 calls.append(MessageToolCall(id=block.id, type="function", function=CalledFunction(
                     name=block.name, arguments=json.dumps(block.input, ensure_ascii=False))))

@@ -23,6 +23,8 @@ from shuttle.common.messages import FinishReason, RequestOutput
 from shuttle.common.sampling import StructuredOutput
 from shuttle.frontend.app import MAX_BODY_BYTES
 from tests.api.test_api_details import STORY, STORY_TEXT, post, served
+from tests.api.test_reasoning import served as served_thinking
+from tests.api.test_reasoning import think_model  # noqa: F401 (the fixture: stories260K with think tokens)
 from tests.api.test_tool_calling import NAMED_TEXT, REQUIRED_TEXT, script
 from tests.fake_engine import FakeEngine
 
@@ -273,6 +275,41 @@ async def test_a_tool_round_trip_is_the_chat_conversation_with_tool_calls():
     assert [(b.type, b.text) for b in message.content] == [("text", body["choices"][0]["message"]["content"])]
     assert message.stop_reason == "end_turn" and engine.submitted[0].sampling.structured is None
     assert counted.input_tokens == len(engine.submitted[0].prompt_token_ids)
+
+
+# ---- a reasoning model's thinking ----------------------------------------------------------------------------------
+
+async def test_the_thinking_is_a_thinking_block_before_the_answer(think_model):  # noqa: F811
+    """Under --reasoning-parser: a thinking block, then the answer's text; streamed as thinking_delta pieces in a
+    block of their own; an earlier turn's thinking block sent back is taken and left out of the prompt."""
+    async with served_thinking(think_model, "<think>Seven has no divisors.</think>Yes, it is.") as (client, engine):
+        async with anthropic_client(client) as api:
+            message = await api.messages.create(model=MODEL, max_tokens=64, messages=[
+                {"role": "user", "content": "Is 7 prime?"}])
+            async with api.messages.stream(model=MODEL, max_tokens=64, messages=[
+                    {"role": "user", "content": "Is 7 prime?"}]) as stream:
+                final = await stream.get_final_message()
+            await api.messages.create(model=MODEL, max_tokens=4, messages=[
+                {"role": "user", "content": "Is 7 prime?"},
+                {"role": "assistant", "content": [b.model_dump() for b in message.content]},
+                {"role": "user", "content": "And 9?"}])
+        events = await events_of(client, {"model": MODEL, "max_tokens": 64,
+                                          "messages": [{"role": "user", "content": "Is 7 prime?"}]})
+        await post(client, "/v1/chat/completions", {"max_tokens": 4, "messages": [
+            {"role": "user", "content": "Is 7 prime?"}, {"role": "assistant", "content": "Yes, it is."},
+            {"role": "user", "content": "And 9?"}]})
+    assert [b.model_dump() for b in message.content] == [
+        {"type": "thinking", "thinking": "Seven has no divisors.", "signature": ""},
+        {"type": "text", "text": "Yes, it is.", "citations": None}]
+    assert [b.model_dump() for b in final.content] == [b.model_dump() for b in message.content]
+    assert message.stop_reason == "end_turn"
+    starts = [(e["index"], e["content_block"]["type"]) for e in events if e["type"] == "content_block_start"]
+    assert starts == [(0, "thinking"), (1, "text")]
+    thinking = "".join(e["delta"].get("thinking", "") for e in events if e["type"] == "content_block_delta")
+    assert thinking == "Seven has no divisors."
+    assert {e["delta"]["type"] for e in events if e["type"] == "content_block_delta" and e["index"] == 0} == \
+        {"thinking_delta"}
+    assert engine.submitted[2].prompt_token_ids == engine.submitted[4].prompt_token_ids
 
 
 # ---- count_tokens --------------------------------------------------------------------------------------------------
