@@ -2,7 +2,9 @@
 oldest out first; `store: false` keeps a response out), previous_response_id (the stored conversation, then the new
 input), GET / DELETE /v1/responses/{id}, `background: true` with POST /v1/responses/{id}/cancel, and that a
 background response ends with exactly one terminal status whether its client stays, leaves, cancels it or the
-server drains. In process, over the scripted engine (tests/fake_engine.py), with the official `openai` client.
+server drains. In process, over the scripted engine (tests/fake_engine.py), with the official `openai` client; end
+to end on the shared `server` (stories260K), a continued and a background response equal the chat endpoint's greedy
+output.
 """
 
 from __future__ import annotations
@@ -386,3 +388,24 @@ async def test_a_running_background_response_evicted_from_the_store_is_aborted()
         with pytest.raises(openai.NotFoundError):
             await api.responses.retrieve(queued.id)
     assert engine.aborted == [f"{queued.id}-0"]
+
+
+# ---- end to end on stories260K (the shared `server`) ------------------------------------------------------------
+
+def test_a_continued_and_a_background_response_equal_the_chat_endpoints_greedy_output(server):
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+    kwargs = dict(model="stories260K", max_output_tokens=12, temperature=0)
+    first = client.responses.create(input="Tom had a ball.", **kwargs)
+    second = client.responses.create(input="What did Tom do?", previous_response_id=first.id, **kwargs)
+    chat = client.chat.completions.create(model="stories260K", max_tokens=12, temperature=0, messages=[
+        {"role": "user", "content": "Tom had a ball."}, {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "What did Tom do?"}])
+    assert second.output_text == chat.choices[0].message.content and second.output_text
+    assert second.usage.input_tokens == chat.usage.prompt_tokens
+    queued = client.responses.create(input="Tom had a ball.", background=True, **kwargs)
+    deadline = time.monotonic() + 60
+    while (done := client.responses.retrieve(queued.id)).status in ("queued", "in_progress") and \
+            time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert queued.status == "queued" and done.status == first.status and done.output_text == first.output_text
+    assert client.responses.retrieve(second.id).output_text == second.output_text
