@@ -356,6 +356,7 @@ class ChatCall(Call):
         # a reasoning model's thinking, split from each choice's content (frontend/reasoning/)
         self.reasoning = ReasoningChoices(state.reasoning, state.reasoning.thinks(
             self.prompt, body.chat_template_kwargs)) if state.reasoning is not None else None
+        self._output_ids: dict[int, list[int]] = {}  # choice index -> its token ids so far (reasoning_tokens)
         request_id = new_request_id(id_prefix)
         super().__init__(state, body, request_id, {"id": request_id, "created": int(time.time()),
                                                    "model": state.model_name})
@@ -409,6 +410,15 @@ class ChatCall(Call):
         piece = self.reasoning.delta(delta.index, delta.text, delta.finish_reason is not None)
         return piece.reasoning if self.body.include_reasoning else "", piece.content
 
+    def usage(self) -> dict:
+        """As Call.usage; under --reasoning-parser with vLLM's completion_tokens_details.reasoning_tokens (the
+        thinking's tokens, every choice's, so far)."""
+        out = super().usage()
+        if self.reasoning is not None:
+            out["completion_tokens_details"] = {"reasoning_tokens": sum(
+                self.reasoning.count_tokens(ids) for ids in self._output_ids.values())}
+        return out
+
     async def collect(self) -> dict:
         """As Call.collect, with vLLM's `prompt_logprobs` of the (one) prompt beside the choices when asked."""
         body = await super().collect()
@@ -421,6 +431,7 @@ class ChatCall(Call):
     def final_choice(self, choice: CollectedChoice) -> dict:
         g = choice.generation
         thought, text = self.split_reasoning(choice.text)  # tool calls are read from the answer only
+        self._output_ids[g.index] = choice.token_ids
         message, finish = {"role": "assistant", "content": text}, g.finish_reason
         if self.tool_calls is not None:
             message, finish = self.tool_calls.message(text or "", finish)
@@ -429,6 +440,7 @@ class ChatCall(Call):
 
     def chunk_choices(self, delta: TextDelta, first: bool) -> list[dict]:
         thought, text = self.reasoning_delta(delta)
+        self._output_ids.setdefault(delta.index, []).extend(delta.token_ids)
         message, finish = {"content": text} if text else {}, delta.finish_reason
         if self.tool_calls is not None:
             message, finish = self.tool_calls.delta(delta.index, text, finish)

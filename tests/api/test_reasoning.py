@@ -273,3 +273,13 @@ async def test_a_response_stream_has_reasoning_events(think_model):
     assert [item.type for item in final.output] == ["reasoning", "message"]
     assert (final.output[0].content[0].text, final.output_text) == ("Seven has no divisors.", "Yes, it is.")
     assert final.usage.output_tokens_details.reasoning_tokens == thinking_tokens(think_model)
+
+
+async def test_usage_counts_the_thinking_tokens(think_model):
+    async with served(think_model, "<think>Seven has no divisors.</think>Yes, it is.") as (client, _):
+        body = await post(client, {"n": 2})
+        chunks = await stream(client, {"stream_options": {"include_usage": True}})
+    assert body["usage"]["completion_tokens_details"] == {"reasoning_tokens": 2 * thinking_tokens(think_model)}
+    assert chunks[-1]["usage"]["completion_tokens_details"] == {"reasoning_tokens": thinking_tokens(think_model)}
+    async with served(MODEL_DIR, "Once upon a time.") as (client, _):
+        assert "completion_tokens_details" not in (await post(client, {}))["usage"]  # no parser: no field
