@@ -7,6 +7,8 @@ harness adds only what every test server gets: --port 0 for P, one worker thread
 
 from __future__ import annotations
 
+import json
+
 import openai
 import pytest
 
@@ -33,3 +35,17 @@ def test_the_production_command_line_serves_a_chat_request(production_server):
     assert response.choices[0].message.role == "assistant"
     with pytest.raises(openai.AuthenticationError):  # --api-key secret is enforced
         openai.OpenAI(base_url=f"{production_server.url}/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def test_its_reasoning_parser_serves_a_model_without_think_tokens_as_plain_content(production_server):
+    # --reasoning-parser deepseek_r1 on stories260K, whose tokenizer has no <think>: the output is content, and a
+    # structured output constrains it from the first token (frontend/reasoning/; docs/api.md, reasoning models)
+    client = openai.OpenAI(base_url=f"{production_server.url}/v1", api_key="secret", max_retries=0)
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["n"], "additionalProperties": False}
+    response = client.chat.completions.create(
+        model="my-model", messages=[{"role": "user", "content": "Once upon a time"}], max_tokens=40, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}})
+    message = response.choices[0].message
+    assert set(json.loads(message.content)) == {"n"} and response.choices[0].finish_reason == "stop"
+    assert "reasoning_content" not in (message.model_extra or {})
