@@ -50,6 +50,7 @@ class ResponsesCall(ChatCall):
         input_items: the conversation this response answers, as input items (what a later turn continues).
         stored: the response is kept in the store once it has ended (`store`, unless the store keeps nothing).
         input_size: about the bytes of `input_items` (the caller's count of the bodies; see StoredResponse.size).
+        body_bytes: the bytes of this request's body (the caller's count; see StoredResponse.body_bytes).
 
     Raises:
         InvalidRequestError, ModelNotFoundError: the body is not valid (param names the Responses field).
@@ -67,7 +68,7 @@ class ResponsesCall(ChatCall):
             super().__init__(state, chat_request_of(request, self.function_tools, history))
         self.input_items = [*history, *input_items(request.input)]
         self.stored = request.store and state.responses.enabled
-        self.input_size = 0
+        self.input_size = self.body_bytes = 0
         self.request_id = new_id("resp")
         self.output_token_ids: list[int] = []  # the choice's, once known (usage's reasoning_tokens)
         self.created_at = int(time.time())
@@ -111,7 +112,7 @@ class ResponsesCall(ChatCall):
         """Keep the ended `response` in the store if the request asked to (a background one is there already and
         advances in place); returns it."""
         if self.stored and not self.request.background:
-            self.state.responses.put(response, self.input_items, self.input_size)
+            self.state.responses.put(response, self.input_items, self.input_size, self.body_bytes)
         return response
 
     def response(self, output: list[dict], finish: str | None, status: str | None = None) -> dict:

@@ -30,7 +30,7 @@ def start(call: ResponsesCall) -> dict:
         raise refusal
     call.generations = call.build()
     queued = call.response([], None, status="queued")
-    entry = state.responses.put(queued, call.input_items, call.input_size)
+    entry = state.responses.put(queued, call.input_items, call.input_size, call.body_bytes)
     entry.task = asyncio.create_task(_run(call, entry), name=f"background-{call.request_id}")
     return queued
 

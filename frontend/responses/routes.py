@@ -27,7 +27,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     previous = state.responses.previous(body.previous_response_id) if body.previous_response_id is not None else None
     size = len(raw) + (previous.size if previous is not None else 0)
     call = await convert(lambda: ResponsesCall(state, body, previous), size)
-    call.input_size = size
+    call.input_size, call.body_bytes = size, len(raw)
     request[RESPONSE_ID] = call.request_id
     if body.background:
         return web.json_response(background.start(call), dumps=_dumps)

@@ -1,8 +1,9 @@
 """The Responses API's memory: a bounded in-memory store of response objects, for previous_response_id,
 GET /v1/responses/{id} and background responses (frontend/responses/background.py).
 
-Bounded by count (`--responses-store-max-entries`) and by age (`--responses-store-max-age`, seconds since the
-response was stored): the oldest goes first, whatever its status (a background response evicted while it runs is
+Bounded by count (`--responses-store-max-entries`), by age (`--responses-store-max-age`, seconds since the
+response was stored) and by the bytes of the request bodies it holds (MAX_BYTES; a response's output is bounded by
+the context length): the oldest goes first, whatever its status (a background response evicted while it runs is
 cancelled, since nothing could read its result). Every operation is O(1) amortized and never waits, so the store is
 used from the event loop directly.
 """
@@ -17,6 +18,7 @@ from typing import Callable
 
 from shuttle.common.errors import GenerationError, InvalidRequestError
 
+MAX_BYTES = 512 * 2**20  # request bodies held at most (a body is at most 4 MiB: a count bound alone allows 4 GiB)
 TERMINAL = ("completed", "incomplete", "failed", "cancelled")  # a response in one of these never changes again
 # the output items a later turn's input takes (what previous_response_id continues); reasoning is left out, as vLLM
 CONVERSATION_ITEMS = ("message", "function_call")
@@ -43,6 +45,8 @@ class StoredResponse:
             response's conversation, then this request's input.
         stored_at: the store clock's seconds when stored (its age counts from here).
         size: about the bytes of the conversation (the request bodies that made it): how much work continuing it is.
+        body_bytes: the bytes of this response's own request body (what the store counts against MAX_BYTES; the
+            conversation's earlier items are shared with the responses it continues).
         task: a background response's run while it runs, else None.
         ending: (status, error) that whoever cancels `task` sets first: what the response ends as.
     """
@@ -51,6 +55,7 @@ class StoredResponse:
     input_items: list[dict]
     stored_at: float
     size: int = 0
+    body_bytes: int = 0
     task: asyncio.Task | None = None
     ending: tuple[str, dict | None] = ("cancelled", None)
 
@@ -86,12 +91,19 @@ class ResponseStore:
         max_entries: most responses kept (0: none; `enabled` is then False).
         max_age: seconds a response is kept after it is stored (0: no age limit).
         clock: seconds, monotonic (tests pass a fake one).
+        max_bytes: request body bytes held at most (the newest response is kept whatever its size).
+
+    Attributes:
+        body_bytes: the request body bytes held now.
     """
 
-    def __init__(self, max_entries: int, max_age: float, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, max_entries: int, max_age: float, clock: Callable[[], float] = time.monotonic,
+                 max_bytes: int = MAX_BYTES):
         self.max_entries = max_entries
         self.max_age = max_age
         self.clock = clock
+        self.max_bytes = max_bytes
+        self.body_bytes = 0
         self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
 
     @property
@@ -102,8 +114,9 @@ class ResponseStore:
         self._expire()
         return len(self._entries)
 
-    def put(self, response: dict, input_items: list[dict], size: int = 0) -> StoredResponse:
-        """Store `response` (under its "id") with the conversation that led to it; the oldest go beyond the bound.
+    def put(self, response: dict, input_items: list[dict], size: int = 0, body_bytes: int = 0) -> StoredResponse:
+        """Store `response` (under its "id") with the conversation that led to it (`size`, `body_bytes`: see
+        StoredResponse); the oldest go beyond the bounds.
 
         Raises:
             InvalidRequestError: the store keeps nothing (`enabled` is False).
@@ -111,10 +124,11 @@ class ResponseStore:
         if not self.enabled:
             raise InvalidRequestError("this server stores no responses (--responses-store-max-entries 0)",
                                       param="store")
-        entry = StoredResponse(response, input_items, self.clock(), size)
+        entry = StoredResponse(response, input_items, self.clock(), size, body_bytes)
         self._entries[response["id"]] = entry
+        self.body_bytes += body_bytes
         self._expire()
-        while len(self._entries) > self.max_entries:
+        while len(self._entries) > self.max_entries or (self.body_bytes > self.max_bytes and len(self._entries) > 1):
             self._evict(next(iter(self._entries)))
         return entry
 
@@ -179,5 +193,6 @@ class ResponseStore:
 
     def _evict(self, response_id: str) -> None:
         entry = self._entries.pop(response_id)
+        self.body_bytes -= entry.body_bytes
         if entry.task is not None and not entry.task.done():
             entry.task.cancel()  # nothing could read its result: its engine request is aborted

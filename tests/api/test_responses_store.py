@@ -10,6 +10,7 @@ output.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import openai
@@ -88,6 +89,32 @@ def test_no_age_limit_and_a_store_of_nothing():
     assert store.get("a").response["id"] == "a"
     with pytest.raises(InvalidRequestError):
         ResponseStore(max_entries=0, max_age=0.0).put({"id": "a"}, [])
+
+
+def test_the_store_evicts_the_oldest_beyond_its_bytes_but_keeps_the_newest():
+    store = ResponseStore(max_entries=10, max_age=0.0, max_bytes=100)
+    for name, size in (("a", 60), ("b", 30), ("c", 20)):
+        store.put({"id": name, "status": "completed", "output": []}, [], body_bytes=size)
+    assert [store.get(n).body_bytes for n in ("b", "c")] == [30, 20] and store.body_bytes == 50 and len(store) == 2
+    store.put({"id": "big", "status": "completed", "output": []}, [], body_bytes=500)
+    assert len(store) == 1 and store.get("big") and store.body_bytes == 500
+
+
+async def test_the_store_counts_each_request_body_once():
+    async with served() as (client, _):
+        raw = json.dumps({"input": PROMPT}).encode()
+        headers = {"Content-Type": "application/json"}
+        async with client.post(URL, data=raw, headers=headers) as answer:
+            first = await answer.json()
+        continued = json.dumps({"input": "more", "previous_response_id": first["id"]}).encode()
+        async with client.post(URL, data=continued, headers=headers) as answer:
+            second = await answer.json()
+        store = store_of(client)
+        assert store.body_bytes == len(raw) + len(continued)
+        assert (store.get(first["id"]).size, store.get(second["id"]).size) == (len(raw), len(raw) + len(continued))
+        async with client.delete(f"{URL}/{first['id']}"):
+            pass
+        assert store.body_bytes == len(continued)
 
 
 async def test_a_stored_response_is_retrieved_as_it_was_answered():
