@@ -578,6 +578,8 @@ PROBES = [
     ("GET", "/v1/responses/resp_nope?stream=true", "/v1/responses/{response_id}", None, WITH_KEY, 400),
     ("DELETE", "/v1/responses/resp_nope", "/v1/responses/{response_id}", None, WITH_KEY, 404),
     ("POST", "/v1/responses/resp_nope/cancel", "/v1/responses/{response_id}/cancel", {}, WITH_KEY, 404),
+    ("POST", "/v1/responses/resp_nope/cancel", "/v1/responses/{response_id}/cancel", {},
+     {**WITH_KEY, "Content-Type": "text/plain"}, 415),
 ]
 
 
