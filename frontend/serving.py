@@ -357,6 +357,8 @@ class ChatCall(Call):
         self.reasoning = ReasoningChoices(state.reasoning, state.reasoning.thinks(
             self.prompt, body.chat_template_kwargs)) if state.reasoning is not None else None
         self._output_ids: dict[int, list[int]] = {}  # choice index -> its token ids so far (reasoning_tokens)
+        if self.reasoning is not None and not body.include_reasoning:
+            self.logprobs = None  # they would show the thinking's tokens (vLLM leaves them out too)
         request_id = new_request_id(id_prefix)
         super().__init__(state, body, request_id, {"id": request_id, "created": int(time.time()),
                                                    "model": state.model_name})

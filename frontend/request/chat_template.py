@@ -109,6 +109,9 @@ def _template_message(i: int, message: ChatMessage, escape: Callable[[str], str]
                              for j, call in enumerate(calls)]
     if message.role == "tool" and message.tool_call_id is not None:
         out["tool_call_id"] = message.tool_call_id
+    thought = message.reasoning if message.reasoning is not None else message.reasoning_content
+    if thought is not None:  # templates read reasoning_content (Qwen3's, DeepSeek's); vLLM's newer name too
+        out["reasoning"] = out["reasoning_content"] = escape(thought) if escape else thought
     return out
 
 

@@ -155,13 +155,17 @@ class CompletionRequest(SamplingFields, kw_only=True):
 
 class ChatMessage(msgspec.Struct, kw_only=True):
     """One message; `content` is required but beside an assistant's `tool_calls` (checked when rendering, so that the
-    error names the message). A `tool` message answers the call named by `tool_call_id`."""
+    error names the message). A `tool` message answers the call named by `tool_call_id`. `reasoning` (vLLM's) or
+    `reasoning_content` (DeepSeek's): an earlier answer's thinking, as a reasoning model's response had it, handed to
+    the template under both names (Qwen3's renders it for the turns after the last user message)."""
 
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
     tool_calls: list[MessageToolCall] | None = None
     tool_call_id: str | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):

@@ -36,7 +36,8 @@ CHAT = "/v1/chat/completions"
 THINK, END_THINK, EOS = 512, 513, 2
 USER = [{"role": "user", "content": "Is 7 prime?"}]
 # A Qwen3-style prompt: enable_thinking false writes an empty, closed thinking into it
-QWEN_TEMPLATE = ("{% for m in messages %}{{ m.role + ': ' + m.content + '\\n' }}{% endfor %}"
+QWEN_TEMPLATE = ("{% for m in messages %}{{ m.role + ': ' }}{% if m.reasoning_content %}"
+                 "{{ '<think>' + m.reasoning_content + '</think>' }}{% endif %}{{ m.content + '\\n' }}{% endfor %}"
                  "{% if add_generation_prompt %}assistant: {% if enable_thinking is defined and not enable_thinking %}"
                  "<think>\\n\\n</think>\\n\\n{% endif %}{% endif %}")
 
@@ -142,12 +143,14 @@ async def test_a_thinking_cut_by_max_tokens_is_all_reasoning(think_model):
 
 async def test_include_reasoning_false_leaves_the_thinking_out(think_model):
     async with served(think_model, "<think>Seven has no divisors.</think>Yes, it is.") as (client, _):
-        body = await post(client, {"include_reasoning": False})
-        chunks = await stream(client, {"include_reasoning": False})
+        body = await post(client, {"include_reasoning": False, "logprobs": True})
+        chunks = await stream(client, {"include_reasoning": False, "logprobs": True})
     message = body["choices"][0]["message"]
     assert (message["content"], message["reasoning_content"], message["reasoning"]) == ("Yes, it is.", None, None)
     assert joined(chunks, "content") == "Yes, it is."
     assert not any("reasoning_content" in c["choices"][0]["delta"] for c in chunks if c["choices"])
+    # logprobs would show the thinking's tokens: left out, as vLLM does
+    assert body["choices"][0]["logprobs"] is None and all(c["choices"][0]["logprobs"] is None for c in chunks)
 
 
 async def test_the_openai_client_reads_reasoning_content(think_model):
@@ -283,3 +286,18 @@ async def test_usage_counts_the_thinking_tokens(think_model):
     assert chunks[-1]["usage"]["completion_tokens_details"] == {"reasoning_tokens": thinking_tokens(think_model)}
     async with served(MODEL_DIR, "Once upon a time.") as (client, _):
         assert "completion_tokens_details" not in (await post(client, {}))["usage"]  # no parser: no field
+
+
+async def test_an_earlier_answers_thinking_reaches_the_template(think_model):
+    history = [*USER, {"role": "assistant", "content": "Yes.", "reasoning_content": "No divisors."},
+               {"role": "user", "content": "And 9?"}]
+    async with served(think_model, "No.", "qwen3", str(think_model / "qwen.jinja")) as (client, engine):
+        await post(client, {"messages": history})
+        await post(client, {"messages": [*history[:1], {**history[1], "reasoning_content": None,
+                                                        "reasoning": "No divisors."}, history[2]]})
+    tokenizer = TextTokenizer(str(think_model))
+    prompts = [tokenizer.decode(s.prompt_token_ids, skip_special_tokens=False) for s in engine.submitted]
+    assert prompts[0] == prompts[1]
+    ids = engine.submitted[0].prompt_token_ids
+    assert (ids.count(THINK), ids.count(END_THINK)) == (1, 1)
+    assert tokenizer.decode(ids[ids.index(THINK) + 1:ids.index(END_THINK)]) == "No divisors."
