@@ -272,7 +272,7 @@ async def test_an_unknown_previous_response_id_is_404_naming_it():
 # ---- background --------------------------------------------------------------------------------------------------
 
 async def test_a_background_response_is_answered_queued_and_runs_to_its_end():
-    async with served(FakeEngine(script=STORY, step_delay=0.01)) as (client, engine):
+    async with served(FakeEngine(script=STORY, step_delay=0.05)) as (client, engine):
         api = openai_client(client)
         queued = await api.responses.create(model="stories", input=PROMPT, background=True)
         running = await api.responses.retrieve(queued.id)
@@ -314,7 +314,7 @@ async def test_background_refusals():
 
 
 async def test_cancel_aborts_a_background_response_once():
-    async with served(FakeEngine(script=STORY, step_delay=0.05)) as (client, engine):
+    async with served(FakeEngine(script=STORY, step_delay=0.1)) as (client, engine):
         api = openai_client(client)
         queued = await api.responses.create(model="stories", input=PROMPT, background=True)
         await until(client, queued.id, "in_progress")
@@ -381,7 +381,7 @@ async def test_a_background_response_whose_client_left_runs_to_its_end():
 
 
 async def test_a_drain_fails_background_responses_still_running():
-    async with served(FakeEngine(script=STORY, step_delay=0.05)) as (client, engine):
+    async with served(FakeEngine(script=STORY, step_delay=0.1)) as (client, engine):
         api = openai_client(client)
         queued = await api.responses.create(model="stories", input=PROMPT, background=True)
         await until(client, queued.id, "in_progress")
@@ -392,7 +392,7 @@ async def test_a_drain_fails_background_responses_still_running():
 
 
 async def test_background_responses_still_running_when_the_server_stops_fail_once():
-    async with served(FakeEngine(script=STORY, step_delay=0.05)) as (client, engine):
+    async with served(FakeEngine(script=STORY, step_delay=0.1)) as (client, engine):
         api = openai_client(client)
         queued = await api.responses.create(model="stories", input=PROMPT, background=True)
         await until(client, queued.id, "in_progress")
@@ -405,7 +405,7 @@ async def test_background_responses_still_running_when_the_server_stops_fail_onc
 
 
 async def test_a_running_background_response_evicted_from_the_store_is_aborted():
-    async with served(FakeEngine(script=STORY, step_delay=0.05), api=ApiConfig(responses_store_max_entries=1)) \
+    async with served(FakeEngine(script=STORY, step_delay=0.1), api=ApiConfig(responses_store_max_entries=1)) \
             as (client, engine):
         api = openai_client(client)
         queued = await api.responses.create(model="stories", input=PROMPT, background=True)
