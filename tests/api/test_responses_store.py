@@ -20,10 +20,13 @@ from aiohttp.test_utils import TestClient, TestServer
 from shuttle.common.config import ApiConfig
 from shuttle.common.errors import InvalidRequestError
 from shuttle.frontend.lifecycle import drain
+from shuttle.frontend.responses import background
+from shuttle.frontend.responses.api import ResponsesCall
+from shuttle.frontend.responses.request import ResponsesRequest
 from shuttle.frontend.responses.store import ResponseNotFoundError, ResponseStore
 from shuttle.frontend.state import STATE
 from tests.api.test_api_details import PROMPT, STORY, STORY_TEXT, openai_client, post, served
-from tests.api.test_responses_api import TOOLS, served_tools
+from tests.api.test_responses_api import TOOLS, events_of, served_tools
 from tests.api.test_tool_calling import NAMED_TEXT
 from tests.fake_engine import FakeEngine, frontend_app
 
@@ -128,6 +131,20 @@ async def test_a_stored_response_is_retrieved_as_it_was_answered():
             assert await answer.json() == raw
     assert created.store is True and created.output_text == STORY_TEXT
     assert retrieved.model_dump() == created.model_dump()
+
+
+async def test_a_streamed_response_is_stored_as_its_last_event_says():
+    async with served() as (client, _):
+        events = await events_of(client, {"input": PROMPT})
+        done = events[-1][1]["response"]
+        async with client.get(f"{URL}/{done['id']}") as answer:
+            assert answer.status == 200
+            assert await answer.json() == done
+        cut = await events_of(client, {"input": PROMPT, "store": False})
+        async with client.get(f"{URL}/{cut[-1][1]['response']['id']}") as answer:
+            assert answer.status == 404
+    assert events[-1][0] == "response.completed" and done["store"] is True
+    assert done["output"][0]["content"][0]["text"] == STORY_TEXT
 
 
 async def test_store_false_keeps_a_response_out():
@@ -349,9 +366,6 @@ async def test_a_background_response_cancelled_before_it_started_is_cancelled():
         state = client.server.app[STATE]
         _, queued = await post(client, URL, {"input": PROMPT, "background": True})
         # a second one is cancelled from the loop before its task has run once
-        from shuttle.frontend.responses import background
-        from shuttle.frontend.responses.api import ResponsesCall
-        from shuttle.frontend.responses.request import ResponsesRequest
         call = ResponsesCall(state, ResponsesRequest(input=PROMPT, background=True))
         response = background.start(call)
         cancelled = await background.cancel(state.responses, response["id"])
