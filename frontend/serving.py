@@ -327,7 +327,9 @@ class CompletionCall(Call):
 class ChatCall(Call):
     """POST /v1/chat/completions: message choices; in a stream each choice opens with a role-only delta (as OpenAI's
     streams do). With tools, each choice's text is parsed into content and tool calls (frontend/tools/calls.py), and
-    tool_choice "required" or a named function constrains the output to them (frontend/tools/request.py).
+    tool_choice "required" or a named function constrains the output to them (frontend/tools/request.py). Under
+    --reasoning-parser the thinking is split from the answer first (frontend/reasoning/): calls and a grammar apply
+    to the answer only.
 
     Raises:
         InvalidRequestError, ModelNotFoundError: the body is not valid (param names the field).
