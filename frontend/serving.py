@@ -450,12 +450,17 @@ class ChatCall(Call):
             message, finish = self.tool_calls.delta(delta.index, text, finish)
         if thought:
             message = {**reasoning_fields(thought), **message}
-        choice = self._choice("delta", delta.index, message, delta.token_ids, delta.logprobs, finish)
+        # a delta that released nothing (a think tag, text held as a possible tag) and carries nothing else is not
+        # sent, as vLLM skips it
+        silent = self.reasoning is not None and not message and finish is None and self.logprobs is None and \
+            not self.body.return_token_ids
+        choices = [] if silent else [self._choice("delta", delta.index, message, delta.token_ids, delta.logprobs,
+                                                  finish)]
         if not first:
-            return [choice]
+            return choices
         role = {"index": delta.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                 "finish_reason": None}
-        return [role, choice]
+        return [role, *choices]
 
     def _choice(self, key: str, index: int, message: dict, token_ids: list[int], lps, finish: str | None) -> dict:
         out = {"index": index, key: message,

@@ -129,6 +129,12 @@ async def test_a_stream_carries_the_thinking_and_the_answer_as_deltas(think_mode
     assert kinds == sorted(kinds, key=lambda kind: kind != "reasoning") and len(set(kinds)) == 2
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    # the tags' own deltas released nothing: not sent (vLLM skips them too), unless they carry token ids
+    assert all(c["choices"][0]["delta"] for c in chunks[:-1])
+    async with served(think_model, "<think>Hmm.</think>Yes.") as (client, _):
+        with_ids = await stream(client, {"return_token_ids": True})
+    assert [c["choices"][0]["token_ids"] for c in with_ids[1:] if not c["choices"][0]["delta"]] == \
+        [[THINK], [END_THINK], [EOS]]
 
 
 async def test_a_thinking_cut_by_max_tokens_is_all_reasoning(think_model):
