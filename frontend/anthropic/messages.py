@@ -21,8 +21,9 @@ from contextlib import aclosing
 from typing import Any, AsyncGenerator
 
 from shuttle.frontend.anthropic.request import CountTokensRequest, MessagesRequest, chat_request_of
+from shuttle.frontend.chat_call import ChatCall, chat_prompt_ids
 from shuttle.frontend.choices import collect
-from shuttle.frontend.serving import ChatCall, chat_prompt_ids, check_model
+from shuttle.frontend.serving import check_model
 from shuttle.frontend.state import FrontendState
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}

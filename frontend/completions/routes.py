@@ -12,10 +12,12 @@ from aiohttp import web
 
 from shuttle.common.errors import GenerationError
 from shuttle.frontend import last_words
+from shuttle.frontend.chat_call import ChatCall
+from shuttle.frontend.completion_call import CompletionCall
 from shuttle.frontend.request.decoding import decode_body
 from shuttle.frontend.request.errors import error_body
 from shuttle.frontend.request.protocol import ChatCompletionRequest, CompletionRequest
-from shuttle.frontend.serving import Call, ChatCall, CompletionCall, check_model
+from shuttle.frontend.serving import Call, check_model
 from shuttle.frontend.state import RESPONSE_ID, STATE, FrontendState
 from shuttle.frontend.web.off_loop import convert
 from shuttle.frontend.web.server import request_body

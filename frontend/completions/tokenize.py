@@ -5,9 +5,10 @@ from __future__ import annotations
 from aiohttp import web
 
 from shuttle.common.errors import InvalidRequestError
+from shuttle.frontend.chat_call import chat_prompt_ids
 from shuttle.frontend.request.decoding import decode_body
 from shuttle.frontend.request.protocol import DetokenizeRequest, TokenizeRequest
-from shuttle.frontend.serving import chat_prompt_ids, check_model
+from shuttle.frontend.serving import check_model
 from shuttle.frontend.state import STATE
 from shuttle.frontend.web.server import request_body
 

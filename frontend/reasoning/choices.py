@@ -1,4 +1,4 @@
-"""A chat response's choices split into thinking and answer (frontend/serving.py's ChatCall and the Responses API
+"""A chat response's choices split into thinking and answer (frontend/chat_call.py's ChatCall and the Responses API
 ask this module): whole (`split`) or each streamed choice's splitter (`delta`, fed every text delta of a choice in
 order, its last one with `last`)."""
 

@@ -15,6 +15,7 @@ from typing import Any, AsyncGenerator
 import msgspec
 
 from shuttle.common.errors import InvalidRequestError
+from shuttle.frontend.chat_call import ChatCall
 from shuttle.frontend.choices import collect, usage
 from shuttle.frontend.generation import TextDelta, TextGeneration
 from shuttle.frontend.request.errors import error_body
@@ -29,7 +30,7 @@ from shuttle.frontend.responses.request import (
     responses_params,
 )
 from shuttle.frontend.responses.store import StoredResponse
-from shuttle.frontend.serving import ChatCall, build_generations
+from shuttle.frontend.serving import build_generations
 from shuttle.frontend.state import FrontendState
 from shuttle.frontend.tools.calls import ToolCallChoices
 

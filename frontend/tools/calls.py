@@ -1,5 +1,5 @@
 """Tool calls out of a chat response's choices: which parser reads the output (by tool_choice), and the OpenAI
-message, stream delta and finish_reason each choice then gets (frontend/serving.py's ChatCall asks this module).
+message, stream delta and finish_reason each choice then gets (frontend/chat_call.py's ChatCall asks this module).
 
     whole:    {"role": "assistant", "content": text or null, "tool_calls": [{"id", "type": "function",
                "function": {"name", "arguments"}}]}  (no tool_calls key when there are none)

@@ -34,10 +34,10 @@ from yarl import URL
 
 from shuttle.common.errors import InvalidRequestError
 from shuttle.frontend import last_words
+from shuttle.frontend.completion_call import CompletionCall
 from shuttle.frontend.request.decoding import decode_body
 from shuttle.frontend.request.errors import client_error, error_body
 from shuttle.frontend.request.protocol import CompletionRequest
-from shuttle.frontend.serving import CompletionCall
 from shuttle.frontend.state import STATE, FrontendState
 from shuttle.frontend.web.off_loop import convert
 

@@ -34,8 +34,8 @@ import zmq.asyncio
 
 from shuttle.common.ipc import AsyncChannel, MalformedMessage
 from shuttle.common.messages import BatchClientMessage, BatchHeartbeat, BatchRequest, BatchResponse
+from shuttle.frontend.open_call import open_call
 from shuttle.frontend.request.errors import client_error, error_body
-from shuttle.frontend.serving import open_call
 from shuttle.frontend.state import FrontendState
 from shuttle.frontend.web.off_loop import convert
 
