@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("frontend", "scheduler", "worker", "common", "launcher", "capacity", "batch_jobs", "shuttle")
+PACKAGES = ("frontend", "scheduler", "worker", "common", "launcher", "capacity", "batch_jobs", "offline", "shuttle")
 LONG_FILE_LINES = 300
 LONG_FUNCTION_LINES = 60
 
