@@ -18,6 +18,7 @@ from shuttle.common.devices import parse_device
 from shuttle.common.errors import ModelDirError
 from shuttle.common.generation_config import AUTO
 from shuttle.common.model_config import ModelConfig
+from shuttle.common.speculative import SpeculativeConfig, parse_speculative_config
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent.parent / "shared" / "models" / "stories260K"
 
@@ -114,6 +115,11 @@ class SchedulerConfig:
                                           "WebSocket request under either --scheduling-policy, so a running batch job "
                                           "does not raise interactive TTFT; --no-batch-background schedules them "
                                           "like interactive requests")
+    speculative_config: SpeculativeConfig | None = option(
+        None, "n-gram speculative decoding, as vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": k, "
+              "\"prompt_lookup_max\": n, \"prompt_lookup_min\": m}; each decoding sequence verifies up to k drafts "
+              "per step (docs/scheduling.md); steps are then not overlapped", type=parse_speculative_config,
+        metavar="JSON")
 
 
 @dataclass(frozen=True)

@@ -155,13 +155,17 @@ def resolve_config(config, local_groups: int, cuda_devices: int):
         cuda_devices: CUDA devices present (cuda_device_count(); tests pass fabricated counts).
     Raises:
         DeviceError: too few CUDA devices, or a CUDA device asked for on a machine without one; --quantization
-            that cannot be served (quantization_error below).
+            that cannot be served (quantization_error below); --speculative-config under tensor parallel.
     """
     first = resolve_device(config.worker.device, cuda_devices)
     check_device_count(first, max(local_groups, 1), config.parallel.tensor_parallel_size, cuda_devices)
     refusal = quantization_error(config.worker.quantization, config.parallel.tensor_parallel_size, device_type(first))
     if refusal:
         raise DeviceError(refusal)
+    if config.scheduler.speculative_config is not None and config.parallel.tensor_parallel_size > 1:
+        # rank 0 verifies the drafts; the other ranks would need each request's gained tokens shared
+        raise DeviceError("--speculative-config runs without tensor parallel only (-tp 1), not "
+                          f"-tp {config.parallel.tensor_parallel_size}")
     worker = dataclasses.replace(config.worker, device=first,
                                  attention_backend=resolve_attention_backend(config.worker.attention_backend, first))
     model = dataclasses.replace(config.model, dtype=resolve_dtype(config.model.dtype, first))

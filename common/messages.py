@@ -130,6 +130,12 @@ class SchedulerStats(msgspec.Struct, **_WIRE):
     # Per step, aligned with step_token_counts: how many of its tokens were decodes (one token a request, its
     # input the token sampled before); the rest were prefill (prompt chunks, recomputation after preemption).
     step_decode_token_counts: list[int] = []
+    # Cumulative, under --speculative-config (vLLM's spec_decode counters): sequence-steps that verified drafts,
+    # drafts verified, drafts accepted, and drafts accepted at each draft position (index 0: the first draft).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = []
 
 
 class StepOutputs(msgspec.Struct, **_WIRE):
@@ -176,6 +182,9 @@ class CachedRequestData(msgspec.Struct, **_WIRE):
     new_block_ids: list[int]
     num_computed_tokens: int
     num_scheduled_tokens: int
+    # n-gram drafts (--speculative-config): the step computes the last known token then these, and verifies them
+    # (num_scheduled_tokens is 1 + their number)
+    draft_token_ids: list[int] = []
 
 
 class StepPlan(msgspec.Struct, **_WIRE):
@@ -243,7 +252,8 @@ class WorkerReady(msgspec.Struct, **_WIRE):
 
 class StepResult(msgspec.Struct, **_WIRE):
     """Sampled tokens of one step: `request_ids[i]` sampled `token_ids[i]`. Requests whose chunk did not
-    reach the end of their known tokens sample nothing and are absent."""
+    reach the end of their known tokens sample nothing and are absent. A request that verified drafts appears once
+    per token it gained (its accepted drafts, then the target's token), in order."""
 
     step_id: int
     request_ids: list[str]

@@ -20,7 +20,6 @@ NOT_IMPLEMENTED = "shuttle does not implement it"
 # vLLM's flags that shuttle refuses whatever their value, by option string, with the reason
 # (add_vllm_flags leaves out any that shuttle has come to implement)
 REFUSED_FLAGS: dict[str, str] = {
-    "--speculative-config": "speculative decoding is not implemented",
     "--enable-lora": "LoRA adapters are not implemented",
     "--lora-modules": "LoRA adapters are not implemented",
     "--ssl-keyfile": "TLS is not implemented: terminate it in a reverse proxy",

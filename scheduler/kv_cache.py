@@ -95,6 +95,15 @@ class KVCacheManager:
             self.pool.cache(table[index], digest, chunk)
         self._num_committed[request.request_id] = full
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Give back the request's blocks past its first `num_tokens` tokens (rejected drafts' slots; the worker
+        trims its table by the same rule). None of them is committed: commits stop at the computed tokens."""
+        table = self.block_tables.get(request.request_id)
+        keep = self.blocks_needed(num_tokens)
+        if table is not None and len(table) > keep:
+            self.pool.release(table[keep:][::-1])
+            del table[keep:]
+
     def _full_blocks(self, request: Request, num_blocks: int) -> list[tuple[bytes, tuple[int, ...]]]:
         """(chained digest, token ids) of the request's first `num_blocks` full blocks, each computed once per
         request (tokens are only ever appended, so they stay valid across preemption)."""

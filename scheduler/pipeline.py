@@ -10,11 +10,14 @@ once its result returns (scheduler/scheduler.py books at schedule time and settl
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 
 from shuttle.common.messages import StepResult
 from shuttle.scheduler.scheduled_step import ScheduledStep
 from shuttle.scheduler.scheduler import Scheduler
+
+log = logging.getLogger("shuttle.scheduler")
 
 
 class StepPipeline:
@@ -32,6 +35,10 @@ class StepPipeline:
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight must be at least 1, got {max_in_flight}")
         self.scheduler = scheduler
+        if max_in_flight > 1 and scheduler.speculative is not None:
+            # the next step's booking depends on how many drafts this one accepts: plan, wait and settle
+            log.info("--speculative-config: steps are not overlapped (async scheduling is off)")
+            max_in_flight = 1
         self.max_in_flight = max_in_flight
         self.in_flight: deque[ScheduledStep] = deque()
 

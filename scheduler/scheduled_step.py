@@ -11,13 +11,15 @@ from shuttle.scheduler.request import Request
 @dataclass(slots=True)
 class ScheduledRequest:
     """One request's share of a planned step: tokens [start, start + num_new) are computed, and the request
-    samples a token when `samples` (its chunk reaches the end of its booked tokens)."""
+    samples a token when `samples` (its chunk reaches the end of its booked tokens). With drafts, tokens [start,
+    start + num_new) are the last known token then the drafts, and the step gains 1 to num_new tokens."""
 
     request: Request
     epoch: int
     start: int
     num_new: int
     samples: bool
+    draft_token_ids: tuple[int, ...] = ()  # n-gram drafts verified after the last known token (num_new = 1 + len)
 
 
 @dataclass

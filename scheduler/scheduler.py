@@ -39,6 +39,7 @@ from shuttle.scheduler.admission import AdmissionView, SloAdmission
 from shuttle.scheduler.fairness import GroupShares
 from shuttle.scheduler.grammar_gate import GrammarGate
 from shuttle.scheduler.kv_cache import KVCacheManager
+from shuttle.scheduler.ngram import propose_ngram
 from shuttle.scheduler.queue import WaitingQueue
 from shuttle.scheduler.request import Request, RequestStatus
 from shuttle.scheduler.scheduled_step import ScheduledRequest, ScheduledStep
@@ -83,6 +84,10 @@ class Scheduler:
         self.grammars = GrammarGate()  # constrained requests wait there for their grammar (scheduler/grammar_gate.py)
         # SLO admission (scheduler/admission.py); the process that owns the scheduler loads any profile, not this class
         self.admission = admission if admission is not None else SloAdmission(config.ttft_slo_ms)
+        # n-gram speculation (--speculative-config): vLLM's spec_decode counters, cumulative
+        self.speculative = config.speculative_config
+        self.spec_num_drafts = self.spec_num_draft_tokens = self.spec_num_accepted_tokens = 0
+        self.spec_accepted_per_pos = [0] * (self.speculative.num_speculative_tokens if self.speculative else 0)
 
     def _admission_view(self) -> AdmissionView:
         """What SLO admission may read: the budgets, the cache's size, the running set and the waiting queue."""
@@ -249,11 +254,16 @@ class Scheduler:
             num_new = min(request.num_tokens_booked - request.num_computed_tokens, budget, self._chunk_limit())
             if num_new <= 0 or self._booked_to_the_end(request):
                 continue  # its last token is already booked: it waits for a step in flight to settle
-            added = self._allocate_or_preempt(request, num_new)
+            drafts = self._drafts(request, budget) if self.speculative is not None else []
+            # drafts take only free blocks: no request is preempted to make room for a guess
+            added = self.kv.allocate_slots(request, 1 + len(drafts)) if drafts else None
             if added is None:
-                break  # the request itself was preempted; everything after it ranks lower still
+                drafts = []
+                added = self._allocate_or_preempt(request, num_new)
+                if added is None:
+                    break  # the request itself was preempted; everything after it ranks lower still
             new_blocks[request.request_id] = added
-            budget -= self._book(step, request, num_new)
+            budget -= self._book(step, request, num_new + len(drafts), drafts)
 
         # A step that had to preempt admits nobody: the blocks it freed belong to the running requests.
         if self.num_preemptions == preemptions_before:
@@ -302,14 +312,34 @@ class Scheduler:
         return (len(request.output_token_ids) + request.num_output_placeholders >= request.sampling.max_tokens
                 or request.num_tokens_booked >= self.max_model_len)
 
-    def _book(self, step: ScheduledStep, request: Request, num_new: int) -> int:
-        """Advance the request's computed tokens now; a chunk that reaches its end books a sampled placeholder."""
+    def _drafts(self, request: Request, budget: int) -> list[int]:
+        """N-gram drafts for a decoding request (its last known token is all it has left to compute), as many as
+        the budget, the chunk cap, max_tokens and max_model_len leave room for. None for a request with a grammar
+        or penalties (their verification would need the grammar or the counts advanced along the drafts)."""
+        spec, sampling = self.speculative, request.sampling
+        assert spec is not None and spec.prompt_lookup_min is not None and spec.prompt_lookup_max is not None
+        if (request.num_output_placeholders or not request.output_token_ids
+                or request.num_computed_tokens != request.num_tokens - 1 or sampling.structured is not None
+                or sampling.has_penalties or sampling.prompt_logprobs is not None):
+            return []
+        limit = min(spec.num_speculative_tokens, budget - 1, self._chunk_limit() - 1,
+                    sampling.max_tokens - len(request.output_token_ids) - 1,
+                    self.max_model_len - request.num_tokens - 1)
+        if limit < 1:
+            return []
+        return propose_ngram(request.all_token_ids, limit, spec.prompt_lookup_min, spec.prompt_lookup_max)
+
+    def _book(self, step: ScheduledStep, request: Request, num_new: int, drafts: list[int] | None = None) -> int:
+        """Advance the request's computed tokens now; a chunk that reaches its end books a sampled placeholder.
+        With drafts (`num_new` is 1 + their number) the one placeholder stands for the 1 to num_new tokens the
+        step gains; settling rolls back what was rejected."""
         start = request.num_computed_tokens
         end = request.num_computed_tokens = start + num_new
-        samples = end == request.num_tokens_booked
+        samples = end == request.num_tokens_booked or bool(drafts)
         if samples:
             request.num_output_placeholders += 1
-        step.scheduled[request.request_id] = ScheduledRequest(request, request.epoch, start, num_new, samples)
+        step.scheduled[request.request_id] = ScheduledRequest(request, request.epoch, start, num_new, samples,
+                                                              tuple(drafts or ()))
         self.num_scheduled_tokens += num_new
         num_prompt = len(request.prompt_token_ids)
         if start < num_prompt:
@@ -362,8 +392,8 @@ class Scheduler:
         scheduled = step.scheduled
         for entry in scheduled.values():
             request = entry.request
-            if request.is_live and request.epoch == entry.epoch:
-                self.kv.commit(request, entry.start + entry.num_new)
+            if request.is_live and request.epoch == entry.epoch and not entry.draft_token_ids:
+                self.kv.commit(request, entry.start + entry.num_new)  # a speculative entry commits once settled
         for chunk in result.prompt_logprobs:
             chunk_entry = scheduled.get(chunk.request_id)
             if chunk_entry is not None and chunk_entry.request.is_live:
@@ -371,6 +401,7 @@ class Scheduler:
                 if chunk.start <= len(collected) < chunk.start + len(chunk.entries):  # recomputed chunks add nothing
                     collected.extend(chunk.entries[len(collected) - chunk.start:])
         logprobs = result.logprobs
+        gained: dict[str, list[tuple[int, TokenLogprobs | None]]] = {}  # speculative entries' tokens, in order
         for i, (request_id, token_id) in enumerate(zip(result.request_ids, result.token_ids)):
             found = scheduled.get(request_id)
             if found is None:
@@ -378,6 +409,9 @@ class Scheduler:
             request = found.request
             if not request.is_live or request.epoch != found.epoch:
                 continue  # finished, aborted or preempted since this step was planned
+            if found.draft_token_ids:
+                gained.setdefault(request_id, []).append((token_id, logprobs[i] if logprobs else None))
+                continue
             request.num_output_placeholders -= 1
             request.output_token_ids.append(token_id)
             token_lp = logprobs[i] if logprobs else None
@@ -387,6 +421,39 @@ class Scheduler:
                 self._finish(request, reason, new_token_ids=[token_id], logprobs=token_logprobs)
             else:
                 self._emit(request, [token_id], logprobs=token_logprobs)
+        for request_id, tokens in gained.items():
+            self._settle_drafts(scheduled[request_id], tokens)
+
+    def _settle_drafts(self, entry: ScheduledRequest, tokens: list[tuple[int, TokenLogprobs | None]]) -> None:
+        """Settle a speculative entry that gained `tokens` (its accepted drafts, then the target's token): the
+        rejected drafts' slots are rolled back (computed tokens, and blocks past them given back), the written
+        blocks of accepted tokens committed, and the tokens cut at a stop token or max_tokens."""
+        request = entry.request
+        num_accepted = len(tokens) - 1
+        self.spec_num_drafts += 1
+        self.spec_num_draft_tokens += len(entry.draft_token_ids)
+        self.spec_num_accepted_tokens += num_accepted
+        for position in range(num_accepted):
+            self.spec_accepted_per_pos[position] += 1
+        request.num_output_placeholders -= 1
+        request.num_computed_tokens = entry.start + len(tokens)  # the last gained token is not computed yet
+        new_ids: list[int] = []
+        new_logprobs: list[TokenLogprobs] = []
+        reason = None
+        for token_id, token_lp in tokens:
+            request.output_token_ids.append(token_id)
+            new_ids.append(token_id)
+            if token_lp is not None:
+                new_logprobs.append(token_lp)
+            reason = self._stop_reason(request, token_id)
+            if reason is not None:
+                break
+        self.kv.commit(request, request.num_computed_tokens)
+        if reason is not None:
+            self._finish(request, reason, new_token_ids=new_ids, logprobs=new_logprobs)
+        else:
+            self.kv.trim(request, request.num_computed_tokens)
+            self._emit(request, new_ids, logprobs=new_logprobs)
 
     def _stop_reason(self, request: Request, token_id: int) -> FinishReason | None:
         sampling = request.sampling
@@ -411,4 +478,6 @@ class Scheduler:
             prefix_cache_queries=self.kv.prefix_queries, prefix_cache_hits=self.kv.prefix_hits, num_steps=self._step_id,
             num_rejected=self.num_rejected, num_timed_out=self.num_timed_out,
             num_blocks_in_use=pool.num_blocks - pool.num_free, num_admitted=self.num_admitted,
-            num_scheduled_tokens=self.num_scheduled_tokens)
+            num_scheduled_tokens=self.num_scheduled_tokens, spec_num_drafts=self.spec_num_drafts,
+            spec_num_draft_tokens=self.spec_num_draft_tokens, spec_num_accepted_tokens=self.spec_num_accepted_tokens,
+            spec_accepted_per_pos=list(self.spec_accepted_per_pos))

@@ -27,6 +27,7 @@ class StepStats:
         self._window_start = time.monotonic()
         self._prompt_tokens = 0
         self._generated_tokens = 0
+        self._drafts_at_window_start = (0, 0, 0)  # (draft tokens, accepted, drafts) counted before this window
 
     def on_step(self, num_seqs: int, num_tokens: int, num_prompt_tokens: int, num_sampled: int,
                 num_decode_tokens: int = 0) -> None:
@@ -49,6 +50,16 @@ class StepStats:
         self._batch_sizes, self._token_counts, self._decode_counts = [], [], []
         return message
 
+    def _acceptance(self, stats: SchedulerStats) -> str:
+        """The stats line's tail under --speculative-config: this window's draft acceptance rate ("" if none)."""
+        drafted = stats.spec_num_draft_tokens - self._drafts_at_window_start[0]
+        if not drafted:
+            return ""
+        accepted = stats.spec_num_accepted_tokens - self._drafts_at_window_start[1]
+        drafts = stats.spec_num_drafts - self._drafts_at_window_start[2]
+        return (f", draft acceptance rate {100.0 * accepted / drafted:.1f}% ({accepted} of {drafted}), mean "
+                f"acceptance length {1 + accepted / max(drafts, 1):.2f}")
+
     def maybe_log(self, stats: SchedulerStats) -> None:
         """Every log_interval seconds, if anything ran: prompt and generation throughput, queue and KV state."""
         elapsed = time.monotonic() - self._window_start
@@ -57,9 +68,11 @@ class StepStats:
         if self._prompt_tokens or self._generated_tokens or stats.num_running or stats.num_waiting:
             hit_rate = stats.prefix_cache_hits / stats.prefix_cache_queries if stats.prefix_cache_queries else 0.0
             log.info("prompt throughput %.1f tokens/s, generation throughput %.1f tokens/s, running %d, waiting %d, "
-                     "KV cache usage %.1f%%, prefix cache hit rate %.1f%%, preemptions %d",
+                     "KV cache usage %.1f%%, prefix cache hit rate %.1f%%, preemptions %d%s",
                      self._prompt_tokens / elapsed, self._generated_tokens / elapsed, stats.num_running,
                      stats.num_waiting, 100.0 * stats.num_blocks_in_use / max(stats.num_total_blocks, 1),
-                     100.0 * hit_rate, stats.num_preemptions)
+                     100.0 * hit_rate, stats.num_preemptions, self._acceptance(stats))
         self._window_start = time.monotonic()
         self._prompt_tokens = self._generated_tokens = 0
+        self._drafts_at_window_start = (stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens,
+                                        stats.spec_num_drafts)

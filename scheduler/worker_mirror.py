@@ -46,4 +46,4 @@ class WorkerMirror:
             else:
                 plan.cached_requests.append(CachedRequestData(
                     request_id=request_id, new_block_ids=new_blocks[request_id], num_computed_tokens=entry.start,
-                    num_scheduled_tokens=entry.num_new))
+                    num_scheduled_tokens=entry.num_new, draft_token_ids=list(entry.draft_token_ids)))

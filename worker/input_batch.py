@@ -35,6 +35,7 @@ class CachedRequestState:
     row: int
     num_blocks: int = 0
     num_computed_tokens: int = 0
+    draft_token_ids: list[int] = field(default_factory=list)  # this step's n-gram drafts, verified after it runs
     next_prompt_logprob: int = 0  # first prompt position whose logits (predicting the next token) are not sent yet
 
 
@@ -49,6 +50,8 @@ class StepInputs:
             reaches the end of its known tokens); sampled_requests: those S requests, in the same order.
         prompt_rows: per request asking for prompt logprobs, (state, first prompt position, rows, next prompt
             token ids); logits are also kept at those rows, after the S sampling rows, in this order.
+        spec_requests: requests verifying drafts; each has 1 + len(drafts) sampling rows, kept after the S rows
+            above (in this order, the rows of one request consecutive) and before the prompt-logprob rows.
     """
 
     input_ids: torch.Tensor
@@ -57,6 +60,7 @@ class StepInputs:
     sample_rows: torch.Tensor
     sampled_requests: list[CachedRequestState] = field(default_factory=list)
     prompt_rows: list[tuple[CachedRequestState, int, list[int], list[int]]] = field(default_factory=list)
+    spec_requests: list[CachedRequestState] = field(default_factory=list)
 
     @property
     def logits_rows(self) -> torch.Tensor:
@@ -108,6 +112,7 @@ class InputBatch:
             state = known
             self._append_blocks(state, cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
+            state.draft_token_ids = cached.draft_token_ids
             scheduled.append((state, cached.num_scheduled_tokens))
         return scheduled
 
@@ -125,6 +130,14 @@ class InputBatch:
             self._free_rows = list(range(len(grown) - 1, len(self._table) - 1, -1))
             self._table = grown
         return self._free_rows.pop()
+
+    def trim_blocks(self, state: CachedRequestState, num_tokens: int) -> None:
+        """Forget the request's blocks past its first `num_tokens` tokens (rejected drafts' slots), as the
+        scheduler's KV cache manager gives them back by the same rule."""
+        keep = -(-num_tokens // self.block_size)
+        if state.num_blocks > keep:
+            self._table[state.row, keep:state.num_blocks] = self.null_block
+            state.num_blocks = keep
 
     def _append_blocks(self, state: CachedRequestState, block_ids: list[int]) -> None:
         if block_ids:
@@ -153,6 +166,8 @@ class InputBatch:
         seq_lens: list[int] = []
         sample_rows: list[int] = []
         sampled: list[CachedRequestState] = []
+        spec_rows: list[int] = []
+        spec: list[CachedRequestState] = []
         prompt_rows = []
         for state, num_new in ordered:
             start = state.num_computed_tokens
@@ -165,7 +180,11 @@ class InputBatch:
             query_start.append(row + num_new)
             starts.append(start)
             seq_lens.append(end)
-            if end == len(state.token_ids):
+            if state.draft_token_ids:  # the last known token, then the drafts: every row's logits verify
+                input_ids.extend(state.draft_token_ids)
+                spec_rows.extend(range(row, row + num_new))
+                spec.append(state)
+            elif end == len(state.token_ids):
                 sample_rows.append(row + num_new - 1)
                 sampled.append(state)
             if state.sampling.params.prompt_logprobs is not None:
@@ -190,7 +209,7 @@ class InputBatch:
             max_query_len=int(counts.max()), max_seq_len=int(lens.max()), query_start_list=query_start,
             seq_lens_list=seq_lens)
         return StepInputs(torch.tensor(input_ids, dtype=torch.long), torch.from_numpy(positions), attention,
-                          torch.tensor(sample_rows, dtype=torch.long), sampled, prompt_rows)
+                          torch.tensor(sample_rows + spec_rows, dtype=torch.long), sampled, prompt_rows, spec)
 
     def _pack_decodes(self, states: list[CachedRequestState], positions: list[int]) -> StepInputs:
         """pack() for a step of decodes only (each row's one new token is its last known one, so every row samples

@@ -35,6 +35,7 @@ from shuttle.worker.output_projection import chunk_output_projection, widen_bf16
 from shuttle.worker.parallel import TensorParallel, local_device, local_numel
 from shuttle.worker.quantization import quantize_model
 from shuttle.worker.sampler import LOGPROB_FLOOR, Sampler
+from shuttle.worker.speculation import verify_drafts
 from shuttle.worker.staging import StepStaging
 
 log = logging.getLogger("shuttle.worker")
@@ -291,8 +292,11 @@ class ModelRunner:
         else:
             logits = self.forward(inputs, self.kv_cache.layers, inputs.logits_rows)  # [S + prompt rows, vocab]
         requests = inputs.sampled_requests
-        prompt_logprobs = self._prompt_logprobs(logits[len(requests):], inputs.prompt_rows) \
+        num_spec_rows = sum(len(s.draft_token_ids) + 1 for s in inputs.spec_requests)
+        prompt_logprobs = self._prompt_logprobs(logits[len(requests) + num_spec_rows:], inputs.prompt_rows) \
             if self.parallel.is_driver else []
+        if inputs.spec_requests:  # (tensor parallel refuses speculation at start-up: only a driver gets here)
+            return self._verify(step_id, logits, inputs, prompt_logprobs)
         if not requests:
             return StepResult(step_id=step_id, request_ids=[], token_ids=[], prompt_logprobs=prompt_logprobs)
         if not self.parallel.is_driver:  # rank 0 samples; this rank only needs the tokens to feed them forward
@@ -308,6 +312,43 @@ class ModelRunner:
             state.sampling.record(token)
         return StepResult(step_id=step_id, request_ids=[r.request_id for r in requests], token_ids=sampled.token_ids,
                           logprobs=sampled.logprobs or [],
+                          prompt_logprobs=prompt_logprobs)
+
+    def _verify(self, step_id: int, logits: torch.Tensor, inputs: StepInputs,
+                prompt_logprobs: list[PromptLogprobs]) -> StepResult:
+        """A step with drafts: sample the plain rows, verify the drafts (worker/speculation.py), feed every gained
+        token forward and give back the blocks of rejected drafts. A request that gained n tokens is named n times
+        in the result, in order."""
+        requests = inputs.sampled_requests
+        request_ids: list[str] = []
+        token_ids: list[int] = []
+        logprobs: list[TokenLogprobs | None] = []
+        if requests:
+            if self.batch.num_constrained:
+                self._mask_by_grammar(logits[:len(requests)], requests)
+            sampled = self.sampler(logits[:len(requests)], [r.sampling for r in requests],
+                                   [r.token_ids for r in requests])
+            for state, token in zip(requests, sampled.token_ids):
+                state.token_ids.append(token)
+                state.sampling.record(token)
+            request_ids += [r.request_id for r in requests]
+            token_ids += sampled.token_ids
+            logprobs += sampled.logprobs or [None] * len(requests)
+        num_spec_rows = sum(len(s.draft_token_ids) + 1 for s in inputs.spec_requests)
+        verified = verify_drafts(self.sampler, logits[len(requests):len(requests) + num_spec_rows],
+                                 inputs.spec_requests)
+        for state, (gained, gained_logprobs) in zip(inputs.spec_requests, verified):
+            start = len(state.token_ids) - 1  # the step computed from the last known token
+            for token in gained:
+                state.token_ids.append(token)
+                state.sampling.record(token)
+            self.batch.trim_blocks(state, start + len(gained))
+            state.draft_token_ids = []
+            request_ids += [state.request_id] * len(gained)
+            token_ids += gained
+            logprobs += gained_logprobs
+        return StepResult(step_id=step_id, request_ids=request_ids, token_ids=token_ids,
+                          logprobs=logprobs if any(lp is not None for lp in logprobs) else [],
                           prompt_logprobs=prompt_logprobs)
 
     def _attach_grammars(self, plan: StepPlan, grammars: GrammarCompiler) -> None:

@@ -42,11 +42,13 @@ def prompt_block_hashes(prompt_token_ids: list[int], block_size: int) -> list[by
 
 
 def aggregate_stats(stats: list[SchedulerStats]) -> SchedulerStats:
-    """Field by field sum of several groups' stats (lists concatenated): the frontend's one-engine view."""
+    """Field by field sum of several groups' stats (per-step lists concatenated): the frontend's one-engine view."""
     total = SchedulerStats()
     for one in stats:
         for name in SchedulerStats.__struct_fields__:
             setattr(total, name, getattr(total, name) + getattr(one, name))
+    # a per-position count is summed position by position (every group runs the same --speculative-config)
+    total.spec_accepted_per_pos = [sum(column) for column in zip(*(s.spec_accepted_per_pos for s in stats))]
     return total
 
 

@@ -113,9 +113,18 @@ class _SchedulerCollector:
         counters = {"prefix_cache_queries": ("Prompt tokens looked up in the prefix cache.",
                                              stats.prefix_cache_queries),
                     "prefix_cache_hits": ("Prompt tokens found in the prefix cache.", stats.prefix_cache_hits),
-                    "num_preemptions": ("Requests preempted (recomputed later).", stats.num_preemptions)}
+                    "num_preemptions": ("Requests preempted (recomputed later).", stats.num_preemptions),
+                    "spec_decode_num_drafts": ("Sequence-steps that verified n-gram drafts.", stats.spec_num_drafts),
+                    "spec_decode_num_draft_tokens": ("Draft tokens verified.", stats.spec_num_draft_tokens),
+                    "spec_decode_num_accepted_tokens": ("Draft tokens accepted.", stats.spec_num_accepted_tokens)}
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(f"shuttle:{name}", doc, value=value)
+        per_pos = CounterMetricFamily("shuttle:spec_decode_num_accepted_tokens_per_pos",
+                                      "Draft tokens accepted, by position among a step's drafts (0: the first).",
+                                      labels=["position"])
+        for position, value in enumerate(stats.spec_accepted_per_pos):
+            per_pos.add_metric([str(position)], value)
+        yield per_pos
 
 
 class _GroupCollector:

@@ -5,6 +5,7 @@ import dataclasses
 import pytest
 
 from shuttle.common.config import SERVE_SECTIONS, CacheConfig, IpcConfig, SchedulerConfig, ShuttleConfig, WorkerConfig
+from shuttle.common.speculative import SpeculativeConfig
 from shuttle.launcher.cli import build_parser
 from tests.server import MODEL_DIR
 
@@ -28,6 +29,9 @@ NON_DEFAULTS = {
     "uds": ("/tmp/s.sock", "/tmp/s.sock"), "root_path": ("/llm", "/llm"), "uvicorn_log_level": ("WARNING", "warning"),
     "reasoning_parser": ("qwen3", "qwen3"), "metric_prefix": ("vllm", "vllm"),
     "responses_store_max_entries": ("7", 7), "responses_store_max_age": ("60", 60.0),
+    "speculative_config": ('{"method": "ngram", "num_speculative_tokens": 2}',
+                           SpeculativeConfig(method="ngram", num_speculative_tokens=2, prompt_lookup_max=5,
+                                             prompt_lookup_min=5)),  # refused with -tp 2 later, by resolve_config
 }
 BOOLEANS = {"enable_prefix_caching", "async_scheduling", "batch_background", "enable_prompt_tokens_details"}
 # off by default: the test turns them on

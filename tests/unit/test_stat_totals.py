@@ -8,7 +8,7 @@ from shuttle.frontend.observability.stat_totals import COUNTERS, StatTotals
 def test_every_cumulative_field_of_scheduler_stats_is_carried():
     gauges_and_step_lists = {"num_waiting", "num_running", "num_free_blocks", "num_cached_blocks",
                              "num_total_blocks", "num_blocks_in_use", "step_batch_sizes", "step_token_counts",
-                             "step_decode_token_counts"}
+                             "step_decode_token_counts", "spec_accepted_per_pos"}
     assert set(COUNTERS) | gauges_and_step_lists == set(SchedulerStats.__struct_fields__)
 
 
@@ -29,3 +29,11 @@ def test_an_unannounced_restart_is_found_by_a_counter_that_fell():
     assert (shown.num_admitted, shown.num_scheduled_tokens) == (103, 5090)
     shown = totals.add(SchedulerStats(num_admitted=4, num_scheduled_tokens=95))
     assert (shown.num_admitted, shown.num_scheduled_tokens) == (104, 5095)
+
+
+def test_accepted_drafts_per_position_are_carried_position_by_position():
+    totals = StatTotals()
+    totals.add(SchedulerStats(spec_num_drafts=4, spec_num_accepted_tokens=5, spec_accepted_per_pos=[3, 2, 0]))
+    totals.restarted()
+    shown = totals.add(SchedulerStats(spec_num_drafts=1, spec_num_accepted_tokens=1, spec_accepted_per_pos=[1, 0, 0]))
+    assert (shown.spec_num_drafts, shown.spec_num_accepted_tokens, shown.spec_accepted_per_pos) == (5, 6, [4, 2, 0])

@@ -239,8 +239,8 @@ def test_the_production_command_line_parses_into_its_config(tmp_path):
 
 def test_refused_in_shuttle_engine_too(capsys):
     with pytest.raises(SystemExit) as exit_:
-        cli.build_parser().parse_args(["engine", "--listen", "tcp://127.0.0.1:7100", "--speculative-config", "{}"])
-    assert exit_.value.code == 2 and "--speculative-config: shuttle does not implement it" in capsys.readouterr().err
+        cli.build_parser().parse_args(["engine", "--listen", "tcp://127.0.0.1:7100", "--enable-lora"])
+    assert exit_.value.code == 2 and "--enable-lora: shuttle does not implement it" in capsys.readouterr().err
 
 
 def _parsed(argv: list[str]):

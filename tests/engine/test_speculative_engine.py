@@ -1,0 +1,131 @@
+"""n-gram speculative decoding (--speculative-config) on the in-process engine against transformers' generate on
+stories260K: greedy output token for token with prefix caching and under preemption, drafts actually accepted; and
+sampled next-token frequencies with speculation matching those without (chi-square)."""
+
+import functools
+import random
+import time
+
+import pytest
+
+from shuttle.common.config import CacheConfig, IpcConfig, SchedulerConfig, ShuttleConfig
+from shuttle.common.messages import Submit
+from shuttle.common.model_config import ModelConfig
+from shuttle.common.sampling import SamplingParams
+from shuttle.common.speculative import SpeculativeConfig
+from shuttle.scheduler.in_process import drive
+from shuttle.scheduler.kv_cache import KVCacheManager
+from shuttle.scheduler.scheduler import Scheduler
+from shuttle.worker.worker import ModelRunner
+from tests.conftest import hf_greedy
+from tests.server import MODEL_DIR
+
+NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_max=3, prompt_lookup_min=1)
+
+
+@functools.cache
+def _runner(block_size: int, num_blocks: int) -> ModelRunner:
+    model = ModelConfig.from_dir(MODEL_DIR)
+    return ModelRunner(ShuttleConfig(model=model, ipc=IpcConfig.in_directory("/nonexistent"),
+                                     cache=CacheConfig(block_size, num_blocks)))
+
+
+def make_engine(num_blocks=400, max_batched=2048, speculative=NGRAM, prefix_caching=True, block_size=16):
+    """A Scheduler under `speculative` (None: off) and a ModelRunner holding no request state."""
+    model = ModelConfig.from_dir(MODEL_DIR)
+    config = SchedulerConfig(max_num_batched_tokens=max_batched, speculative_config=speculative)
+    scheduler = Scheduler(config, KVCacheManager(num_blocks, block_size, prefix_caching), model.max_model_len,
+                          model.eos_token_ids)
+    runner = _runner(block_size, num_blocks)
+    for request_id in list(runner.batch.requests):
+        runner.batch.drop(request_id)
+    return scheduler, runner
+
+
+def run(scheduler, runner, prompts, params):
+    """Every request's output token ids (and logprobs entries), driven with the block pool checked every turn."""
+    outputs = {str(i): [] for i in range(len(prompts))}
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        scheduler.add_request(b"c", Submit(request_id=str(i), prompt_token_ids=prompt, sampling=p,
+                                           arrival_time=time.time() + i))
+
+    def collect(batch):
+        for out in batch:
+            assert out.error_status == 0, out.error_message
+            outputs[out.request_id] += out.new_token_ids
+
+    drive(scheduler, runner, collect, max_in_flight=2, check_blocks=True)
+    assert scheduler.kv.pool.num_free == scheduler.kv.pool.num_blocks
+    return [outputs[str(i)] for i in range(len(prompts))]
+
+
+def repetitive_prompts(n, seed=0):
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(n):
+        phrase = [rng.randrange(3, 512) for _ in range(rng.randrange(4, 12))]
+        tail = [rng.randrange(3, 512) for _ in range(rng.randrange(0, 30))]
+        prompts.append([1] + phrase * rng.randrange(2, 5) + tail)
+    return prompts
+
+
+@pytest.mark.parametrize("num_blocks, max_batched", [(400, 2048), (40, 2048), (400, 9)])
+def test_greedy_with_ngram_speculation_matches_transformers(num_blocks, max_batched):
+    prompts = repetitive_prompts(10)
+    max_tokens = [random.Random(i).randrange(30, 120) for i in range(len(prompts))]
+    scheduler, runner = make_engine(num_blocks, max_batched)
+    got = run(scheduler, runner, prompts, [SamplingParams(max_tokens=m, temperature=0.0) for m in max_tokens])
+    for prompt, m, out in zip(prompts, max_tokens, got):
+        assert out == hf_greedy(prompt, m)
+    stats = scheduler.stats()
+    assert stats.spec_num_drafts > 0 and stats.spec_num_accepted_tokens > 0  # drafts were verified and accepted
+    assert stats.spec_num_accepted_tokens == sum(stats.spec_accepted_per_pos)
+    assert stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+    if num_blocks < 50:
+        assert scheduler.num_preemptions > 0
+
+
+def test_prefix_cache_hits_only_accepted_blocks_written_by_speculative_steps():
+    """A continuation of each finished conversation finds its blocks (written by speculative steps, rejected
+    drafts' KV included in their last block until overwritten) and still equals transformers."""
+    prompts = repetitive_prompts(6, seed=1)
+    scheduler, runner = make_engine(num_blocks=120)
+    first = run(scheduler, runner, prompts, [SamplingParams(max_tokens=80, temperature=0.0)] * len(prompts))
+    hits_before = scheduler.kv.prefix_hits
+    continued = [prompt + out for prompt, out in zip(prompts, first)]
+    second = run(scheduler, runner, continued, [SamplingParams(max_tokens=40, temperature=0.0)] * len(prompts))
+    for prompt, out in zip(continued, second):
+        assert out == hf_greedy(prompt, 40)
+    # every continuation found at least the full blocks of its first prompt + output (not counting the last token)
+    assert scheduler.kv.prefix_hits - hits_before == sum((len(p) - 1) // 16 * 16 for p in continued)
+    assert scheduler.stats().spec_num_accepted_tokens > 0
+
+
+def sample_outputs(speculative, seeds, prompt, **sampling):
+    scheduler, runner = make_engine(num_blocks=2000, speculative=speculative)
+    params = [SamplingParams(max_tokens=4, seed=seed, ignore_eos=True, **sampling) for seed in seeds]
+    return run(scheduler, runner, [prompt] * len(seeds), params), scheduler.stats()
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=1.0), dict(temperature=0.8, top_k=12, top_p=0.9,
+                                                                  logit_bias=((13, 2.0),))])
+def test_sampled_token_frequencies_with_speculation_match_those_without(sampling):
+    from scipy.stats import chi2_contingency
+
+    prompt = [1] + hf_greedy([1], 80)  # the model's own story: its n-grams are often what it would sample
+    seeds = range(1500)
+    plain, _ = sample_outputs(None, seeds, prompt, **sampling)
+    spec, stats = sample_outputs(NGRAM, [seed + 10**6 for seed in seeds], prompt, **sampling)
+    assert stats.spec_num_accepted_tokens > 100 and stats.spec_num_draft_tokens > stats.spec_num_accepted_tokens
+    for position in (1, 2, 3):  # the first output token is sampled by the prefill, without drafts
+        counts: dict[int, list[int]] = {}
+        for column, outputs in enumerate((plain, spec)):
+            for out in outputs:
+                counts.setdefault(out[position], [0, 0])[column] += 1
+        table = [c for c in counts.values() if sum(c) >= 10]
+        rare = [sum(c[i] for c in counts.values() if sum(c) < 10) for i in (0, 1)]
+        if sum(rare):
+            table.append(rare)
+        assert chi2_contingency(table).pvalue > 1e-3, (position, table)
+    again, _ = sample_outputs(NGRAM, [seed + 10**6 for seed in seeds[:200]], prompt, **sampling)
+    assert again == spec[:200]  # seeded requests sample the same tokens again, in another batch
