@@ -9,7 +9,7 @@ import time
 import pytest
 
 from shuttle.common.config import CacheConfig, IpcConfig, SchedulerConfig, ShuttleConfig
-from shuttle.common.messages import Submit
+from shuttle.common.messages import FinishReason, Submit
 from shuttle.common.model_config import ModelConfig
 from shuttle.common.sampling import SamplingParams
 from shuttle.common.speculative import SpeculativeConfig
@@ -129,3 +129,44 @@ def test_sampled_token_frequencies_with_speculation_match_those_without(sampling
         assert chi2_contingency(table).pvalue > 1e-3, (position, table)
     again, _ = sample_outputs(NGRAM, [seed + 10**6 for seed in seeds[:200]], prompt, **sampling)
     assert again == spec[:200]  # seeded requests sample the same tokens again, in another batch
+
+
+def run_outputs(scheduler, runner, prompts, params):
+    """Every request's RequestOutputs joined: (token ids, logprob entries, finish reason)."""
+    got = {str(i): ([], [], None) for i in range(len(prompts))}
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        scheduler.add_request(b"c", Submit(request_id=str(i), prompt_token_ids=prompt, sampling=p,
+                                           arrival_time=time.time() + i))
+
+    def collect(batch):
+        for out in batch:
+            tokens, logprobs, _ = got[out.request_id]
+            got[out.request_id] = (tokens + out.new_token_ids, logprobs + out.logprobs, out.finish_reason)
+
+    drive(scheduler, runner, collect, max_in_flight=2, check_blocks=True)
+    return [got[str(i)] for i in range(len(prompts))]
+
+
+def test_greedy_processing_logprobs_and_stops_are_the_ones_without_speculation():
+    """logit_bias, min_tokens (its stop-id mask advanced along the drafts) and stop ids cut inside the gained tokens
+    give the output without speculation, and the accepted tokens' logprobs are the target model's."""
+    prompts = repetitive_prompts(8, seed=4)
+    story = hf_greedy([1], 60)
+    stop_id = story[30]
+    params = [SamplingParams(max_tokens=70, temperature=0.0, logprobs=2),
+              SamplingParams(max_tokens=70, temperature=0.0, logit_bias=((story[5], 3.0), (story[9], -2.0))),
+              SamplingParams(max_tokens=70, temperature=0.0, min_tokens=40, stop_token_ids=(stop_id,)),
+              SamplingParams(max_tokens=70, temperature=0.0, stop_token_ids=(stop_id,), logprobs=0)] * 2
+    prompts = [[1] + story[:20]] * 4 + prompts[:4]
+    plain = run_outputs(*make_engine(speculative=None), prompts, params)
+    scheduler, runner = make_engine()
+    spec = run_outputs(scheduler, runner, prompts, params)
+    assert scheduler.stats().spec_num_accepted_tokens > 0
+    for (tokens, logprobs, reason), (want_tokens, want_logprobs, want_reason) in zip(spec, plain):
+        assert (tokens, reason) == (want_tokens, want_reason)
+        assert len(logprobs) == len(want_logprobs)
+        for got, want in zip(logprobs, want_logprobs):
+            assert got.top_token_ids == want.top_token_ids
+            assert got.logprob == pytest.approx(want.logprob, abs=1e-4)
+            assert got.top_logprobs == pytest.approx(want.top_logprobs, abs=1e-4)
+    assert spec[3][2] == FinishReason.STOP and spec[3][0][-1] == stop_id  # the stop id cut the gained tokens
