@@ -45,12 +45,14 @@ def verify_drafts(sampler: Sampler, logits: torch.Tensor, requests: list[CachedR
         per request (token ids, logprobs per token: the target's raw logprobs, None entries when not asked).
     """
     states, params, histories, num_outputs = [], [], [], []
+    verifies: list[int] = []  # per row, the draft it verifies (0 on a request's last row: none)
     for state in requests:
         known = state.token_ids
         for j in range(len(state.draft_token_ids) + 1):
+            verifies.append(state.draft_token_ids[j] if j < len(state.draft_token_ids) else 0)
             states.append(state.sampling)
             params.append(state.sampling.params)
-            histories.append(known + state.draft_token_ids[:j])
+            histories.append(known)  # read by penalties alone, and requests with penalties never speculate
             num_outputs.append(len(known) + j - state.sampling.prompt_len)
     logits = logits.float()
     wants = [i for i, p in enumerate(params) if p.logprobs is not None]
@@ -59,9 +61,13 @@ def verify_drafts(sampler: Sampler, logits: torch.Tensor, requests: list[CachedR
     argmax = processed.argmax(dim=-1).tolist()
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     probs: dict[int, torch.Tensor] = {}
+    draft_prob: dict[int, tuple[float, float]] = {}  # row -> (p of its draft, total mass), read in one copy
     if random_rows:
         filtered = _filtered_probabilities(processed[random_rows], [params[i] for i in random_rows])
         probs = dict(zip(random_rows, filtered))
+        drafts_at = torch.tensor([verifies[i] for i in random_rows], device=filtered.device)
+        chosen = filtered.gather(1, drafts_at.unsqueeze(1)).squeeze(1)
+        draft_prob = dict(zip(random_rows, zip(chosen.tolist(), filtered.sum(dim=-1).tolist())))
     out_tokens: list[list[int]] = []
     out_rows: list[list[int]] = []
     row = 0
@@ -83,9 +89,8 @@ def verify_drafts(sampler: Sampler, logits: torch.Tensor, requests: list[CachedR
                 tokens.append(int(_inverse_cdf(dist.unsqueeze(0), draw.to(dist.device).unsqueeze(0))[0]))
                 break
             x = drafts[j]
-            total = float(dist.sum())
-            if float(_uniform(sampler, None if p.seed is None else p.seed ^ ACCEPT_SALT, num_outputs[i])) * total \
-                    < float(dist[x]):
+            p_x, total = draft_prob[i]
+            if float(_uniform(sampler, None if p.seed is None else p.seed ^ ACCEPT_SALT, num_outputs[i])) * total < p_x:
                 tokens.append(x)
                 continue
             residual = dist.clone()
