@@ -301,3 +301,17 @@ def test_speculation_under_tensor_parallel_is_refused_before_anything_starts():
         resolve_config(config, 1, cuda_devices=2)
     single = dataclasses.replace(config, parallel=ParallelConfig(1))
     assert resolve_config(single, 1, cuda_devices=0).scheduler.speculative_config == spec
+
+
+def test_drafts_and_the_spec_decode_counters_travel_on_the_wire():
+    import msgspec
+
+    from shuttle.common.messages import CachedRequestData, StepPlan
+
+    cached = CachedRequestData(request_id="a", new_block_ids=[3], num_computed_tokens=11, num_scheduled_tokens=5,
+                               draft_token_ids=[14, 15, 16, 17])
+    plan = StepPlan(step_id=7, new_requests=[], cached_requests=[cached])
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(plan), type=StepPlan) == plan
+    stats = SchedulerStats(spec_num_drafts=2, spec_num_draft_tokens=6, spec_num_accepted_tokens=3,
+                           spec_accepted_per_pos=[2, 1, 0])
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(stats), type=SchedulerStats) == stats
