@@ -12,6 +12,10 @@ samples forward). `update_from_output()` turns placeholders into tokens, checks 
 written blocks to the prefix cache. A result for a request that finished or was preempted since the step was
 planned is dropped: each planned entry remembers the Request object and its preemption epoch, never just an id
 that a client could reuse.
+
+Under --speculative-config a decoding request also books its n-gram drafts (scheduler/ngram.py) as more tokens of
+the step; its settlement takes the 1 to 1 + drafts tokens the worker accepted and rolls back the rest (docs/
+scheduling.md, "Speculative decoding").
 """
 
 from __future__ import annotations
@@ -314,8 +318,8 @@ class Scheduler:
 
     def _drafts(self, request: Request, budget: int) -> list[int]:
         """N-gram drafts for a decoding request (its last known token is all it has left to compute), as many as
-        the budget, the chunk cap, max_tokens and max_model_len leave room for. None for a request with a grammar
-        or penalties (their verification would need the grammar or the counts advanced along the drafts)."""
+        the budget, the chunk cap, max_tokens and max_model_len leave room for. None for a request with a grammar,
+        penalties or prompt logprobs (their verification would need the grammar or the counts advanced along the drafts)."""
         spec, sampling = self.speculative, request.sampling
         assert spec is not None and spec.prompt_lookup_min is not None and spec.prompt_lookup_max is not None
         if (request.num_output_placeholders or not request.output_token_ids
