@@ -126,7 +126,8 @@ def engine_config(model: str, engine_args: dict[str, Any]) -> ShuttleConfig:
             if value != _ONLY_VALUE[name][0]:
                 raise ValueError(f"{name}={value!r}: {_ONLY_VALUE[name][1]} (taken: {_ONLY_VALUE[name][0]!r})")
         elif name in _SERVER_ONLY:
-            raise ValueError(f"{name}: the offline LLM has no {_SERVER_ONLY[name]}; it is an option of shuttle serve")
+            raise ValueError(f"{name}: an option of shuttle serve for {_SERVER_ONLY[name]}, which the offline LLM "
+                             f"does not have")
         argv += _flag_words(name, value, action)
     args = _parse(parser, argv)
     resolve_model_args(args)

@@ -43,7 +43,8 @@ class SamplingParams:
         stop_token_ids: ids that end an output besides end-of-sequence; ignore_eos: generate past end-of-sequence.
         max_tokens: most output tokens (None: up to max_model_len); min_tokens: no stop of any kind before this many.
         logprobs: the sampled token's and this many most likely tokens' log-probabilities per output token.
-        prompt_logprobs: the same for every prompt token after the first.
+        prompt_logprobs: the same for every prompt token after the first (-1: the whole vocabulary, which must be
+            within max_logprobs, as vLLM).
         presence_penalty, frequency_penalty, repetition_penalty, logit_bias ({token id: bias}): as OpenAI / vLLM.
         include_stop_str_in_output: keep the stop string that ended an output in its text.
         the others (UNIMPLEMENTED): refused unless left at their default.
@@ -112,6 +113,7 @@ class SamplingParams:
             ValueError: a value out of range for this model (naming the field).
         """
         max_tokens = self.max_tokens if self.max_tokens is not None else max(max_model_len - prompt_len, 1)
+        prompt_k = _prompt_logprobs_k(self.prompt_logprobs, vocab_size, max_logprobs)
         params = EngineSampling(
             max_tokens=max_tokens, temperature=float(self.temperature), top_p=float(self.top_p),
             top_k=0 if self.top_k == -1 else self.top_k, min_p=float(self.min_p), seed=self.seed,
@@ -119,13 +121,11 @@ class SamplingParams:
             presence_penalty=float(self.presence_penalty), frequency_penalty=float(self.frequency_penalty),
             repetition_penalty=float(self.repetition_penalty),
             logit_bias=tuple((int(t), float(b)) for t, b in (self.logit_bias or {}).items()),
-            logprobs=self.logprobs, prompt_logprobs=self.prompt_logprobs)
+            logprobs=self.logprobs, prompt_logprobs=prompt_k)
         try:
             params.validate(vocab_size, max_logprobs)
         except InvalidRequestError as exc:
             raise ValueError(str(exc)) from None
-        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= max_logprobs:
-            raise ValueError(f"prompt_logprobs must be in [0, {max_logprobs}]")
         return params
 
     @staticmethod
@@ -134,3 +134,23 @@ class SamplingParams:
         over SamplingParams' own defaults."""
         fields = {f.name for f in dataclasses.fields(SamplingParams)}
         return SamplingParams(**{name: value for name, value in defaults.named().items() if name in fields})
+
+
+def _prompt_logprobs_k(value: int | None, vocab_size: int, max_logprobs: int) -> int | None:
+    """How many alternatives per prompt token the engine lists for SamplingParams.prompt_logprobs `value` (-1: the
+    whole vocabulary, vLLM's sentinel, which the server's prompt_logprobs takes too).
+
+    Raises:
+        ValueError: `value` below -1, or more alternatives than min(max_logprobs, vocab_size); the message states
+            the range this model and max_logprobs allow.
+    """
+    if value is None:
+        return None
+    cap = min(max_logprobs, vocab_size)
+    k = vocab_size if value == -1 else value
+    if 0 <= k <= cap:
+        return k
+    if vocab_size <= max_logprobs:
+        raise ValueError(f"prompt_logprobs must be -1 (the whole vocabulary) or in [0, {cap}], got {value}")
+    raise ValueError(f"prompt_logprobs must be in [0, {cap}] (max_logprobs {max_logprobs}; -1, the whole vocabulary "
+                     f"of {vocab_size} tokens, is over it), got {value}")

@@ -162,10 +162,24 @@ def test_sampling_params_out_of_range_for_the_model(llm):
         llm.generate("Once", [SamplingParams(), SamplingParams()], use_tqdm=False)
 
 
+def test_prompt_logprobs_minus_one_is_the_whole_vocabulary_within_max_logprobs(llm):
+    # 512 tokens are over the fixture's max_logprobs of 20: -1 is refused then, with the range that is taken
+    message = "prompt_logprobs must be in [0, 20] (max_logprobs 20; -1, the whole vocabulary of 512 tokens, is over it)"
+    for value in (-1, 21):
+        with pytest.raises(ValueError, match=re.escape(f"{message}, got {value}")):
+            llm.generate("Once", SamplingParams(max_tokens=1, prompt_logprobs=value), use_tqdm=False)
+    with pytest.raises(ValueError, match=re.escape("prompt_logprobs must be -1 (the whole vocabulary) or in [0, ")):
+        SamplingParams(prompt_logprobs=-2)
+    whole = LLM(str(MODEL_DIR), num_kv_blocks=16, device="cpu", max_logprobs=512)
+    (output,) = whole.generate("Once upon", SamplingParams(max_tokens=1, prompt_logprobs=-1), use_tqdm=False)
+    assert len(output.prompt_logprobs) == len(output.prompt_token_ids) >= 2 and output.prompt_logprobs[0] is None
+    assert all(len(position) == 512 for position in output.prompt_logprobs[1:])
+
+
 @pytest.mark.parametrize("engine_args, error, message", [
     ({"max_model_lenght": 64}, TypeError, "unexpected keyword argument 'max_model_lenght'"),
     ({"tensor_parallel_size": 2}, ValueError, "tensor_parallel_size=2: the offline engine runs in this process"),
-    ({"port": 8000}, ValueError, "port: the offline LLM has no the HTTP server"),
+    ({"port": 8000}, ValueError, "port: an option of shuttle serve for the HTTP server, which the offline LLM does not have"),
     ({"enable_lora": True}, ValueError, "--enable-lora: shuttle does not implement it"),
     ({"dtype": "float64"}, ValueError, "argument --dtype: invalid choice"),
     ({"max_num_seqs": 0}, ValueError, "argument --max-num-seqs"),
