@@ -319,7 +319,8 @@ class Scheduler:
     def _drafts(self, request: Request, budget: int) -> list[int]:
         """N-gram drafts for a decoding request (its last known token is all it has left to compute), as many as
         the budget, the chunk cap, max_tokens and max_model_len leave room for. None for a request with a grammar,
-        penalties or prompt logprobs (their verification would need the grammar or the counts advanced along the drafts)."""
+        penalties or prompt logprobs (verifying them would need the grammar or the counts advanced along the
+        drafts)."""
         spec, sampling = self.speculative, request.sampling
         assert spec is not None and spec.prompt_lookup_min is not None and spec.prompt_lookup_max is not None
         if (request.num_output_placeholders or not request.output_token_ids
