@@ -41,9 +41,11 @@ def new_request_id(prefix: str) -> str:
 
 
 def check_model(state: FrontendState, model: str | None) -> None:
-    """Raises ModelNotFoundError: `model` is given and is not the served name."""
-    if model is not None and model not in state.config.model.served_model_names:
-        raise ModelNotFoundError(f"The model `{model}` does not exist; this server serves `{state.model_name}`")
+    """Raises ModelNotFoundError: `model` is given and is none of the served names (the message lists them all)."""
+    names = state.config.model.served_model_names
+    if model is not None and model not in names:
+        listed = " or ".join(filter(None, (", ".join(f"`{n}`" for n in names[:-1]), f"`{names[-1]}`")))
+        raise ModelNotFoundError(f"The model `{model}` does not exist; this server serves {listed}")
 
 
 def build_generations(state: FrontendState, body: SamplingFields, prompts: list[list[int]], request_id: str,

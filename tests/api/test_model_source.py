@@ -190,6 +190,13 @@ async def test_get_version_and_every_served_name():
         body = {"model": "second", "prompt": "Once", "max_tokens": 2}
         response = await client.post("/v1/completions", json=body)
         assert response.status == 200 and (await response.json())["model"] == "first"
+        wrong = {"model": "third", "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]}
+        completion, message = (await client.post("/v1/chat/completions", json=wrong),
+                               await client.post("/v1/messages", json=wrong))
+        assert (completion.status, message.status) == (404, 404)
+        expected = "The model `third` does not exist; this server serves `first` or `second`"
+        assert (await completion.json())["error"]["message"] == expected
+        assert await message.json() == {"type": "error", "error": {"type": "not_found_error", "message": expected}}
 
 
 @pytest.mark.parametrize("dtype", ["float16", "half"])
