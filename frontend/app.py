@@ -34,7 +34,13 @@ from shuttle.frontend.tokenizer import TextTokenizer
 from shuttle.frontend.transports.websocket import websocket_handler
 from shuttle.frontend.transports.zmq_batch import BatchEndpoint
 from shuttle.frontend.web.cors import Cors
-from shuttle.frontend.web.middleware import api_key_auth, json_content_type, openai_errors, request_id_header
+from shuttle.frontend.web.middleware import (
+    api_key_auth,
+    json_content_type,
+    openai_errors,
+    reads_no_body,
+    request_id_header,
+)
 from shuttle.frontend.web.openapi import openapi_document
 from shuttle.frontend.web.root_path import add_root_path, normalize_root_path
 from shuttle.frontend.web.sagemaker import invocations
@@ -47,6 +53,7 @@ log = logging.getLogger("shuttle.frontend")
 BATCH = web.AppKey("shuttle_batch_endpoint", BatchEndpoint)
 
 
+@reads_no_body  # POST /ping too
 async def health(request: web.Request) -> web.Response:
     """Liveness plus the schedulers' latest stats; answers from memory, never waits on the model.
 

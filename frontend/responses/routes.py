@@ -15,6 +15,7 @@ from shuttle.frontend.responses import background
 from shuttle.frontend.responses.api import RESPONSES_URL, ResponsesCall
 from shuttle.frontend.responses.request import ResponsesRequest
 from shuttle.frontend.state import RESPONSE_ID, STATE
+from shuttle.frontend.web.middleware import reads_no_body
 from shuttle.frontend.web.off_loop import convert
 from shuttle.frontend.web.server import request_body
 
@@ -48,6 +49,7 @@ async def retrieve_response(request: web.Request) -> web.Response:
                              dumps=_dumps)
 
 
+@reads_no_body
 async def cancel_response(request: web.Request) -> web.Response:
     """POST /v1/responses/{id}/cancel (frontend/responses/background.py's cancel)."""
     return web.json_response(await background.cancel(request.app[STATE].responses, request.match_info["response_id"]),

@@ -93,12 +93,19 @@ async def request_id_header(request: web.Request, response: web.StreamResponse) 
         request.get(RESPONSE_ID) or uuid.uuid4().hex)
 
 
+def reads_no_body(handler):
+    """Mark a route's handler as one that never reads the request body: json_content_type lets any Content-Type
+    through to it (a POST with no body goes out as application/octet-stream from aiohttp's and other clients)."""
+    handler.reads_no_body = True
+    return handler
+
+
 @web.middleware
 async def json_content_type(request: web.Request, handler) -> web.StreamResponse:
-    """POST bodies must be JSON: a Content-Type other than application/json (or +json) gets 415 (but on POST /ping,
-    SageMaker's health check, which reads no body)."""
+    """POST bodies must be JSON: a Content-Type other than application/json (or +json) gets 415, but on the routes
+    whose handler is marked `reads_no_body` (POST /ping, POST /v1/responses/{id}/cancel)."""
     if request.method == "POST" and request.content_type and request.headers.get("Content-Type") \
-            and route_path(request) != "/ping":
+            and not getattr(request.match_info.handler, "reads_no_body", False):
         content_type = request.content_type
         if content_type != "application/json" and not content_type.endswith("+json"):
             return _error(415, f"Content-Type must be application/json, got {content_type}")

@@ -113,7 +113,7 @@ STORED_RESPONSE_OPS = [
     ("delete", "/v1/responses/{response_id}", "forget a stored response (a background one still running is "
                                               "cancelled)", ("401", "404", "500")),
     ("post", "/v1/responses/{response_id}/cancel", "cancel a background response (400 for one that is not, or that "
-                                                   "has ended otherwise)", ("400", "401", "404", "415", "500")),
+                                                   "has ended otherwise)", ("400", "401", "404", "500")),
 ]
 TOKENIZER_INFO = ("the tokenizer's configuration and chat template (--enable-tokenizer-info-endpoint)", "200",
                   {"application/json": {"schema": _object({"tokenizer_class": _STR})}}, ("401", "500"))

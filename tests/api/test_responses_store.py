@@ -350,6 +350,20 @@ async def test_cancel_aborts_a_background_response_once():
     assert synchronous.value.body["message"] == "Cannot cancel a synchronous response."
 
 
+async def test_cancel_reads_no_body_so_any_content_type_is_taken():
+    """A POST with no body goes out as application/octet-stream (aiohttp's client, curl -X POST): cancel reads none,
+    so it is not refused with 415; a body-reading route still is."""
+    async with served(FakeEngine(script=STORY, step_delay=0.1)) as (client, _):
+        _, queued = await post(client, URL, {"input": PROMPT, "background": True})
+        async with client.post(f"{URL}/{queued['id']}/cancel",
+                               headers={"Content-Type": "application/octet-stream"}) as answer:
+            assert answer.status == 200, await answer.text()
+            cancelled = await answer.json()
+        async with client.post(URL, data=b"{}", headers={"Content-Type": "application/octet-stream"}) as answer:
+            refused = answer.status
+    assert cancelled["status"] == "cancelled" and refused == 415
+
+
 async def test_cancelling_a_finished_background_response_is_refused():
     async with served() as (client, _):
         api = openai_client(client)
