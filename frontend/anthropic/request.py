@@ -202,7 +202,8 @@ def _block(where: str, data: Any, role: str) -> Any:
     served = _SERVED_IN[role]
     if kind not in served:
         what = f"{', '.join(served[:-1])} and {served[-1]}" if len(served) > 1 else served[0]
-        raise InvalidRequestError(f"{where} is of type {kind!r}: in a {role} {'prompt' if role == 'system' else 'turn'}"
+        raise InvalidRequestError(f"{where} is of type {kind!r}: in {'an' if role == 'assistant' else 'a'} {role} "
+                                  f"{'prompt' if role == 'system' else 'turn'}"
                                   f" only {what} blocks are served (images, documents and server tools are not "
                                   f"implemented)", param=param)
     try:
@@ -227,13 +228,19 @@ def chat_messages(system: str | list[Any] | None, messages: list[MessageParam]) 
     """The chat messages of `system` and `messages` (see the module's table).
 
     Raises:
-        InvalidRequestError: no messages, a block of a type not served or malformed, a tool_use with arguments that
-            are not JSON text (param "messages" or "system").
+        InvalidRequestError: no messages, empty content (but in a final assistant turn), a block of a type not
+            served or malformed, a tool_use with arguments that are not JSON text, a tool_result answering no earlier
+            tool_use (param "messages" or "system").
     """
     if not messages:
         raise InvalidRequestError("messages must hold at least one message", param="messages")
     out = [] if system is None else [ChatMessage(role="system", content=_text_parts("system", system, "system"))]
+    tool_use_ids: set[str] = set()
     for i, message in enumerate(messages):
+        if not message.content and not (message.role == "assistant" and i == len(messages) - 1):
+            # Anthropic's rule: only a final assistant turn (a prefill the answer continues) may be empty
+            raise InvalidRequestError(f"messages[{i}].content must not be empty (only the final assistant message "
+                                      f"may be)", param="messages")
         if isinstance(message.content, str):
             out.append(ChatMessage(role=message.role, content=message.content))
             continue
@@ -247,9 +254,13 @@ def chat_messages(system: str | list[Any] | None, messages: list[MessageParam]) 
             elif isinstance(block, (_ThinkingBlock, _RedactedThinkingBlock)):
                 pass  # an earlier answer's thinking: left out of the prompt, as reasoning models' templates do
             elif isinstance(block, _ToolUseBlock):
+                tool_use_ids.add(block.id)
                 calls.append(MessageToolCall(id=block.id, type="function", function=CalledFunction(
                     name=block.name, arguments=json.dumps(block.input, ensure_ascii=False))))
             else:
+                if block.tool_use_id not in tool_use_ids:
+                    raise InvalidRequestError(f"{where}.tool_use_id {block.tool_use_id!r} answers no tool_use block "
+                                              f"of an earlier assistant message", param="messages")
                 if parts:  # text before a result: its own turn, so the order is kept
                     out.append(ChatMessage(role="user", content=parts))
                     parts = []

@@ -341,6 +341,17 @@ BASE = {"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content"
     ({**BASE, "messages": [{"role": "user", "content": [
         {"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]}, "in a user turn only text and tool_result"),
     ({**BASE, "messages": []}, "at least one message"),
+    ({**BASE, "messages": [{"role": "user", "content": ""}]}, "messages[0].content must not be empty"),
+    ({**BASE, "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": []},
+                           {"role": "user", "content": "Go on"}]}, "messages[1].content must not be empty"),
+    ({**BASE, "messages": [{"role": "user", "content": []}]}, "messages[0].content must not be empty"),
+    ({**BASE, "messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "nope"}]}]},
+     "messages[0].content[0].tool_use_id 'nope' answers no tool_use block of an earlier assistant message"),
+    ({**BASE, "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "a", "name": "f", "input": {}}]}, {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "b"}]}]}, "tool_use_id 'b' answers no tool_use block"),
+    ({**BASE, "messages": [{"role": "assistant", "content": [{"type": "tool_result", "tool_use_id": "t"}]}]},
+     "in an assistant turn only text, tool_use"),
     ({**BASE, "thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking is not supported"),
     ({**BASE, "speed": "fast"}, 'speed is supported only as "standard"'),
     ({**BASE, "tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "only custom tools"),
