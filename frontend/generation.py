@@ -123,16 +123,20 @@ class TextGeneration:
         # from generation_config would otherwise end a JSON answer with a stray word
         stop_token = len(output.new_token_ids) - 1 if output.finish_reason == FinishReason.STOP and \
             not self.include_stop else -1
+        consumed = 0
         for i, token_id in enumerate(output.new_token_ids):
             held.append((self._text_length, token_id, output.logprobs[i] if output.logprobs else None))
             piece = "" if i == stop_token else detokenizer.add([token_id])
             self._text_length += len(piece)
+            consumed = i + 1
             if self.num_output_tokens + i + 1 == self.request.sampling.min_tokens:
                 matcher.protect(self._text_length)
             pieces.append(matcher.feed(piece))
             if matcher.stopped:
                 break
-        self.num_output_tokens += len(output.new_token_ids)  # usage counts every token generated
+        # usage counts every token generated up to the one that completed a stop string: an output carrying several
+        # (accepted speculative drafts) counts as the same tokens arriving one by one would
+        self.num_output_tokens += consumed
         if matcher.stopped:
             self.finish_reason = "stop"
         elif output.finish_reason is not None:

@@ -9,7 +9,7 @@ import pytest
 
 from shuttle.common.block_hash import ROOT_HASH, block_hash
 from shuttle.common.config import SchedulerConfig
-from shuttle.common.messages import FinishReason, SchedulerStats, StepResult, Submit
+from shuttle.common.messages import FinishReason, RequestOutput, SchedulerStats, StepResult, Submit
 from shuttle.common.sampling import SamplingParams, StructuredOutput
 from shuttle.common.speculative import SpeculativeConfig
 from shuttle.scheduler.kv_cache import KVCacheManager
@@ -315,3 +315,33 @@ def test_drafts_and_the_spec_decode_counters_travel_on_the_wire():
     stats = SchedulerStats(spec_num_drafts=2, spec_num_draft_tokens=6, spec_num_accepted_tokens=3,
                            spec_accepted_per_pos=[2, 1, 0])
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(stats), type=SchedulerStats) == stats
+
+
+def test_several_tokens_in_one_output_count_and_stop_as_they_would_one_by_one():
+    from shuttle.frontend.generation import TextGeneration
+    from shuttle.frontend.tokenizer import TextTokenizer
+    from tests.conftest import hf_greedy
+    from tests.server import MODEL_DIR
+
+    tokenizer = TextTokenizer(MODEL_DIR)
+    story = hf_greedy([1], 30)
+    stop = tokenizer.decode(story[8:10])  # completed by the tenth token
+
+    def generate(chunks):
+        generation = TextGeneration(engine=None, tokenizer=tokenizer, stop=[stop],  # type: ignore[arg-type]
+                                    request=Submit(request_id="r", prompt_token_ids=[1], arrival_time=0.0,
+                                                   sampling=SamplingParams(max_tokens=30)))
+        generation.begin()
+        texts, ids = [], []
+        for chunk in chunks:
+            delta = generation.advance(RequestOutput(request_id="r", new_token_ids=chunk))
+            if delta is not None:
+                texts.append(delta.text)
+                ids += delta.token_ids
+            if generation.finish_reason is not None:
+                break
+        return "".join(texts), ids, generation.num_output_tokens, generation.finish_reason
+
+    one_by_one = generate([[t] for t in story])
+    assert one_by_one[2:] == (10, "stop")
+    assert generate([story[:3], story[3:8], story[8:13], story[13:]]) == one_by_one
