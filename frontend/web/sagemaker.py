@@ -1,6 +1,7 @@
 """POST /invocations, SageMaker's inference route: the body goes to the endpoint its shape names, as vLLM routes it
-(a chat first, then a completion): one with `messages` is a chat completion, else one with `prompt` a completion.
-Any other body is a 400 naming what it lacks. (GET and POST /ping, SageMaker's health route, are /health's
+(a chat first, then a completion): one with the key `messages` is a chat completion, else one with the key `prompt` a
+completion, whatever their values (null included: that endpoint then refuses it by name). Any other body is a 400
+naming what it lacks. (GET and POST /ping, SageMaker's health route, are /health's
 handler: frontend/app.py.)
 """
 
@@ -14,21 +15,20 @@ from shuttle.frontend.completions.routes import create_chat_completion, create_c
 from shuttle.frontend.web.off_loop import convert
 from shuttle.frontend.web.server import request_body
 
-_NULL = b"null"
-
 
 class _Shape(msgspec.Struct):
-    """The two fields a body is routed by, their values left undecoded (null: left out, as everywhere)."""
+    """The two keys a body is routed by, their values left undecoded (UNSET: the key is absent; vLLM routes on the
+    key's presence, so a null value still names the endpoint)."""
 
-    messages: msgspec.Raw = msgspec.Raw(_NULL)
-    prompt: msgspec.Raw = msgspec.Raw(_NULL)
+    messages: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
+    prompt: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
 
 
 def route_of(body: bytes) -> str:
     """The endpoint an /invocations body goes to: "chat" (it has `messages`) or "completion" (it has `prompt`).
 
     Raises:
-        InvalidRequestError: the body is not a JSON object, or has neither field.
+        InvalidRequestError: the body is not a JSON object, or has neither key.
     """
     try:
         shape = msgspec.json.decode(body, type=_Shape)
@@ -36,9 +36,9 @@ def route_of(body: bytes) -> str:
         raise InvalidRequestError(f"POST /invocations takes a JSON object: {exc}") from None
     except msgspec.DecodeError as exc:
         raise InvalidRequestError(f"request body is not valid JSON: {exc}") from None
-    if bytes(shape.messages) != _NULL:
+    if shape.messages is not msgspec.UNSET:
         return "chat"
-    if bytes(shape.prompt) != _NULL:
+    if shape.prompt is not msgspec.UNSET:
         return "completion"
     raise InvalidRequestError("POST /invocations routes a body by its shape: 'messages' makes it a chat completion, "
                               "'prompt' a completion; this body has neither")

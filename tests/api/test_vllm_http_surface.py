@@ -75,7 +75,10 @@ async def test_invocations_routes_messages_to_chat_and_prompt_to_completions():
 
 @pytest.mark.parametrize("body, message", [
     (b'{"input": "Hi", "max_tokens": 2}', "this body has neither"),
-    (b'{"messages": null, "prompt": null}', "this body has neither"),
+    (b'{"max_tokens": 2}', "this body has neither"),
+    # vLLM routes on the key: the endpoint it names reports the null
+    (b'{"prompt": null, "max_tokens": 2}', "prompt is required"),
+    (b'{"messages": null, "max_tokens": 2}', "missing required field `messages`"),
     (b'[{"prompt": "Hi"}]', "POST /invocations takes a JSON object"),
     (b'{"prompt": ', "request body is not valid JSON"),
 ])
@@ -90,6 +93,7 @@ async def test_invocations_refuses_a_body_it_cannot_route_naming_why(body, messa
 def test_route_of_reads_only_the_two_fields():
     assert route_of(b'{"prompt": [1, 2], "messages": [{"role": "user", "content": "x"}]}') == "chat"
     assert route_of(b'{"prompt": [1, 2], "extra": {"messages": 1}}') == "completion"
+    assert (route_of(b'{"prompt": null}'), route_of(b'{"messages": null, "prompt": 1}')) == ("completion", "chat")
 
 
 # ---- /load --------------------------------------------------------------------------------------------------------
