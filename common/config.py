@@ -286,8 +286,8 @@ class ApiConfig:
                                            "alerts and autoscalers", choices=list(METRIC_PREFIXES))
     responses_store_max_entries: int = option(1024, "most responses of /v1/responses kept for previous_response_id "
                                                     "and GET (the oldest go first; 0: none kept)", type=count)
-    responses_store_max_age: float = option(3600.0, "seconds a stored response is kept (0: no age limit)",
-                                            type=seconds)
+    responses_store_max_age: float = option(3600.0, "seconds a stored response is kept after it ended (0: no age "
+                                                    "limit)", type=seconds)
 
 
 # whose fields are `shuttle serve` flags

@@ -2,10 +2,12 @@
 GET /v1/responses/{id} and background responses (frontend/responses/background.py).
 
 Bounded by count (`--responses-store-max-entries`), by age (`--responses-store-max-age`, seconds since the
-response was stored) and by the bytes of the request bodies it holds (MAX_BYTES; a response's output is bounded by
-the context length): the oldest goes first, whatever its status (a background response evicted while it runs is
-cancelled, since nothing could read its result). Every operation is O(1) amortized and never waits, so the store is
-used from the event loop directly.
+response ended: a background response ages from its end, and one still running is never evicted by age, since its
+client cannot have read it yet) and by the bytes of the request bodies it holds (MAX_BYTES; a response's output is
+bounded by the context length): beyond the count or the bytes the oldest goes first, whatever its status (a
+background response evicted while it runs is cancelled, since nothing could read its result). Every operation is
+O(1) amortized (plus a step over each background response still running) and never waits, so the store is used from
+the event loop directly.
 """
 
 from __future__ import annotations
@@ -43,12 +45,14 @@ class StoredResponse:
         response: the response object GET answers (replaced, never mutated, as a background response advances).
         input_items: the conversation up to this response, as Responses input items (dicts): the previous
             response's conversation, then this request's input.
-        stored_at: the store clock's seconds when stored (its age counts from here).
+        stored_at: the store clock's seconds when stored, or when it ended for one stored before its end (a
+            background response): its age counts from here.
         size: about the bytes of the conversation (the request bodies that made it): how much work continuing it is.
         body_bytes: the bytes of this response's own request body (what the store counts against MAX_BYTES; the
             conversation's earlier items are shared with the responses it continues).
         task: a background response's run while it runs, else None.
         ending: (status, error) that whoever cancels `task` sets first: what the response ends as.
+        on_end: called once with this entry when a response stored before its end reaches a terminal status.
     """
 
     response: dict
@@ -58,6 +62,7 @@ class StoredResponse:
     body_bytes: int = 0
     task: asyncio.Task | None = None
     ending: tuple[str, dict | None] = ("cancelled", None)
+    on_end: Callable[[StoredResponse], None] | None = None
 
     @property
     def status(self) -> str:
@@ -67,6 +72,8 @@ class StoredResponse:
         """Take `response` unless this one has already ended: a response has exactly one terminal outcome."""
         if self.status not in TERMINAL:
             self.response = response
+            if response["status"] in TERMINAL and self.on_end is not None:
+                self.on_end(self)
 
     def end(self) -> None:
         """Settle as `ending` says (the run was cancelled, or never started)."""
@@ -89,7 +96,7 @@ class ResponseStore:
 
     Args:
         max_entries: most responses kept (0: none; `enabled` is then False).
-        max_age: seconds a response is kept after it is stored (0: no age limit).
+        max_age: seconds a response is kept after it ended (0: no age limit); one still running is kept.
         clock: seconds, monotonic (tests pass a fake one).
         max_bytes: request body bytes held at most (the newest response is kept whatever its size).
 
@@ -125,6 +132,8 @@ class ResponseStore:
             raise InvalidRequestError("this server stores no responses (--responses-store-max-entries 0)",
                                       param="store")
         entry = StoredResponse(response, input_items, self.clock(), size, body_bytes)
+        if entry.status not in TERMINAL:
+            entry.on_end = self._ended
         self._entries[response["id"]] = entry
         self.body_bytes += body_bytes
         self._expire()
@@ -180,15 +189,27 @@ class ResponseStore:
         for entry in running:
             entry.end()
 
+    def _ended(self, entry: StoredResponse) -> None:
+        """A response stored before its end has ended: its age starts now, and it is the newest."""
+        entry.stored_at = self.clock()
+        response_id = entry.response["id"]
+        if self._entries.get(response_id) is entry:
+            self._entries.move_to_end(response_id)
+
     def _expire(self) -> None:
         if self.max_age <= 0:
             return
-        # entries are in the order stored and the clock is monotonic: the expired ones are at the front
+        # ended entries are in the order of their stored_at (each goes to the end as it ends; the clock is
+        # monotonic), so the expired ones are at the front, between running ones, which age does not evict
         oldest = self.clock() - self.max_age
-        while self._entries:
-            response_id, entry = next(iter(self._entries.items()))
+        expired = []
+        for response_id, entry in self._entries.items():
+            if entry.status not in TERMINAL:
+                continue
             if entry.stored_at > oldest:
-                return
+                break
+            expired.append(response_id)
+        for response_id in expired:
             self._evict(response_id)
 
     def _evict(self, response_id: str) -> None:

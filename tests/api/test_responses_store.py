@@ -84,6 +84,24 @@ def test_the_store_evicts_the_oldest_beyond_its_count_and_its_age():
     assert len(store) == 0
 
 
+def test_a_response_ages_from_its_end_and_never_by_age_while_it_runs():
+    clock = Clock()
+    store = ResponseStore(max_entries=10, max_age=10.0, clock=clock)
+    running = store.put({"id": "bg", "status": "queued", "output": []}, [])
+    store.put({"id": "a", "status": "completed", "output": []}, [])
+    clock.now += 4
+    store.put({"id": "b", "status": "completed", "output": []}, [])
+    clock.now += 26  # 130: bg is 30 s in the store and still running; a and b are older than 10 s
+    running.settle({"id": "bg", "status": "in_progress", "output": []})
+    assert [store.get("bg").status, len(store)] == ["in_progress", 1]
+    running.settle({"id": "bg", "status": "completed", "output": []})  # it ends at 130: its age starts
+    clock.now = 139.0
+    assert store.get("bg").stored_at == 130.0
+    clock.now = 140.0
+    with pytest.raises(ResponseNotFoundError):
+        store.get("bg")
+
+
 def test_no_age_limit_and_a_store_of_nothing():
     clock = Clock()
     store = ResponseStore(max_entries=1, max_age=0.0, clock=clock)
@@ -198,6 +216,25 @@ async def test_a_response_older_than_the_max_age_is_evicted():
         clock.now += 30
         with pytest.raises(openai.NotFoundError):
             await api.responses.retrieve(young.id)
+
+
+async def test_a_background_response_running_longer_than_the_max_age_is_kept_and_ages_from_its_end():
+    clock = Clock()
+    async with served(FakeEngine(script=STORY, step_delay=0.05), api=ApiConfig(responses_store_max_age=60.0)) \
+            as (client, engine):
+        store_of(client).clock = clock
+        _, queued = await post(client, URL, {"input": PROMPT, "background": True})
+        await until(client, queued["id"], "in_progress")
+        clock.now += 600  # it runs ten times the max age (on the store's clock)
+        running = await until(client, queued["id"], "in_progress")
+        done = await until(client, queued["id"], "completed")
+        clock.now += 59
+        kept = await until(client, queued["id"], "completed")
+        clock.now += 1
+        async with client.get(f"{URL}/{queued['id']}") as answer:
+            gone = answer.status
+    assert running["status"] == "in_progress" and done["status"] == kept["status"] == "completed"
+    assert gone == 404 and engine.aborted == []
 
 
 async def test_delete_forgets_a_response():
