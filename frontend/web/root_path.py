@@ -5,16 +5,21 @@ aiohttp resolves a route before any middleware runs, so the prefix cannot be str
 a resource of the router (aiohttp's public AbstractResource) indexed under the prefix, which resolves a request
 under it by resolving the rest of its path against the same router. The handler then gets the request as sent (its
 `path` keeps the prefix) and the match of the route it names (`match_info.route.resource.canonical` is the route's
-own path, without the prefix: what the API-key check reads).
+own path, without the prefix: what the API-key check reads). The prefix is stripped once: the inner resolution
+skips this resource, so /llm/llm/v1/models is a 404 under --root-path /llm, as Starlette's mount answers.
 """
 
 from __future__ import annotations
 
+from contextvars import ContextVar
 from typing import Iterator
 
 from aiohttp import web
 from aiohttp.web_urldispatcher import AbstractResource, AbstractRoute, UrlMappingMatchInfo
 from yarl import URL
+
+# set while a RootPath resolves the rest of a path, so the router's pass over it does not strip the prefix again
+_INNER: ContextVar[bool] = ContextVar("root_path_inner", default=False)
 
 
 def normalize_root_path(root_path: str) -> str:
@@ -40,10 +45,14 @@ class RootPath(AbstractResource):
 
     async def resolve(self, request: web.Request) -> tuple[UrlMappingMatchInfo | None, set[str]]:
         path = request.rel_url.path
-        if path != self._prefix and not path.startswith(self._prefix + "/"):
+        if _INNER.get() or (path != self._prefix and not path.startswith(self._prefix + "/")):
             return None, set()
         inner = request.clone(rel_url=request.rel_url.with_path(path[len(self._prefix):] or "/"))
-        match = await self._router.resolve(inner)
+        token = _INNER.set(True)
+        try:
+            match = await self._router.resolve(inner)
+        finally:
+            _INNER.reset(token)
         exception = match.http_exception
         if exception is None:
             return match, set()

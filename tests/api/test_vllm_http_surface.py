@@ -212,7 +212,7 @@ async def test_every_route_answers_under_the_root_path_and_without_it():
                 assert response.status == 405 and response.headers["Allow"] == "POST"
             async with client.get(f"{prefix}/tokenizer_info", headers=WITH_KEY) as response:
                 assert response.status == 200
-        for path in ("/llmx/v1/models", "/llm/v1/nothing", "/llm"):
+        for path in ("/llmx/v1/models", "/llm/v1/nothing", "/llm", "/llm/llm/v1/models"):  # the prefix once only
             async with client.get(path, headers=WITH_KEY) as response:
                 assert response.status == 404, path
         async with client.get("/llm/openapi.json", headers=WITH_KEY) as response:
