@@ -244,6 +244,7 @@ def input_messages(instructions: str | None, given: str | list[dict[str, Any]],
         if isinstance(item, _ReasoningItem):
             continue
         if isinstance(item, _FunctionCallItem):
+            _check_arguments(i, item.arguments)
             call = MessageToolCall(id=item.call_id, type="function",
                                    function=CalledFunction(name=item.name, arguments=item.arguments))
             if calls_open:
@@ -278,6 +279,16 @@ def _item(i: int, data: Any) -> _MessageItem | _FunctionCallItem | _FunctionCall
         return msgspec.convert({k: v for k, v in data.items() if v is not None}, shape)
     except msgspec.ValidationError as exc:
         raise InvalidRequestError(f"input[{i}] is not a valid {kind} item: {exc}", param="input") from None
+
+
+def _check_arguments(i: int, text: str) -> None:
+    """Raises InvalidRequestError naming input[i] where the chat template would name the message it becomes."""
+    try:
+        arguments = json.loads(text)
+    except (ValueError, RecursionError):
+        arguments = None
+    if not isinstance(arguments, dict):
+        raise InvalidRequestError(f"input[{i}].arguments must be a JSON object as text", param="input")
 
 
 def _text(i: int, content: str | list[dict[str, Any]]) -> str:

@@ -263,6 +263,15 @@ REFUSALS = [
 ]
 
 
+@pytest.mark.parametrize("arguments", ["[1]", "{", "null"])
+async def test_a_function_call_item_with_bad_arguments_is_named_as_its_input_item(arguments):
+    call = {"type": "function_call", "call_id": "c", "name": "get_weather", "arguments": arguments}
+    async with served() as (client, engine):
+        status, body = await post(client, URL, {"input": [{"role": "user", "content": "Weather?"}, call]})
+    assert (status, body["error"]["param"]) == (400, "input") and engine.submitted == []
+    assert body["error"]["message"] == "input[1].arguments must be a JSON object as text"
+
+
 @pytest.mark.parametrize("fields, param", REFUSALS)
 async def test_what_is_not_served_is_refused_by_name(fields, param):
     async with served() as (client, engine):
