@@ -82,6 +82,21 @@ def refuse_undeclared(data: dict, request_type: type[msgspec.Struct]) -> None:
         raise InvalidRequestError(f"{name} is {what}: {refused.why}", param=name)
 
 
+# A \uD800-\uDBFF escape not followed by a \uDC00-\uDFFF one: msgspec says "Input data was truncated" for it
+_LONE_HIGH_SURROGATE = re.compile(rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F][0-9a-fA-F]{2})")
+LONE_SURROGATE = ("it escapes a lone UTF-16 surrogate (\\ud800-\\udfff outside a high-low pair), which is no "
+                  "Unicode character")
+
+
+def json_error(body: bytes, exc: msgspec.DecodeError) -> str:
+    """Why `body` is not JSON, from msgspec's DecodeError `exc`, naming a lone surrogate escape as one (msgspec
+    calls a lone high one "Input data was truncated", which points the client at the wrong fault)."""
+    why = str(exc)
+    if "surrogate" in why or (why == "Input data was truncated" and _LONE_HIGH_SURROGATE.search(body)):
+        return LONE_SURROGATE
+    return why
+
+
 _DECODE_PATH = re.compile(r"(?:at|in) `\$\.([A-Za-z_]\w*)")  # "at `$.n`", "at `key` in `$.logit_bias`"
 _MISSING_FIELD = re.compile(r"missing required field `([A-Za-z_]\w*)`")
 
@@ -95,7 +110,7 @@ def decode_body(body: bytes, request_type: type[msgspec.Struct]) -> Any:
     try:
         data = msgspec.json.decode(body)
     except msgspec.DecodeError as exc:
-        raise InvalidRequestError(f"request body is not valid JSON: {exc}") from None
+        raise InvalidRequestError(f"request body is not valid JSON: {json_error(body, exc)}") from None
     except RecursionError:
         raise InvalidRequestError("request body is nested too deeply") from None
     return convert_body(data, request_type)

@@ -371,6 +371,23 @@ async def test_bad_input_is_an_anthropic_invalid_request_error(body, words):
     assert engine.submitted == []
 
 
+async def test_a_lone_surrogate_is_named_as_one_on_messages_as_on_the_openai_routes():
+    lone = "request body is not valid JSON: it escapes a lone UTF-16 surrogate (\\ud800-\\udfff outside a high-low " \
+           "pair), which is no Unicode character"
+    async with served() as (client, engine):
+        answers = {}
+        for path, text in (("/v1/messages", "\\ud800"), ("/v1/messages/count_tokens", "Hi \\ud800 there"),
+                           ("/v1/responses", "\\ud800"), ("/v1/messages", "\\udc00")):
+            body = f'{{"model": "{MODEL}", "max_tokens": 2, "input": "{text}", "messages": [' \
+                   f'{{"role": "user", "content": "{text}"}}]}}'.encode()
+            async with client.post(path, data=body, headers={"Content-Type": "application/json"}) as response:
+                answer = await response.json()
+            message = answer["error"]["message"]
+            answers[path + text] = (response.status, message)
+    assert set(answers.values()) == {(400, lone)}, answers
+    assert engine.submitted == []
+
+
 async def test_the_client_raises_the_errors_it_knows():
     async with served() as (client, _):
         async with anthropic_client(client) as api:
