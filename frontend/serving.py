@@ -185,8 +185,14 @@ class Call:
             async for delta in deltas:
                 first = delta.index not in started
                 started.add(delta.index)
+                # a chat choice's role chunk goes before its first delta's tokens: its usage counts none of them,
+                # as vLLM's (taken before chunk_choices counts the delta's reasoning tokens)
+                opening = _uncounted(self.usage(), len(delta.token_ids)) if continuous and first else None
                 for choice in self.chunk_choices(delta, first):
-                    so_far = {"usage": self.usage()} if continuous else {}
+                    so_far = {}
+                    if continuous:
+                        role = opening is not None and "role" in choice.get("delta", {})
+                        so_far = {"usage": opening if role else self.usage()}
                     yield {**envelope, "choices": [choice], **first_fields, **so_far}
                     first_fields = {}
         if include:
@@ -202,3 +208,10 @@ class Call:
         --return-tokens-as-token-ids (vLLM's precedence)."""
         asked = self.body.return_tokens_as_token_ids
         return self.state.config.api.return_tokens_as_token_ids if asked is None else asked
+
+
+def _uncounted(usage: dict, tokens: int) -> dict:
+    """`usage` (changed in place) without `tokens` output tokens: that of a chunk sent before them."""
+    usage["completion_tokens"] -= tokens
+    usage["total_tokens"] -= tokens
+    return usage

@@ -39,6 +39,17 @@ async def test_forced_usage_rides_on_every_stream_whatever_stream_options_say():
         assert completion.usage.completion_tokens == 2
 
 
+async def test_the_role_chunk_of_a_chat_stream_counts_no_output_token():
+    """vLLM sends the role chunk before the first token: its usage so far is the prompt alone; each later chunk
+    counts the tokens sent up to it."""
+    async with served(api=ApiConfig(enable_force_include_usage=True)) as (client, engine):
+        events = await stream(client, "/v1/chat/completions", {"messages": USER, "max_tokens": 3})
+        prompt_tokens = len(engine.submitted[-1].prompt_token_ids)
+    assert [(e["choices"][0]["delta"].get("role") if e["choices"] else None, e["usage"]["completion_tokens"])
+            for e in events] == [("assistant", 0), (None, 1), (None, 2), (None, 3), (None, 3)]
+    assert all(e["usage"]["total_tokens"] == prompt_tokens + e["usage"]["completion_tokens"] for e in events)
+
+
 async def test_without_the_flag_a_stream_has_usage_only_when_asked():
     async with served() as (client, _):
         api = openai_client(client)
