@@ -284,6 +284,24 @@ async def test_a_response_stream_has_reasoning_events(think_model):
     assert final.usage.output_tokens_details.reasoning_tokens == thinking_tokens(think_model)
 
 
+async def test_a_response_cut_inside_its_thinking_has_only_the_reasoning_item(think_model):
+    """As OpenAI's reasoning models answer when max_output_tokens runs out while they think: the reasoning item,
+    incomplete, and no message item (whole and streamed alike)."""
+    async with served(think_model, "<think>Seven has no divisors.</think>Yes, it is.") as (client, _):
+        openai_client = openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="x")
+        response = await openai_client.responses.create(model="stories", input="Is 7 prime?", max_output_tokens=4)
+        events = [e async for e in await openai_client.responses.create(model="stories", input="Is 7 prime?",
+                                                                          max_output_tokens=4, stream=True)]
+        await openai_client.close()
+    final = events[-1].response
+    for answer in (response, final):
+        [reasoning] = answer.output
+        assert (answer.status, reasoning.type, reasoning.status, answer.output_text) == \
+            ("incomplete", "reasoning", "incomplete", "")
+        assert reasoning.content[0].text and "Seven has no divisors.".startswith(reasoning.content[0].text)
+    assert events[-1].type == "response.incomplete" and response.usage.output_tokens_details.reasoning_tokens == 3
+
+
 async def test_usage_counts_the_thinking_tokens(think_model):
     async with served(think_model, "<think>Seven has no divisors.</think>Yes, it is.") as (client, _):
         body = await post(client, {"n": 2})
