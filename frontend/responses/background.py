@@ -3,6 +3,11 @@ runs in a task of its own, apart from the HTTP request (a client that goes away 
 /v1/responses/{id} shows it advance (in_progress) to its one terminal status: completed, incomplete, failed (with
 OpenAI's `error` object) or cancelled (POST /v1/responses/{id}/cancel, `cancel` below). A drain fails what is still
 in flight (frontend/lifecycle.py's drain ends every engine request), and the store's close() ends the rest.
+
+An engine without room for it (its 503 with a Retry-After: the waiting queue full, an SLO refusal, a restart) does
+not fail it: it waits in line, queued again, and is submitted anew when the engine says a retry gets in. That is
+what `queued` means in OpenAI's API, and what vLLM does (its engine queues every request it is given); answering
+503 at once instead would need the engine to acknowledge admission, which it never does before the first token.
 """
 
 from __future__ import annotations
@@ -36,9 +41,21 @@ def start(call: ResponsesCall) -> dict:
 
 
 async def _run(call: ResponsesCall, entry: StoredResponse) -> None:
-    entry.settle(call.response([], None))  # in progress: its request is with the scheduler
     try:
-        entry.settle(await call.collect())
+        while True:
+            entry.settle(call.response([], None))  # in progress: its request is with the scheduler
+            try:
+                entry.settle(await call.collect())
+                return
+            except GenerationError as exc:
+                if exc.status != 503 or exc.retry_after is None:  # None: the server is going away
+                    raise
+                # the engine has no room now (a full waiting queue, an SLO refusal, a restart): the response waits
+                # in line, queued, as OpenAI's do, and asks again when the engine says a retry gets in; its output
+                # was never shown, so it starts over
+                entry.settle(call.response([], None, status="queued"))
+                await asyncio.sleep(exc.retry_after or 1.0)  # 0: unknown, a second (as Retry-After says)
+                call.generations = call.build()
     except asyncio.CancelledError:
         entry.end()  # as whoever cancelled it said (cancel: cancelled; a shutdown: failed)
         raise

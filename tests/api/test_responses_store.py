@@ -348,6 +348,26 @@ async def test_a_background_response_that_fails_says_why():
     assert failed["error"] == {"code": "server_error", "message": "the model failed"} and failed["output"] == []
 
 
+async def test_a_background_response_the_engine_has_no_room_for_waits_in_line_queued():
+    """The scheduler refuses it at arrival (503: its waiting queue is full) twice: it does not fail but stays queued
+    and is submitted again when the Retry-After says, then runs to its end (a foreground request gets the 503)."""
+    engine = FakeEngine(script=STORY, error=(503, "the server is at capacity: waiting queue is full"),
+                        retry_after_s=0.2)
+    async with served(engine) as (client, _):
+        status, refused = await post(client, URL, {"input": PROMPT})
+        _, queued = await post(client, URL, {"input": PROMPT, "background": True})
+        deadline = time.monotonic() + 5
+        while len(engine.submitted) < 3 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        waiting = await until(client, queued["id"], "queued")
+        engine.error = None
+        done = await until(client, queued["id"], "completed")
+    assert (status, refused["error"]["message"]) == (503, "the server is at capacity: waiting queue is full")
+    assert (queued["status"], waiting["status"], waiting["error"]) == ("queued", "queued", None)
+    assert done["output"][0]["content"][0]["text"] == STORY_TEXT and done["error"] is None
+    assert [r.request_id for r in engine.submitted[1:]][:3] == [f"{queued['id']}-0"] * 3
+
+
 async def test_background_refusals():
     async with served(FakeEngine(script=STORY, step_delay=0.05)) as (client, engine):
         status, streamed = await post(client, URL, {"input": PROMPT, "background": True, "stream": True})
