@@ -23,9 +23,10 @@ from shuttle.frontend.tools.request import template_tools, tool_constraint, tool
 
 
 def chat_prompt_ids(state: FrontendState, body: ChatCompletionRequest | TokenizeRequest,
-                    add_special_tokens: bool) -> list[int]:
+                    add_special_tokens: bool, any_length: bool = False) -> list[int]:
     """Token ids of a chat request's prompt: the messages (and tools) through the chat template with the request's
     options. Special-token text in message content stays text unless parse_special_tokens_in_content.
+    `any_length`: a prompt far over the context is tokenized all the same (a count of it, not a generation).
 
     Raises:
         InvalidRequestError: the template refused the messages or options, or the prompt is empty or too long.
@@ -36,7 +37,7 @@ def chat_prompt_ids(state: FrontendState, body: ChatCompletionRequest | Tokenize
         body.messages, body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs,
         escape=None if body.parse_special_tokens_in_content else tokenizer.special_text.escape,
         tools=template_tools(body.tools or ()))
-    ids = tokenizer.encode_chat(text, add_special_tokens, state.config.model.max_model_len)
+    ids = tokenizer.encode_chat(text, add_special_tokens, None if any_length else state.config.model.max_model_len)
     if not ids:
         raise InvalidRequestError("the rendered chat prompt is empty", param="messages")
     return ids

@@ -10,7 +10,7 @@ from pathlib import Path
 from tokenizers import Encoding, Tokenizer
 
 from shuttle.common.errors import InvalidRequestError, ModelDirError
-from shuttle.frontend.request.special_text import SpecialTextGuard
+from shuttle.frontend.request.special_text import SpecialTextGuard, encode_text
 
 
 @lru_cache(maxsize=1)
@@ -76,12 +76,15 @@ class TextTokenizer:
         """Token ids of a rendered chat prompt. Message content escaped with `special_text.escape` is read as
         plain text; everything else (the template's own text) exactly as `encode` reads it.
 
+        `max_tokens` None: any length (a count, such as /v1/messages/count_tokens; a long text is encoded with the
+        GIL released, special_text.encode_text, so only the body limit bounds the work).
+
         Raises:
             InvalidRequestError: as `encode`, naming `messages`.
         """
         self._check_length(text, max_tokens, "messages")
         if not self.special_text.escaped(text):
-            encoding = self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
+            encoding = encode_text(self._tokenizer, text, add_special_tokens)
             return _one_bos(encoding.ids, encoding)
         return _one_bos(*self.special_text.encode(text, add_special_tokens))
 

@@ -35,7 +35,8 @@ def new_id(prefix: str) -> str:
 
 def count_tokens(state: FrontendState, body: CountTokensRequest) -> dict:
     """POST /v1/messages/count_tokens: {"input_tokens": the prompt's token count}, the prompt being the one a
-    Messages request with these messages, system and tools would be served.
+    Messages request with these messages, system and tools would be served. A prompt of any length is counted (the
+    body limit bounds it): a count says how far over the context a prompt is, where a Messages request refuses it.
 
     Raises:
         InvalidRequestError: as a Messages request's prompt (param names the field).
@@ -43,7 +44,7 @@ def count_tokens(state: FrontendState, body: CountTokensRequest) -> dict:
     """
     check_model(state, body.model)
     chat = chat_request_of(body)
-    return {"input_tokens": len(chat_prompt_ids(state, chat, chat.add_special_tokens))}
+    return {"input_tokens": len(chat_prompt_ids(state, chat, chat.add_special_tokens, any_length=True))}
 
 
 class MessagesCall(ChatCall):

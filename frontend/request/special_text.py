@@ -18,6 +18,16 @@ import secrets
 
 from tokenizers import AddedToken, Encoding, Tokenizer
 
+GIL_FREE_CHARS = 32 * 1024  # a text this long is encoded with the GIL released
+
+
+def encode_text(tokenizer: Tokenizer, text: str, add_special_tokens: bool) -> Encoding:
+    """`tokenizer.encode(text)`, but a long text through encode_batch, which releases the GIL while Rust works:
+    encode holds it throughout (seconds for a few MB), so even from a pool thread it would pause the event loop."""
+    if len(text) < GIL_FREE_CHARS:
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    return tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+
 _OPEN, _CLOSE = "\ue000", "\ue001"  # private-use characters: no tokenizer normalizes or case-maps them
 
 
@@ -60,7 +70,7 @@ class SpecialTextGuard:
             text = text.replace(special, marker)
         for special, placeholder in self.placeholders.items():
             text = text.replace(placeholder, special)
-        encoding = self._plain_tokenizer().encode(text, add_special_tokens=add_special_tokens)
+        encoding = encode_text(self._plain_tokenizer(), text, add_special_tokens)
         return [self._marker_ids.get(t, t) for t in encoding.ids], encoding
 
     def _plain_tokenizer(self) -> Tokenizer:

@@ -324,6 +324,20 @@ async def test_count_tokens_is_the_prompts_token_count():
     assert counted.input_tokens > 8
 
 
+@pytest.mark.parametrize("repeats", [300, 40_000])  # 8,100 characters (in place), 1.1 MB (tokenized off the GIL)
+async def test_count_tokens_counts_a_prompt_far_over_the_context(repeats):
+    from tests.conftest import hf_tokenizer
+    text = "Once upon a time, Lily ran." * repeats
+    expected = len(hf_tokenizer()(text).input_ids)  # the template is BOS + the content
+    async with served() as (client, engine):
+        status, counted = await post(client, "/v1/messages/count_tokens",
+                                     {"model": MODEL, "messages": [{"role": "user", "content": text}]})
+        refused, answer = await post(client, URL, {**BASE, "messages": [{"role": "user", "content": text}]})
+    assert (status, counted) == (200, {"input_tokens": expected}) and expected > 512
+    assert refused == 400 and answer["error"]["type"] == "invalid_request_error"  # a generation is still refused
+    assert engine.submitted == []
+
+
 # ---- errors in Anthropic's shape ---------------------------------------------------------------------------------
 
 BASE = {"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}]}
