@@ -3,6 +3,7 @@ process gets in the ShuttleConfig JSON (common/config.py), and the model's conte
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -118,24 +119,57 @@ def apply_hf_overrides(hf_config: dict, overrides: dict[str, Any]) -> dict:
     """`hf_config` (a config.json, parsed) with `overrides` merged in as vLLM merges --hf-overrides into the model's
     configuration: a key whose value is a nested configuration (an object with its own model_type, as text_config)
     takes the override's keys into it, recursively; any other key, an object-valued one too (rope_scaling), is
-    replaced whole. Returns a new dict; `hf_config` is left as it was."""
+    replaced whole. Returns a new dict; `hf_config` is left as it was.
+
+    Raises:
+        ModelDirError: an override whose JSON type differs from the value config.json gives that key (an integer
+            stands for a number; a key config.json leaves out or sets to null takes any type), naming the key (a
+            nested one as text_config.KEY): the worker would otherwise fail building the model, with a traceback.
+    """
     merged = dict(hf_config)
     for key, value in overrides.items():
         current = merged.get(key)
+        _check_type(key, current, value)
         if isinstance(current, dict) and "model_type" in current and isinstance(value, dict):
-            merged[key] = _merge_nested(current, value)
+            merged[key] = _merge_nested(current, value, key)
         else:
             merged[key] = value
     return merged
 
 
-def _merge_nested(config: dict, overrides: dict) -> dict:
-    """A nested configuration with `overrides` merged in, objects into objects at every depth."""
+def _merge_nested(config: dict, overrides: dict, where: str) -> dict:
+    """A nested configuration (at key path `where`) with `overrides` merged in, objects into objects at every
+    depth, each value type-checked as apply_hf_overrides checks them."""
     merged = dict(config)
     for key, value in overrides.items():
         current = merged.get(key)
-        merged[key] = _merge_nested(current, value) if isinstance(current, dict) and isinstance(value, dict) else value
+        _check_type(f"{where}.{key}", current, value)
+        nested = isinstance(current, dict) and isinstance(value, dict)
+        merged[key] = _merge_nested(current, value, f"{where}.{key}") if nested else value
     return merged
+
+
+def _json_type(value: Any) -> str:
+    """The JSON type of a parsed config value, as a message names it."""
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    return "a list" if isinstance(value, list) else "an object" if isinstance(value, dict) else "null"
+
+
+def _check_type(key: str, current: Any, value: Any) -> None:
+    """Raises ModelDirError: override `value` for `key` is not of the type of config.json's `current` value."""
+    if current is None:
+        return
+    given, expected = _json_type(value), _json_type(current)
+    if given != expected and (given, expected) != ("an integer", "a number"):
+        raise ModelDirError(f"--hf-overrides: {key} must be {expected} as in config.json ({json.dumps(current)}), "
+                            f"got {given} ({json.dumps(value)})")
 
 
 def _read_json(path: Path) -> dict:

@@ -372,6 +372,29 @@ def test_the_worker_builds_its_model_from_the_overridden_config(tmp_path):
     assert (hf.max_position_embeddings, hf.rms_norm_eps, hf.hidden_size) == (256, 0.5, 64)
 
 
+@pytest.mark.parametrize("flags", [[], ["--max-model-len", "32"]])  # alone it said "names no context limit"
+def test_an_hf_override_of_another_type_is_one_line_before_any_process(flags, no_launch, capsys):
+    argv = ["serve", str(MODEL_DIR), "--port", "0", "--device", "cpu",
+            "--hf-overrides", '{"max_position_embeddings": "abc"}', *flags]
+    assert cli.main(argv) == 2  # the worker used to exit 1 with a 37-line traceback
+    assert capsys.readouterr().err == ('shuttle: error: --hf-overrides: max_position_embeddings must be an integer as '
+                                       'in config.json (512), got a string ("abc")\n')
+
+
+def test_hf_override_types_are_checked_nested_too():
+    base = {"rms_norm_eps": 1e-5, "tie_word_embeddings": True, "rope_scaling": None,
+            "text_config": {"model_type": "llama", "max_position_embeddings": 512}}
+    assert apply_hf_overrides(base, {"rms_norm_eps": 1, "rope_scaling": {"factor": 2.0}, "new_key": "x"}) == {
+        **base, "rms_norm_eps": 1, "rope_scaling": {"factor": 2.0}, "new_key": "x"}  # an integer for a number
+    for overrides, message in (({"tie_word_embeddings": 1}, "tie_word_embeddings must be a boolean"),
+                               ({"rms_norm_eps": "1e-5"}, "rms_norm_eps must be a number"),
+                               ({"text_config": {"max_position_embeddings": 2.5}},
+                                "text_config.max_position_embeddings must be an integer as in config.json (512), got "
+                                "a number (2.5)")):
+        with pytest.raises(ModelDirError, match=re.escape(f"--hf-overrides: {message}")):
+            apply_hf_overrides(base, overrides)
+
+
 def test_hf_overrides_merge_as_vllms_do():
     base = {"model_type": "llava", "rope_scaling": {"type": "linear", "factor": 2.0},
             "text_config": {"model_type": "llama", "max_position_embeddings": 512,
