@@ -17,6 +17,7 @@ from typing import Any
 
 from shuttle.common.errors import InvalidRequestError
 
+JSON_TYPES = ("string", "number", "integer", "boolean", "object", "array", "null")  # what `type` may name
 MAX_SCHEMA_DEPTH = 64  # nested subschemas; deeper is refused before any walk or compile could recurse on it
 
 ENFORCED, REFUSED, ANNOTATION = "enforced", "refused", "annotation (not a constraint)"
@@ -147,6 +148,9 @@ def _check_node(node: dict[str, Any], root: dict[str, Any], param: str, where: s
         if fate is not None and fate[0] == REFUSED and not (keyword == "uniqueItems" and value is False):
             _refuse(param, where, f"{path}/{keyword}", f"`{keyword}` is refused: {fate[1]}")
     types = node.get("type")
+    if "type" in node and not (types in JSON_TYPES or isinstance(types, list) and all(t in JSON_TYPES for t in types)):
+        # the engine refuses it only once the request is queued: a background response was answered queued first
+        _refuse(param, where, f"{path}/type", f"`type` must be one of {', '.join(JSON_TYPES)} or a list of them")
     types = {types} if isinstance(types, str) else set(types) if isinstance(types, list) else set()
     typed_values = "enum" in node or "const" in node
     for keyword in _NUMERIC:

@@ -368,6 +368,20 @@ async def test_a_background_response_the_engine_has_no_room_for_waits_in_line_qu
     assert [r.request_id for r in engine.submitted[1:]][:3] == [f"{queued['id']}-0"] * 3
 
 
+async def test_a_background_response_with_a_schema_of_no_json_type_is_refused_at_once():
+    """`"type": "bogus"` was refused by the engine only, once queued: the foreground got its 400, the background
+    response was answered queued and then failed. Now both get the 400 before anything is stored or submitted."""
+    text = {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object", "properties": {
+        "a": {"type": ["string", "bogus"]}}}}}
+    async with served() as (client, engine):
+        for background in (False, True):
+            status, body = await post(client, URL, {"input": PROMPT, "background": background, "text": text})
+            assert (status, body["error"]["param"]) == (400, "text"), body
+            assert body["error"]["message"].endswith("at /properties/a/type: `type` must be one of string, number, "
+                                                     "integer, boolean, object, array, null or a list of them")
+        assert len(store_of(client)) == 0 and engine.submitted == []
+
+
 async def test_background_refusals():
     async with served(FakeEngine(script=STORY, step_delay=0.05)) as (client, engine):
         status, streamed = await post(client, URL, {"input": PROMPT, "background": True, "stream": True})
