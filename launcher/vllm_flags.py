@@ -165,7 +165,8 @@ TAKEN_FLAGS: dict[str, TakenFlag] = {
 class RefusingParser(argparse.ArgumentParser):
     """An ArgumentParser that reports every refused vLLM flag of one command line in one message (exit 2), together
     with the flags it does not know and any other usage error it meets; without refusals it behaves as
-    argparse.ArgumentParser (an unknown flag alone is argparse's own "unrecognized arguments")."""
+    argparse.ArgumentParser (an unknown flag alone is argparse's own "unrecognized arguments"). An error prints a
+    one-line usage (`usage: shuttle serve [options] MODEL`) before it, not the whole flag list (--help has that)."""
 
     refusals: list[str]
 
@@ -184,7 +185,11 @@ class RefusingParser(argparse.ArgumentParser):
                       "\n  ".join(problems)
         else:
             message = problems[0]
-        super().error(message)
+        # argparse would print the whole usage first (80 lines of flags above the one line that matters)
+        positionals = " ".join(a.metavar if isinstance(a.metavar, str) else a.dest
+                               for a in self._actions if not a.option_strings)
+        self.exit(2, f"usage: {self.prog} [options]{' ' + positionals if positionals else ''}\n"
+                     f"{self.prog}: error: {message}\n")
 
 
 def _refuse(parser: argparse.ArgumentParser, problem: str) -> None:

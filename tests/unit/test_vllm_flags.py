@@ -140,6 +140,14 @@ def _refusal_lines(argv: list[str], capsys) -> list[str]:
     return err[next(i for i, line in enumerate(err) if ": error: " in line):]
 
 
+def test_a_refusal_prints_a_one_line_usage_not_every_flag(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.build_parser().parse_args(["serve", str(MODEL_DIR), "--enable-lora"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == ("usage: shuttle serve [options] MODEL\nshuttle serve: error: --enable-lora: "
+                                       "shuttle does not implement it: LoRA adapters are not implemented\n")
+
+
 @pytest.mark.parametrize("flag", [flag for flag, status in ROWS if status == "accepted"])
 def test_a_flag_marked_accepted_takes_what_shuttle_does_and_refuses_the_rest(flag, capsys):
     takes, refuses = ACCEPTED[flag]
