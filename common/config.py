@@ -24,12 +24,16 @@ DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent.parent / "shared" / "
 
 
 def _batch_endpoint(args: argparse.Namespace) -> str:
-    """--batch-endpoint, else tcp://127.0.0.1:(PORT + 1) (any free port when --port is 0); "none" disables it.
+    """--batch-endpoint, else tcp://127.0.0.1:(PORT + 1) (any free port when --port is 0), or with --uds PATH
+    ipc://PATH.batch beside the HTTP socket (two --uds servers on one host must not collide on PORT+1); "none"
+    disables it.
 
     Loopback even with --host 0.0.0.0: batch jobs run unmetered work, so exposing them is a separate decision.
     """
     if args.batch_endpoint:
         return "" if args.batch_endpoint == "none" else args.batch_endpoint
+    if getattr(args, "uds", None):
+        return f"ipc://{Path(args.uds).absolute()}.batch"
     return f"tcp://127.0.0.1:{args.port + 1 if args.port else '*'}"
 
 

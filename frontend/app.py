@@ -196,6 +196,8 @@ async def serve(config: ShuttleConfig, on_ready) -> None:
         if batch is not None and batch_task is not None:
             batch_task.cancel()
             batch.close()
+            if batch.endpoint.startswith("ipc://"):  # libzmq leaves the file behind when the process exits first
+                remove_socket_file(batch.endpoint[len("ipc://"):])
         await runner.cleanup()
         link.close()
         engine.close()

@@ -86,7 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "origin; None: no CORS headers, and WebSockets only from the server's own host")
     serve.add_argument("--batch-endpoint", default=None,
                        help="ZeroMQ endpoint for batch clients (default: tcp://127.0.0.1:PORT+1, loopback even with "
-                            "--host 0.0.0.0; 'none' disables)")
+                            "--host 0.0.0.0; with --uds PATH, ipc://PATH.batch beside the HTTP socket; 'none' "
+                            "disables)")
     serve.add_argument("--zmq-transport", choices=["ipc", "tcp"], default="ipc",
                        help="ipc:// sockets in a private runtime directory, or tcp:// on loopback authenticated "
                             "with ZeroMQ CURVE keys made for each launch")

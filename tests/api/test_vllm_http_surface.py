@@ -311,3 +311,25 @@ def test_the_launcher_checks_no_http_port_on_uds():
     args = argparse.Namespace(batch_endpoint=None)
     assert [listen.port for listen in _frontend_listens(args, config)] == [8000, 8001]
     assert [listen.port for listen in _frontend_listens(args, replace(config, api=ApiConfig(uds="/tmp/s")))] == [8001]
+
+
+def test_uds_puts_the_batch_endpoint_beside_the_http_socket(tmp_path, monkeypatch):
+    """Two --uds servers on one host collided on TCP PORT+1: the batch endpoint is ipc://PATH.batch unless given."""
+    from shuttle.common.config import IpcConfig, ShuttleConfig
+    from shuttle.launcher import cli
+    from shuttle.launcher.model_args import resolve_model_args
+    from tests.server import MODEL_DIR
+
+    def configured(*flags: str) -> tuple[ShuttleConfig, argparse.Namespace]:
+        args = cli.build_parser().parse_args(["serve", str(MODEL_DIR), *flags])
+        resolve_model_args(args)
+        return ShuttleConfig.from_args(args, IpcConfig.in_directory(str(tmp_path))), args
+
+    monkeypatch.chdir(tmp_path)  # a relative PATH is made absolute, so a batch client can use the printed endpoint
+    config, args = configured("--uds", "shuttle.sock")
+    assert config.batch_endpoint == f"ipc://{tmp_path}/shuttle.sock.batch"
+    assert _frontend_listens(args, config) == []  # no TCP port at all
+    assert configured("--uds", "s.sock", "--batch-endpoint", "tcp://127.0.0.1:9001")[0].batch_endpoint == \
+        "tcp://127.0.0.1:9001"
+    assert configured("--uds", "s.sock", "--batch-endpoint", "none")[0].batch_endpoint == ""
+    assert configured("--port", "8100")[0].batch_endpoint == "tcp://127.0.0.1:8101"
