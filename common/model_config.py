@@ -144,8 +144,10 @@ def _merge_nested(config: dict, overrides: dict, where: str) -> dict:
     for key, value in overrides.items():
         current = merged.get(key)
         _check_type(f"{where}.{key}", current, value)
-        nested = isinstance(current, dict) and isinstance(value, dict)
-        merged[key] = _merge_nested(current, value, f"{where}.{key}") if nested else value
+        if isinstance(current, dict) and isinstance(value, dict):
+            merged[key] = _merge_nested(current, value, f"{where}.{key}")
+        else:
+            merged[key] = value
     return merged
 
 
