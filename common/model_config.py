@@ -77,6 +77,8 @@ class ModelConfig:
         if not path.is_dir():
             raise ModelDirError(f"model directory {str(path)!r} does not exist")
         hf_config = apply_hf_overrides(_read_json(path / "config.json"), hf_overrides or {})
+        if hf_overrides:
+            check_config_class(hf_config)
         generation = _read_json(path / "generation_config.json") if (path / "generation_config.json").exists() else {}
         limit = context_limit(hf_config)
         if max_model_len is None:
@@ -135,6 +137,28 @@ def apply_hf_overrides(hf_config: dict, overrides: dict[str, Any]) -> dict:
         else:
             merged[key] = value
     return merged
+
+
+def check_config_class(hf_config: dict) -> None:
+    """Build the model's transformers configuration class from `hf_config` (config.json with --hf-overrides
+    merged in), so that what the class refuses (a rope_scaling without its factor, heads that do not divide the
+    hidden size) is refused at start rather than in every worker. A model_type transformers does not know (a model
+    that ships its code) is not checked here.
+
+    Raises:
+        ModelDirError: the class refuses it, with its reason on one line.
+    """
+    from transformers import CONFIG_MAPPING, AutoConfig  # only with --hf-overrides: seconds of imports
+
+    model_type = hf_config.get("model_type")
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
+        return
+    try:
+        AutoConfig.for_model(**hf_config)
+    except Exception as exc:  # transformers raises ValueError, KeyError or its own validation errors
+        why = " ".join(str(exc).split()) or type(exc).__name__
+        raise ModelDirError(f"--hf-overrides: transformers' {model_type} configuration refuses the overridden "
+                            f"config.json: {why[:400]}") from None
 
 
 def _merge_nested(config: dict, overrides: dict, where: str) -> dict:

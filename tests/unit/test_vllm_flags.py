@@ -8,6 +8,7 @@ JSON --allowed-origins and --log-level."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -387,6 +388,17 @@ def test_an_hf_override_of_another_type_is_one_line_before_any_process(flags, no
     assert cli.main(argv) == 2  # the worker used to exit 1 with a 37-line traceback
     assert capsys.readouterr().err == ('shuttle: error: --hf-overrides: max_position_embeddings must be an integer as '
                                        'in config.json (512), got a string ("abc")\n')
+
+
+@pytest.mark.parametrize("override, why", [
+    ({"num_attention_heads": 7}, "validate_architecture"),
+    ({"rope_scaling": {"rope_type": "linear"}}, "Missing required keys in `rope_parameters` for 'rope_type'='linear'"),
+])
+def test_an_hf_override_the_config_class_refuses_is_one_line_at_start(override, why, tmp_path):
+    with pytest.raises(ModelDirError, match=re.escape("--hf-overrides: transformers' llama configuration refuses the "
+                                                      "overridden config.json: ")) as refused:
+        _served_config(tmp_path, "--hf-overrides", json.dumps(override))
+    assert why in str(refused.value) and "\n" not in str(refused.value)
 
 
 def test_hf_override_types_are_checked_nested_too():
