@@ -13,6 +13,7 @@ import json
 import math
 import re
 import sys
+from dataclasses import field
 from pathlib import Path
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
@@ -172,10 +173,24 @@ def chat_template(value: str) -> str:
     return value
 
 
+def option(default, help: str, **argparse_kwargs):
+    """A config field declared once: its default, its help text and how `shuttle serve` parses it.
+
+    add_config_options (below) derives the flag `--field-name` from it (booleans get
+    `--no-field-name` too), and ShuttleConfig.from_args reads it back by name, so a new field needs no other edit to
+    be settable.
+    `argparse_kwargs`: type, choices, metavar, as argparse takes them.
+    """
+    return field(default=default, metadata={"help": help, **argparse_kwargs})
+
+
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")  # the processes' log levels (--log-level)
+
+
 def add_config_options(parser, section, names: list[str] | None = None, **overrides) -> None:
     """Add `--field-name` flags for the fields of config dataclass `section` (all, or those in `names`).
 
-    A field's default, help and parsing come from its declaration (common/config.py `option`); a bool becomes
+    A field's default, help and parsing come from its declaration (`option` above); a bool becomes
     --x / --no-x. `overrides` maps a field name to argparse keywords that differ here (e.g. {"default": None} where a
     command computes it).
     """

@@ -17,6 +17,7 @@ import os
 import sys
 
 from shuttle.common.arg_types import (
+    LOG_LEVELS,
     add_config_options,
     chat_template,
     count,
@@ -30,7 +31,6 @@ from shuttle.common.arg_types import (
 from shuttle.common.config import (
     DEFAULT_MODEL_DIR,
     LOG_LEVEL_ENV,
-    LOG_LEVELS,
     SERVE_SECTIONS,
     CacheConfig,
     SchedulerConfig,

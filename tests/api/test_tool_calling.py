@@ -18,7 +18,7 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from tokenizers import Tokenizer
 
-from shuttle.common.config import TOOL_CALL_PARSERS, ToolCallConfig
+from shuttle.common.api_config import TOOL_CALL_PARSERS, ToolCallConfig
 from shuttle.common.messages import FinishReason
 from shuttle.common.sampling import StructuredOutput
 from shuttle.frontend.request.chat_template import ChatTemplate

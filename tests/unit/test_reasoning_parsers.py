@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from shuttle.common.config import REASONING_PARSERS
+from shuttle.common.api_config import REASONING_PARSERS
 from shuttle.frontend.reasoning import PARSERS, DeepSeekR1Parser, Qwen3Parser, reasoning_parser_of
 from shuttle.frontend.tokenizer import TextTokenizer
 from tests.server import MODEL_DIR
