@@ -7,6 +7,7 @@ ids) once, then hands the same `ShuttleConfig` to each child as JSON, so no two 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from shuttle.common.devices import parse_device
 from shuttle.common.errors import ModelDirError
 from shuttle.common.generation_config import AUTO
 from shuttle.common.model_config import ModelConfig
-from shuttle.common.speculative import SpeculativeConfig, parse_speculative_config
+from shuttle.common.speculative import SpeculativeConfig, checked_draft_model, parse_speculative_config
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent.parent / "shared" / "models" / "stories260K"
 
@@ -319,13 +320,17 @@ class ShuttleConfig:
         refusal = tool_call_error(tool_calls)
         if refusal:
             raise ModelDirError(refusal)
+        scheduler = section_from_args(SchedulerConfig, args)
+        if scheduler.speculative_config is not None:
+            scheduler = dataclasses.replace(scheduler, speculative_config=checked_draft_model(
+                scheduler.speculative_config, model.hf_config()))
         if ipc is not None and len(ipc.rank_plans) != tp - 1:
             raise ValueError(f"{tp} tensor-parallel ranks need {tp - 1} rank plan endpoints, got {len(ipc.rank_plans)}")
         return ShuttleConfig(
             model=model,
             ipc=ipc,
             cache=section_from_args(CacheConfig, args),
-            scheduler=section_from_args(SchedulerConfig, args),
+            scheduler=scheduler,
             worker=section_from_args(WorkerConfig, args),
             host=args.host,
             port=args.port,

@@ -35,7 +35,7 @@ class StepPipeline:
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight must be at least 1, got {max_in_flight}")
         self.scheduler = scheduler
-        if max_in_flight > 1 and scheduler.speculative is not None:
+        if max_in_flight > 1 and scheduler.speculation is not None:
             # the next step's booking depends on how many drafts this one accepts: plan, wait and settle
             log.info("--speculative-config: steps are not overlapped (async scheduling is off)")
             max_in_flight = 1

@@ -13,8 +13,8 @@ written blocks to the prefix cache. A result for a request that finished or was 
 planned is dropped: each planned entry remembers the Request object and its preemption epoch, never just an id
 that a client could reuse.
 
-Under --speculative-config a decoding request also books its n-gram drafts (scheduler/ngram.py) as more tokens of
-the step; its settlement takes the 1 to 1 + drafts tokens the worker accepted and rolls back the rest (docs/
+Under --speculative-config a decoding request also books its drafts (scheduler/speculation_book.py) as more tokens
+of the step; its settlement takes the 1 to 1 + drafts tokens the worker accepted and rolls back the rest (docs/
 scheduling.md, "Speculative decoding").
 """
 
@@ -43,10 +43,10 @@ from shuttle.scheduler.admission import AdmissionView, SloAdmission
 from shuttle.scheduler.fairness import GroupShares
 from shuttle.scheduler.grammar_gate import GrammarGate
 from shuttle.scheduler.kv_cache import KVCacheManager
-from shuttle.scheduler.ngram import propose_ngram
 from shuttle.scheduler.queue import WaitingQueue
 from shuttle.scheduler.request import Request, RequestStatus
 from shuttle.scheduler.scheduled_step import ScheduledRequest, ScheduledStep
+from shuttle.scheduler.speculation_book import SpeculationBook
 from shuttle.scheduler.worker_mirror import WorkerMirror
 
 _RANK = attrgetter("rank")
@@ -88,10 +88,9 @@ class Scheduler:
         self.grammars = GrammarGate()  # constrained requests wait there for their grammar (scheduler/grammar_gate.py)
         # SLO admission (scheduler/admission.py); the process that owns the scheduler loads any profile, not this class
         self.admission = admission if admission is not None else SloAdmission(config.ttft_slo_ms)
-        # n-gram speculation (--speculative-config): vLLM's spec_decode counters, cumulative
-        self.speculative = config.speculative_config
-        self.spec_num_drafts = self.spec_num_draft_tokens = self.spec_num_accepted_tokens = 0
-        self.spec_accepted_per_pos = [0] * (self.speculative.num_speculative_tokens if self.speculative else 0)
+        # --speculative-config: who drafts, and vLLM's spec_decode counters (scheduler/speculation_book.py)
+        spec = config.speculative_config
+        self.speculation = SpeculationBook(spec) if spec is not None else None
 
     def _admission_view(self) -> AdmissionView:
         """What SLO admission may read: the budgets, the cache's size, the running set and the waiting queue."""
@@ -258,7 +257,7 @@ class Scheduler:
             num_new = min(request.num_tokens_booked - request.num_computed_tokens, budget, self._chunk_limit())
             if num_new <= 0 or self._booked_to_the_end(request):
                 continue  # its last token is already booked: it waits for a step in flight to settle
-            drafts = self._drafts(request, budget) if self.speculative is not None else []
+            drafts = self._drafts(request, budget) if self.speculation is not None else []
             # drafts take only free blocks: no request is preempted to make room for a guess
             added = self.kv.allocate_slots(request, 1 + len(drafts)) if drafts else None
             if added is None:
@@ -317,22 +316,16 @@ class Scheduler:
                 or request.num_tokens_booked >= self.max_model_len)
 
     def _drafts(self, request: Request, budget: int) -> list[int]:
-        """N-gram drafts for a decoding request (its last known token is all it has left to compute), as many as
-        the budget, the chunk cap, max_tokens and max_model_len leave room for. None for a request with a grammar,
-        penalties or prompt logprobs (verifying them would need the grammar or the counts advanced along the
-        drafts)."""
-        spec, sampling = self.speculative, request.sampling
-        assert spec is not None and spec.prompt_lookup_min is not None and spec.prompt_lookup_max is not None
-        if (request.num_output_placeholders or not request.output_token_ids
-                or request.num_computed_tokens != request.num_tokens - 1 or sampling.structured is not None
-                or sampling.has_penalties or sampling.prompt_logprobs is not None):
+        """Drafts for a decoding request, as many as the budget, the chunk cap, max_tokens and max_model_len leave
+        room for (scheduler/speculation_book.py proposes them)."""
+        book = self.speculation
+        assert book is not None
+        if not book.may_speculate(request):
             return []
-        limit = min(spec.num_speculative_tokens, budget - 1, self._chunk_limit() - 1,
-                    sampling.max_tokens - len(request.output_token_ids) - 1,
+        limit = min(budget - 1, self._chunk_limit() - 1,
+                    request.sampling.max_tokens - len(request.output_token_ids) - 1,
                     self.max_model_len - request.num_tokens - 1)
-        if limit < 1:
-            return []
-        return propose_ngram(request.all_token_ids, limit, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        return book.propose(request, limit)
 
     def _book(self, step: ScheduledStep, request: Request, num_new: int, drafts: list[int] | None = None) -> int:
         """Advance the request's computed tokens now; a chunk that reaches its end books a sampled placeholder.
@@ -434,12 +427,8 @@ class Scheduler:
         rejected drafts' slots are rolled back (computed tokens, and blocks past them given back), the written
         blocks of accepted tokens committed, and the tokens cut at a stop token or max_tokens."""
         request = entry.request
-        num_accepted = len(tokens) - 1
-        self.spec_num_drafts += 1
-        self.spec_num_draft_tokens += len(entry.draft_token_ids)
-        self.spec_num_accepted_tokens += num_accepted
-        for position in range(num_accepted):
-            self.spec_accepted_per_pos[position] += 1
+        assert self.speculation is not None  # only its drafts make a speculative entry
+        self.speculation.record(len(entry.draft_token_ids), len(tokens) - 1)
         request.num_output_placeholders -= 1
         request.num_computed_tokens = entry.start + len(tokens)  # the last gained token is not computed yet
         new_ids: list[int] = []
@@ -483,6 +472,12 @@ class Scheduler:
             prefix_cache_queries=self.kv.prefix_queries, prefix_cache_hits=self.kv.prefix_hits, num_steps=self._step_id,
             num_rejected=self.num_rejected, num_timed_out=self.num_timed_out,
             num_blocks_in_use=pool.num_blocks - pool.num_free, num_admitted=self.num_admitted,
-            num_scheduled_tokens=self.num_scheduled_tokens, spec_num_drafts=self.spec_num_drafts,
-            spec_num_draft_tokens=self.spec_num_draft_tokens, spec_num_accepted_tokens=self.spec_num_accepted_tokens,
-            spec_accepted_per_pos=list(self.spec_accepted_per_pos))
+            num_scheduled_tokens=self.num_scheduled_tokens, **self._spec_stats())
+
+    def _spec_stats(self) -> dict:
+        book = self.speculation
+        if book is None:
+            return {}
+        return {"spec_num_drafts": book.num_drafts, "spec_num_draft_tokens": book.num_draft_tokens,
+                "spec_num_accepted_tokens": book.num_accepted_tokens,
+                "spec_accepted_per_pos": list(book.accepted_per_pos)}

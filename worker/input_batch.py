@@ -211,9 +211,17 @@ class InputBatch:
         return StepInputs(torch.tensor(input_ids, dtype=torch.long), torch.from_numpy(positions), attention,
                           torch.tensor(sample_rows + spec_rows, dtype=torch.long), sampled, prompt_rows, spec)
 
-    def _pack_decodes(self, states: list[CachedRequestState], positions: list[int]) -> StepInputs:
+    def pack_decode_rows(self, states: list[CachedRequestState], token_ids: list[int],
+                         positions: list[int]) -> StepInputs:
+        """One row per state: `token_ids[i]` at `positions[i]` (a draft model's pass, worker/draft_model.py), every
+        row sampled. The states' blocks must cover the positions."""
+        return self._pack_decodes(states, positions, token_ids)
+
+    def _pack_decodes(self, states: list[CachedRequestState], positions: list[int],
+                      token_ids: list[int] | None = None) -> StepInputs:
         """pack() for a step of decodes only (each row's one new token is its last known one, so every row samples
-        and none is in its prompt): the common steady state, built with fewer passes."""
+        and none is in its prompt): the common steady state, built with fewer passes. `token_ids`: the rows'
+        tokens when they are not the states' last known ones."""
         bs, num_seqs = self.block_size, len(states)
         pos = np.array(positions, dtype=np.int64)
         lens = pos + 1
@@ -228,5 +236,6 @@ class InputBatch:
             query_start_loc=query_start_loc, seq_lens=torch.from_numpy(lens.astype(np.int32)),
             block_table=torch.from_numpy(table), slot_mapping=torch.from_numpy(slots), num_decodes=num_seqs,
             max_query_len=1, max_seq_len=int(lens.max()), query_start_list=query_start, seq_lens_list=lens.tolist())
-        return StepInputs(torch.tensor([s.token_ids[-1] for s in states], dtype=torch.long), torch.from_numpy(pos),
+        tokens = [s.token_ids[-1] for s in states] if token_ids is None else token_ids
+        return StepInputs(torch.tensor(tokens, dtype=torch.long), torch.from_numpy(pos),
                           attention, sample_rows, states)

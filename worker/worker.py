@@ -9,14 +9,16 @@ import time
 
 import torch
 
-from shuttle.common.capacity import blocks_per_request, kv_cache_bytes
+from shuttle.common.capacity import blocks_per_request, kv_blocks_for_memory, kv_cache_bytes
 from shuttle.common.config import ShuttleConfig
 from shuttle.common.cpu_threads import WORKER_THREADS_ENV
 from shuttle.common.devices import cpu_bf16_flags, resolve_dtype
 from shuttle.common.messages import PromptLogprobs, StepPlan, StepResult, TokenLogprobs
+from shuttle.common.speculative import DRAFT_MODEL
 from shuttle.worker.attention import StepAttention
 from shuttle.worker.attention_backends import make_backend
 from shuttle.worker.capability import check_exactness
+from shuttle.worker.draft_model import DraftModel
 from shuttle.worker.flex_attention import compiled_head_dim_problem, max_kv_blocks_for, token_buckets
 from shuttle.worker.grammar import GrammarCompiler, GrammarMasks
 from shuttle.worker.graph_runner import graph_runner_for, graphs_off_reason
@@ -140,6 +142,11 @@ class ModelRunner:
             from shuttle.worker import decode_kernel
             decode_kernel.warm_up(torch.get_num_threads(), (self.kv_dtype,))
         self.check_difference = check_exactness(self, model_cfg.max_model_len)
+        spec = config.scheduler.speculative_config
+        self.drafter: DraftModel | None = None  # --speculative-config's draft_model (worker/draft_model.py)
+        if spec is not None and spec.method == DRAFT_MODEL and spec.model:
+            self.drafter = DraftModel(spec.model, self.dtype_name, device,
+                                      self.model.get_output_embeddings().weight.shape[0], model_cfg.trust_remote_code)
         log.info("%s: paged attention (%s backend) matches eager attention within %.2g nats", self.architecture,
                  self.backend.name, self.check_difference)
 
@@ -152,8 +159,12 @@ class ModelRunner:
         if baseline is not None and num_blocks is None:
             self.kv_plan = self._size_kv_cache(config, baseline)
             num_blocks = self.kv_plan.num_blocks
+        if num_blocks is None and self.drafter is not None:  # the budget holds both models' KV of each block
+            num_blocks = kv_blocks_for_memory(cache_cfg.kv_cache_memory, self._bytes_per_token, self.block_size)
         self.kv_cache = KVCache.allocate(self.geometry, self.block_size, self.kv_dtype, self.device, num_blocks,
                                          cache_cfg.kv_cache_memory)
+        if self.drafter is not None:
+            self.drafter.allocate(self.kv_cache.num_blocks, self.block_size, self.kv_dtype, self.device)
         # how the cache was sized, for the start-up line
         if self.kv_plan is not None:
             self.kv_budget = (f"--gpu-memory-utilization {cache_cfg.gpu_memory_utilization} of "
@@ -188,8 +199,15 @@ class ModelRunner:
 
     @property
     def weight_bytes(self) -> int:
-        """Bytes of the weights this rank holds."""
-        return sum(local_numel(p) * p.element_size() for p in self.model.parameters())
+        """Bytes of the weights this rank holds (a draft model's included)."""
+        draft = self.drafter.weight_bytes if self.drafter is not None else 0
+        return sum(local_numel(p) * p.element_size() for p in self.model.parameters()) + draft
+
+    @property
+    def _bytes_per_token(self) -> int:
+        """KV bytes one token takes in this rank's caches: the target's, plus the draft model's."""
+        draft = self.drafter.bytes_per_token(self.kv_dtype) if self.drafter is not None else 0
+        return KVCache.bytes_per_token_of(self.geometry, self.kv_dtype) + draft
 
     def _size_kv_cache(self, config: ShuttleConfig, baseline) -> KVPlan:
         """KV blocks for --gpu-memory-utilization: profile the largest step over a scratch cache, then the
@@ -198,7 +216,7 @@ class ModelRunner:
         vocab = self.model.get_output_embeddings().weight.shape[0]
         plan, blocks = profile_plan(config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs,
                                     max_model_len, bs, vocab)
-        bytes_per_token = KVCache.bytes_per_token_of(self.geometry, self.kv_dtype)
+        bytes_per_token = self._bytes_per_token
         scratch = KVCache.allocate(self.geometry, bs, self.kv_dtype, self.device, blocks, 0)
         figures = profile_peak(functools.partial(self.profile_step, plan, scratch, max_model_len), self.device,
                                baseline,
@@ -251,14 +269,15 @@ class ModelRunner:
                  ", ".join(map(str, done)), self.warm_up_seconds)
 
     def forward(self, inputs: StepInputs, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                logits_rows: torch.Tensor) -> torch.Tensor:
-        """The model over one step's packed tokens; returns logits [len(logits_rows), vocab] at those rows.
+                logits_rows: torch.Tensor, model: torch.nn.Module | None = None) -> torch.Tensor:
+        """The model (or `model`: the draft model, worker/draft_model.py) over one step's packed tokens; returns
+        logits [len(logits_rows), vocab] at those rows.
 
         The inputs reach the device through self.staging (on CUDA one non-blocking copy of a pinned buffer; on the
         CPU the tensors themselves)."""
         self.backend.begin_step()
         step = self.staging(inputs, logits_rows)
-        output = self.model(
+        output = (model or self.model)(
             input_ids=step.input_ids.unsqueeze(0),
             position_ids=step.positions.unsqueeze(0),
             logits_to_keep=step.logits_rows,
@@ -280,6 +299,8 @@ class ModelRunner:
         try:
             if self.batch.num_constrained and self.grammars is not None:
                 self._attach_grammars(plan, self.grammars)
+            if self.drafter is not None:  # the draft model writes its KV for the step's rows and fills draft slots
+                self.drafter.propose(self.forward, self.batch, scheduled)
             return self._run(plan.step_id, self.batch.pack(scheduled))
         except Exception:
             for state, _ in scheduled:

@@ -1,20 +1,24 @@
 #!/usr/bin/env python3
-"""What n-gram speculative decoding gains: the same greedy workload with speculation off and with ngram k=2 and
-k=4, in process with the offline LLM (no server), on two workloads.
+"""What speculative decoding gains: the same greedy workload with speculation off, with ngram k=2 and k=4, and
+(with --draft) with a draft model at k=4, in process with the offline LLM (no server), on two workloads.
 
 - copy: prompts that hold a story paragraph twice, then its start a third time, so that prompt lookup can propose
   the rest of it;
-- plain: ordinary story openings, where drafts are rarely accepted.
+- plain: ordinary story openings, where a trained model's drafts are rarely accepted.
 
-For each workload and setting it times `generate` over --prompts prompts of --max-tokens tokens (greedy,
-ignore_eos) for --rounds interleaved rounds (one LLM per setting, built and warmed first) and reports the median
-output tokens/s, the acceptance rate (accepted over drafted tokens, from the scheduler's spec counters), the mean
-accepted tokens per speculative step, and the ratio of tokens/s to speculation off. Outputs with speculation must
-equal those without token for token: otherwise it prints MISMATCH and exits 1. Figures are ratios from one run on
-a quiet machine; the absolute times depend on the host.
+For each workload, concurrency and setting it times `generate` over --prompts prompts of --max-tokens tokens
+(greedy, ignore_eos), handed over --concurrency at a time, for --rounds interleaved rounds (one LLM per setting,
+built and warmed first), and reports the median output tokens/s, the acceptance rate (accepted over drafted
+tokens, from the scheduler's spec counters), the mean accepted tokens per speculative step, and the ratio of
+tokens/s to speculation off. Outputs with speculation must equal those without token for token: otherwise it
+prints MISMATCH and exits 1. Figures are ratios from one run on a quiet machine; the absolute times depend on the
+host.
 
     .venv/bin/python scripts/dev/bench_spec.py
-    .venv/bin/python scripts/dev/bench_spec.py --rounds 3 --threads 4 --json /tmp/spec.json
+    .venv/bin/python scripts/dev/make_random_model.py --shape 110m --out /tmp/shuttle-models/llama-110m
+    .venv/bin/python scripts/dev/make_random_model.py --draft-of /tmp/shuttle-models/llama-110m --layers 2
+    .venv/bin/python scripts/dev/bench_spec.py --model /tmp/shuttle-models/llama-110m \
+        --draft /tmp/shuttle-models/llama-110m-draft2 --concurrency 1 16 --threads 2 --json /tmp/spec.json
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ PARAGRAPHS = [
 ]
 OPENINGS = ["Once upon a time", "One day, a little girl", "Tom was a happy boy who", "The sun was shining and",
             "There was a small dog named", "Lily and her mom went to", "A big bird flew over the", "Sam had a toy car"]
-SETTINGS: dict[str, dict[str, Any] | None] = {
+NGRAM_SETTINGS: dict[str, dict[str, Any] | None] = {
     "off": None,
     "ngram k=2": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 4, "prompt_lookup_min": 2},
     "ngram k=4": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2},
@@ -59,15 +63,17 @@ def workload_prompts(workload: str, count: int) -> list[str]:
 
 def spec_counters(llm: LLM) -> tuple[int, int, int]:
     """The LLM's scheduler's (drafts, draft tokens, accepted tokens) counters so far."""
-    scheduler = llm._scheduler
-    return scheduler.spec_num_drafts, scheduler.spec_num_draft_tokens, scheduler.spec_num_accepted_tokens
+    stats = llm._scheduler.stats()
+    return stats.spec_num_drafts, stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens
 
 
-def timed_round(llm: LLM, prompts: list[str], params: SamplingParams) -> dict[str, Any]:
-    """One timed generate: output tokens/s, the spec counters' growth and the output token ids."""
+def timed_round(llm: LLM, prompts: list[str], params: SamplingParams, concurrency: int) -> dict[str, Any]:
+    """One timed round of generate calls, `concurrency` prompts each: output tokens/s, the spec counters' growth
+    and the output token ids."""
     before = spec_counters(llm)
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    outputs = [output for i in range(0, len(prompts), concurrency)
+               for output in llm.generate(prompts[i:i + concurrency], params, use_tqdm=False)]
     seconds = time.perf_counter() - start
     drafts, drafted, accepted = (b - a for a, b in zip(before, spec_counters(llm)))
     token_ids = [list(output.outputs[0].token_ids) for output in outputs]
@@ -79,51 +85,61 @@ def main() -> int:
     """Build one LLM per setting, run the interleaved rounds, print the table and write the JSON."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="/work/shared/models/stories260K")
+    parser.add_argument("--draft", default=None, help="a draft model's directory: adds the setting draft k=4")
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[16], help="prompts handed over at a time")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--json", default="bench_spec.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    settings = dict(NGRAM_SETTINGS)
+    if args.draft:
+        settings["draft k=4"] = {"method": "draft_model", "model": args.draft, "num_speculative_tokens": 4}
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     workloads = {name: workload_prompts(name, args.prompts) for name in ("copy", "plain")}
     llms: dict[str, LLM] = {}
-    for setting, spec in SETTINGS.items():
+    for setting, spec in settings.items():
         extra = {"speculative_config": spec} if spec else {}
-        llms[setting] = LLM(args.model, max_model_len=512, kv_cache_memory="256MiB", **extra)
+        llms[setting] = LLM(args.model, max_model_len=512, kv_cache_memory="256MiB",
+                            max_num_seqs=max(args.concurrency), **extra)
         torch.set_num_threads(args.threads)
         for prompts in workloads.values():
             llms[setting].generate(prompts[:2], params, use_tqdm=False)  # warm-up
-    runs: dict[tuple[str, str], list[dict[str, Any]]] = {(w, s): [] for w in workloads for s in SETTINGS}
+    cases = [(w, c) for w in workloads for c in args.concurrency]
+    runs: dict[tuple[str, int, str], list[dict[str, Any]]] = {(w, c, s): [] for w, c in cases for s in settings}
     for _ in range(args.rounds):
-        for workload, prompts in workloads.items():
+        for workload, concurrency in cases:
             for setting, llm in llms.items():
-                runs[workload, setting].append(timed_round(llm, prompts, params))
+                runs[workload, concurrency, setting].append(timed_round(llm, workloads[workload], params,
+                                                                        concurrency))
     mismatch = False
     results: list[dict[str, Any]] = []
-    for workload in workloads:
-        reference = runs[workload, "off"][0]["token_ids"]
-        off_rate = statistics.median(r["tokens_per_s"] for r in runs[workload, "off"])
-        for setting in SETTINGS:
-            rounds = runs[workload, setting]
+    for workload, concurrency in cases:
+        reference = runs[workload, concurrency, "off"][0]["token_ids"]
+        off_rate = statistics.median(r["tokens_per_s"] for r in runs[workload, concurrency, "off"])
+        for setting in settings:
+            rounds = runs[workload, concurrency, setting]
             for run in rounds:
                 if run["token_ids"] != reference:
                     mismatch = True
-                    print(f"MISMATCH: {workload} {setting} differs from speculation off")
+                    print(f"MISMATCH: {workload} at {concurrency} {setting} differs from speculation off")
             rate = statistics.median(r["tokens_per_s"] for r in rounds)
             drafts, drafted, accepted = (sum(r[key] for r in rounds) for key in ("drafts", "drafted", "accepted"))
-            results.append({"workload": workload, "setting": setting, "tokens_per_s": rate,
-                            "ratio_vs_off": rate / off_rate,
+            results.append({"workload": workload, "concurrency": concurrency, "setting": setting,
+                            "tokens_per_s": rate, "ratio_vs_off": rate / off_rate,
                             "acceptance_rate": accepted / drafted if drafted else None,
                             "mean_accepted_per_step": accepted / drafts if drafts else None})
-    print(f"{'workload':<8} {'setting':<10} {'tok/s':>9} {'vs off':>7} {'accept':>7} {'acc/step':>8}")
+    print(f"{'workload':<8} {'conc':>4} {'setting':<10} {'tok/s':>9} {'vs off':>7} {'accept':>7} {'acc/step':>8}")
     for row in results:
         accept, per_step = row["acceptance_rate"], row["mean_accepted_per_step"]
-        print(f"{row['workload']:<8} {row['setting']:<10} {row['tokens_per_s']:>9.1f} {row['ratio_vs_off']:>6.2f}x "
-              f"{'-' if accept is None else f'{accept:.0%}':>7} {'-' if per_step is None else f'{per_step:.2f}':>8}")
-    Path(args.json).write_text(json.dumps({"model": args.model, "prompts": args.prompts, "max_tokens": args.max_tokens,
-                                           "rounds": args.rounds, "threads": args.threads, "results": results,
+        print(f"{row['workload']:<8} {row['concurrency']:>4} {row['setting']:<10} {row['tokens_per_s']:>9.1f} "
+              f"{row['ratio_vs_off']:>6.2f}x {'-' if accept is None else f'{accept:.0%}':>7} "
+              f"{'-' if per_step is None else f'{per_step:.2f}':>8}")
+    Path(args.json).write_text(json.dumps({"model": args.model, "draft": args.draft, "prompts": args.prompts,
+                                           "max_tokens": args.max_tokens, "rounds": args.rounds,
+                                           "threads": args.threads, "results": results,
                                            "outputs_match": not mismatch}, indent=2) + "\n")
     return 1 if mismatch else 0
 

@@ -4,6 +4,8 @@ benchmarks that must not download anything.
 
     .venv/bin/python scripts/dev/make_random_model.py --shape 110m --out /tmp/shuttle-models/llama-110m
     python scripts/dev/make_random_model.py --shape 1b --device cuda --dtype bfloat16   # scripts/gpu_check.sh's
+    .venv/bin/python scripts/dev/make_random_model.py --draft-of /tmp/shuttle-models/llama-110m --layers 2 \
+        --out /tmp/shuttle-models/llama-110m-draft2   # a draft model for --speculative-config's draft_model
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import sys
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 SHAPES = {
     # The 110M-parameter Llama 2 shape of llama2.c's stories110M.
@@ -61,6 +63,30 @@ def make_random_model(out: Path, shape: str = "110m", tokenizer_dir: Path = DEFA
     return out
 
 
+def truncate_model(source: Path, out: Path, num_layers: int) -> Path:
+    """Write a draft model for `source` into `out`: its first `num_layers` decoder layers with its embeddings,
+    final norm, output head and tokenizer files (a layer-skip draft: same vocabulary, and on a trained model a
+    fair guess of its next token at a fraction of its cost).
+
+    Raises:
+        ValueError: num_layers is not below the source's layer count.
+    """
+    model = AutoModelForCausalLM.from_pretrained(source, dtype="auto")
+    layers = model.model.layers
+    if not 0 < num_layers < len(layers):
+        raise ValueError(f"--layers must be between 1 and {len(layers) - 1}, got {num_layers}")
+    model.model.layers = layers[:num_layers]
+    model.config.num_hidden_layers = num_layers
+    if getattr(model.config, "layer_types", None):
+        model.config.layer_types = model.config.layer_types[:num_layers]
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    for path in source.iterdir():
+        if path.name.startswith(("tokenizer", "special_tokens", "generation_config")):
+            shutil.copy(path, out / path.name)
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="110m")
@@ -68,7 +94,14 @@ def main() -> int:
     parser.add_argument("--tokenizer", type=Path, default=DEFAULT_TOKENIZER)
     parser.add_argument("--device", default="cpu", help="where to initialise the weights")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--draft-of", type=Path, default=None, metavar="MODEL_DIR",
+                        help="instead: write a draft model of MODEL_DIR's first --layers layers")
+    parser.add_argument("--layers", type=int, default=2, help="--draft-of's decoder layers")
     args = parser.parse_args()
+    if args.draft_of is not None:
+        out = truncate_model(args.draft_of, args.out or Path(f"{args.draft_of}-draft{args.layers}"), args.layers)
+        print(f"wrote {out}")
+        return 0
     out = make_random_model(args.out or Path(f"/tmp/shuttle-models/llama-{args.shape}"), args.shape, args.tokenizer,
                             device=args.device, dtype=args.dtype)
     with torch.device("meta"):

@@ -1,13 +1,17 @@
-"""n-gram speculative decoding (--speculative-config) on the in-process engine against transformers' generate on
-stories260K: greedy output token for token with prefix caching and under preemption, drafts actually accepted; and
-sampled next-token frequencies with speculation matching those without (chi-square)."""
+"""Speculative decoding (--speculative-config: ngram, and draft_model with a 2-layer draft of the target) on the
+in-process engine against transformers' generate on stories260K: greedy output token for token with prefix caching
+and under preemption, drafts actually accepted; a draft model that is the target itself has every draft accepted
+(its KV, shared block ids and all, is right); and sampled next-token frequencies with speculation matching those
+without (chi-square)."""
 
 import functools
 import random
 import time
+from pathlib import Path
 
 import pytest
 
+from scripts.dev.make_random_model import truncate_model
 from shuttle.common.config import CacheConfig, IpcConfig, SchedulerConfig, ShuttleConfig
 from shuttle.common.messages import FinishReason, Submit
 from shuttle.common.model_config import ModelConfig
@@ -23,11 +27,22 @@ from tests.server import MODEL_DIR
 NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_max=3, prompt_lookup_min=1)
 
 
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory) -> str:
+    """A draft model of stories260K: its first 2 of 5 layers (scripts/dev/make_random_model.py)."""
+    return str(truncate_model(Path(MODEL_DIR), tmp_path_factory.mktemp("draft") / "stories260K-draft2", 2))
+
+
+def draft_config(model_dir: str, k: int = 3) -> SpeculativeConfig:
+    return SpeculativeConfig(method="draft_model", num_speculative_tokens=k, model=model_dir)
+
+
 @functools.cache
-def _runner(block_size: int, num_blocks: int) -> ModelRunner:
+def _runner(block_size: int, num_blocks: int, draft: SpeculativeConfig | None = None) -> ModelRunner:
     model = ModelConfig.from_dir(MODEL_DIR)
     return ModelRunner(ShuttleConfig(model=model, ipc=IpcConfig.in_directory("/nonexistent"),
-                                     cache=CacheConfig(block_size, num_blocks)))
+                                     cache=CacheConfig(block_size, num_blocks),
+                                     scheduler=SchedulerConfig(speculative_config=draft)))
 
 
 def make_engine(num_blocks=400, max_batched=2048, speculative=NGRAM, prefix_caching=True, block_size=16):
@@ -36,7 +51,8 @@ def make_engine(num_blocks=400, max_batched=2048, speculative=NGRAM, prefix_cach
     config = SchedulerConfig(max_num_batched_tokens=max_batched, speculative_config=speculative)
     scheduler = Scheduler(config, KVCacheManager(num_blocks, block_size, prefix_caching), model.max_model_len,
                           model.eos_token_ids)
-    runner = _runner(block_size, num_blocks)
+    drafting = speculative is not None and speculative.method == "draft_model"
+    runner = _runner(block_size, num_blocks, speculative if drafting else None)
     for request_id in list(runner.batch.requests):
         runner.batch.drop(request_id)
     return scheduler, runner
@@ -83,6 +99,43 @@ def test_greedy_with_ngram_speculation_matches_transformers(num_blocks, max_batc
     assert stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
     if num_blocks < 50:
         assert scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize("num_blocks, max_batched", [(400, 2048), (40, 2048), (400, 9)])
+def test_greedy_with_a_draft_model_matches_transformers(num_blocks, max_batched, draft_dir):
+    prompts = repetitive_prompts(8, seed=2)
+    max_tokens = [random.Random(i).randrange(30, 100) for i in range(len(prompts))]
+    scheduler, runner = make_engine(num_blocks, max_batched, speculative=draft_config(draft_dir))
+    got = run(scheduler, runner, prompts, [SamplingParams(max_tokens=m, temperature=0.0) for m in max_tokens])
+    for prompt, m, out in zip(prompts, max_tokens, got):
+        assert out == hf_greedy(prompt, m)
+    stats = scheduler.stats()
+    assert stats.spec_num_drafts > 0 and stats.spec_num_accepted_tokens == sum(stats.spec_accepted_per_pos)
+    if num_blocks < 50:
+        assert scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize("num_blocks", [400, 40])
+def test_the_target_as_its_own_draft_has_every_draft_accepted(num_blocks):
+    """Greedy drafts from the target itself are all accepted exactly when the draft KV is right at every position:
+    written by prefill chunks, by the draft passes (the last draft's too), after preemption, and for blocks found in
+    the prefix cache (the continuations)."""
+    spec = draft_config(str(MODEL_DIR))
+    prompts = repetitive_prompts(6, seed=3)
+    scheduler, runner = make_engine(num_blocks, speculative=spec)
+    first = run(scheduler, runner, prompts, [SamplingParams(max_tokens=60, temperature=0.0)] * len(prompts))
+    continued = [prompt + out for prompt, out in zip(prompts, first)]
+    hits_before = scheduler.kv.prefix_hits
+    second = run(scheduler, runner, continued, [SamplingParams(max_tokens=30, temperature=0.0)] * len(prompts))
+    for prompt, out in zip(continued, second):
+        assert out == hf_greedy(prompt, 30)
+    stats = scheduler.stats()
+    assert stats.spec_num_draft_tokens > 200 and stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens
+    assert stats.spec_accepted_per_pos[0] == stats.spec_num_drafts
+    if num_blocks < 50:
+        assert scheduler.num_preemptions > 0
+    else:
+        assert scheduler.kv.prefix_hits > hits_before
 
 
 def test_prefix_cache_hits_only_accepted_blocks_written_by_speculative_steps():

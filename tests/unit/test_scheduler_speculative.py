@@ -79,6 +79,28 @@ def test_drafts_book_their_slots_and_a_rejection_rolls_them_back():
     assert stats.spec_accepted_per_pos == [1, 1, 0, 0]
 
 
+def test_a_draft_model_books_draft_slots_every_decode_step_within_max_tokens():
+    from shuttle.scheduler.speculation_book import DRAFT_SLOT
+
+    spec = SpeculativeConfig(method="draft_model", num_speculative_tokens=3, model="/draft")
+    s = Scheduler(SchedulerConfig(speculative_config=spec), KVCacheManager(64, BLOCK), 128, (EOS,))
+    submit(s, "a", [5, 6, 7], max_tokens=6)
+    submit(s, "b", [8, 9], max_tokens=6, repetition_penalty=1.2)  # penalties: never speculates
+    step, _ = step_with(s, {"a": [40], "b": [50]})
+    assert step.num_scheduled == {"a": 3, "b": 2}
+    step, outputs = step_with(s, {"a": [41, 42], "b": [51]})  # one of three slots accepted, then the target's token
+    assert step.scheduled["a"].draft_token_ids == (DRAFT_SLOT,) * 3 and step.scheduled["b"].draft_token_ids == ()
+    assert step.plan.cached_requests[0].draft_token_ids == [DRAFT_SLOT] * 3 and step.num_scheduled["a"] == 4
+    assert s.requests["a"].num_computed_tokens == 5 and len(s.kv.block_tables["a"]) == 2
+    step, outputs = step_with(s, {"a": [43, 44, 45], "b": [52]})  # a has 3 outputs of 6: room for 2 drafts only
+    assert step.scheduled["a"].draft_token_ids == (DRAFT_SLOT,) * 2
+    assert sorted((o.request_id, o.new_token_ids, o.finish_reason) for o in outputs) == [
+        ("a", [43, 44, 45], FinishReason.LENGTH), ("b", [52], None)]
+    stats = s.stats()
+    assert (stats.spec_num_drafts, stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens) == (2, 5, 3)
+    assert stats.spec_accepted_per_pos == [2, 1, 0]
+
+
 def test_only_blocks_of_accepted_tokens_are_committed_to_the_prefix_cache():
     s = make_scheduler()
     submit(s, "a", PHRASE + PHRASE[:3])
@@ -186,7 +208,7 @@ def test_preemption_in_the_middle_of_a_speculative_run_resumes_from_the_accepted
             request = s.requests["b"]
             assert request.num_computed_tokens == 0 and request.num_output_placeholders == 0
             assert "b" not in s.kv.block_tables
-            assert s.spec_num_accepted_tokens > 0  # b was preempted after speculative steps
+            assert s.stats().spec_num_accepted_tokens > 0  # b was preempted after speculative steps
         for out in outputs:
             if out.request_id == "b":
                 got += out.new_token_ids
@@ -235,8 +257,15 @@ def test_speculative_config_parses_ngram_into_the_config_and_refuses_the_rest_by
     config = ShuttleConfig.from_json(ShuttleConfig.from_args(args, IpcConfig.in_directory(str(tmp_path))).to_json())
     assert config.scheduler.speculative_config == SpeculativeConfig(
         method="ngram", num_speculative_tokens=3, prompt_lookup_max=4, prompt_lookup_min=4)
-    for value, why in [('{"method": "draft_model", "model": "m", "num_speculative_tokens": 3}',
-                        "method 'draft_model' is not implemented (only \"ngram\", prompt lookup)"),
+    for value, why in [('{"method": "eagle", "model": "m", "num_speculative_tokens": 3}',
+                        "method 'eagle' is not implemented (\"ngram\", prompt lookup, or \"draft_model\")"),
+                       ('{"method": "draft_model", "num_speculative_tokens": 3}',
+                        "draft_model needs \"model\": the draft model's directory"),
+                       ('{"model": "m", "num_speculative_tokens": 3, "draft_tensor_parallel_size": 2}',
+                        "draft_tensor_parallel_size other than 1 is not implemented"),
+                       ('{"method": "draft_model", "model": "m", "num_speculative_tokens": 3, "prompt_lookup_max": 2}',
+                        "key 'prompt_lookup_max' is not implemented (draft_model takes model, num_speculative_tokens, "
+                        "draft_tensor_parallel_size)"),
                        ('{"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 4}',
                         "key 'disable_by_batch_size' is not implemented (ngram takes num_speculative_tokens, "
                         "prompt_lookup_max, prompt_lookup_min)"),
@@ -283,6 +312,37 @@ def test_the_periodic_stats_line_tells_the_windows_acceptance_rate(caplog):
     assert lines[0].endswith(", preemptions 0, draft acceptance rate 60.0% (6 of 10), mean acceptance length 2.50")
     assert lines[1].endswith(", draft acceptance rate 10.0% (1 of 10), mean acceptance length 1.50")
     assert lines[2].endswith(", preemptions 0")  # no drafts in that window
+
+
+def test_a_draft_model_is_checked_at_start_up_and_its_path_made_absolute(tmp_path, monkeypatch):
+    import json
+    import shutil
+
+    from shuttle.common.config import IpcConfig, ShuttleConfig
+    from shuttle.common.errors import ModelDirError
+    from shuttle.launcher import cli
+    from shuttle.launcher.model_args import resolve_model_args
+    from tests.server import MODEL_DIR
+
+    def config_with(draft: str):
+        args = cli.build_parser().parse_args(["serve", str(MODEL_DIR), "--speculative-config",
+                                              json.dumps({"model": draft, "num_speculative_tokens": 2})])
+        resolve_model_args(args)
+        return ShuttleConfig.from_args(args, IpcConfig.in_directory(str(tmp_path)))
+
+    draft = tmp_path / "draft"
+    shutil.copytree(MODEL_DIR, draft)
+    monkeypatch.chdir(tmp_path)
+    assert config_with("draft").scheduler.speculative_config == SpeculativeConfig(
+        method="draft_model", num_speculative_tokens=2, model=str(draft))
+    with pytest.raises(ModelDirError, match=r"^--speculative-config's draft model: model directory 'nowhere' does "
+                                            r"not exist$"):
+        config_with("nowhere")
+    hf_config = json.loads((draft / "config.json").read_text())
+    (draft / "config.json").write_text(json.dumps({**hf_config, "vocab_size": 1024}))
+    with pytest.raises(ModelDirError, match=r"^--speculative-config's draft model draft has a vocabulary of 1024 "
+                                            r"tokens, the served model 512: a draft model must share"):
+        config_with("draft")
 
 
 def test_speculation_under_tensor_parallel_is_refused_before_anything_starts():
