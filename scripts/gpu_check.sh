@@ -13,6 +13,7 @@
 #   bf16      bfloat16 agreement with transformers' bfloat16 over 32 prompts
 #   compiles  dynamo compiles after warm-up (must be 0)
 #   graphs    CUDA-graph replay equal to --enforce-eager
+#   spec      greedy with n-gram and draft-model speculation equal to none; n-gram's speed-up at concurrency 1
 #   bench     a 1B-shape random Llama: shuttle against transformers' static batches and continuous batching
 # One table at the end; JSON records, the table and the whole log go to $OUT (the device tool's folder) when set,
 # else bench_results/gpu_check/. Exit status 0 when no stage failed.
@@ -24,7 +25,7 @@ DRY_RUN=0
 [ "${1:-}" = "--dry-run" ] && DRY_RUN=1
 RESULTS="${OUT:-$REPO/bench_results/gpu_check}"
 mkdir -p "$RESULTS"
-rm -f "$RESULTS"/{exact,bf16,compiles,graphs,bench}.json
+rm -f "$RESULTS"/{exact,bf16,compiles,graphs,spec,bench}.json
 LOG="$RESULTS/gpu_check.log"
 : >"$LOG"
 CARRY="${SHUTTLE_GPU_CARRY:-$REPO/.gpu_carry}"
@@ -114,9 +115,10 @@ RESERVE_S=180  # the bench's: slow correctness stages must not leave it too litt
 STAGE_ARGS=(--device "$DEVICE" --model "$TEST_MODEL")
 [ "$DRY_RUN" = 1 ] && STAGE_ARGS+=(--dry-run)
 if [ "$DRY_RUN" = 1 ]; then  # one process for all four: on a small CPU each start-up costs seconds
-    run stages 200 "$PYTHON" scripts/dev/gpu_check.py exact bf16 compiles graphs "${STAGE_ARGS[@]}" --out-dir "$RESULTS"
+    run stages 200 "$PYTHON" scripts/dev/gpu_check.py exact bf16 compiles graphs spec "${STAGE_ARGS[@]}" \
+        --out-dir "$RESULTS"
 else  # one process each, so a stage that hangs or breaks the CUDA context leaves the others their run
-    for stage in exact:90 bf16:100 compiles:90 graphs:75; do
+    for stage in exact:90 bf16:100 compiles:90 graphs:75 spec:60; do
         name=${stage%%:*}
         run "$name" "${stage##*:}" "$PYTHON" scripts/dev/gpu_check.py "$name" "${STAGE_ARGS[@]}" --out-dir "$RESULTS"
     done

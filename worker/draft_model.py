@@ -79,28 +79,28 @@ class DraftModel:
         """
         assert self.kv_cache is not None
         layers = self.kv_cache.layers
-        num_drafts = {id(state): len(state.draft_token_ids) for state, _ in scheduled}
-        drafting = [state for state, _ in scheduled if num_drafts[id(state)]]
+        num_drafts = {state: len(state.draft_token_ids) for state, _ in scheduled}  # states hash by identity
+        drafting = [state for state, _ in scheduled if num_drafts[state]]
         for state in drafting:
             state.draft_token_ids = []
         # pass 0: the step's rows as the target will run them, but the speculating sequences' last token alone
-        first = [(state, 1 if num_drafts[id(state)] else num_new) for state, num_new in scheduled]
+        first = [(state, 1 if num_drafts[state] else num_new) for state, num_new in scheduled]
         prompt_marks = [(state, state.next_prompt_logprob) for state, _ in first]
         inputs = batch.pack(first)
         for state, mark in prompt_marks:  # packing moves the prompt-logprob cursor; the target's packing owns it
             state.next_prompt_logprob = mark
-        drafting_rows = [i for i, state in enumerate(inputs.sampled_requests) if num_drafts[id(state)]]
+        drafting_rows = [i for i, state in enumerate(inputs.sampled_requests) if num_drafts[state]]
         rows = inputs.sample_rows[drafting_rows]
         tokens = forward(inputs, layers, rows, model=self.model).argmax(dim=-1).tolist()  # runs even with no drafts
-        proposed: dict[int, list[int]] = {id(inputs.sampled_requests[i]): [t] for i, t in zip(drafting_rows, tokens)}
+        proposed = {inputs.sampled_requests[i]: [t] for i, t in zip(drafting_rows, tokens)}
         # passes 1 .. d: one row per sequence with at least j drafts
         for j in range(1, max(num_drafts.values(), default=0) + 1):
-            states = [state for state in drafting if num_drafts[id(state)] >= j]
+            states = [state for state in drafting if num_drafts[state] >= j]
             positions = [len(state.token_ids) - 1 + j for state in states]
-            step = batch.pack_decode_rows(states, [proposed[id(state)][j - 1] for state in states], positions)
-            wanted = [i for i, state in enumerate(states) if num_drafts[id(state)] > j]
+            step = batch.pack_decode_rows(states, [proposed[state][j - 1] for state in states], positions)
+            wanted = [i for i, state in enumerate(states) if num_drafts[state] > j]
             logits = forward(step, layers, step.sample_rows[wanted], model=self.model)
             for i, token in zip(wanted, logits.argmax(dim=-1).tolist()):
-                proposed[id(states[i])].append(token)
+                proposed[states[i]].append(token)
         for state in drafting:
-            state.draft_token_ids = proposed[id(state)]
+            state.draft_token_ids = proposed[state]

@@ -19,6 +19,9 @@ Stages:
   flex_attention.no_recompiles() (must be 0). On a CPU, flex is traced with dynamo's "eager" backend instead of
   inductor, so the tracing and guards are checked but no kernel is generated.
 - graphs: greedy with CUDA graphs equal to --enforce-eager (skipped while worker/graph_runner.py is absent).
+- spec: float32 greedy with n-gram speculation (k=4) and with a draft model (the test model's first layer) equal to
+  greedy without, token for token, on prompts that hold their text twice; and the output tokens/s of n-gram
+  speculation against none at concurrency 1 (one prompt at a time), with its acceptance rate.
 
 --dry-run shrinks every stage (fewer prompts and tokens) so the whole check runs on a CPU in seconds.
 """
@@ -29,7 +32,9 @@ import argparse
 import dataclasses
 import importlib.util
 import json
+import shutil
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -49,13 +54,14 @@ from shuttle.scheduler.kv_cache import KVCacheManager  # noqa: E402
 from shuttle.scheduler.scheduler import Scheduler  # noqa: E402
 
 BF16_MIN_PREFIX = 0.5
-STAGES = ("exact", "bf16", "compiles", "graphs")
+STAGES = ("exact", "bf16", "compiles", "graphs", "spec")
 # What each stage leaves out on a CPU (the dry run), said in the table.
 CPU_NOTES = {
     "exact": "on the CPU: flex runs eagerly (inductor's Triton kernels need CUDA)",
     "bf16": "on the CPU: flex runs eagerly, a few prompts and tokens",
     "compiles": "on the CPU: traced by dynamo's eager backend (no inductor codegen)",
     "graphs": "on the CPU: the graph runner's plain-call capture (CUDA graph capture needs a GPU)",
+    "spec": "on the CPU: stories260K, a few tokens (a step of a model this small is all overhead: no speed-up)",
     "bench": "on the CPU: a tiny random Llama (not 1B), cpu attention backend, no continuous batching (it takes "
              "20 s to start on a CPU), no 2x target, memory as the worker's peak RSS",
 }
@@ -72,14 +78,15 @@ def worker_config(backend: str, device: torch.device, **extra) -> WorkerConfig:
 
 
 def make_engine(model_dir: str, dtype: str, device: torch.device, backend: str = "flex", num_blocks: int = 1024,
-                prefix_caching: bool = True, max_batched: int = 512, **worker_extra):
+                prefix_caching: bool = True, max_batched: int = 512, speculative=None, **worker_extra):
     """A fresh Scheduler and a ModelRunner (loaded, start-up exactness check passed) on `device`, at most 32
     sequences a step (so CUDA graphs are captured, and flex compiled, for buckets up to 32 only). Stages run in one
     process (the dry run) share a runner of the same dtype and worker settings, its per-request state reset."""
     model = ModelConfig.from_dir(model_dir, dtype=dtype)
     config = ShuttleConfig(model=model, ipc=IpcConfig.in_directory("/nonexistent"),
                            cache=CacheConfig(16, num_blocks),
-                           scheduler=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=max_batched),
+                           scheduler=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=max_batched,
+                                                     speculative_config=speculative),
                            worker=worker_config(backend, device, **worker_extra))
     scheduler = Scheduler(config.scheduler, KVCacheManager(num_blocks, 16, prefix_caching), model.max_model_len,
                           model.eos_token_ids)
@@ -253,6 +260,52 @@ def stage_graphs(args) -> dict:
     return {"status": "fail" if differing else "pass",
             "summary": f"{count - len(differing)}/{count} sequences ({dtype}) equal with {how} and --enforce-eager",
             "differing": differing}
+
+
+def stage_spec(args) -> dict:
+    from scripts.dev.make_random_model import truncate_model
+    from shuttle.common.speculative import SpeculativeConfig
+
+    count, tokens = (2, 6) if args.dry_run else (8, 96)
+    prompts = [p + p[1:] for p in prompt_ids(args.model, count)]  # its text twice: the output may copy it
+    max_tokens = [tokens] * count
+    draft_dir = Path(tempfile.mkdtemp(prefix="shuttle-spec-draft-"))  # not under --out-dir: what comes back
+    try:
+        truncate_model(Path(args.model), draft_dir, 1)
+        settings = {"off": None,
+                    "ngram": SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_max=4,
+                                               prompt_lookup_min=2),
+                    "draft": SpeculativeConfig(method="draft_model", num_speculative_tokens=4, model=str(draft_dir))}
+        outputs, seconds, stats = {}, {}, {}
+        for name, spec in settings.items():
+            scheduler, runner = make_engine(args.model, "float32", args.device, speculative=spec)
+            outputs[name] = greedy(scheduler, runner, prompts, max_tokens, tag="all")
+            if name != "draft":  # concurrency 1, after the batched run warmed every shape up
+                began = time.perf_counter()
+                for i, prompt in enumerate(prompts):
+                    greedy(scheduler, runner, [prompt], [tokens], tag=f"one{i}-")
+                if args.device.type == "cuda":
+                    torch.cuda.synchronize()
+                seconds[name] = time.perf_counter() - began
+            stats[name] = scheduler.stats()
+        differing = {name: [i for i in range(count) if outputs[name][i] != outputs["off"][i]]
+                     for name in ("ngram", "draft")}
+        ratio = seconds["off"] / seconds["ngram"]
+        drafted = stats["ngram"].spec_num_draft_tokens
+        acceptance = stats["ngram"].spec_num_accepted_tokens / drafted if drafted else 0.0
+        draft_drafted = stats["draft"].spec_num_draft_tokens
+        draft_acceptance = stats["draft"].spec_num_accepted_tokens / draft_drafted if draft_drafted else 0.0
+        failed = any(differing.values())
+        return {"status": "fail" if failed else "pass",
+                "summary": f"{count} prompts x {tokens} tokens equal without speculation: ngram "
+                           f"{count - len(differing['ngram'])}/{count}, draft model "
+                           f"{count - len(differing['draft'])}/{count} (acceptance {100 * draft_acceptance:.0f}%); "
+                           f"ngram at concurrency 1: {ratio:.2f}x the tokens/s of none, acceptance "
+                           f"{100 * acceptance:.0f}%",
+                "differing": differing, "ngram_speedup_c1": ratio, "ngram_acceptance": acceptance,
+                "draft_acceptance": draft_acceptance}
+    finally:
+        shutil.rmtree(draft_dir, ignore_errors=True)
 
 
 # ---- the table --------------------------------------------------------------------------------------------------

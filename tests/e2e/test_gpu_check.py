@@ -9,7 +9,7 @@ import pytest
 
 from tests.server import MODEL_DIR, REPO
 
-STAGES = ("exact", "bf16", "compiles", "graphs", "bench")
+STAGES = ("exact", "bf16", "compiles", "graphs", "spec", "bench")
 
 
 @pytest.mark.slow
