@@ -15,6 +15,15 @@ from array import array
 ROOT_HASH = hashlib.blake2b(b"shuttle prefix cache v1", digest_size=16).digest()
 
 
+def root_hash(lora_key: str = "") -> bytes:
+    """The digest a request's first block chains from: ROOT_HASH for the base model, one of its own for each LoRA
+    adapter (`lora_key` names the adapter and its weights), so that no KV is shared between an adapter and the base
+    model or another adapter."""
+    if not lora_key:
+        return ROOT_HASH
+    return hashlib.blake2b(ROOT_HASH + b"lora\0" + lora_key.encode(), digest_size=16).digest()
+
+
 def block_hash(parent: bytes, token_ids: tuple[int, ...] | list[int]) -> bytes:
     """16-byte digest of a full block given its parent's digest (ROOT_HASH for the first block)."""
     return hashlib.blake2b(parent + array("q", token_ids).tobytes(), digest_size=16).digest()

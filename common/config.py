@@ -19,6 +19,7 @@ from shuttle.common.cpu_threads import cpu_list
 from shuttle.common.devices import parse_device
 from shuttle.common.errors import ModelDirError
 from shuttle.common.generation_config import AUTO
+from shuttle.common.lora import LoRAConfig, checked_lora_config, lora_config_error
 from shuttle.common.model_config import ModelConfig
 from shuttle.common.speculative import SpeculativeConfig, checked_draft_model, parse_speculative_config
 
@@ -111,9 +112,10 @@ class SchedulerConfig:
                                           "does not raise interactive TTFT; --no-batch-background schedules them "
                                           "like interactive requests")
     speculative_config: SpeculativeConfig | None = option(
-        None, "n-gram speculative decoding, as vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": k, "
-              "\"prompt_lookup_max\": n, \"prompt_lookup_min\": m}; each decoding sequence verifies up to k drafts "
-              "per step (docs/scheduling.md); steps are then not overlapped", type=parse_speculative_config,
+        None, "speculative decoding, as vLLM's JSON: n-gram {\"method\": \"ngram\", \"num_speculative_tokens\": k, "
+              "\"prompt_lookup_max\": n, \"prompt_lookup_min\": m} or a draft model {\"method\": \"draft_model\", "
+              "\"model\": DIR, \"num_speculative_tokens\": k}; each decoding sequence verifies up to k drafts per "
+              "step (docs/scheduling.md); steps are then not overlapped", type=parse_speculative_config,
         metavar="JSON")
 
 
@@ -220,7 +222,7 @@ class ObservabilityConfig:
 
 # whose fields are `shuttle serve` flags
 SERVE_SECTIONS = (SchedulerConfig, CacheConfig, WorkerConfig, OpsConfig, ParallelConfig, ObservabilityConfig,
-                  ToolCallConfig, ApiConfig)
+                  ToolCallConfig, ApiConfig, LoRAConfig)
 
 
 def section_from_args(cls, args: argparse.Namespace):
@@ -307,6 +309,7 @@ class ShuttleConfig:
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
     tool_calls: ToolCallConfig = field(default_factory=ToolCallConfig)
     api: ApiConfig = field(default_factory=ApiConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     @staticmethod
     def from_args(args: argparse.Namespace, ipc: IpcConfig) -> "ShuttleConfig":
@@ -320,6 +323,11 @@ class ShuttleConfig:
         refusal = tool_call_error(tool_calls)
         if refusal:
             raise ModelDirError(refusal)
+        lora = section_from_args(LoRAConfig, args)
+        refusal = lora_config_error(lora, tp)
+        if refusal:
+            raise ModelDirError(refusal)
+        lora = checked_lora_config(lora, model.served_model_names)
         scheduler = section_from_args(SchedulerConfig, args)
         if scheduler.speculative_config is not None:
             scheduler = dataclasses.replace(scheduler, speculative_config=checked_draft_model(
@@ -342,6 +350,7 @@ class ShuttleConfig:
             observability=section_from_args(ObservabilityConfig, args),
             tool_calls=tool_calls,
             api=section_from_args(ApiConfig, args),
+            lora=lora,
         )
 
     def to_json(self) -> str:

@@ -57,6 +57,7 @@ class Submit(msgspec.Struct, **_WIRE):
     group_id: str = ""  # the client request this sequence belongs to (fair shares); "" = its own request_id
     ttft_slo_ms: float = 0.0  # the request's own TTFT objective (0: the server's --ttft-slo-ms, if any)
     background: bool = False  # batch work: waits behind every interactive request, under either policy
+    lora_name: str = ""  # the LoRA adapter the request runs through (--lora-modules); "" = the base model
 
 
 class Abort(msgspec.Struct, **_WIRE):
@@ -171,6 +172,7 @@ class NewRequestData(msgspec.Struct, **_WIRE):
     num_computed_tokens: int
     num_scheduled_tokens: int
     prompt_len: int = 0
+    lora_slot: int = -1  # the worker's adapter slot this request's rows use (-1: the base model)
 
 
 class CachedRequestData(msgspec.Struct, **_WIRE):
@@ -187,14 +189,25 @@ class CachedRequestData(msgspec.Struct, **_WIRE):
     draft_token_ids: list[int] = []
 
 
+class LoRALoad(msgspec.Struct, **_WIRE):
+    """Load the adapter `name` (a PEFT directory at `path`) into the worker's adapter slot `slot`, replacing what
+    the slot held (no running request uses it any more)."""
+
+    slot: int
+    name: str
+    path: str
+
+
 class StepPlan(msgspec.Struct, **_WIRE):
     """One forward pass. The worker forgets `finished_ids` before the step (finished, aborted or preempted: a
-    preempted request comes back later as a new request with all its known tokens)."""
+    preempted request comes back later as a new request with all its known tokens), and loads `lora_loads` before
+    it runs."""
 
     step_id: int
     new_requests: list[NewRequestData]
     cached_requests: list[CachedRequestData]
     finished_ids: list[str] = []
+    lora_loads: list[LoRALoad] = []
 
 
 class Shutdown(msgspec.Struct, **_WIRE):

@@ -41,11 +41,23 @@ def new_request_id(prefix: str) -> str:
 
 
 def check_model(state: FrontendState, model: str | None) -> None:
-    """Raises ModelNotFoundError: `model` is given and is none of the served names (the message lists them all)."""
-    names = state.config.model.served_model_names
+    """Raises ModelNotFoundError: `model` is given and is none of the served names or LoRA adapters (the message
+    lists them all)."""
+    names = state.config.model.served_model_names + adapter_names(state)
     if model is not None and model not in names:
         listed = " or ".join(filter(None, (", ".join(f"`{n}`" for n in names[:-1]), f"`{names[-1]}`")))
         raise ModelNotFoundError(f"The model `{model}` does not exist; this server serves {listed}")
+
+
+def adapter_names(state: FrontendState) -> tuple[str, ...]:
+    """The LoRA adapters a request may name as its model (--lora-modules; none without --enable-lora)."""
+    lora = state.config.lora
+    return tuple(m.name for m in lora.lora_modules) if lora.enable_lora else ()
+
+
+def lora_name(state: FrontendState, model: str | None) -> str:
+    """The LoRA adapter a request's (checked) `model` names; "" for the served model itself."""
+    return model if model is not None and model in adapter_names(state) else ""
 
 
 def build_generations(state: FrontendState, body: SamplingFields, prompts: list[list[int]], request_id: str,
@@ -83,7 +95,8 @@ def build_generations(state: FrontendState, body: SamplingFields, prompts: list[
             index = p * body.n + j
             request = Submit(request_id=f"{request_id}-{index}", prompt_token_ids=ids, sampling=sampling,
                              arrival_time=time.time(), priority=body.priority, timeout=body.timeout or 0.0,
-                             group_id=request_id, ttft_slo_ms=body.ttft_slo_ms or 0.0, background=background)
+                             group_id=request_id, ttft_slo_ms=body.ttft_slo_ms or 0.0, background=background,
+                             lora_name=lora_name(state, body.model))
             if state.config.observability.enable_log_requests:  # never the prompt's text
                 log.info("request %s: %d prompt tokens, %s", request.request_id, len(ids), sampling)
             metrics = prompt_metrics.sequence(len(ids))

@@ -20,8 +20,6 @@ NOT_IMPLEMENTED = "shuttle does not implement it"
 # vLLM's flags that shuttle refuses whatever their value, by option string, with the reason
 # (add_vllm_flags leaves out any that shuttle has come to implement)
 REFUSED_FLAGS: dict[str, str] = {
-    "--enable-lora": "LoRA adapters are not implemented",
-    "--lora-modules": "LoRA adapters are not implemented",
     "--ssl-keyfile": "TLS is not implemented: terminate it in a reverse proxy",
     "--ssl-certfile": "TLS is not implemented: terminate it in a reverse proxy",
 }
@@ -156,9 +154,6 @@ TAKEN_FLAGS: dict[str, TakenFlag] = {
         "as vLLM V1 does, a long one's share of a step bounded by --long-prefill-token-threshold; more are refused",
         _equal_to(1, "vLLM V0's concurrent partial prefills are not implemented; --long-prefill-token-threshold "
                      "bounds a long prompt's share of a step"), "1"),
-    "--max-lora-rank": TakenFlag(
-        "any rank: vLLM reads it only with --enable-lora, and shuttle serves no LoRA adapter (--enable-lora is "
-        "refused)", _any_number(1, integer=True), "RANK"),
 }
 
 

@@ -27,6 +27,7 @@ from shuttle.offline.outputs import CompletionOutput, RequestOutput, TextPrompt,
 from shuttle.offline.sampling_params import SamplingParams
 from shuttle.scheduler.in_process import drive
 from shuttle.scheduler.kv_cache import KVCacheManager
+from shuttle.scheduler.lora_slots import lora_slots_for
 from shuttle.scheduler.scheduler import Scheduler
 
 CLIENT = b"offline"  # the scheduler's name for this process's requests (a server's are its frontends')
@@ -104,7 +105,8 @@ class LLM:
             self._runner.batch.drop(request_id)
         cache, model = self.config.cache, self.config.model
         kv = KVCacheManager(self._runner.kv_cache.num_blocks, cache.block_size, cache.enable_prefix_caching)
-        return Scheduler(self.config.scheduler, kv, model.max_model_len, model.eos_token_ids)
+        return Scheduler(self.config.scheduler, kv, model.max_model_len, model.eos_token_ids,
+                         lora=lora_slots_for(self.config.lora))
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What generate() and chat() sample with when given none: the model's generation_config.json defaults

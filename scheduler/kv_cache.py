@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from shuttle.common.block_hash import ROOT_HASH, block_hash
+from shuttle.common.block_hash import block_hash, root_hash
 from shuttle.scheduler.block_pool import BlockPool
 from shuttle.scheduler.request import Request
 
@@ -115,7 +115,7 @@ class KVCacheManager:
             bs = self.block_size
             for index in range(len(blocks), num_blocks):
                 chunk = tuple(tokens[index * bs:(index + 1) * bs])
-                blocks.append((block_hash(blocks[-1][0] if blocks else ROOT_HASH, chunk), chunk))
+                blocks.append((block_hash(blocks[-1][0] if blocks else root_hash(request.lora_key), chunk), chunk))
         return blocks[:num_blocks]
 
     def free(self, request: Request, finished: bool = True) -> None:

@@ -34,6 +34,7 @@ from shuttle.common.process import HeartbeatSender
 from shuttle.scheduler.admission import make_admission
 from shuttle.scheduler.kv_cache import KVCacheManager
 from shuttle.scheduler.liveness import FrontendWatch, StepWatchdog, WorkerCpuClocks
+from shuttle.scheduler.lora_slots import lora_slots_for
 from shuttle.scheduler.pipeline import StepPipeline
 from shuttle.scheduler.scheduler import Scheduler
 from shuttle.scheduler.stats import StepStats
@@ -105,7 +106,8 @@ class SchedulerLoop:
         model = self.config.model
         config = self.config.scheduler
         self.scheduler = Scheduler(config, kv, model.max_model_len, model.eos_token_ids,
-                                   make_admission(config.ttft_slo_ms, config.step_cost_profile))
+                                   make_admission(config.ttft_slo_ms, config.step_cost_profile),
+                                   lora_slots_for(self.config.lora))
         self.pipeline = StepPipeline(self.scheduler, max_in_flight=2 if config.async_scheduling else 1)
         return msg
 

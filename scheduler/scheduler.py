@@ -43,6 +43,7 @@ from shuttle.scheduler.admission import AdmissionView, SloAdmission
 from shuttle.scheduler.fairness import GroupShares
 from shuttle.scheduler.grammar_gate import GrammarGate
 from shuttle.scheduler.kv_cache import KVCacheManager
+from shuttle.scheduler.lora_slots import LoRASlots
 from shuttle.scheduler.queue import WaitingQueue
 from shuttle.scheduler.request import Request, RequestStatus
 from shuttle.scheduler.scheduled_step import ScheduledRequest, ScheduledStep
@@ -64,7 +65,7 @@ class Scheduler:
     """
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int, eos_token_ids: tuple[int, ...],
-                 admission: SloAdmission | None = None):
+                 admission: SloAdmission | None = None, lora: LoRASlots | None = None):
         self.config = config
         self.kv = kv
         self.max_model_len = max_model_len
@@ -91,6 +92,7 @@ class Scheduler:
         # --speculative-config: who drafts, and vLLM's spec_decode counters (scheduler/speculation_book.py)
         spec = config.speculative_config
         self.speculation = SpeculationBook(spec) if spec is not None else None
+        self.lora = lora  # the worker's LoRA adapter slots (--enable-lora; None: no adapters served)
 
     def _admission_view(self) -> AdmissionView:
         """What SLO admission may read: the budgets, the cache's size, the running set and the waiting queue."""
@@ -109,9 +111,12 @@ class Scheduler:
             return self._reject(client, submit.request_id, 400,
                                 f"prompt + max_tokens needs {max_len} {NEVER_FITS}; the whole cache holds "
                                 f"{self.kv.pool.num_blocks * self.kv.block_size}")
+        if submit.lora_name and (self.lora is None or submit.lora_name not in self.lora.modules):
+            return self._reject(client, submit.request_id, 404, f"LoRA adapter {submit.lora_name!r} is not served")
         request = Request(submit.request_id, client, list(submit.prompt_token_ids), submit.sampling,
                           submit.arrival_time, submit.priority, submit.group_id or submit.request_id,
-                          background=submit.background)
+                          background=submit.background, lora_name=submit.lora_name,
+                          lora_key=self.lora.key(submit.lora_name) if self.lora and submit.lora_name else "")
         request.rank = self.waiting.rank(request)
         if self.num_waiting >= self.config.max_waiting_requests and not self._make_room_for(request):
             return self._reject(client, submit.request_id, 503, "the server is at capacity: waiting queue is full")
@@ -231,6 +236,10 @@ class Scheduler:
 
     def _leave_running(self, request: Request) -> None:
         self.running.remove(request)
+        if request.lora_slot >= 0:
+            assert self.lora is not None
+            self.lora.give_back(request.lora_slot)
+            request.lora_slot = -1
         unparked = self.shares.stop_running(request)
         if unparked is not None:
             self.waiting.push(unparked)
@@ -278,6 +287,8 @@ class Scheduler:
                 if self.shares.over_share(request):
                     self.shares.park(self.waiting.pop())  # its client request holds its share: others go first
                     continue
+                if request.lora_name and not self.lora.can_take(request.lora_name):  # type: ignore[union-attr]
+                    break  # its adapter waits for a slot; those behind it wait too, so that it never starves
                 cached = [] if request.sampling.prompt_logprobs is not None else self.kv.find_cached_prefix(request)
                 num_cached = len(cached) * self.kv.block_size
                 num_new = min(request.num_tokens - num_cached, budget, self._chunk_limit(len(self.waiting) > 1))
@@ -292,6 +303,9 @@ class Scheduler:
                     request.first_scheduled_time = time.time()
                 request.num_computed_tokens = num_cached
                 request.status = RequestStatus.RUNNING
+                if request.lora_name:
+                    assert self.lora is not None  # add_request refused adapters the server does not serve
+                    request.lora_slot = self.lora.take(request.lora_name)
                 self.num_admitted += 1
                 bisect.insort(self.running, request, key=_RANK)
                 self.shares.start_running(request)
@@ -299,6 +313,8 @@ class Scheduler:
                 budget -= self._book(step, request, num_new)
 
         self.worker_mirror.fill_plan(step, self.kv.block_tables, new_blocks)
+        if self.lora is not None:
+            step.plan.lora_loads = self.lora.take_loads()
         self.admission.on_planned(step)
         return step
 

@@ -42,7 +42,8 @@ class WorkerMirror:
                     request_id=request_id, token_ids=request.all_token_ids, sampling=request.sampling,
                     block_ids=list(block_tables[request_id]), num_computed_tokens=entry.start,
                     num_scheduled_tokens=entry.num_new,
-                    prompt_len=len(request.prompt_token_ids) if request.output_token_ids else 0))
+                    prompt_len=len(request.prompt_token_ids) if request.output_token_ids else 0,
+                    lora_slot=request.lora_slot))
             else:
                 plan.cached_requests.append(CachedRequestData(
                     request_id=request_id, new_block_ids=new_blocks[request_id], num_computed_tokens=entry.start,

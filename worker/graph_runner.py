@@ -149,11 +149,12 @@ class DecodeGraphRunner:
 
     def can_run(self, inputs: StepInputs) -> bool:
         """Whether this step replays a graph: every row has exactly one query token, no row asks for prompt
-        logprobs, and a bucket holds the rows (after capture())."""
+        logprobs or runs through a LoRA adapter (those steps run eagerly), and a bucket holds the rows (after
+        capture())."""
         meta = inputs.attention
         rows = meta.seq_lens.shape[0]
         return (bool(self._graphs) and meta.num_decodes == rows and not inputs.prompt_rows
-                and self.bucket(rows) is not None)
+                and inputs.token_slots is None and self.bucket(rows) is not None)
 
     # --- capture and replay ------------------------------------------------------------------------------------
 

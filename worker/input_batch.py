@@ -35,7 +35,8 @@ class CachedRequestState:
     row: int
     num_blocks: int = 0
     num_computed_tokens: int = 0
-    draft_token_ids: list[int] = field(default_factory=list)  # this step's n-gram drafts, verified after it runs
+    draft_token_ids: list[int] = field(default_factory=list)  # this step's drafts, verified after it runs
+    lora_slot: int = -1  # the LoRA adapter slot its rows use (worker/lora.py; -1: the base model)
     next_prompt_logprob: int = 0  # first prompt position whose logits (predicting the next token) are not sent yet
 
 
@@ -52,6 +53,8 @@ class StepInputs:
             token ids); logits are also kept at those rows, after the S sampling rows, in this order.
         spec_requests: requests verifying drafts; each has 1 + len(drafts) sampling rows, kept after the S rows
             above (in this order, the rows of one request consecutive) and before the prompt-logprob rows.
+        token_slots: int64 [T], each packed token's LoRA adapter slot (-1: the base model); None when no row of
+            the step runs through an adapter.
     """
 
     input_ids: torch.Tensor
@@ -61,6 +64,7 @@ class StepInputs:
     sampled_requests: list[CachedRequestState] = field(default_factory=list)
     prompt_rows: list[tuple[CachedRequestState, int, list[int], list[int]]] = field(default_factory=list)
     spec_requests: list[CachedRequestState] = field(default_factory=list)
+    token_slots: torch.Tensor | None = None
 
     @property
     def logits_rows(self) -> torch.Tensor:
@@ -100,7 +104,8 @@ class InputBatch:
             self.drop(new.request_id)
             state = CachedRequestState(new.request_id, list(new.token_ids),
                                        SamplingState(new.sampling, new.prompt_len or len(new.token_ids)),
-                                       self._take_row(), num_computed_tokens=new.num_computed_tokens)
+                                       self._take_row(), num_computed_tokens=new.num_computed_tokens,
+                                       lora_slot=new.lora_slot)
             self._append_blocks(state, new.block_ids)
             self.requests[new.request_id] = state
             self.num_constrained += new.sampling.structured is not None
@@ -209,7 +214,8 @@ class InputBatch:
             max_query_len=int(counts.max()), max_seq_len=int(lens.max()), query_start_list=query_start,
             seq_lens_list=seq_lens)
         return StepInputs(torch.tensor(input_ids, dtype=torch.long), torch.from_numpy(positions), attention,
-                          torch.tensor(sample_rows + spec_rows, dtype=torch.long), sampled, prompt_rows, spec)
+                          torch.tensor(sample_rows + spec_rows, dtype=torch.long), sampled, prompt_rows, spec,
+                          _token_slots([state for state, _ in ordered], counts))
 
     def pack_decode_rows(self, states: list[CachedRequestState], token_ids: list[int],
                          positions: list[int]) -> StepInputs:
@@ -238,4 +244,13 @@ class InputBatch:
             max_query_len=1, max_seq_len=int(lens.max()), query_start_list=query_start, seq_lens_list=lens.tolist())
         tokens = [s.token_ids[-1] for s in states] if token_ids is None else token_ids
         return StepInputs(torch.tensor(tokens, dtype=torch.long), torch.from_numpy(pos),
-                          attention, sample_rows, states)
+                          attention, sample_rows, states, token_slots=_token_slots(states))
+
+
+def _token_slots(states: list[CachedRequestState], counts: np.ndarray | None = None) -> torch.Tensor | None:
+    """int64 [T]: each packed token's LoRA slot (`counts`: tokens per state, 1 each when None); None when every
+    state runs the base model."""
+    if all(state.lora_slot < 0 for state in states):
+        return None
+    slots = np.array([state.lora_slot for state in states], dtype=np.int64)
+    return torch.from_numpy(slots if counts is None else np.repeat(slots, counts))

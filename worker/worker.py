@@ -32,6 +32,7 @@ from shuttle.worker.kv_sizing import (
     profile_plan,
     snapshot,
 )
+from shuttle.worker.lora import LoRAAdapters
 from shuttle.worker.model_loader import DTYPES, UnsupportedModelError, architecture, load_model, probe_geometry
 from shuttle.worker.output_projection import chunk_output_projection, widen_bf16_linears
 from shuttle.worker.parallel import TensorParallel, local_device, local_numel
@@ -131,6 +132,10 @@ class ModelRunner:
         if self.widened_linears:
             log.info("%d bfloat16 linear layers computed in float32 chunks: this CPU has no bf16 matrix units",
                      self.widened_linears)
+        lora = config.lora  # --enable-lora: every target linear wrapped once, the slots empty (worker/lora.py)
+        self.lora = LoRAAdapters(self.model, lora.max_loras, lora.max_lora_rank) if lora.enable_lora else None
+        if self.lora is not None:
+            self.lora.check([module.path for module in lora.lora_modules])
         self.geometry = probe_geometry(self.model)  # under tensor parallel: this rank's KV heads
         parallel.check_model(self.model, self.geometry)
         self.backend = make_backend(config.worker.attention_backend, self.block_size, device,  # auto as devices.py
@@ -293,6 +298,10 @@ class ModelRunner:
         A step that raises drops the state of its requests (the scheduler fails them), so later plans that still
         name them skip them instead of failing too.
         """
+        if plan.lora_loads:
+            assert self.lora is not None  # a scheduler without --enable-lora plans no load
+            for load in plan.lora_loads:
+                self.lora.load(load.slot, load.name, load.path)
         scheduled = self.batch.apply(plan)
         if not scheduled:
             return StepResult(step_id=plan.step_id, request_ids=[], token_ids=[])
@@ -308,6 +317,8 @@ class ModelRunner:
             raise
 
     def _run(self, step_id: int, inputs: StepInputs) -> StepResult:
+        if self.lora is not None:
+            self.lora.begin_step(inputs.token_slots)
         if self.graphs is not None and self.graphs.can_run(inputs):
             logits = self.graphs.run(inputs)  # a decode-only step, replayed: [S, vocab]
         else:

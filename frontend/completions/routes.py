@@ -11,6 +11,7 @@ import msgspec
 from aiohttp import web
 
 from shuttle.common.errors import GenerationError
+from shuttle.common.lora import LoRAModule
 from shuttle.frontend import last_words
 from shuttle.frontend.chat_call import ChatCall
 from shuttle.frontend.completion_call import CompletionCall
@@ -107,10 +108,18 @@ def _model_object(state: FrontendState, name: str | None = None) -> dict:
             "vocab_size": state.tokenizer.vocab_size}
 
 
+def _adapter_object(state: FrontendState, module: LoRAModule) -> dict:
+    """A LoRA adapter's model object, as vLLM lists one: its directory as root, the served model as parent."""
+    return {**_model_object(state, module.name), "root": module.path,
+            "parent": module.base_model_name or state.model_name}
+
+
 async def list_models(request: web.Request) -> web.Response:
-    state = request.app[STATE]  # one object per --served-model-name, as vLLM lists them
+    state = request.app[STATE]  # one object per --served-model-name, then per LoRA adapter, as vLLM lists them
+    adapters = state.config.lora.lora_modules if state.config.lora.enable_lora else ()
     return web.json_response({"object": "list", "data": [_model_object(state, name)
-                                                          for name in state.config.model.served_model_names]})
+                                                          for name in state.config.model.served_model_names]
+                              + [_adapter_object(state, module) for module in adapters]})
 
 
 async def retrieve_model(request: web.Request) -> web.Response:
@@ -120,5 +129,8 @@ async def retrieve_model(request: web.Request) -> web.Response:
         ModelNotFoundError: `id` is not the served model name.
     """
     state = request.app[STATE]
-    check_model(state, request.match_info["model_id"])
-    return web.json_response(_model_object(state, request.match_info["model_id"]))
+    model_id = request.match_info["model_id"]
+    check_model(state, model_id)
+    adapter = next((m for m in state.config.lora.lora_modules if m.name == model_id), None)
+    return web.json_response(_model_object(state, model_id) if adapter is None or model_id in
+                             state.config.model.served_model_names else _adapter_object(state, adapter))

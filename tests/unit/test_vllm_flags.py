@@ -128,7 +128,6 @@ ACCEPTED = {
     "--cpu-offload-gb": (["0", "0.0"], "8"),
     "--response-role": (["assistant"], "user"),
     "--max-num-partial-prefills": (["1"], "4"),
-    "--max-lora-rank": (["16", "8", "64"], None),
 }
 
 
@@ -143,10 +142,11 @@ def _refusal_lines(argv: list[str], capsys) -> list[str]:
 
 def test_a_refusal_prints_a_one_line_usage_not_every_flag(capsys):
     with pytest.raises(SystemExit) as exit_:
-        cli.build_parser().parse_args(["serve", str(MODEL_DIR), "--enable-lora"])
+        cli.build_parser().parse_args(["serve", str(MODEL_DIR), "--ssl-certfile", "cert.pem"])
     assert exit_.value.code == 2
-    assert capsys.readouterr().err == ("usage: shuttle serve [options] MODEL\nshuttle serve: error: --enable-lora: "
-                                       "shuttle does not implement it: LoRA adapters are not implemented\n")
+    assert capsys.readouterr().err == ("usage: shuttle serve [options] MODEL\nshuttle serve: error: --ssl-certfile: "
+                                       "shuttle does not implement it: TLS is not implemented: terminate it "
+                                       "in a reverse proxy\n")
 
 
 @pytest.mark.parametrize("flag", [flag for flag, status in ROWS if status == "accepted"])
@@ -168,7 +168,6 @@ def test_a_flag_marked_accepted_takes_what_shuttle_does_and_refuses_the_rest(fla
 @pytest.mark.parametrize("argv, line", [
     (["--swap-space", "lots"], "--swap-space: 'lots' is not a number >= 0"),
     (["--swap-space", "-1"], "--swap-space: '-1' is not a number >= 0"),
-    (["--max-lora-rank", "0"], "--max-lora-rank: '0' is not an integer >= 1"),
     (["--pipeline-parallel-size", "one"], "--pipeline-parallel-size: 'one' is not an integer >= 0"),
     (["--limit-mm-per-prompt", "image=0"], "--limit-mm-per-prompt: 'image=0' is not a JSON object"),
     (["--limit-mm-per-prompt", '{"image": "none"}'], "--limit-mm-per-prompt: 'image': \"none\" is not a count"),
@@ -178,13 +177,13 @@ def test_a_malformed_value_of_an_accepted_flag_is_a_usage_error(argv, line, caps
 
 
 def test_every_refusal_of_a_command_line_is_in_one_message(capsys):
-    lines = _refusal_lines(["--swap-space", "4", "--load-format", "pt", "--enable-lora", "--no-such-flag",
+    lines = _refusal_lines(["--swap-space", "4", "--load-format", "pt", "--ssl-certfile", "c.pem", "--no-such-flag",
                             "--max-num-seqs", "8", "--pipeline-parallel-size", "2", "--ssl-keyfile", "k.pem"], capsys)
     assert lines[0] == "shuttle serve: error: 5 problems, all of them refused before anything started:"
     assert lines[1:] == [
         "  --load-format pt: shuttle does not implement it: transformers loads the checkpoint's safetensors or "
         "pytorch_model.bin (taken: auto, safetensors)",
-        "  --enable-lora: shuttle does not implement it: LoRA adapters are not implemented",
+        "  --ssl-certfile: shuttle does not implement it: TLS is not implemented: terminate it in a reverse proxy",
         "  --pipeline-parallel-size 2: shuttle does not implement it: one pipeline stage: spread a model with "
         "--tensor-parallel-size, replicate it with -dp (taken: 1)",
         "  --ssl-keyfile: shuttle does not implement it: TLS is not implemented: terminate it in a reverse proxy",
@@ -192,9 +191,9 @@ def test_every_refusal_of_a_command_line_is_in_one_message(capsys):
 
 
 def test_refusals_and_a_bad_value_of_another_flag_are_one_message(capsys):
-    assert _refusal_lines(["--enable-lora", "--max-num-seqs", "many"], capsys) == [
+    assert _refusal_lines(["--ssl-keyfile", "k.pem", "--max-num-seqs", "many"], capsys) == [
         "shuttle serve: error: 2 problems, all of them refused before anything started:",
-        "  --enable-lora: shuttle does not implement it: LoRA adapters are not implemented",
+        "  --ssl-keyfile: shuttle does not implement it: TLS is not implemented: terminate it in a reverse proxy",
         "  argument --max-num-seqs: invalid positive value: 'many'"]
 
 
@@ -207,14 +206,14 @@ def test_unknown_flags_alone_are_argparses_usage_error(capsys):
 
 def test_the_refusals_of_a_config_file_and_the_command_line_are_one_message(tmp_path, capsys):
     config = tmp_path / "serve.yaml"
-    config.write_text("enable_lora: true\ntokenizer-mode: slow\n")
+    config.write_text("ssl_keyfile: k.pem\ntokenizer-mode: slow\n")
     with pytest.raises(SystemExit) as exit_:
         cli.main(["serve", str(MODEL_DIR), "--config", str(config), "--response-role", "user"])
     assert exit_.value.code == 2
     err = capsys.readouterr().err.splitlines()
     assert err[-4:] == [
         "shuttle serve: error: 3 problems, all of them refused before anything started:",
-        "  --enable-lora: shuttle does not implement it: LoRA adapters are not implemented",
+        "  --ssl-keyfile: shuttle does not implement it: TLS is not implemented: terminate it in a reverse proxy",
         "  --tokenizer-mode slow: shuttle does not implement it: prompts are tokenized with the model's "
         "tokenizer.json (taken: auto, hf)",
         "  --response-role user: shuttle does not implement it: chat responses always have the role assistant "
@@ -243,13 +242,13 @@ def test_the_production_command_line_parses_into_its_config(tmp_path):
     assert (args.swap_space, args.pipeline_parallel_size, args.max_num_partial_prefills, args.max_lora_rank,
             args.load_format, args.config_format, args.tokenizer_mode, args.structured_outputs_config_backend,
             args.limit_mm_per_prompt, args.response_role) == (
-        "4", "1", "1", "16", "auto", "auto", "auto", "xgrammar", '{"image":0}', "assistant")
+        "4", "1", "1", 16, "auto", "auto", "auto", "xgrammar", '{"image":0}', "assistant")
 
 
 def test_refused_in_shuttle_engine_too(capsys):
     with pytest.raises(SystemExit) as exit_:
-        cli.build_parser().parse_args(["engine", "--listen", "tcp://127.0.0.1:7100", "--enable-lora"])
-    assert exit_.value.code == 2 and "--enable-lora: shuttle does not implement it" in capsys.readouterr().err
+        cli.build_parser().parse_args(["engine", "--listen", "tcp://127.0.0.1:7100", "--ssl-keyfile", "k.pem"])
+    assert exit_.value.code == 2 and "--ssl-keyfile: shuttle does not implement it" in capsys.readouterr().err
 
 
 def _parsed(argv: list[str]):
@@ -297,10 +296,10 @@ def test_a_bad_config_file_is_one_line_and_exit_2(tmp_path, capsys, text, words)
 
 def test_a_refused_flag_in_a_config_file_is_refused(tmp_path, capsys):
     config = tmp_path / "serve.yaml"
-    config.write_text("enable_lora: true\n")
+    config.write_text("ssl_keyfile: k.pem\n")
     with pytest.raises(SystemExit) as exit_:
         _parsed(["serve", "--config", str(config)])
-    assert exit_.value.code == 2 and "--enable-lora: shuttle does not implement it" in capsys.readouterr().err
+    assert exit_.value.code == 2 and "--ssl-keyfile: shuttle does not implement it" in capsys.readouterr().err
     config.write_text("swap-space: 0\n")
     assert _parsed(["serve", "--config", str(config)]).model_dir is not None
 

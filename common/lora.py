@@ -1,0 +1,172 @@
+"""LoRA adapters in the PEFT format: `--lora-modules` parsed, and an adapter's adapter_config.json read and checked
+against the served model (what the launcher refuses before anything starts, and the worker again when it loads one).
+
+An adapter directory holds adapter_config.json and adapter_model.safetensors. Each target linear W [out, in] of the
+base model gains `scale * B @ A`, A [r, in] and B [out, r], with scale = lora_alpha / r (lora_alpha / sqrt(r) under
+use_rslora: Kalajdzievski 2023, rsLoRA), as PEFT's LoraLayer computes it (Hu et al. 2021, LoRA).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+
+from shuttle.common.arg_types import option, positive
+from shuttle.common.errors import ModelDirError
+
+# The linear layers shuttle adapts, by the names transformers' decoder layers give them (Llama, Qwen, Mistral,
+# Gemma, Phi-3's fused ones excepted: an adapter naming another module is refused)
+TARGET_MODULES = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"})
+# adapter_config.json keys that change what the adapter computes, and the values shuttle serves exactly
+_MUST_BE = {"use_dora": (False, None), "bias": ("none", None), "fan_in_fan_out": (False, None),
+            "modules_to_save": (None, []), "layers_to_transform": (None, []), "layers_pattern": (None, []),
+            "rank_pattern": ({}, None), "alpha_pattern": ({}, None), "lora_bias": (False, None),
+            "megatron_config": (None,), "layer_replication": (None, [])}
+
+
+class LoRAModule(msgspec.Struct, frozen=True, kw_only=True):
+    """One --lora-modules entry: the name requests give as their `model`, the adapter's directory (absolute once
+    the launcher has checked it), and the model /v1/models names as its parent ("" = the served model)."""
+
+    name: str
+    path: str
+    base_model_name: str = ""
+
+
+class AdapterSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """What a checked adapter computes: its rank, scale and target modules."""
+
+    rank: int
+    scale: float
+    target_modules: tuple[str, ...]
+
+
+def parse_lora_module(value: str) -> LoRAModule:  # defined before LoRAConfig, whose declaration names it
+    """One --lora-modules value: NAME=PATH, or vLLM's JSON form {"name": ..., "path": ..., "base_model_name": ...}.
+
+    Raises:
+        argparse.ArgumentTypeError: neither form, an empty name or path, or an unknown JSON key.
+    """
+    if value.lstrip().startswith("{"):
+        try:
+            raw = json.loads(value)
+        except json.JSONDecodeError:
+            raise argparse.ArgumentTypeError(f"not JSON: {value!r}") from None
+        unknown = sorted(set(raw) - {"name", "path", "base_model_name"})
+        if unknown:
+            raise argparse.ArgumentTypeError(f"key {unknown[0]!r} is not implemented (name, path, base_model_name)")
+        try:
+            module = msgspec.convert({"base_model_name": "", **raw}, LoRAModule)
+        except msgspec.ValidationError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    else:
+        name, sep, path = value.partition("=")
+        if not sep:
+            raise argparse.ArgumentTypeError(f"expected NAME=PATH or a JSON object, got {value!r}")
+        module = LoRAModule(name=name.strip(), path=path.strip())
+    if not module.name or not module.path:
+        raise argparse.ArgumentTypeError(f"an adapter needs a name and a path, got {value!r}")
+    return module
+
+
+def read_adapter(path: str | Path, max_lora_rank: int, base_modules: frozenset[str] | None = None) -> AdapterSpec:
+    """Read and check `path`'s adapter_config.json.
+
+    Args:
+        max_lora_rank: --max-lora-rank; a larger rank is refused.
+        base_modules: the linear-layer names the served model has (None: not checked here).
+    Raises:
+        ModelDirError: one line naming the adapter and what shuttle cannot serve exactly.
+    """
+    directory = Path(path)
+    config_path = directory / "adapter_config.json"
+    if not config_path.is_file():
+        raise ModelDirError(f"LoRA adapter {directory}: no adapter_config.json")
+    if not (directory / "adapter_model.safetensors").is_file():
+        raise ModelDirError(f"LoRA adapter {directory}: no adapter_model.safetensors (the PEFT format's weights)")
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelDirError(f"LoRA adapter {directory}: adapter_config.json unreadable: {e}") from None
+    if not isinstance(config, dict):
+        raise ModelDirError(f"LoRA adapter {directory}: adapter_config.json is not a JSON object")
+    if config.get("peft_type", "LORA") != "LORA":
+        raise ModelDirError(f"LoRA adapter {directory}: peft_type {config.get('peft_type')!r} is not LORA")
+    for key, allowed in _MUST_BE.items():
+        if key in config and config[key] not in allowed:
+            raise ModelDirError(f"LoRA adapter {directory}: {key} = {json.dumps(config[key])} is not implemented")
+    rank = config.get("r")
+    if not isinstance(rank, int) or rank < 1:
+        raise ModelDirError(f"LoRA adapter {directory}: r must be a positive integer, got {rank!r}")
+    if rank > max_lora_rank:
+        raise ModelDirError(f"LoRA adapter {directory}: rank {rank} exceeds --max-lora-rank {max_lora_rank}")
+    targets = config.get("target_modules")
+    if isinstance(targets, str):
+        raise ModelDirError(f"LoRA adapter {directory}: target_modules as a regular expression is not implemented")
+    if not isinstance(targets, list) or not targets:
+        raise ModelDirError(f"LoRA adapter {directory}: target_modules must list module names")
+    unknown = sorted(set(targets) - TARGET_MODULES)
+    if unknown:
+        raise ModelDirError(f"LoRA adapter {directory}: target module {unknown[0]!r} is not one shuttle adapts "
+                            f"({', '.join(sorted(TARGET_MODULES))})")
+    if base_modules is not None:
+        missing = sorted(set(targets) - base_modules)
+        if missing:
+            raise ModelDirError(f"LoRA adapter {directory}: target module {missing[0]!r} is not in the served model")
+    alpha = config.get("lora_alpha", rank)
+    scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    return AdapterSpec(rank=rank, scale=float(scale), target_modules=tuple(sorted(targets)))
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA adapters, under vLLM's flag names (docs/lora.md). Each field's help says what it means."""
+
+    enable_lora: bool = option(False, "serve LoRA adapters: requests name one as their model (--lora-modules)")
+    lora_modules: tuple[LoRAModule, ...] = option(
+        (), "adapters served, each NAME=PATH or vLLM's JSON {\"name\": ..., \"path\": ..., \"base_model_name\": "
+            "...}; a PEFT directory (adapter_config.json, adapter_model.safetensors)", type=parse_lora_module,
+        nargs="+", action="extend", metavar="NAME=PATH")
+    max_loras: int = option(1, "adapters in one step (one slot each): a request for another adapter waits until a "
+                               "slot is free", type=positive)
+    max_lora_rank: int = option(16, "largest adapter rank served (the slots' width)", type=positive)
+    max_cpu_loras: int | None = option(None, "adapters kept loaded in host memory (vLLM's name; shuttle keeps every "
+                                             "--lora-modules adapter: at least --max-loras)", type=positive)
+
+
+def lora_config_error(config: LoRAConfig, tensor_parallel_size: int) -> str | None:
+    """Why the LoRA flags cannot be served (None when they can)."""
+    if config.lora_modules and not config.enable_lora:
+        return "--lora-modules needs --enable-lora"
+    if not config.enable_lora:
+        return None
+    if tensor_parallel_size > 1:
+        return f"--enable-lora runs without tensor parallel only (-tp 1), not -tp {tensor_parallel_size}"
+    names = [m.name for m in config.lora_modules]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        return f"--lora-modules names adapter {repeated[0]!r} twice"
+    if config.max_cpu_loras is not None and config.max_cpu_loras < config.max_loras:
+        return f"--max-cpu-loras {config.max_cpu_loras} is below --max-loras {config.max_loras}"
+    return None
+
+
+def checked_lora_config(config: LoRAConfig, served_names: tuple[str, ...]) -> LoRAConfig:
+    """The config with every adapter's directory checked (read_adapter) and made absolute.
+
+    Raises:
+        ModelDirError: one line naming the adapter and what is wrong with it.
+    """
+    modules = []
+    for module in config.lora_modules:
+        if module.name in served_names:
+            raise ModelDirError(f"--lora-modules: adapter name {module.name!r} is the served model's name")
+        read_adapter(module.path, config.max_lora_rank)
+        modules.append(msgspec.structs.replace(module, path=str(Path(module.path).absolute())))
+    return dataclasses.replace(config, lora_modules=tuple(modules))

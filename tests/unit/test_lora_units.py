@@ -1,0 +1,136 @@
+"""LoRA without a model: --lora-modules parsing, adapter_config.json checks (every refusal one line naming the
+adapter), the flag rules, the scheduler's adapter slots (LRU among idle slots, loads in the plan, a request for a
+busy adapter waiting and never starving, slots given back on preemption), and an unknown adapter's 404."""
+
+import argparse
+import itertools
+import json
+
+import pytest
+
+from shuttle.common.config import SchedulerConfig
+from shuttle.common.errors import ModelDirError
+from shuttle.common.lora import LoRAConfig, LoRAModule, lora_config_error, parse_lora_module, read_adapter
+from shuttle.common.messages import FinishReason, LoRALoad, StepResult, Submit
+from shuttle.common.sampling import SamplingParams
+from shuttle.scheduler.kv_cache import KVCacheManager
+from shuttle.scheduler.lora_slots import LoRASlots
+from shuttle.scheduler.scheduler import Scheduler
+
+_arrival = itertools.count()
+
+
+def test_lora_modules_take_name_equals_path_and_vllms_json():
+    assert parse_lora_module("sql=/a/sql") == LoRAModule(name="sql", path="/a/sql")
+    assert parse_lora_module('{"name": "fr", "path": "/a/fr", "base_model_name": "b"}') == LoRAModule(
+        name="fr", path="/a/fr", base_model_name="b")
+    for value, why in [("sql", "expected NAME=PATH or a JSON object"), ("=/a", "needs a name and a path"),
+                       ('{"name": "x", "path": "/p", "rank": 8}', "key 'rank' is not implemented")]:
+        with pytest.raises(argparse.ArgumentTypeError, match=why):
+            parse_lora_module(value)
+
+
+def adapter(tmp_path, **config):
+    tmp_path.mkdir(exist_ok=True)
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"")
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8, "lora_alpha": 16,
+                                                              "target_modules": ["q_proj", "v_proj"], **config}))
+    return tmp_path
+
+
+def test_adapter_configs_are_read_with_their_scale_and_refused_by_name(tmp_path):
+    assert read_adapter(adapter(tmp_path / "a"), 16).scale == 2.0
+    assert read_adapter(adapter(tmp_path / "b", use_rslora=True), 16).scale == pytest.approx(16 / 8 ** 0.5)
+    for config, why in [({"r": 32}, "rank 32 exceeds --max-lora-rank 16"),
+                        ({"use_dora": True}, "use_dora = true is not implemented"),
+                        ({"target_modules": ["q_proj", "lm_head"]}, "target module 'lm_head' is not one shuttle"),
+                        ({"target_modules": "q_proj|v_proj"}, "as a regular expression is not implemented"),
+                        ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+                        ({"bias": "all"}, "bias"), ({"peft_type": "IA3"}, "peft_type 'IA3' is not LORA")]:
+        with pytest.raises(ModelDirError, match=why):
+            read_adapter(adapter(tmp_path / "c", **config), 16)
+    with pytest.raises(ModelDirError, match="target module 'down_proj' is not in the served model"):
+        read_adapter(adapter(tmp_path / "d", target_modules=["down_proj"]), 16, frozenset({"q_proj", "v_proj"}))
+    with pytest.raises(ModelDirError, match="no adapter_config.json"):
+        read_adapter(tmp_path / "nowhere", 16)
+
+
+def test_the_flag_rules():
+    module = LoRAModule(name="a", path="/a")
+    assert lora_config_error(LoRAConfig(lora_modules=(module,)), 1) == "--lora-modules needs --enable-lora"
+    assert lora_config_error(LoRAConfig(enable_lora=True), 2) == ("--enable-lora runs without tensor parallel only "
+                                                                  "(-tp 1), not -tp 2")
+    assert "names adapter 'a' twice" in lora_config_error(LoRAConfig(enable_lora=True, lora_modules=(module, module)),
+                                                          1)
+    assert lora_config_error(LoRAConfig(enable_lora=True, max_loras=4, max_cpu_loras=2), 1) == (
+        "--max-cpu-loras 2 is below --max-loras 4")
+    assert lora_config_error(LoRAConfig(enable_lora=True, lora_modules=(module,)), 1) is None
+
+
+def test_slots_keep_idle_adapters_and_evict_the_least_recently_used():
+    slots = LoRASlots(2, tuple(LoRAModule(name=n, path=f"/{n}") for n in "abc"))
+    assert slots.take("a") == 0 and slots.take("b") == 1 and slots.take("a") == 0
+    assert slots.take_loads() == [LoRALoad(slot=0, name="a", path="/a"), LoRALoad(slot=1, name="b", path="/b")]
+    assert not slots.can_take("c") and slots.can_take("a")
+    slots.give_back(1)  # b idle
+    assert slots.running_names == ["a"] and slots.can_take("c")
+    assert slots.take("c") == 1 and slots.take_loads() == [LoRALoad(slot=1, name="c", path="/c")]
+    slots.give_back(0)
+    slots.give_back(0)
+    slots.give_back(1)
+    assert slots.take("b") == 0  # a was used longer ago than c
+    assert slots.take("c") == 1 and slots.take_loads() == [LoRALoad(slot=0, name="b", path="/b")]
+
+
+def make_scheduler(num_slots=1, num_blocks=64):
+    modules = tuple(LoRAModule(name=n, path=f"/{n}") for n in ("a", "b"))
+    return Scheduler(SchedulerConfig(), KVCacheManager(num_blocks, 4), 256, (2,), lora=LoRASlots(num_slots, modules))
+
+
+def submit(s, rid, adapter, prompt=(5, 6, 7, 8, 9), max_tokens=3):
+    s.add_request(b"c", Submit(request_id=rid, prompt_token_ids=list(prompt), arrival_time=float(next(_arrival)),
+                               lora_name=adapter, sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
+
+
+def settle(s):
+    step = s.schedule()
+    ids = step.sampling_ids
+    s.update_from_output(step, StepResult(step_id=step.plan.step_id, request_ids=ids, token_ids=[11] * len(ids)))
+    s.kv.pool.check_invariants()
+    return step
+
+
+def test_a_request_for_a_busy_slot_waits_and_holds_back_later_adapter_requests():
+    s = make_scheduler()
+    submit(s, "a1", "a")
+    submit(s, "b1", "b")  # the one slot is a's while a1 runs
+    submit(s, "base", "")
+    submit(s, "a2", "a")
+    step = settle(s)
+    assert list(step.scheduled) == ["a1"]  # b1 waits for the slot; nobody overtakes it
+    assert step.plan.lora_loads == [LoRALoad(slot=0, name="a", path="/a")]
+    assert step.plan.new_requests[0].lora_slot == 0
+    finished, loads = {}, []
+    for _ in range(12):
+        step = settle(s)
+        for out in s.take_outputs().get(b"c", []):
+            if out.finish_reason is not None:
+                finished[out.request_id] = step.plan.step_id
+        loads += [(load.name, list(step.scheduled)[0]) for load in step.plan.lora_loads]
+    assert loads == [("b", "b1"), ("a", "a2")]  # each load comes with the request that needed it
+    assert sorted(finished) == ["a1", "a2", "b1", "base"] and finished["b1"] < finished["a2"]
+    assert s.lora.holders == [0]
+
+
+def test_preemption_gives_the_slot_back_and_an_unknown_adapter_is_404():
+    s = make_scheduler(num_slots=2, num_blocks=4)
+    submit(s, "a1", "a", prompt=range(5, 13), max_tokens=8)
+    submit(s, "b1", "b", prompt=range(5, 13), max_tokens=8)
+    for _ in range(4):
+        settle(s)
+    assert s.num_preemptions > 0
+    assert sum(s.lora.holders) == len(s.running)
+    submit(s, "x", "nope")
+    [out] = [o for o in s.take_outputs()[b"c"] if o.request_id == "x"]
+    assert (out.finish_reason, out.error_status, out.error_message) == (
+        FinishReason.ERROR, 404, "LoRA adapter 'nope' is not served")

@@ -1,0 +1,181 @@
+"""LoRA adapters in the worker: many adapters and the base model in one forward.
+
+Every target linear (common/lora.py TARGET_MODULES) is wrapped once at load by a LoRALinear that holds the adapters'
+A and B of all --max-loras slots side by side, zero-padded to --max-lora-rank R:
+
+    A_cat [in, L * R]: slot s's A^T in columns s*R .. s*R + r_s        (L = --max-loras)
+    B_cat [L * R, out]: slot s's B^T in rows s*R .. s*R + r_s
+
+A step whose rows use adapters gives each packed token its slot (L for the base model) and gathers a mask
+[T, L * R] from a table of the slots' scales (each slot's R columns hold its scale, the base row is zeros). Then
+
+    y = base(x) + ((x @ A_cat) * mask) @ B_cat
+
+adds `scale_i * (x @ A_i^T) @ B_i^T` to the rows of adapter i and nothing to the base model's rows: two batched
+matmuls per linear for every adapter at once (no loop over requests or adapters; the same tensor ops a CUDA graph
+can record), costing 2 * T * L * R * (in + out) FLOPs. A step with no adapter row skips them.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from shuttle.common.lora import TARGET_MODULES, AdapterSpec, read_adapter
+from shuttle.worker.model_loader import UnsupportedModelError
+
+log = logging.getLogger("shuttle.worker")
+
+
+class LoRAStep:
+    """The step's per-token adapter mask, shared by every LoRALinear of the model (None: no adapter row)."""
+
+    def __init__(self) -> None:
+        self.mask: torch.Tensor | None = None  # [T, L * R] in the model's dtype
+
+
+class LoRALinear(torch.nn.Module):
+    """A target linear plus the adapters of every slot (module docstring).
+
+    Args:
+        base: the linear layer (nn.Linear or a quantized one with in_features / out_features).
+        step: the shared LoRAStep.
+        num_slots, max_rank: L and R.
+    """
+
+    def __init__(self, base: torch.nn.Module, step: LoRAStep, num_slots: int, max_rank: int):
+        super().__init__()
+        self.base = base
+        self.step = step
+        in_features, out_features, dtype, device = _linear_shape(base)
+        self.max_rank = max_rank
+        # plain attributes, not buffers: the slots are serving state, never part of a state dict
+        self.a_cat = torch.zeros(in_features, num_slots * max_rank, dtype=dtype, device=device)  # [in, L * R]
+        self.b_cat = torch.zeros(num_slots * max_rank, out_features, dtype=dtype, device=device)  # [L * R, out]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        mask = self.step.mask
+        if mask is None:
+            return y
+        return y + ((x @ self.a_cat) * mask) @ self.b_cat
+
+    def set_slot(self, slot: int, a: torch.Tensor | None, b: torch.Tensor | None) -> None:
+        """Put A [r, in] and B [out, r] into `slot` (None: the adapter leaves this layer alone: zeros)."""
+        columns = slice(slot * self.max_rank, (slot + 1) * self.max_rank)
+        self.a_cat[:, columns] = 0
+        self.b_cat[columns] = 0
+        if a is not None and b is not None:
+            rank = a.shape[0]
+            self.a_cat[:, slot * self.max_rank:slot * self.max_rank + rank] = a.t().to(self.a_cat.dtype)
+            self.b_cat[slot * self.max_rank:slot * self.max_rank + rank] = b.t().to(self.b_cat.dtype)
+
+
+class LoRAAdapters:
+    """Wraps a model's target linears and loads adapters into its slots.
+
+    Args:
+        model: the loaded model (wrapped in place).
+        num_slots: --max-loras; max_rank: --max-lora-rank.
+    Raises:
+        UnsupportedModelError: the model has none of the target modules.
+    """
+
+    def __init__(self, model: torch.nn.Module, num_slots: int, max_rank: int):
+        self.step = LoRAStep()
+        self.num_slots, self.max_rank = num_slots, max_rank
+        self.layers: dict[str, LoRALinear] = {}
+        for name, module in list(model.named_modules()):
+            for child_name, child in list(module.named_children()):
+                if child_name in TARGET_MODULES:
+                    wrapped = LoRALinear(child, self.step, num_slots, max_rank)
+                    setattr(module, child_name, wrapped)
+                    self.layers[f"{name}.{child_name}" if name else child_name] = wrapped
+        if not self.layers:
+            raise UnsupportedModelError(f"--enable-lora: the model has none of the linear layers LoRA adapters "
+                                        f"target ({', '.join(sorted(TARGET_MODULES))})")
+        self.base_modules = frozenset(name.rsplit(".", 1)[-1] for name in self.layers)
+        weight = next(iter(self.layers.values())).a_cat
+        self.scales = torch.zeros(num_slots + 1, num_slots * max_rank, dtype=weight.dtype, device=weight.device)
+        self.slot_names: list[str | None] = [None] * num_slots
+
+    def load(self, slot: int, name: str, path: str) -> AdapterSpec:
+        """Load the PEFT adapter at `path` into `slot`.
+
+        Raises:
+            ModelDirError: its config cannot be served (common/lora.py read_adapter).
+            UnsupportedModelError: a weight names a layer the model lacks, or has the wrong shape.
+        """
+        spec = read_adapter(path, self.max_rank, self.base_modules)
+        tensors = load_file(str(Path(path) / "adapter_model.safetensors"))
+        pairs: dict[str, dict[str, torch.Tensor]] = {}
+        for key, tensor in tensors.items():
+            module, part = _split_key(key)
+            if module not in self.layers:
+                raise UnsupportedModelError(f"LoRA adapter {path}: weight {key!r} names no adapted layer of the model")
+            pairs.setdefault(module, {})[part] = tensor
+        for module, layer in self.layers.items():
+            found = pairs.get(module, {})
+            a, b = found.get("A"), found.get("B")
+            if (a is None) != (b is None):
+                raise UnsupportedModelError(f"LoRA adapter {path}: {module} has lora_A or lora_B without the other")
+            if a is not None and b is not None and (a.shape != (spec.rank, layer.a_cat.shape[0])
+                                                    or b.shape != (layer.b_cat.shape[1], spec.rank)):
+                raise UnsupportedModelError(f"LoRA adapter {path}: {module} has A {tuple(a.shape)} and B "
+                                            f"{tuple(b.shape)}, the layer needs A [{spec.rank}, "
+                                            f"{layer.a_cat.shape[0]}] and B [{layer.b_cat.shape[1]}, {spec.rank}]")
+            layer.set_slot(slot, a, b)
+        columns = slice(slot * self.max_rank, (slot + 1) * self.max_rank)
+        self.scales[slot] = 0
+        self.scales[slot, columns] = spec.scale
+        self.slot_names[slot] = name
+        if name:
+            log.info("LoRA adapter %s (rank %d, scale %g, %d layers) in slot %d", name, spec.rank, spec.scale,
+                     len(pairs), slot)
+        return spec
+
+    def check(self, paths: list[str]) -> None:
+        """Load each adapter once into slot 0 and empty it again: at start-up, so that an adapter this model
+        cannot take (a target module it lacks, a weight of the wrong shape) is refused before serving, not when a
+        request first needs it.
+
+        Raises:
+            ModelDirError, UnsupportedModelError: as load() does.
+        """
+        for path in paths:
+            self.load(0, "", path)
+        for layer in self.layers.values():
+            layer.set_slot(0, None, None)
+        self.scales[0] = 0
+        self.slot_names[0] = None
+
+    def begin_step(self, token_slots: torch.Tensor | None) -> None:
+        """Set the step's mask from the packed tokens' slots (int64 [T], num_slots for a base-model token; None:
+        no adapter row in the step)."""
+        self.step.mask = None if token_slots is None else self.scales[token_slots.to(self.scales.device)]
+
+
+def _linear_shape(base: torch.nn.Module) -> tuple[int, int, torch.dtype, torch.device]:
+    """(in_features, out_features, dtype, device) of a linear layer: nn.Linear, a widening ColumnChunkedLinear
+    (worker/output_projection.py) or an Int8Linear (worker/quantization.py, computed in float32 then)."""
+    inner = getattr(base, "linear", base)
+    weight = next(inner.parameters())
+    dtype = weight.dtype if weight.is_floating_point() else torch.float32
+    in_features, out_features = getattr(inner, "in_features", None), getattr(inner, "out_features", None)
+    if isinstance(in_features, int) and isinstance(out_features, int):
+        return in_features, out_features, dtype, weight.device
+    return int(weight.shape[1]), int(weight.shape[0]), dtype, weight.device
+
+
+def _split_key(key: str) -> tuple[str, str]:
+    """('model.layers.0.self_attn.q_proj', 'A') from PEFT's 'base_model.model.model.layers.0.self_attn.q_proj.
+    lora_A.weight' (also with the adapter's name, '.lora_A.default.weight', as PEFT keeps it in memory)."""
+    name = key.removeprefix("base_model.model.")
+    for part in ("A", "B"):
+        marker = f".lora_{part}."
+        if marker in name:
+            return name.split(marker)[0], part
+    return name, "?"
