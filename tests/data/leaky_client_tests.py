@@ -17,7 +17,7 @@ def app():
     app.router.add_get("/v1/models", models)
     return app
 
-HANG_S = 10  # a request on loopback answers in milliseconds, even on a crowded machine
+HANG_S = 5  # a request on loopback answers in milliseconds, even on a crowded machine
 KEPT = []
 
 async def test_leaves_a_client_open():

@@ -27,7 +27,7 @@ from tests.server import pid_alive
 
 HANG = 60.0
 FUZZ_BATCH = 25
-FUZZ_EXAMPLES = int(os.environ.get("SHUTTLE_FUZZ_EXAMPLES", "100"))  # x FUZZ_BATCH = 2,500 cases
+FUZZ_EXAMPLES = int(os.environ.get("SHUTTLE_FUZZ_EXAMPLES", "60"))  # x FUZZ_BATCH = 1,500 cases
 
 any_text = st.text(st.characters(exclude_categories=()), max_size=12)  # lone surrogates included
 json_values = st.recursive(

@@ -319,8 +319,8 @@ def _long_outputs(rows: int):
 
 def test_long_outputs_stream_in_linear_time():
     """Sixteen times the text in 3-character deltas takes about sixteen times as long, not hundreds (as a copy or a
-    rescan of the held text per delta would make it): 40k and 640k characters of one call's arguments."""
-    for (parser, short), (_, long) in zip(_long_outputs(1000), _long_outputs(16000)):
+    rescan of the held text per delta would make it): 20k and 320k characters of one call's arguments."""
+    for (parser, short), (_, long) in zip(_long_outputs(500), _long_outputs(8000)):
         assert len(parser.parse(short).tool_calls) == 1
         short_s, long_s = _time_stream(parser, short, runs=5), _time_stream(parser, long)
         assert long_s < 40 * short_s + 0.1, (parser.name, short_s, long_s)
