@@ -203,5 +203,7 @@ def add_config_options(parser, section, names: list[str] | None = None, **overri
         if isinstance(f.default, bool):
             kwargs["action"] = argparse.BooleanOptionalAction
         kwargs.update(meta)
+        if kwargs.get("action") == "extend":  # argparse extends a list default, never a tuple: the section's
+            kwargs["default"] = None          # __post_init__ turns None into its empty tuple
         kwargs.update(overrides.get(f.name, {}))
         parser.add_argument(*aliases, "--" + f.name.replace("_", "-"), **kwargs)

@@ -139,6 +139,9 @@ class LoRAConfig:
     max_cpu_loras: int | None = option(None, "adapters kept loaded in host memory (vLLM's name; shuttle keeps every "
                                              "--lora-modules adapter: at least --max-loras)", type=positive)
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "lora_modules", tuple(self.lora_modules or ()))  # from argparse: a list or None
+
 
 def lora_config_error(config: LoRAConfig, tensor_parallel_size: int) -> str | None:
     """Why the LoRA flags cannot be served (None when they can)."""

@@ -16,7 +16,7 @@ from shuttle.frontend.generation import TextDelta, TextGeneration
 from shuttle.frontend.reasoning.choices import ReasoningChoices, reasoning_fields
 from shuttle.frontend.request.params import check_logprobs
 from shuttle.frontend.request.protocol import ChatCompletionRequest, TokenizeRequest
-from shuttle.frontend.serving import Call, build_generations, check_model, new_request_id
+from shuttle.frontend.serving import Call, build_generations, check_model, new_request_id, response_model
 from shuttle.frontend.state import FrontendState
 from shuttle.frontend.tools.calls import ToolCallChoices, tool_parser_of
 from shuttle.frontend.tools.request import template_tools, tool_constraint, tool_use_of
@@ -82,7 +82,7 @@ class ChatCall(Call):
             self.logprobs = None  # they would show the thinking's tokens (vLLM leaves them out too)
         request_id = new_request_id(id_prefix)
         super().__init__(state, body, request_id, {"id": request_id, "created": int(time.time()),
-                                                   "model": state.model_name})
+                                                   "model": response_model(state, body.model)})
         self.background = background
         # vLLM's return_token_ids for chat: the prompt's ids once per response (on the first chunk when streaming)
         if body.return_token_ids:

@@ -12,7 +12,7 @@ from shuttle.frontend.completions.shapes import completion_logprobs, prompt_logp
 from shuttle.frontend.generation import TextDelta, TextGeneration
 from shuttle.frontend.request.params import check_logprobs, completion_prompts
 from shuttle.frontend.request.protocol import CompletionRequest
-from shuttle.frontend.serving import Call, build_generations, check_model, new_request_id
+from shuttle.frontend.serving import Call, build_generations, check_model, new_request_id, response_model
 from shuttle.frontend.state import FrontendState
 
 
@@ -49,7 +49,8 @@ class CompletionCall(Call):
             raise InvalidRequestError(one_prompt, param="prompt")
         request_id = new_request_id(id_prefix)
         super().__init__(state, body, request_id, {"id": request_id, "object": "text_completion",
-                                                   "created": int(time.time()), "model": state.model_name})
+                                                   "created": int(time.time()),
+                                                   "model": response_model(state, body.model)})
         self.background = background
         self.echo_texts: dict[int, str] = {}  # choice index -> the prompt as given, to prepend (echo)
         self.echo_ids: set[int] = set()  # choices whose prompt was token ids: their echo keeps special tokens

@@ -60,6 +60,11 @@ def lora_name(state: FrontendState, model: str | None) -> str:
     return model if model is not None and model in adapter_names(state) else ""
 
 
+def response_model(state: FrontendState, model: str | None) -> str:
+    """The `model` a response names: the LoRA adapter the request named, else the served model's name."""
+    return lora_name(state, model) or state.model_name
+
+
 def build_generations(state: FrontendState, body: SamplingFields, prompts: list[list[int]], request_id: str,
                       max_tokens: int | None, logprobs: int | None, prompt_param: str = "prompt",
                       prompt_logprobs: int | None = None, background: bool = False,

@@ -23,7 +23,7 @@ from typing import Any, AsyncGenerator
 from shuttle.frontend.anthropic.request import CountTokensRequest, MessagesRequest, chat_request_of
 from shuttle.frontend.chat_call import ChatCall, chat_prompt_ids
 from shuttle.frontend.choices import collect
-from shuttle.frontend.serving import check_model
+from shuttle.frontend.serving import check_model, response_model
 from shuttle.frontend.state import FrontendState
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
@@ -64,7 +64,8 @@ class MessagesCall(ChatCall):
         [generation] = self.generations
         stop = STOP_REASONS.get(finish) if finish is not None else None
         stop_string = generation.stop_string if finish == "stop" else None
-        return {"id": self.request_id, "type": "message", "role": "assistant", "model": self.state.model_name,
+        return {"id": self.request_id, "type": "message", "role": "assistant",
+                "model": response_model(self.state, self.body.model),
                 "content": content, "stop_reason": "stop_sequence" if stop_string is not None else stop,
                 "stop_sequence": stop_string,
                 "usage": {"input_tokens": len(generation.prompt_token_ids), "output_tokens": output_tokens}}

@@ -30,7 +30,7 @@ from shuttle.frontend.responses.request import (
     responses_params,
 )
 from shuttle.frontend.responses.store import StoredResponse
-from shuttle.frontend.serving import build_generations
+from shuttle.frontend.serving import build_generations, response_model
 from shuttle.frontend.state import FrontendState
 from shuttle.frontend.tools.calls import ToolCallChoices
 
@@ -132,7 +132,7 @@ class ResponsesCall(ChatCall):
             "background": request.background, "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": request.instructions, "max_output_tokens": request.max_output_tokens,
-            "metadata": request.metadata or {}, "model": self.state.model_name, "output": output,
+            "metadata": request.metadata or {}, "model": response_model(self.state, self.body.model), "output": output,
             "parallel_tool_calls": tool_use.parallel, "previous_response_id": request.previous_response_id,
             "reasoning": None, "store": self.stored, "temperature": sampling.temperature,
             "text": {"format": msgspec.to_builtins(text_format) if text_format is not None else {"type": "text"}},
