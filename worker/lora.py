@@ -101,14 +101,38 @@ class LoRAAdapters:
         weight = next(iter(self.layers.values())).a_cat
         self.scales = torch.zeros(num_slots + 1, num_slots * max_rank, dtype=weight.dtype, device=weight.device)
         self.slot_names: list[str | None] = [None] * num_slots
+        self.broken: dict[int, str] = {}  # slot -> why its last load failed (a step using it fails)
 
     def load(self, slot: int, name: str, path: str) -> AdapterSpec:
-        """Load the PEFT adapter at `path` into `slot`.
+        """Load the PEFT adapter at `path` into `slot`. A failed load leaves the slot empty and marked broken, so
+        that a step using it fails instead of serving base-model text for an adapter's request.
 
         Raises:
             ModelDirError: its config cannot be served (common/lora.py read_adapter).
             UnsupportedModelError: a weight names a layer the model lacks, or has the wrong shape.
         """
+        try:
+            spec, pairs = self._read(path)
+        except Exception as exc:  # files changed since start-up: no request may run on a half-loaded slot
+            self._clear(slot)
+            self.broken[slot] = f"LoRA adapter {name} could not be loaded: {exc}"
+            raise
+        for module, layer in self.layers.items():
+            found = pairs.get(module, {})
+            layer.set_slot(slot, found.get("A"), found.get("B"))
+        columns = slice(slot * self.max_rank, (slot + 1) * self.max_rank)
+        self.scales[slot] = 0
+        self.scales[slot, columns] = spec.scale
+        self.slot_names[slot] = name
+        self.broken.pop(slot, None)
+        if name:
+            log.info("LoRA adapter %s (rank %d, scale %g, %d layers) in slot %d", name, spec.rank, spec.scale,
+                     len(pairs), slot)
+        return spec
+
+    def _read(self, path: str) -> tuple[AdapterSpec, dict[str, dict[str, torch.Tensor]]]:
+        """The adapter's checked config and its (A, B) per adapted layer, every shape checked before any slot is
+        written."""
         spec = read_adapter(path, self.max_rank, self.base_modules)
         tensors = load_file(str(Path(path) / "adapter_model.safetensors"))
         pairs: dict[str, dict[str, torch.Tensor]] = {}
@@ -127,34 +151,36 @@ class LoRAAdapters:
                 raise UnsupportedModelError(f"LoRA adapter {path}: {module} has A {tuple(a.shape)} and B "
                                             f"{tuple(b.shape)}, the layer needs A [{spec.rank}, "
                                             f"{layer.a_cat.shape[0]}] and B [{layer.b_cat.shape[1]}, {spec.rank}]")
-            layer.set_slot(slot, a, b)
-        columns = slice(slot * self.max_rank, (slot + 1) * self.max_rank)
+        return spec, pairs
+
+    def _clear(self, slot: int) -> None:
+        for layer in self.layers.values():
+            layer.set_slot(slot, None, None)
         self.scales[slot] = 0
-        self.scales[slot, columns] = spec.scale
-        self.slot_names[slot] = name
-        if name:
-            log.info("LoRA adapter %s (rank %d, scale %g, %d layers) in slot %d", name, spec.rank, spec.scale,
-                     len(pairs), slot)
-        return spec
+        self.slot_names[slot] = None
 
     def check(self, paths: list[str]) -> None:
-        """Load each adapter once into slot 0 and empty it again: at start-up, so that an adapter this model
-        cannot take (a target module it lacks, a weight of the wrong shape) is refused before serving, not when a
-        request first needs it.
+        """Read and check each adapter against the model's layers at start-up, so that an adapter this model cannot
+        take (a target module it lacks, a weight of the wrong shape) is refused before serving, not when a request
+        first needs it.
 
         Raises:
             ModelDirError, UnsupportedModelError: as load() does.
         """
         for path in paths:
-            self.load(0, "", path)
-        for layer in self.layers.values():
-            layer.set_slot(0, None, None)
-        self.scales[0] = 0
-        self.slot_names[0] = None
+            self._read(path)
 
     def begin_step(self, token_slots: torch.Tensor | None) -> None:
-        """Set the step's mask from the packed tokens' slots (int64 [T], num_slots for a base-model token; None:
-        no adapter row in the step)."""
+        """Set the step's mask from the packed tokens' slots (int64 [T], -1 for a base-model token: the scales'
+        last row, zeros; None: no adapter row in the step).
+
+        Raises:
+            RuntimeError: a token's slot is broken (its adapter failed to load).
+        """
+        if token_slots is not None and self.broken:
+            failed = set(token_slots.unique().tolist()) & set(self.broken)
+            if failed:  # the step fails, and with it its requests: never base-model text for an adapter's request
+                raise RuntimeError(self.broken[min(failed)])
         self.step.mask = None if token_slots is None else self.scales[token_slots.to(self.scales.device)]
 
 

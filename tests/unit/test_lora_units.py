@@ -134,3 +134,34 @@ def test_preemption_gives_the_slot_back_and_an_unknown_adapter_is_404():
     [out] = [o for o in s.take_outputs()[b"c"] if o.request_id == "x"]
     assert (out.finish_reason, out.error_status, out.error_message) == (
         FinishReason.ERROR, 404, "LoRA adapter 'nope' is not served")
+
+
+def test_a_slot_whose_load_failed_fails_the_steps_that_use_it(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    from shuttle.worker.lora import LoRAAdapters
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q_proj = torch.nn.Linear(4, 4, bias=False)
+
+    model = torch.nn.Module()
+    model.block = Block()
+    adapters = LoRAAdapters(model, num_slots=2, max_rank=2)
+    path = adapter(tmp_path / "a", r=2, lora_alpha=2, target_modules=["q_proj"])
+    weights = str(path / "adapter_model.safetensors")
+    save_file({"base_model.model.block.q_proj.lora_A.weight": torch.ones(2, 4),
+               "base_model.model.block.q_proj.lora_B.weight": torch.ones(4, 2)}, weights)
+    adapters.load(1, "a", str(path))
+    x = torch.ones(1, 2, 4)
+    adapters.begin_step(torch.tensor([1, -1]))
+    delta = model.block.q_proj(x) - model.block.q_proj.base(x)
+    assert delta[0, 0].tolist() == [8.0] * 4 and delta[0, 1].tolist() == [0.0] * 4  # scale 1 * B @ A @ x; base row 0
+    save_file({"base_model.model.block.q_proj.lora_A.weight": torch.ones(3, 4)}, weights)
+    with pytest.raises(Exception, match="lora_A or lora_B without the other"):
+        adapters.load(1, "a", str(path))
+    adapters.begin_step(torch.tensor([-1, -1]))  # base rows still run
+    with pytest.raises(RuntimeError, match="LoRA adapter a could not be loaded"):
+        adapters.begin_step(torch.tensor([1, -1]))
