@@ -173,3 +173,58 @@ def checked_lora_config(config: LoRAConfig, served_names: tuple[str, ...]) -> Lo
         read_adapter(module.path, config.max_lora_rank)
         modules.append(msgspec.structs.replace(module, path=str(Path(module.path).absolute())))
     return dataclasses.replace(config, lora_modules=tuple(modules))
+
+
+def adapter_layers(weight_shapes: dict[str, tuple[int, ...]], spec: AdapterSpec, path: str | Path,
+                   layer_shapes: dict[str, tuple[int, int]]) -> dict[str, tuple[str, str]]:
+    """Match an adapter's weights to the model's layers, checking every shape.
+
+    Args:
+        weight_shapes: the adapter file's tensor names (PEFT's `base_model.model.<layer>.lora_A.weight`) and shapes.
+        layer_shapes: the model's adaptable layers, full name -> (out_features, in_features).
+    Returns:
+        adapted layer name -> (its lora_A tensor name, its lora_B tensor name).
+    Raises:
+        ModelDirError: a weight names no adaptable layer, one of A and B is missing, or a shape is not
+            A [r, in] and B [out, r].
+    """
+    parts: dict[str, dict[str, str]] = {}
+    for key in weight_shapes:
+        layer, part = _split_key(key)
+        if layer not in layer_shapes or part == "?":
+            raise ModelDirError(f"LoRA adapter {path}: weight {key!r} names no adaptable layer of the served model")
+        parts.setdefault(layer, {})[part] = key
+    layers = {}
+    for layer, found in parts.items():
+        if set(found) != {"A", "B"}:
+            raise ModelDirError(f"LoRA adapter {path}: {layer} has lora_A or lora_B without the other")
+        a, b = weight_shapes[found["A"]], weight_shapes[found["B"]]
+        out_features, in_features = layer_shapes[layer]
+        if tuple(a) != (spec.rank, in_features) or tuple(b) != (out_features, spec.rank):
+            raise ModelDirError(f"LoRA adapter {path}: {layer} has A {tuple(a)} and B {tuple(b)}, the layer needs "
+                                f"A [{spec.rank}, {in_features}] and B [{out_features}, {spec.rank}]")
+        layers[layer] = (found["A"], found["B"])
+    return layers
+
+
+def _split_key(key: str) -> tuple[str, str]:
+    """('model.layers.0.self_attn.q_proj', 'A') from PEFT's 'base_model.model.model.layers.0.self_attn.q_proj.
+    lora_A.weight' (also with the adapter's name, '.lora_A.default.weight', as PEFT keeps it in memory); part "?"
+    for a tensor that is neither A nor B."""
+    name = key.removeprefix("base_model.model.")
+    for part in ("A", "B"):
+        marker = f".lora_{part}."
+        if marker in name:
+            return name.split(marker)[0], part
+    return name, "?"
+
+
+def checkpoint_layer_shapes(weight_shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, int]]:
+    """The adaptable layers named by a checkpoint's tensors (`<layer>.weight`, 2-D, its last name in
+    TARGET_MODULES), full name -> (out, in) features: what a PEFT adapter's keys name, read without the model."""
+    shapes = {}
+    for name, shape in weight_shapes.items():
+        layer, _, kind = name.rpartition(".")
+        if kind == "weight" and layer.rsplit(".", 1)[-1] in TARGET_MODULES and len(shape) == 2:
+            shapes[layer] = (int(shape[0]), int(shape[1]))
+    return shapes

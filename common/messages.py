@@ -58,6 +58,7 @@ class Submit(msgspec.Struct, **_WIRE):
     ttft_slo_ms: float = 0.0  # the request's own TTFT objective (0: the server's --ttft-slo-ms, if any)
     background: bool = False  # batch work: waits behind every interactive request, under either policy
     lora_name: str = ""  # the LoRA adapter the request runs through (--lora-modules); "" = the base model
+    lora_path: str = ""  # that adapter's directory (the frontend's registry names it: runtime loads included)
 
 
 class Abort(msgspec.Struct, **_WIRE):

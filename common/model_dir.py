@@ -99,22 +99,7 @@ def check_safetensors(path: Path) -> None:
     def corrupt(why: str) -> ModelDirError:
         return ModelDirError(f"{path} is not a valid safetensors file: {why} (an interrupted download?)")
 
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise corrupt(f"{size} bytes, shorter than the 8-byte header length")
-            (length,) = struct.unpack("<Q", head)
-            if length > min(size - 8, MAX_HEADER_BYTES):
-                raise corrupt(f"its header claims {length} bytes of a {size}-byte file")
-            header = json.loads(f.read(length))
-    except OSError as exc:
-        raise ModelDirError(f"cannot read {path}: {exc.strerror or exc}") from None
-    except ValueError as exc:
-        raise corrupt(f"its header is not JSON ({exc})") from None
-    if not isinstance(header, dict):
-        raise corrupt("its header is not a JSON object")
+    header, length, size = _header(path, corrupt)
     ranges = []
     for name, info in header.items():
         if name == "__metadata__":
@@ -139,6 +124,51 @@ def check_safetensors(path: Path) -> None:
         end = stop
     if end != size - 8 - length:
         raise corrupt(f"its tensors hold {end} bytes but {size - 8 - length} follow the header")
+
+
+def _header(path: Path, corrupt) -> tuple[dict, int, int]:
+    """A safetensors file's header (a JSON object), its length and the file's size; `corrupt(why)` makes the
+    error raised for a malformed one."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise corrupt(f"{size} bytes, shorter than the 8-byte header length")
+            (length,) = struct.unpack("<Q", head)
+            if length > min(size - 8, MAX_HEADER_BYTES):
+                raise corrupt(f"its header claims {length} bytes of a {size}-byte file")
+            header = json.loads(f.read(length))
+    except OSError as exc:
+        raise ModelDirError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise corrupt(f"its header is not JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise corrupt("its header is not a JSON object")
+    return header, length, size
+
+
+def safetensors_shapes(directory: str | os.PathLike) -> dict[str, tuple[int, ...]] | None:
+    """Every tensor's shape in a directory's safetensors weights (model.safetensors or an indexed set of shards,
+    read from the headers alone: no tensor data, no torch), or in one safetensors file, by name; None when the
+    weights are not safetensors.
+
+    Raises:
+        ModelDirError: a header that cannot be read.
+    """
+    path = Path(directory)
+    if path.is_file():
+        weights: Path | None = path
+    else:
+        weights = next((path / name for name in WEIGHT_FILES if (path / name).is_file()), None)
+    if weights is None or "safetensors" not in weights.name:
+        return None
+    shapes: dict[str, tuple[int, ...]] = {}
+    for shard in _shards(weights):
+        header, _, _ = _header(shard, lambda why, shard=shard: ModelDirError(f"{shard}: {why}"))
+        shapes.update({name: tuple(info["shape"]) for name, info in header.items()
+                       if name != "__metadata__" and isinstance(info, dict) and isinstance(info.get("shape"), list)})
+    return shapes
 
 
 def _shards(weights: Path) -> list[Path]:

@@ -25,6 +25,7 @@ from shuttle.frontend.engine.backpressure import refusal_headers
 from shuttle.frontend.engine.client import EngineClient
 from shuttle.frontend.engine.router import Router
 from shuttle.frontend.lifecycle import Shutdown, SupervisorLink, drain
+from shuttle.frontend.lora_routes import add_lora_routes
 from shuttle.frontend.observability.dashboard import add_dashboard
 from shuttle.frontend.observability.metrics import Metrics
 from shuttle.frontend.request.chat_template import ChatTemplate
@@ -147,6 +148,7 @@ def build_app(state: FrontendState, api_key: str | None = None) -> web.Applicati
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/v1/ws", websocket_handler)
     add_messages_routes(app)  # Anthropic's Messages API
+    add_lora_routes(app, state)  # runtime LoRA loads, when VLLM_ALLOW_RUNTIME_LORA_UPDATING allows them
     add_dashboard(app, state)
     add_root_path(app, api.root_path)  # last, though routes added later are served under it too
     return app

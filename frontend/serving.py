@@ -50,14 +50,13 @@ def check_model(state: FrontendState, model: str | None) -> None:
 
 
 def adapter_names(state: FrontendState) -> tuple[str, ...]:
-    """The LoRA adapters a request may name as its model (--lora-modules; none without --enable-lora)."""
-    lora = state.config.lora
-    return tuple(m.name for m in lora.lora_modules) if lora.enable_lora else ()
+    """The LoRA adapters a request may name as its model (none without --enable-lora)."""
+    return tuple(state.lora_modules)
 
 
 def lora_name(state: FrontendState, model: str | None) -> str:
     """The LoRA adapter a request's (checked) `model` names; "" for the served model itself."""
-    return model if model is not None and model in adapter_names(state) else ""
+    return model if model is not None and model in state.lora_modules else ""
 
 
 def response_model(state: FrontendState, model: str | None) -> str:
@@ -81,6 +80,7 @@ def build_generations(state: FrontendState, body: SamplingFields, prompts: list[
     """
     stops = body.stop_strings()
     model = state.config.model
+    adapter = lora_name(state, body.model)
     if body.priority and state.config.scheduler.scheduling_policy != "priority":  # vLLM's rule: never ignored
         raise InvalidRequestError("priority is honoured only under --scheduling-policy priority; "
                                   f"this server schedules {state.config.scheduler.scheduling_policy} (leave it out "
@@ -101,7 +101,7 @@ def build_generations(state: FrontendState, body: SamplingFields, prompts: list[
             request = Submit(request_id=f"{request_id}-{index}", prompt_token_ids=ids, sampling=sampling,
                              arrival_time=time.time(), priority=body.priority, timeout=body.timeout or 0.0,
                              group_id=request_id, ttft_slo_ms=body.ttft_slo_ms or 0.0, background=background,
-                             lora_name=lora_name(state, body.model))
+                             lora_name=adapter, lora_path=state.lora_modules[adapter].path if adapter else "")
             if state.config.observability.enable_log_requests:  # never the prompt's text
                 log.info("request %s: %d prompt tokens, %s", request.request_id, len(ids), sampling)
             metrics = prompt_metrics.sequence(len(ids))

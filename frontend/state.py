@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from shuttle.common.config import ShuttleConfig
+from shuttle.common.lora import LoRAModule
 from shuttle.frontend.engine.api import Engine
 from shuttle.frontend.observability.metrics import Metrics
 from shuttle.frontend.reasoning import ReasoningParser, reasoning_parser_of
@@ -25,11 +26,15 @@ class FrontendState:
     websockets: set[web.WebSocketResponse] = field(default_factory=set)  # open ones, closed at the end of a drain
     responses: ResponseStore = field(init=False)  # the Responses API's stored responses (--responses-store-*)
     reasoning: ReasoningParser | None = field(init=False)  # --reasoning-parser, when the tokenizer has its tags
+    # the LoRA adapters requests may name, by name: --lora-modules, then loaded and unloaded at run time
+    lora_modules: dict[str, LoRAModule] = field(init=False)
 
     def __post_init__(self):
         api = self.config.api
         self.responses = ResponseStore(api.responses_store_max_entries, api.responses_store_max_age)
         self.reasoning = reasoning_parser_of(api.reasoning_parser, self.tokenizer)
+        lora = self.config.lora
+        self.lora_modules = {m.name: m for m in lora.lora_modules} if lora.enable_lora else {}
 
     @property
     def model_name(self) -> str:

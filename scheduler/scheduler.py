@@ -111,12 +111,12 @@ class Scheduler:
             return self._reject(client, submit.request_id, 400,
                                 f"prompt + max_tokens needs {max_len} {NEVER_FITS}; the whole cache holds "
                                 f"{self.kv.pool.num_blocks * self.kv.block_size}")
-        if submit.lora_name and (self.lora is None or submit.lora_name not in self.lora.modules):
+        if submit.lora_name and (self.lora is None or not submit.lora_path):
             return self._reject(client, submit.request_id, 404, f"LoRA adapter {submit.lora_name!r} is not served")
         request = Request(submit.request_id, client, list(submit.prompt_token_ids), submit.sampling,
                           submit.arrival_time, submit.priority, submit.group_id or submit.request_id,
                           background=submit.background, lora_name=submit.lora_name,
-                          lora_key=self.lora.key(submit.lora_name) if self.lora and submit.lora_name else "")
+                          lora_key=f"{submit.lora_name}\0{submit.lora_path}" if submit.lora_name else "")
         request.rank = self.waiting.rank(request)
         if self.num_waiting >= self.config.max_waiting_requests and not self._make_room_for(request):
             return self._reject(client, submit.request_id, 503, "the server is at capacity: waiting queue is full")
@@ -287,7 +287,7 @@ class Scheduler:
                 if self.shares.over_share(request):
                     self.shares.park(self.waiting.pop())  # its client request holds its share: others go first
                     continue
-                if request.lora_name and not self.lora.can_take(request.lora_name):  # type: ignore[union-attr]
+                if request.lora_key and not self.lora.can_take(request.lora_key):  # type: ignore[union-attr]
                     break  # its adapter waits for a slot; those behind it wait too, so that it never starves
                 cached = [] if request.sampling.prompt_logprobs is not None else self.kv.find_cached_prefix(request)
                 num_cached = len(cached) * self.kv.block_size
@@ -303,9 +303,9 @@ class Scheduler:
                     request.first_scheduled_time = time.time()
                 request.num_computed_tokens = num_cached
                 request.status = RequestStatus.RUNNING
-                if request.lora_name:
-                    assert self.lora is not None  # add_request refused adapters the server does not serve
-                    request.lora_slot = self.lora.take(request.lora_name)
+                if request.lora_key:
+                    assert self.lora is not None  # add_request refused adapters without --enable-lora
+                    request.lora_slot = self.lora.take(request.lora_key)
                 self.num_admitted += 1
                 bisect.insort(self.running, request, key=_RANK)
                 self.shares.start_running(request)

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from shuttle.common.lora import TARGET_MODULES, AdapterSpec, read_adapter
+from shuttle.common.lora import TARGET_MODULES, AdapterSpec, adapter_layers, read_adapter
 from shuttle.worker.model_loader import UnsupportedModelError
 
 log = logging.getLogger("shuttle.worker")
@@ -109,7 +109,7 @@ class LoRAAdapters:
 
         Raises:
             ModelDirError: its config cannot be served (common/lora.py read_adapter).
-            UnsupportedModelError: a weight names a layer the model lacks, or has the wrong shape.
+            ModelDirError: a weight names a layer the model lacks, or has the wrong shape (adapter_layers).
         """
         try:
             spec, pairs = self._read(path)
@@ -132,26 +132,13 @@ class LoRAAdapters:
 
     def _read(self, path: str) -> tuple[AdapterSpec, dict[str, dict[str, torch.Tensor]]]:
         """The adapter's checked config and its (A, B) per adapted layer, every shape checked before any slot is
-        written."""
+        written (common/lora.py adapter_layers)."""
         spec = read_adapter(path, self.max_rank, self.base_modules)
         tensors = load_file(str(Path(path) / "adapter_model.safetensors"))
-        pairs: dict[str, dict[str, torch.Tensor]] = {}
-        for key, tensor in tensors.items():
-            module, part = _split_key(key)
-            if module not in self.layers:
-                raise UnsupportedModelError(f"LoRA adapter {path}: weight {key!r} names no adapted layer of the model")
-            pairs.setdefault(module, {})[part] = tensor
-        for module, layer in self.layers.items():
-            found = pairs.get(module, {})
-            a, b = found.get("A"), found.get("B")
-            if (a is None) != (b is None):
-                raise UnsupportedModelError(f"LoRA adapter {path}: {module} has lora_A or lora_B without the other")
-            if a is not None and b is not None and (a.shape != (spec.rank, layer.a_cat.shape[0])
-                                                    or b.shape != (layer.b_cat.shape[1], spec.rank)):
-                raise UnsupportedModelError(f"LoRA adapter {path}: {module} has A {tuple(a.shape)} and B "
-                                            f"{tuple(b.shape)}, the layer needs A [{spec.rank}, "
-                                            f"{layer.a_cat.shape[0]}] and B [{layer.b_cat.shape[1]}, {spec.rank}]")
-        return spec, pairs
+        shapes = {name: tuple(layer.b_cat.shape[1:]) + tuple(layer.a_cat.shape[:1])
+                  for name, layer in self.layers.items()}
+        layers = adapter_layers({k: tuple(t.shape) for k, t in tensors.items()}, spec, path, shapes)  # type: ignore
+        return spec, {layer: {"A": tensors[a], "B": tensors[b]} for layer, (a, b) in layers.items()}
 
     def _clear(self, slot: int) -> None:
         for layer in self.layers.values():
@@ -194,14 +181,3 @@ def _linear_shape(base: torch.nn.Module) -> tuple[int, int, torch.dtype, torch.d
     if isinstance(in_features, int) and isinstance(out_features, int):
         return in_features, out_features, dtype, weight.device
     return int(weight.shape[1]), int(weight.shape[0]), dtype, weight.device
-
-
-def _split_key(key: str) -> tuple[str, str]:
-    """('model.layers.0.self_attn.q_proj', 'A') from PEFT's 'base_model.model.model.layers.0.self_attn.q_proj.
-    lora_A.weight' (also with the adapter's name, '.lora_A.default.weight', as PEFT keeps it in memory)."""
-    name = key.removeprefix("base_model.model.")
-    for part in ("A", "B"):
-        marker = f".lora_{part}."
-        if marker in name:
-            return name.split(marker)[0], part
-    return name, "?"

@@ -116,7 +116,7 @@ def _adapter_object(state: FrontendState, module: LoRAModule) -> dict:
 
 async def list_models(request: web.Request) -> web.Response:
     state = request.app[STATE]  # one object per --served-model-name, then per LoRA adapter, as vLLM lists them
-    adapters = state.config.lora.lora_modules if state.config.lora.enable_lora else ()
+    adapters = state.lora_modules.values()
     return web.json_response({"object": "list", "data": [_model_object(state, name)
                                                           for name in state.config.model.served_model_names]
                               + [_adapter_object(state, module) for module in adapters]})
@@ -131,6 +131,6 @@ async def retrieve_model(request: web.Request) -> web.Response:
     state = request.app[STATE]
     model_id = request.match_info["model_id"]
     check_model(state, model_id)
-    adapter = next((m for m in state.config.lora.lora_modules if m.name == model_id), None)
+    adapter = state.lora_modules.get(model_id)
     return web.json_response(_model_object(state, model_id) if adapter is None or model_id in
                              state.config.model.served_model_names else _adapter_object(state, adapter))

@@ -73,9 +73,10 @@ def timed(runner: ModelRunner, config: ShuttleConfig, prompts: list[list[int]], 
     scheduler = Scheduler(config.scheduler, KVCacheManager(runner.kv_cache.num_blocks, config.cache.block_size),
                           model.max_model_len, (), lora=lora_slots_for(config.lora))
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    paths = {m.name: m.path for m in config.lora.lora_modules}
     for i, (prompt, adapter) in enumerate(zip(prompts, adapters)):
         scheduler.add_request(b"c", Submit(request_id=str(i), prompt_token_ids=prompt, sampling=params,
-                                           arrival_time=float(i), lora_name=adapter))
+                                           arrival_time=float(i), lora_name=adapter, lora_path=paths.get(adapter, "")))
     produced = 0
 
     def collect(batch) -> None:

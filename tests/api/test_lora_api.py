@@ -34,3 +34,44 @@ async def test_without_enable_lora_an_adapter_name_is_an_unknown_model():
     async with served() as (client, _):
         status, _ = await post(client, "/v1/completions", {"model": "sql", "prompt": PROMPT, "max_tokens": 2})
         assert status == 404
+
+
+async def test_adapters_load_and_unload_at_run_time_under_vllms_rule(tmp_path, monkeypatch):
+    import json
+
+    from tests.engine.test_lora_engine import write_adapter
+    from tests.server import MODEL_DIR
+
+    good = write_adapter(tmp_path / "good", MODEL_DIR, {"q_proj", "down_proj"}, rank=4, alpha=8, seed=1)
+    wide = write_adapter(tmp_path / "wide", MODEL_DIR, {"q_proj"}, rank=32, alpha=8, seed=2)
+    skewed = write_adapter(tmp_path / "skewed", MODEL_DIR, {"v_proj"}, rank=2, alpha=2, seed=3)
+    (skewed / "adapter_config.json").write_text(json.dumps({**json.loads((skewed / "adapter_config.json")
+                                                                         .read_text()), "r": 4}))
+    load = {"lora_name": "live", "lora_path": str(good)}
+    enabled = LoRAConfig(enable_lora=True)
+    async with served(lora=enabled) as (client, _):  # without VLLM_ALLOW_RUNTIME_LORA_UPDATING: no such route
+        async with client.post("/v1/load_lora_adapter", json=load) as response:
+            assert response.status == 404
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
+    async with served(lora=enabled) as (client, engine):
+        async with client.post("/v1/load_lora_adapter", json=load) as response:
+            assert (response.status, await response.text()) == (200, "Success: LoRA adapter 'live' added successfully.")
+        status, body = await post(client, "/v1/load_lora_adapter", load)
+        assert (status, body["error"]["message"]) == (400, "The lora adapter 'live' has already been loaded.")
+        for path, why in [(wide, "rank 32 exceeds --max-lora-rank 16"),
+                          (skewed, "v_proj has A (2, 64) and B (32, 2), the layer needs A [4, 64] and B [32, 4]"),
+                          (tmp_path / "nowhere", "no adapter_config.json")]:
+            status, body = await post(client, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": str(path)})
+            assert status == 400 and why in body["error"]["message"], body
+        async with client.get("/v1/models") as response:
+            assert [m["id"] for m in (await response.json())["data"]] == [SERVED, "live"]
+        status, _ = await post(client, "/v1/completions", {"model": "live", "prompt": PROMPT, "max_tokens": 2})
+        submitted = engine.submitted[-1]
+        assert status == 200 and (submitted.lora_name, submitted.lora_path) == ("live", str(good))
+        async with client.post("/v1/unload_lora_adapter", json={"lora_name": "live"}) as response:
+            assert response.status == 200
+            assert await response.text() == "Success: LoRA adapter 'live' removed successfully."
+        status, _ = await post(client, "/v1/completions", {"model": "live", "prompt": PROMPT, "max_tokens": 2})
+        assert status == 404
+        status, body = await post(client, "/v1/unload_lora_adapter", {"lora_name": "live"})
+        assert (status, body["error"]["message"]) == (404, "The lora adapter 'live' cannot be found.")

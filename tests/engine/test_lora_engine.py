@@ -73,9 +73,10 @@ def serve(model_dir, lora: LoRAConfig, jobs, num_blocks=256):
     scheduler = Scheduler(config.scheduler, KVCacheManager(num_blocks, 4, True), model.max_model_len, (),
                           lora=lora_slots_for(lora))
     outputs = {str(i): [] for i in range(len(jobs))}
+    paths = {m.name: m.path for m in lora.lora_modules}
     for i, (prompt, adapter) in enumerate(jobs):
         scheduler.add_request(b"c", Submit(request_id=str(i), prompt_token_ids=prompt, arrival_time=float(i),
-                                           lora_name=adapter, sampling=SamplingParams(
+                                           lora_name=adapter, lora_path=paths.get(adapter, ""), sampling=SamplingParams(
                                                max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)))
 
     def collect(batch):
@@ -129,12 +130,12 @@ def test_more_adapters_than_slots_all_finish_and_keep_their_own_prefix_cache(tmp
 
 
 def test_an_adapter_the_model_cannot_take_is_refused_when_the_worker_starts(tmp_path):
-    from shuttle.worker.model_loader import UnsupportedModelError
+    from shuttle.common.errors import ModelDirError
 
     bad = write_adapter(tmp_path / "bad", MODEL_DIR, {"q_proj"}, rank=2, alpha=2, seed=3)
     config = json.loads((bad / "adapter_config.json").read_text())
     (bad / "adapter_config.json").write_text(json.dumps({**config, "r": 4}))  # its tensors have rank 2
     lora = LoRAConfig(enable_lora=True, lora_modules=(LoRAModule(name="bad", path=str(bad)),))
-    with pytest.raises(UnsupportedModelError, match=r"model.layers.0.self_attn.q_proj has A \(2, 64\) and B "
+    with pytest.raises(ModelDirError, match=r"model.layers.0.self_attn.q_proj has A \(2, 64\) and B "
                                                     r"\(64, 2\), the layer needs A \[4, 64\] and B \[64, 4\]"):
         serve(MODEL_DIR, lora, [])

@@ -68,28 +68,32 @@ def test_the_flag_rules():
 
 
 def test_slots_keep_idle_adapters_and_evict_the_least_recently_used():
-    slots = LoRASlots(2, tuple(LoRAModule(name=n, path=f"/{n}") for n in "abc"))
-    assert slots.take("a") == 0 and slots.take("b") == 1 and slots.take("a") == 0
+    slots = LoRASlots(2)
+    a, b, c = (f"{n}\0/{n}" for n in "abc")
+    assert slots.take(a) == 0 and slots.take(b) == 1 and slots.take(a) == 0
     assert slots.take_loads() == [LoRALoad(slot=0, name="a", path="/a"), LoRALoad(slot=1, name="b", path="/b")]
-    assert not slots.can_take("c") and slots.can_take("a")
+    assert not slots.can_take(c) and slots.can_take(a)
     slots.give_back(1)  # b idle
-    assert slots.running_names == ["a"] and slots.can_take("c")
-    assert slots.take("c") == 1 and slots.take_loads() == [LoRALoad(slot=1, name="c", path="/c")]
+    assert slots.running_names == ["a"] and slots.can_take(c)
+    assert slots.take(c) == 1 and slots.take_loads() == [LoRALoad(slot=1, name="c", path="/c")]
     slots.give_back(0)
     slots.give_back(0)
     slots.give_back(1)
-    assert slots.take("b") == 0  # a was used longer ago than c
-    assert slots.take("c") == 1 and slots.take_loads() == [LoRALoad(slot=0, name="b", path="/b")]
+    assert slots.take(b) == 0  # a was used longer ago than c
+    assert slots.take(c) == 1 and slots.take_loads() == [LoRALoad(slot=0, name="b", path="/b")]
+    slots.give_back(0)
+    assert slots.take("b\0/elsewhere") == 0  # the same name from another directory: loaded again, not reused
+    assert slots.take_loads() == [LoRALoad(slot=0, name="b", path="/elsewhere")]
 
 
 def make_scheduler(num_slots=1, num_blocks=64):
-    modules = tuple(LoRAModule(name=n, path=f"/{n}") for n in ("a", "b"))
-    return Scheduler(SchedulerConfig(), KVCacheManager(num_blocks, 4), 256, (2,), lora=LoRASlots(num_slots, modules))
+    return Scheduler(SchedulerConfig(), KVCacheManager(num_blocks, 4), 256, (2,), lora=LoRASlots(num_slots))
 
 
-def submit(s, rid, adapter, prompt=(5, 6, 7, 8, 9), max_tokens=3):
+def submit(s, rid, adapter, prompt=(5, 6, 7, 8, 9), max_tokens=3, path=None):
     s.add_request(b"c", Submit(request_id=rid, prompt_token_ids=list(prompt), arrival_time=float(next(_arrival)),
-                               lora_name=adapter, sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
+                               lora_name=adapter, lora_path=f"/{adapter}" if path is None and adapter else path or "",
+                               sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
 
 
 def settle(s):
@@ -122,7 +126,7 @@ def test_a_request_for_a_busy_slot_waits_and_holds_back_later_adapter_requests()
     assert s.lora.holders == [0]
 
 
-def test_preemption_gives_the_slot_back_and_an_unknown_adapter_is_404():
+def test_preemption_gives_the_slot_back_and_an_adapter_without_its_directory_is_404():
     s = make_scheduler(num_slots=2, num_blocks=4)
     submit(s, "a1", "a", prompt=range(5, 13), max_tokens=8)
     submit(s, "b1", "b", prompt=range(5, 13), max_tokens=8)
@@ -130,7 +134,7 @@ def test_preemption_gives_the_slot_back_and_an_unknown_adapter_is_404():
         settle(s)
     assert s.num_preemptions > 0
     assert sum(s.lora.holders) == len(s.running)
-    submit(s, "x", "nope")
+    submit(s, "x", "nope", path="")
     [out] = [o for o in s.take_outputs()[b"c"] if o.request_id == "x"]
     assert (out.finish_reason, out.error_status, out.error_message) == (
         FinishReason.ERROR, 404, "LoRA adapter 'nope' is not served")
