@@ -138,6 +138,10 @@ class SchedulerStats(msgspec.Struct, **_WIRE):
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = []
+    # Under --enable-lora: the adapters running requests use, and those waiting requests name (vLLM's
+    # lora_requests_info labels)
+    lora_running: list[str] = []
+    lora_waiting: list[str] = []
 
 
 class StepOutputs(msgspec.Struct, **_WIRE):

@@ -488,7 +488,13 @@ class Scheduler:
             prefix_cache_queries=self.kv.prefix_queries, prefix_cache_hits=self.kv.prefix_hits, num_steps=self._step_id,
             num_rejected=self.num_rejected, num_timed_out=self.num_timed_out,
             num_blocks_in_use=pool.num_blocks - pool.num_free, num_admitted=self.num_admitted,
-            num_scheduled_tokens=self.num_scheduled_tokens, **self._spec_stats())
+            num_scheduled_tokens=self.num_scheduled_tokens, **self._spec_stats(), **self._lora_stats())
+
+    def _lora_stats(self) -> dict:
+        if self.lora is None:
+            return {}
+        waiting = sorted({r.lora_name for r in self.waiting if r.lora_name})
+        return {"lora_running": self.lora.running_names, "lora_waiting": waiting}
 
     def _spec_stats(self) -> dict:
         book = self.speculation

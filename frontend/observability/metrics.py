@@ -99,8 +99,9 @@ class _CacheConfigCollector:
 class _SchedulerCollector:
     """Exposes the latest SchedulerStats snapshot as gauges and counters."""
 
-    def __init__(self, stats_source):
+    def __init__(self, stats_source, max_loras: int | None = None):
         self._stats = stats_source
+        self._max_loras = max_loras  # --max-loras under --enable-lora, else None: no lora_requests_info
 
     def collect(self) -> Iterator[Metric]:
         stats: SchedulerStats = self._stats()
@@ -125,6 +126,12 @@ class _SchedulerCollector:
         for position, value in enumerate(stats.spec_accepted_per_pos):
             per_pos.add_metric([str(position)], value)
         yield per_pos
+        if self._max_loras is not None:  # vLLM's: the value is the time of the snapshot, the facts are labels
+            info = GaugeMetricFamily("shuttle:lora_requests_info", "LoRA adapters of running and waiting requests.",
+                                     labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+            info.add_metric([str(self._max_loras), ",".join(sorted(set(stats.lora_running))),
+                             ",".join(sorted(set(stats.lora_waiting)))], time.time())
+            yield info
 
 
 class _GroupCollector:
@@ -225,7 +232,8 @@ class Metrics:
             self.rejected.labels(reason)
         for reason in ("frames", "depth", "decode"):
             self.batch_malformed.labels(reason)
-        r.register(_SchedulerCollector(stats_source))
+        lora = config.lora if config is not None else None
+        r.register(_SchedulerCollector(stats_source, lora.max_loras if lora is not None and lora.enable_lora else None))
         if groups_source is not None:
             r.register(_GroupCollector(groups_source))
         if config is not None and info_source is not None:

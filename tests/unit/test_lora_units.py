@@ -112,6 +112,7 @@ def test_a_request_for_a_busy_slot_waits_and_holds_back_later_adapter_requests()
     submit(s, "a2", "a")
     step = settle(s)
     assert list(step.scheduled) == ["a1"]  # b1 waits for the slot; nobody overtakes it
+    assert (s.stats().lora_running, s.stats().lora_waiting) == (["a"], ["a", "b"])
     assert step.plan.lora_loads == [LoRALoad(slot=0, name="a", path="/a")]
     assert step.plan.new_requests[0].lora_slot == 0
     finished, loads = {}, []
@@ -162,10 +163,29 @@ def test_a_slot_whose_load_failed_fails_the_steps_that_use_it(tmp_path):
     x = torch.ones(1, 2, 4)
     adapters.begin_step(torch.tensor([1, -1]))
     delta = model.block.q_proj(x) - model.block.q_proj.base(x)
-    assert delta[0, 0].tolist() == [8.0] * 4 and delta[0, 1].tolist() == [0.0] * 4  # scale 1 * B @ A @ x; base row 0
+    # scale 1 * B @ A @ x on the adapter's row (up to the rounding of (y + delta) - y), nothing on the base row
+    assert delta[0, 0].tolist() == pytest.approx([8.0] * 4, abs=1e-5) and delta[0, 1].tolist() == [0.0] * 4
     save_file({"base_model.model.block.q_proj.lora_A.weight": torch.ones(3, 4)}, weights)
     with pytest.raises(Exception, match="lora_A or lora_B without the other"):
         adapters.load(1, "a", str(path))
     adapters.begin_step(torch.tensor([-1, -1]))  # base rows still run
     with pytest.raises(RuntimeError, match="LoRA adapter a could not be loaded"):
         adapters.begin_step(torch.tensor([1, -1]))
+
+
+def test_lora_requests_info_is_vllms_gauge_over_every_group():
+    from shuttle.common.config import IpcConfig, ShuttleConfig
+    from shuttle.common.messages import SchedulerStats
+    from shuttle.common.model_config import ModelConfig
+    from shuttle.frontend.engine.router import aggregate_stats
+    from shuttle.frontend.observability.metrics import Metrics
+    from tests.server import MODEL_DIR
+
+    groups = [SchedulerStats(lora_running=["sql"], lora_waiting=["fr"]), SchedulerStats(lora_running=["fr", "sql"])]
+    config = ShuttleConfig(model=ModelConfig.from_dir(MODEL_DIR), ipc=IpcConfig.in_directory("/x"),
+                           lora=LoRAConfig(enable_lora=True, max_loras=3))
+    text = Metrics(lambda: aggregate_stats(groups), None, config).render().decode()
+    [line] = [line for line in text.splitlines() if line.startswith("shuttle:lora_requests_info{")]
+    assert 'max_lora="3"' in line and 'running_lora_adapters="fr,sql"' in line and 'waiting_lora_adapters="fr"' in line
+    plain = ShuttleConfig(model=ModelConfig.from_dir(MODEL_DIR), ipc=IpcConfig.in_directory("/x"))
+    assert "lora_requests_info" not in Metrics(lambda: SchedulerStats(), None, plain).render().decode()

@@ -8,7 +8,7 @@ from shuttle.frontend.observability.stat_totals import COUNTERS, StatTotals
 def test_every_cumulative_field_of_scheduler_stats_is_carried():
     gauges_and_step_lists = {"num_waiting", "num_running", "num_free_blocks", "num_cached_blocks",
                              "num_total_blocks", "num_blocks_in_use", "step_batch_sizes", "step_token_counts",
-                             "step_decode_token_counts", "spec_accepted_per_pos"}
+                             "step_decode_token_counts", "spec_accepted_per_pos", "lora_running", "lora_waiting"}
     assert set(COUNTERS) | gauges_and_step_lists == set(SchedulerStats.__struct_fields__)
 
 
