@@ -51,6 +51,8 @@ class Request:
     deadline: float = float("inf")  # time.time() seconds after which the request ends with a timeout error
     has_output: bool = False  # an output was sent (the first one carries the once-only fields)
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # gathered over prefill chunks
+    spec_misses: int = 0  # speculative steps in a row whose drafts were all rejected (scheduler/speculation_book.py)
+    spec_pause: int = 0  # decode steps left before it drafts again after such misses
     lora_name: str = ""  # its LoRA adapter ("" = the base model)
     lora_key: str = ""  # what names the adapter's weights in prefix-cache digests ("" = the base model)
     lora_slot: int = -1  # the adapter slot it holds while running (scheduler/lora_slots.py; -1: none)

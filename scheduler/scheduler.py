@@ -444,7 +444,7 @@ class Scheduler:
         blocks of accepted tokens committed, and the tokens cut at a stop token or max_tokens."""
         request = entry.request
         assert self.speculation is not None  # only its drafts make a speculative entry
-        self.speculation.record(len(entry.draft_token_ids), len(tokens) - 1)
+        self.speculation.record(request, len(entry.draft_token_ids), len(tokens) - 1)
         request.num_output_placeholders -= 1
         request.num_computed_tokens = entry.start + len(tokens)  # the last gained token is not computed yet
         new_ids: list[int] = []

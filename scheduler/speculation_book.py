@@ -14,6 +14,7 @@ from shuttle.scheduler.ngram import propose_ngram
 from shuttle.scheduler.request import Request
 
 DRAFT_SLOT = -1  # a draft token the worker's draft model proposes in the step itself
+MAX_PAUSE = 16  # most decode steps a request whose drafts keep failing goes without drafting before it tries again
 
 
 class SpeculationBook:
@@ -44,8 +45,11 @@ class SpeculationBook:
 
     def propose(self, request: Request, limit: int) -> list[int]:
         """Up to min(k, limit) drafts for `request` (may_speculate holds): n-gram token ids, or DRAFT_SLOT
-        placeholders for the draft model. [] when `limit` < 1 or no n-gram matched."""
+        placeholders for the draft model. [] when `limit` < 1, no n-gram matched, or the request pauses (record())."""
         limit = min(limit, self.config.num_speculative_tokens)
+        if request.spec_pause > 0:
+            request.spec_pause -= 1
+            return []
         if limit < 1:
             return []
         if self.config.method == DRAFT_MODEL:
@@ -54,8 +58,19 @@ class SpeculationBook:
         assert low is not None and high is not None  # parse_speculative_config fills both for ngram
         return propose_ngram(request.all_token_ids, limit, low, high)
 
-    def record(self, num_drafted: int, num_accepted: int) -> None:
-        """Count one verified run of `num_drafted` drafts of which the first `num_accepted` were accepted."""
+    def record(self, request: Request, num_drafted: int, num_accepted: int) -> None:
+        """Count one verified run of `num_drafted` drafts of which the first `num_accepted` were accepted.
+
+        A request whose drafts are all rejected twice in a row pauses drafting for 2, then 4, 8 up to MAX_PAUSE
+        decode steps, and tries again after each pause; an accepted draft ends the backoff. Where drafts fail (a
+        draft model that disagrees, text that copies nothing) their verification rows then cost almost nothing,
+        while a request whose drafts start to land again drafts within MAX_PAUSE steps."""
+        if num_accepted:
+            request.spec_misses = 0
+        else:
+            request.spec_misses += 1
+            if request.spec_misses >= 2:
+                request.spec_pause = min(2 ** (request.spec_misses - 1), MAX_PAUSE)
         self.num_drafts += 1
         self.num_draft_tokens += num_drafted
         self.num_accepted_tokens += num_accepted

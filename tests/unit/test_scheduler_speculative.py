@@ -101,6 +101,28 @@ def test_a_draft_model_books_draft_slots_every_decode_step_within_max_tokens():
     assert stats.spec_accepted_per_pos == [2, 1, 0]
 
 
+def test_a_request_whose_drafts_keep_failing_pauses_drafting_with_backoff():
+    spec = SpeculativeConfig(method="draft_model", num_speculative_tokens=2, model="/draft")
+    s = Scheduler(SchedulerConfig(speculative_config=spec), KVCacheManager(256, BLOCK), 512, (EOS,))
+    submit(s, "a", [5, 6, 7], max_tokens=200)
+    step_with(s, {"a": [40]})
+    drafted = []
+    for turn in range(40):
+        step = s.schedule()
+        entry = step.scheduled["a"]
+        drafted.append(len(entry.draft_token_ids))
+        accept = turn == 35  # one run of drafts accepted: the backoff ends
+        gained = [41, 42, 43] if accept and entry.draft_token_ids else [41]
+        s.update_from_output(step, StepResult(step_id=step.plan.step_id, request_ids=["a"] * len(gained),
+                                              token_ids=gained))
+        s.kv.pool.check_invariants()
+    # two failed runs, pause 2; fail, pause 4; fail, pause 8; fail, pause 16 (the cap) ...
+    assert drafted[:19] == [2, 2, 0, 0, 2, 0, 0, 0, 0, 2, 0, 0, 0, 0, 0, 0, 0, 0, 2]
+    assert drafted[19:35] == [0] * 16  # paused MAX_PAUSE steps, then it tries again
+    assert drafted[35:] == [2, 2, 2, 0, 0]  # accepted at 35: back to drafting, then two misses pause it for 2
+    assert s.requests["a"].spec_misses == 2
+
+
 def test_only_blocks_of_accepted_tokens_are_committed_to_the_prefix_cache():
     s = make_scheduler()
     submit(s, "a", PHRASE + PHRASE[:3])
