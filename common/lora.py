@@ -228,3 +228,23 @@ def checkpoint_layer_shapes(weight_shapes: dict[str, tuple[int, ...]]) -> dict[s
         if kind == "weight" and layer.rsplit(".", 1)[-1] in TARGET_MODULES and len(shape) == 2:
             shapes[layer] = (int(shape[0]), int(shape[1]))
     return shapes
+
+
+def check_adapter_for(model_dir: str, path: str, max_lora_rank: int) -> AdapterSpec:
+    """An adapter loaded at run time, checked as a launch checks --lora-modules and every weight's shape against
+    the served model's layers, both read from safetensors headers (no torch, no tensor data); a model or adapter
+    stored another way is checked by the worker when it loads the adapter.
+
+    Raises:
+        ModelDirError: one line naming the adapter and what is wrong with it.
+    """
+    from shuttle.common.model_dir import safetensors_shapes
+
+    model_shapes = safetensors_shapes(model_dir)
+    shapes = None if model_shapes is None else checkpoint_layer_shapes(model_shapes)
+    modules = None if shapes is None else frozenset(name.rsplit(".", 1)[-1] for name in shapes)
+    spec = read_adapter(path, max_lora_rank, modules)
+    weights = safetensors_shapes(Path(path) / "adapter_model.safetensors")
+    if shapes is not None and weights is not None:
+        adapter_layers(weights, spec, path, shapes)
+    return spec

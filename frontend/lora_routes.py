@@ -13,7 +13,6 @@ finish through it.
 from __future__ import annotations
 
 import asyncio
-import functools
 import os
 from pathlib import Path
 
@@ -21,8 +20,7 @@ import msgspec
 from aiohttp import web
 
 from shuttle.common.errors import InvalidRequestError, ModelDirError, ModelNotFoundError
-from shuttle.common.lora import LoRAModule, adapter_layers, checkpoint_layer_shapes, read_adapter
-from shuttle.common.model_dir import safetensors_shapes
+from shuttle.common.lora import LoRAModule, check_adapter_for
 from shuttle.frontend.request.decoding import decode_body
 from shuttle.frontend.state import STATE, FrontendState
 from shuttle.frontend.web.server import request_body
@@ -55,28 +53,6 @@ def add_lora_routes(app: web.Application, state: FrontendState) -> None:
         app.router.add_post("/v1/unload_lora_adapter", unload_lora_adapter)
 
 
-@functools.cache
-def _layer_shapes(model_dir: str) -> dict[str, tuple[int, int]] | None:
-    """The served model's adaptable layers, (out, in) by full name, from its safetensors headers (no torch in the
-    frontend); None for a checkpoint in another format (the worker checks when it loads the adapter)."""
-    shapes = safetensors_shapes(model_dir)
-    return None if shapes is None else checkpoint_layer_shapes(shapes)
-
-
-def _check(state: FrontendState, path: str) -> None:
-    """read_adapter, then every weight's shape against the served model (file reads: off the event loop).
-
-    Raises:
-        ModelDirError: one line naming the adapter and what is wrong with it.
-    """
-    shapes = _layer_shapes(state.config.model.model_dir)
-    modules = None if shapes is None else frozenset(name.rsplit(".", 1)[-1] for name in shapes)
-    spec = read_adapter(path, state.config.lora.max_lora_rank, modules)
-    weights = safetensors_shapes(Path(path) / "adapter_model.safetensors")
-    if shapes is not None and weights is not None:
-        adapter_layers(weights, spec, path, shapes)
-
-
 async def load_lora_adapter(request: web.Request) -> web.Response:
     """Add an adapter. Raises InvalidRequestError (400): the name is taken, or the adapter cannot be served."""
     state = request.app[STATE]
@@ -88,7 +64,8 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
         raise InvalidRequestError(f"The lora adapter '{name}' has already been loaded.", param="lora_name")
     path = str(Path(body.lora_path).absolute())
     try:
-        await asyncio.to_thread(_check, state, path)
+        await asyncio.to_thread(check_adapter_for, state.config.model.model_dir, path,
+                                state.config.lora.max_lora_rank)
     except ModelDirError as exc:
         raise InvalidRequestError(str(exc), param="lora_path") from None
     if name in state.lora_modules:  # another load of the name finished while this one was checked

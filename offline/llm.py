@@ -10,11 +10,13 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Sequence, cast
 
 import msgspec
 
-from shuttle.common.errors import GenerationError, InvalidRequestError
+from shuttle.common.errors import GenerationError, InvalidRequestError, ModelDirError
+from shuttle.common.lora import LoRAModule, check_adapter_for
 from shuttle.common.messages import RequestOutput as EngineOutput
 from shuttle.common.messages import Submit, TokenLogprobs
 from shuttle.frontend.engine.api import Engine
@@ -23,6 +25,7 @@ from shuttle.frontend.request.chat_template import ChatTemplate
 from shuttle.frontend.request.protocol import ChatMessage
 from shuttle.frontend.tokenizer import TextTokenizer
 from shuttle.offline.engine_args import engine_config
+from shuttle.offline.lora_request import LoRARequest
 from shuttle.offline.outputs import CompletionOutput, RequestOutput, TextPrompt, TokensPrompt, position_logprobs
 from shuttle.offline.sampling_params import SamplingParams
 from shuttle.scheduler.in_process import drive
@@ -98,6 +101,7 @@ class LLM:
         self._runner = ModelRunner(config, device, parallel=parallel)
         self._scheduler = self._new_scheduler()
         self._next_id = 0
+        self._checked_adapters: set[str] = set()  # adapter directories lora_request has checked
 
     def _new_scheduler(self) -> Scheduler:
         """A scheduler over an empty block pool, its worker's per-request state dropped with the old one's."""
@@ -115,7 +119,8 @@ class LLM:
 
     def generate(self, prompts: PromptInput | Sequence[PromptInput],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool | Callable[..., Any] = True) -> list[RequestOutput]:
+                 use_tqdm: bool | Callable[..., Any] = True,
+                 lora_request: LoRARequest | Sequence[LoRARequest] | None = None) -> list[RequestOutput]:
         """Generate for every prompt; returns one RequestOutput per prompt, in input order, when all have finished.
 
         Args:
@@ -123,6 +128,8 @@ class LLM:
                 list of them.
             sampling_params: one for every prompt, or a list with one per prompt (None: get_default_sampling_params).
             use_tqdm: show a progress bar of finished prompts (or a tqdm-like class to make it with).
+            lora_request: the LoRA adapter every prompt runs through, or a list with one per prompt (None entries:
+                the base model); needs enable_lora=True.
         Raises:
             ValueError: a malformed or empty prompt, ids outside the vocabulary, a prompt that leaves no room for
                 output in max_model_len, sampling parameters out of range; a request the engine refused (its
@@ -130,7 +137,8 @@ class LLM:
             TypeError: a prompt of another type.
         """
         inputs = self._inputs(prompts)
-        return self._run(inputs, self._params_list(sampling_params, len(inputs)), use_tqdm)
+        return self._run(inputs, self._params_list(sampling_params, len(inputs)), use_tqdm,
+                         self._adapters(lora_request, len(inputs)))
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -145,14 +153,14 @@ class LLM:
 
         Args:
             add_generation_prompt, continue_final_message, chat_template_kwargs: as the server's chat request fields.
-            lora_request, tools: refused unless None (LoRA adapters and offline tool calling are not implemented).
+            lora_request: as generate() takes it. tools: refused unless None (offline tool calling is not
+                implemented).
         Raises:
             ValueError: a malformed message, no chat template, a template that refused the messages, and what
                 generate() raises.
         """
-        for name, value in (("lora_request", lora_request), ("tools", tools)):
-            if value is not None:
-                raise ValueError(f"{name}: shuttle does not implement it in the offline LLM")
+        if tools is not None:
+            raise ValueError("tools: shuttle does not implement it in the offline LLM")
         template = self._chat_template if chat_template is None else ChatTemplate(self._source, chat_template)
         conversations = [messages] if not messages or isinstance(messages[0], dict) else messages
         inputs: list[tuple[str | None, list[int]]] = []
@@ -168,7 +176,8 @@ class LLM:
             except InvalidRequestError as exc:
                 raise _value_error(exc) from None
             inputs.append((text, self._checked(ids)))
-        return self._run(inputs, self._params_list(sampling_params, len(inputs)), use_tqdm)
+        return self._run(inputs, self._params_list(sampling_params, len(inputs)), use_tqdm,
+                         self._adapters(lora_request, len(inputs)))
 
     def _inputs(self, prompts: PromptInput | Sequence[PromptInput]) -> list[tuple[str | None, list[int]]]:
         """(text or None, token ids) of each prompt, every one checked."""
@@ -233,10 +242,40 @@ class LLM:
             raise ValueError(f"{len(params)} sampling_params for {count} prompts: give one, or one per prompt")
         return params
 
+    def _adapters(self, lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
+                  count: int) -> list[LoRAModule | None]:
+        """Each prompt's adapter (None: the base model), every one checked as a runtime load is.
+
+        Raises:
+            ValueError: adapters without enable_lora, a list of another length, an adapter that cannot be served.
+        """
+        if lora_request is None:
+            return [None] * count
+        requests = [lora_request] * count if isinstance(lora_request, LoRARequest) else list(lora_request)
+        if len(requests) != count:
+            raise ValueError(f"{len(requests)} lora_request for {count} prompts: give one, or one per prompt")
+        lora = self.config.lora
+        adapters: list[LoRAModule | None] = []
+        for request in requests:
+            if request is None:
+                adapters.append(None)
+                continue
+            if not lora.enable_lora:
+                raise ValueError("lora_request needs LLM(..., enable_lora=True)")
+            path = str(Path(request.lora_path).absolute())
+            if path not in self._checked_adapters:
+                try:
+                    check_adapter_for(self.config.model.model_dir, path, lora.max_lora_rank)
+                except ModelDirError as exc:
+                    raise ValueError(str(exc)) from None
+                self._checked_adapters.add(path)
+            adapters.append(LoRAModule(name=request.lora_name, path=path))
+        return adapters
+
     def _run(self, inputs: list[tuple[str | None, list[int]]], params: list[SamplingParams],
-             use_tqdm: bool | Callable[..., Any]) -> list[RequestOutput]:
+             use_tqdm: bool | Callable[..., Any], adapters: list[LoRAModule | None]) -> list[RequestOutput]:
         """Run every prompt to its end (all refused, with nothing run, when one's parameters are out of range)."""
-        prompts = self._prompts(inputs, params)
+        prompts = self._prompts(inputs, params, adapters)
         pending = deque(s for p in prompts for s in p.sequences)
         live: dict[str, tuple[_Prompt, _Sequence]] = {}
         owner = {id(s): p for p in prompts for s in p.sequences}
@@ -297,11 +336,12 @@ class LLM:
             raise ValueError(str(error)) if error.status == 400 else RuntimeError(f"{error} (status {error.status})")
         return [self._request_output(p) for p in prompts]
 
-    def _prompts(self, inputs: list[tuple[str | None, list[int]]], params: list[SamplingParams]) -> list[_Prompt]:
+    def _prompts(self, inputs: list[tuple[str | None, list[int]]], params: list[SamplingParams],
+                 adapters: list[LoRAModule | None]) -> list[_Prompt]:
         """A _Prompt per input with its sequences made (each sampling checked before any is submitted)."""
         model = self.config.model
         prompts = []
-        for (text, ids), sampling in zip(inputs, params):
+        for (text, ids), sampling, adapter in zip(inputs, params, adapters):
             base = sampling.engine_params(len(ids), model.max_model_len, self.tokenizer.vocab_size,
                                           model.max_logprobs)
             request_id = str(self._next_id)
@@ -310,7 +350,8 @@ class LLM:
             for j in range(sampling.n):  # output j of a seeded prompt samples with seed + j, as the server's choices
                 engine = base if base.seed is None else msgspec.structs.replace(base, seed=(base.seed + j) % 2**64)
                 submit = Submit(request_id=f"{request_id}-{j}", prompt_token_ids=ids, sampling=engine,
-                                arrival_time=time.time(), group_id=request_id)
+                                arrival_time=time.time(), group_id=request_id,
+                                lora_name=adapter.name if adapter else "", lora_path=adapter.path if adapter else "")
                 generation = TextGeneration(cast(Engine, _DrivenHere()), self.tokenizer, submit, j,
                                             sampling.stop_strings, sampling.include_stop_str_in_output)
                 prompt.sequences.append(_Sequence(generation))

@@ -139,3 +139,23 @@ def test_an_adapter_the_model_cannot_take_is_refused_when_the_worker_starts(tmp_
     with pytest.raises(ModelDirError, match=r"model.layers.0.self_attn.q_proj has A \(2, 64\) and B "
                                                     r"\(64, 2\), the layer needs A \[4, 64\] and B \[64, 4\]"):
         serve(MODEL_DIR, lora, [])
+
+
+def test_the_offline_llm_generates_through_an_adapter_per_prompt(tmp_path):
+    from shuttle import LLM, SamplingParams
+    from shuttle.offline import LoRARequest
+
+    first = write_adapter(tmp_path / "first", MODEL_DIR, {"q_proj", "up_proj"}, rank=4, alpha=8, seed=5)
+    prompts = [[1, 15, 27, 99, 300], [1, 400, 23, 8, 91]]
+    want = merged_greedy(MODEL_DIR, first, prompts[:1]) + merged_greedy(MODEL_DIR, None, prompts[1:])
+    llm = LLM(str(MODEL_DIR), enable_lora=True, max_lora_rank=4, max_model_len=128)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
+                           lora_request=[LoRARequest("first", 1, str(first)), None])
+    assert [list(o.outputs[0].token_ids) for o in outputs] == want
+    with pytest.raises(ValueError, match="rank 8 exceeds --max-lora-rank 4"):
+        wide = write_adapter(tmp_path / "wide", MODEL_DIR, {"q_proj"}, rank=8, alpha=8, seed=6)
+        llm.generate("Once", params, use_tqdm=False, lora_request=LoRARequest("wide", 2, str(wide)))
+    with pytest.raises(ValueError, match=r"lora_request needs LLM\(..., enable_lora=True\)"):
+        LLM(str(MODEL_DIR), max_model_len=128).generate("Once", params, use_tqdm=False,
+                                                        lora_request=LoRARequest("first", 1, str(first)))

@@ -181,7 +181,7 @@ def test_prompt_logprobs_minus_one_is_the_whole_vocabulary_within_max_logprobs(l
     ({"tensor_parallel_size": 2}, ValueError, "tensor_parallel_size=2: the offline engine runs in this process"),
     ({"port": 8000}, ValueError, "port: an option of shuttle serve for the HTTP server, which the offline LLM does "
                                  "not have"),
-    ({"enable_lora": True}, ValueError, "--enable-lora: shuttle does not implement it"),
+    ({"ssl_keyfile": "k.pem"}, ValueError, "--ssl-keyfile: shuttle does not implement it"),
     ({"dtype": "float64"}, ValueError, "argument --dtype: invalid choice"),
     ({"max_num_seqs": 0}, ValueError, "argument --max-num-seqs"),
     ({"enable_prefix_caching": "yes"}, ValueError, "enable_prefix_caching must be True or False"),
