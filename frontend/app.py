@@ -105,7 +105,8 @@ async def openapi(request: web.Request) -> web.Response:
     state = request.app[STATE]
     api = state.config.api
     return web.json_response(openapi_document(state.model_name, state.tokenizer.vocab_size,
-                                              api.enable_tokenizer_info_endpoint, normalize_root_path(api.root_path)))
+                                              api.enable_tokenizer_info_endpoint, normalize_root_path(api.root_path),
+                                              state.config.lora.enable_lora))
 
 
 async def version(request: web.Request) -> web.Response:

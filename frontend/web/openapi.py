@@ -138,12 +138,14 @@ def _get(path: str, summary: str, status: str, content: dict | None, errors: tup
 
 
 @functools.cache
-def openapi_document(model_name: str, vocab_size: int, tokenizer_info: bool = False, root_path: str = "") -> dict:
+def openapi_document(model_name: str, vocab_size: int, tokenizer_info: bool = False, root_path: str = "",
+                     lora: bool = False) -> dict:
     """The whole document (built once per served model name and vocabulary size, which bound request fields):
-    with GET /tokenizer_info when `tokenizer_info`, and `root_path` (--root-path, normalized) as its server URL."""
+    with GET /tokenizer_info when `tokenizer_info`, and `root_path` (--root-path, normalized) as its server URL;
+    under `lora` (--enable-lora) a request's model is any string, the adapters changing at run time."""
     structs = [struct for struct, *_ in POSTS.values()] + [BatchRequest, BatchResponse]
     refs, components = msgspec.json.schema_components(structs, ref_template="#/components/schemas/{name}")
-    constrain(components, model_name, vocab_size)
+    constrain(components, model_name, vocab_size, any_model=lora)
     components["Error"] = ERROR
     components["AnthropicError"] = ANTHROPIC_ERROR
     paths: dict[str, dict] = {}

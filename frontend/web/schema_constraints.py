@@ -36,12 +36,17 @@ def _number(low: float, high: float, exclusive_low: bool = False) -> dict:
     return {"type": "number", ("exclusiveMinimum" if exclusive_low else "minimum"): low, "maximum": high}
 
 
-def _sampling(model_name: str, vocab_size: int) -> dict[str, dict]:
+def _model(model_name: str, any_model: bool) -> dict:
+    """A request's `model`: the served name, or any string where LoRA adapters (loaded at run time too) are served."""
+    return _nullable({"type": "string"} if any_model else {"const": model_name})
+
+
+def _sampling(model_name: str, vocab_size: int, any_model: bool = False) -> dict[str, dict]:
     """Both completion endpoints' fields (SamplingFields; SamplingParams.validate and sampling_params check them)."""
     token = _int(0, vocab_size - 1)
     stop_text = {"type": "string", "minLength": 1}
     return {
-        "model": _nullable({"const": model_name}),
+        "model": _model(model_name, any_model),
         "max_tokens": _nullable(_int(1)),
         "temperature": _number(0, 100), "top_p": _number(0, 1, exclusive_low=True), "top_k": _int(-1, 2**31 - 1),
         "min_p": _number(0, 1), "seed": _nullable(_int(-(2**63), 2**64 - 1)), "n": _int(1, MAX_N),
@@ -76,13 +81,13 @@ def _structured(components: dict) -> None:
                                 **dict.fromkeys(REFUSED_KEYS, NULL))  # refused but for null
 
 
-def constrain(components: dict, model_name: str, vocab_size: int) -> None:
+def constrain(components: dict, model_name: str, vocab_size: int, any_model: bool = False) -> None:
     """Narrow the msgspec-made component schemas in place (only where the code refuses what the type allows)."""
     token = _int(0, vocab_size - 1)
     ids = {"type": "array", "items": token, "minItems": 1}
     text_part = {"type": "object", "required": ["type", "text"],
                  "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
-    sampling = _sampling(model_name, vocab_size)
+    sampling = _sampling(model_name, vocab_size, any_model)
     _structured(components)
     completion = components["CompletionRequest"]
     completion["properties"].update(sampling, **{
@@ -108,14 +113,14 @@ def constrain(components: dict, model_name: str, vocab_size: int) -> None:
                                                     "tool_calls": {"type": "array", "minItems": 1}}}]
     message["allOf"] = [_given("tool_calls", {"properties": {"role": {"const": "assistant"}}})]
     tokenize = components["TokenizeRequest"]
-    tokenize["properties"]["model"] = _nullable({"const": model_name})
+    tokenize["properties"]["model"] = _model(model_name, any_model)
     messages = {"type": "array", "items": {"$ref": "#/components/schemas/ChatMessage"}, "minItems": 1}
     tokenize["oneOf"] = [  # exactly one of prompt or messages
         {"required": ["prompt"], "properties": {"prompt": {"type": "string"}, "messages": NULL}},
         {"required": ["messages"], "properties": {"messages": messages, "prompt": NULL}}]
     detokenize = components["DetokenizeRequest"]
     detokenize["properties"].update({"tokens": {"type": "array", "items": token},
-                                     "model": _nullable({"const": model_name})})
+                                     "model": _model(model_name, any_model)})
     streamed = _given("stream_options", {"properties": {"stream": {"const": True}}, "required": ["stream"]})
     continued = _given("continue_final_message", {"properties": {"add_generation_prompt": {"const": False}},
                                                   "required": ["add_generation_prompt"]}, value={"const": True})

@@ -28,6 +28,9 @@ async def test_models_list_the_adapters_and_requests_reach_the_engine_with_their
         status, body = await post(client, "/v1/completions", {"model": "nope", "prompt": PROMPT, "max_tokens": 2})
         assert status == 404 and body["error"]["message"].startswith("The model `nope` does not exist")
         assert "`sql`" in body["error"]["message"] and "`fr`" in body["error"]["message"]
+        async with client.get("/openapi.json") as response:
+            schemas = (await response.json())["components"]["schemas"]
+        assert {"type": "string"} in schemas["CompletionRequest"]["properties"]["model"]["anyOf"]  # adapters too
 
 
 async def test_without_enable_lora_an_adapter_name_is_an_unknown_model():
