@@ -32,7 +32,10 @@ NON_DEFAULTS = {
     "speculative_config": ('{"method": "ngram", "num_speculative_tokens": 2}',
                            SpeculativeConfig(method="ngram", num_speculative_tokens=2, prompt_lookup_max=5,
                                              prompt_lookup_min=5)),  # refused with -tp 2 later, by resolve_config
+    "max_loras": ("3", 3), "max_lora_rank": ("8", 8), "max_cpu_loras": ("4", 4),
 }
+# LoRA is refused under the -tp 2 this test uses: test_the_lora_flags_reach_their_section takes these two
+WITH_TP1_ONLY = {"enable_lora", "lora_modules"}
 BOOLEANS = {"enable_prefix_caching", "async_scheduling", "batch_background", "enable_prompt_tokens_details"}
 # off by default: the test turns them on
 TRUE_BOOLEANS = {"enforce_eager", "enable_log_requests", "disable_log_stats", "enable_auto_tool_choice",
@@ -45,6 +48,8 @@ def test_every_field_is_a_flag_that_reaches_its_section():
     for section in SERVE_SECTIONS:
         for f in dataclasses.fields(section):
             flag = "--" + f.name.replace("_", "-")
+            if f.name in WITH_TP1_ONLY:
+                continue
             if f.name in BOOLEANS:
                 argv.append("--no-" + flag[2:])
             elif f.name in TRUE_BOOLEANS:
@@ -57,10 +62,28 @@ def test_every_field_is_a_flag_that_reaches_its_section():
                            (WorkerConfig, config.worker), (type(config.ops), config.ops),
                            (type(config.parallel), config.parallel),
                            (type(config.observability), config.observability),
-                           (type(config.tool_calls), config.tool_calls), (type(config.api), config.api)):
+                           (type(config.tool_calls), config.tool_calls), (type(config.api), config.api),
+                           (type(config.lora), config.lora)):
         for f in dataclasses.fields(section):
+            if f.name in WITH_TP1_ONLY:
+                continue
             want = False if f.name in BOOLEANS else True if f.name in TRUE_BOOLEANS else NON_DEFAULTS[f.name][1]
             assert getattr(built, f.name) == want, f.name
+
+
+def test_the_lora_flags_reach_their_section(tmp_path):
+    import json
+
+    from shuttle.common.lora import LoRAModule
+
+    adapter = tmp_path / "sql"
+    adapter.mkdir()
+    (adapter / "adapter_model.safetensors").write_bytes(b"")
+    (adapter / "adapter_config.json").write_text(json.dumps({"r": 4, "target_modules": ["q_proj"]}))
+    argv = ["serve", str(MODEL_DIR), "--enable-lora", "--lora-modules", f"sql={adapter}", "--max-loras", "2"]
+    lora = ShuttleConfig.from_args(build_parser().parse_args(argv), IpcConfig.in_directory("/x")).lora
+    assert (lora.enable_lora, lora.lora_modules, lora.max_loras) == (True, (LoRAModule(name="sql", path=str(adapter)),),
+                                                                     2)
 
 
 def test_defaults_come_from_the_declarations():
