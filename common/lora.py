@@ -149,8 +149,6 @@ def lora_config_error(config: LoRAConfig, tensor_parallel_size: int) -> str | No
         return "--lora-modules needs --enable-lora"
     if not config.enable_lora:
         return None
-    if tensor_parallel_size > 1:
-        return f"--enable-lora runs without tensor parallel only (-tp 1), not -tp {tensor_parallel_size}"
     names = [m.name for m in config.lora_modules]
     repeated = sorted({n for n in names if names.count(n) > 1})
     if repeated:

@@ -14,20 +14,31 @@ A step whose rows use adapters gives each packed token its slot (L for the base 
 adds `scale_i * (x @ A_i^T) @ B_i^T` to the rows of adapter i and nothing to the base model's rows: two batched
 matmuls per linear for every adapter at once (no loop over requests or adapters; the same tensor ops a CUDA graph
 can record), costing 2 * T * L * R * (in + out) FLOPs. A step with no adapter row skips them.
+
+Under tensor parallel (worker/parallel.py: transformers' plan splits q/k/v/gate/up by output columns, o/down by
+input rows) each rank holds the slice of A and B that matches its shard of the base layer: B's rows of its output
+columns for a column-parallel layer (A whole), A's columns of its input rows for a row-parallel one (B whole). A
+row-parallel layer's delta is then a partial sum, all-reduced like the base layer's own output (transformers reduces
+that inside the base layer's forward, so the delta gets its own all-reduce, on steps with adapter rows only: every
+rank runs the same plans, so the collectives pair up).
 """
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import cast
 
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file
 
 from shuttle.common.lora import TARGET_MODULES, AdapterSpec, adapter_layers, read_adapter
 from shuttle.worker.model_loader import UnsupportedModelError
 
 log = logging.getLogger("shuttle.worker")
+
+ROW_PARALLEL = frozenset({"o_proj", "down_proj"})  # split by input rows in transformers' plans; the rest by columns
 
 
 class LoRAStep:
@@ -46,11 +57,17 @@ class LoRALinear(torch.nn.Module):
         num_slots, max_rank: L and R.
     """
 
-    def __init__(self, base: torch.nn.Module, step: LoRAStep, num_slots: int, max_rank: int):
+    def __init__(self, base: torch.nn.Module, step: LoRAStep, num_slots: int, max_rank: int,
+                 shard: tuple[str, int, int] | None = None):
         super().__init__()
         self.base = base
         self.step = step
-        in_features, out_features, dtype, device = _linear_shape(base)
+        in_features, out_features, dtype, device = _linear_shape(base)  # this rank's shard of the layer
+        # (kind, rank, size) under tensor parallel: "col" (output columns split) or "row" (input rows split)
+        self.shard = shard
+        kind, _, size = shard or ("", 0, 1)
+        self.global_shape = (out_features * (size if kind == "col" else 1),
+                             in_features * (size if kind == "row" else 1))  # the adapter's B [out, r] A [r, in]
         self.max_rank = max_rank
         # plain attributes, not buffers: the slots are serving state, never part of a state dict
         self.a_cat = torch.zeros(in_features, num_slots * max_rank, dtype=dtype, device=device)  # [in, L * R]
@@ -61,13 +78,24 @@ class LoRALinear(torch.nn.Module):
         mask = self.step.mask
         if mask is None:
             return y
-        return y + ((x @ self.a_cat) * mask) @ self.b_cat
+        delta = ((x @ self.a_cat) * mask) @ self.b_cat
+        if self.shard is not None and self.shard[0] == "row":
+            dist.all_reduce(delta)  # the rank's partial product, summed as the base layer's output is
+        return y + delta
 
     def set_slot(self, slot: int, a: torch.Tensor | None, b: torch.Tensor | None) -> None:
         """Put A [r, in] and B [out, r] into `slot` (None: the adapter leaves this layer alone: zeros)."""
         columns = slice(slot * self.max_rank, (slot + 1) * self.max_rank)
         self.a_cat[:, columns] = 0
         self.b_cat[columns] = 0
+        if a is not None and b is not None and self.shard is not None:
+            kind, index, _ = self.shard
+            if kind == "col":
+                rows = self.b_cat.shape[1]
+                b = b[index * rows:(index + 1) * rows]
+            else:
+                width = self.a_cat.shape[0]
+                a = a[:, index * width:(index + 1) * width]
         if a is not None and b is not None:
             rank = a.shape[0]
             self.a_cat[:, slot * self.max_rank:slot * self.max_rank + rank] = a.t().to(self.a_cat.dtype)
@@ -84,14 +112,16 @@ class LoRAAdapters:
         UnsupportedModelError: the model has none of the target modules.
     """
 
-    def __init__(self, model: torch.nn.Module, num_slots: int, max_rank: int):
+    def __init__(self, model: torch.nn.Module, num_slots: int, max_rank: int, tp_rank: int = 0, tp_size: int = 1):
         self.step = LoRAStep()
         self.num_slots, self.max_rank = num_slots, max_rank
         self.layers: dict[str, LoRALinear] = {}
         for name, module in list(model.named_modules()):
             for child_name, child in list(module.named_children()):
                 if child_name in TARGET_MODULES:
-                    wrapped = LoRALinear(child, self.step, num_slots, max_rank)
+                    kind = "row" if child_name in ROW_PARALLEL else "col"
+                    shard = (kind, tp_rank, tp_size) if tp_size > 1 else None
+                    wrapped = LoRALinear(child, self.step, num_slots, max_rank, shard)
                     setattr(module, child_name, wrapped)
                     self.layers[f"{name}.{child_name}" if name else child_name] = wrapped
         if not self.layers:
@@ -135,9 +165,8 @@ class LoRAAdapters:
         written (common/lora.py adapter_layers)."""
         spec = read_adapter(path, self.max_rank, self.base_modules)
         tensors = load_file(str(Path(path) / "adapter_model.safetensors"))
-        shapes = {name: tuple(layer.b_cat.shape[1:]) + tuple(layer.a_cat.shape[:1])
-                  for name, layer in self.layers.items()}
-        layers = adapter_layers({k: tuple(t.shape) for k, t in tensors.items()}, spec, path, shapes)  # type: ignore
+        shapes = {name: layer.global_shape for name, layer in self.layers.items()}
+        layers = adapter_layers({k: tuple(t.shape) for k, t in tensors.items()}, spec, path, shapes)
         return spec, {layer: {"A": tensors[a], "B": tensors[b]} for layer, (a, b) in layers.items()}
 
     def _clear(self, slot: int) -> None:
@@ -176,8 +205,9 @@ def _linear_shape(base: torch.nn.Module) -> tuple[int, int, torch.dtype, torch.d
     (worker/output_projection.py) or an Int8Linear (worker/quantization.py, computed in float32 then)."""
     inner = getattr(base, "linear", base)
     weight = next(inner.parameters())
+    weight = weight.to_local() if hasattr(weight, "to_local") else weight  # a DTensor shard under tensor parallel
     dtype = weight.dtype if weight.is_floating_point() else torch.float32
-    in_features, out_features = getattr(inner, "in_features", None), getattr(inner, "out_features", None)
-    if isinstance(in_features, int) and isinstance(out_features, int):
-        return in_features, out_features, dtype, weight.device
-    return int(weight.shape[1]), int(weight.shape[0]), dtype, weight.device
+    if weight.dim() == 2 and weight.is_floating_point():  # [out, in]: the shard this rank holds
+        return int(weight.shape[1]), int(weight.shape[0]), dtype, weight.device
+    features = cast(tuple[int, int], (inner.in_features, inner.out_features))  # an Int8Linear's q is padded
+    return features[0], features[1], dtype, weight.device

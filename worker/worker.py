@@ -133,7 +133,8 @@ class ModelRunner:
             log.info("%d bfloat16 linear layers computed in float32 chunks: this CPU has no bf16 matrix units",
                      self.widened_linears)
         lora = config.lora  # --enable-lora: every target linear wrapped once, the slots empty (worker/lora.py)
-        self.lora = LoRAAdapters(self.model, lora.max_loras, lora.max_lora_rank) if lora.enable_lora else None
+        self.lora = LoRAAdapters(self.model, lora.max_loras, lora.max_lora_rank, parallel.rank, parallel.size) \
+            if lora.enable_lora else None
         if self.lora is not None:
             self.lora.check([module.path for module in lora.lora_modules])
         self.geometry = probe_geometry(self.model)  # under tensor parallel: this rank's KV heads

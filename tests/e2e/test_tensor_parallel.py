@@ -38,9 +38,20 @@ MAX_TOKENS = (30, 24, 20, 24)
 
 
 @pytest.fixture(scope="module")
-def tp_server():
+def lora_adapter(tmp_path_factory):
+    """A LoRA adapter on every projection of stories260K: column-parallel (q/k/v, gate/up) and row-parallel (o,
+    down)."""
+    from tests.engine.test_lora_engine import write_adapter
+
+    targets = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    return write_adapter(tmp_path_factory.mktemp("lora") / "every", MODEL_DIR, targets, rank=4, alpha=8, seed=7)
+
+
+@pytest.fixture(scope="module")
+def tp_server(lora_adapter):
     srv = ShuttleServer("--tensor-parallel-size", "2", "--max-num-batched-tokens", "16", "--num-kv-blocks",
-                        str(NUM_KV_BLOCKS), "--max-restarts", "3")
+                        str(NUM_KV_BLOCKS), "--max-restarts", "3", "--enable-lora", "--lora-modules",
+                        f"every={lora_adapter}")
     yield srv
     srv.stop()
 
@@ -78,6 +89,25 @@ async def test_tp2_greedy_equals_transformers_streamed_chunked_and_preempted(tp_
     assert after["num_total_blocks"] == NUM_KV_BLOCKS
     assert after["num_preemptions"] > before["num_preemptions"]  # preemption did happen, and recomputed exactly
     print(f"preemptions: {after['num_preemptions'] - before['num_preemptions']}")
+
+
+async def test_tp2_serves_an_adapter_and_the_base_model_in_one_batch(tp_server, lora_adapter):
+    """Each rank holds its shard of the adapter (B's rows for column-parallel layers, A's columns for row-parallel
+    ones, their delta all-reduced): greedy output through the adapter equals transformers on weights merged by hand,
+    and the base model's requests beside it equal plain transformers."""
+    from tests.engine.test_lora_engine import MAX_TOKENS as LORA_TOKENS
+    from tests.engine.test_lora_engine import merged_greedy
+
+    prompts = [[1, 15, 27, 99, 300, 41, 7], [1, 400, 23, 8, 91]]
+    want, base = merged_greedy(MODEL_DIR, lora_adapter, prompts), merged_greedy(MODEL_DIR, None, prompts)
+    assert want != base  # the adapter changes the output
+    body = {"max_tokens": LORA_TOKENS, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
+        answers = await asyncio.gather(*(post_completion(session, tp_server.url, prompt=p, model=model, **body)
+                                         for p in prompts for model in ("every", None)))
+    got = [answer["choices"][0]["token_ids"] for status, answer in answers if status == 200]
+    assert len(got) == 4 and [got[0], got[2]] == want
+    assert [got[1], got[3]] == base
 
 
 def test_each_rank_holds_half_the_kv_heads(tp_server):

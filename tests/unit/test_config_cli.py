@@ -34,7 +34,7 @@ NON_DEFAULTS = {
                                              prompt_lookup_min=5)),  # refused with -tp 2 later, by resolve_config
     "max_loras": ("3", 3), "max_lora_rank": ("8", 8), "max_cpu_loras": ("4", 4),
 }
-# LoRA is refused under the -tp 2 this test uses: test_the_lora_flags_reach_their_section takes these two
+# an adapter directory is checked at launch: test_the_lora_flags_reach_their_section takes these two
 WITH_TP1_ONLY = {"enable_lora", "lora_modules"}
 BOOLEANS = {"enable_prefix_caching", "async_scheduling", "batch_background", "enable_prompt_tokens_details"}
 # off by default: the test turns them on

@@ -58,8 +58,7 @@ def test_adapter_configs_are_read_with_their_scale_and_refused_by_name(tmp_path)
 def test_the_flag_rules():
     module = LoRAModule(name="a", path="/a")
     assert lora_config_error(LoRAConfig(lora_modules=(module,)), 1) == "--lora-modules needs --enable-lora"
-    assert lora_config_error(LoRAConfig(enable_lora=True), 2) == ("--enable-lora runs without tensor parallel only "
-                                                                  "(-tp 1), not -tp 2")
+    assert lora_config_error(LoRAConfig(enable_lora=True), 2) is None  # tensor parallel shards the adapters too
     assert "names adapter 'a' twice" in lora_config_error(LoRAConfig(enable_lora=True, lora_modules=(module, module)),
                                                           1)
     assert lora_config_error(LoRAConfig(enable_lora=True, max_loras=4, max_cpu_loras=2), 1) == (
