@@ -23,7 +23,7 @@ import logging
 
 import torch
 
-from shuttle.worker.input_batch import CachedRequestState, InputBatch
+from shuttle.worker.input_batch import CachedRequestState, InputBatch, StepInputs
 from shuttle.worker.kv_cache import KVCache
 from shuttle.worker.model_loader import UnsupportedModelError, load_model, probe_geometry
 
@@ -68,9 +68,14 @@ class DraftModel:
         self.kv_cache = KVCache.allocate(self.geometry, block_size, kv_dtype, device, num_blocks, 0)
 
     @torch.inference_mode()
-    def propose(self, forward, batch: InputBatch, scheduled: list[tuple[CachedRequestState, int]]) -> None:
+    def propose(self, forward, batch: InputBatch, scheduled: list[tuple[CachedRequestState, int]]
+                ) -> StepInputs | None:
         """Run the step's draft passes (module docstring) and fill each speculating state's `draft_token_ids` (it
         arrives holding the scheduler's DRAFT_SLOT placeholders, one per draft).
+
+        Returns:
+            pass 0's packed inputs when no state drafts (they are then the target's inputs too, not packed
+            twice), else None.
 
         Args:
             forward: the worker's forward (ModelRunner.forward's signature, with a `model` keyword).
@@ -87,8 +92,9 @@ class DraftModel:
         first = [(state, 1 if num_drafts[state] else num_new) for state, num_new in scheduled]
         prompt_marks = [(state, state.next_prompt_logprob) for state, _ in first]
         inputs = batch.pack(first)
-        for state, mark in prompt_marks:  # packing moves the prompt-logprob cursor; the target's packing owns it
-            state.next_prompt_logprob = mark
+        if drafting:  # packing moved the prompt-logprob cursor; the target's own packing follows and owns it
+            for state, mark in prompt_marks:
+                state.next_prompt_logprob = mark
         drafting_rows = [i for i, state in enumerate(inputs.sampled_requests) if num_drafts[state]]
         rows = inputs.sample_rows[drafting_rows]
         tokens = forward(inputs, layers, rows, model=self.model).argmax(dim=-1).tolist()  # runs even with no drafts
@@ -104,3 +110,4 @@ class DraftModel:
                 proposed[states[i]].append(token)
         for state in drafting:
             state.draft_token_ids = proposed[state]
+        return None if drafting else inputs

@@ -87,6 +87,7 @@ class InputBatch:
         self.null_block = null_block
         self.requests: dict[str, CachedRequestState] = {}
         self.num_constrained = 0  # requests held with a grammar (worker/grammar.py): 0 means no step masks logits
+        self.num_lora = 0  # requests held with a LoRA adapter (worker/lora.py): 0 means no step builds token slots
         self._table = np.full((initial_rows, max_blocks_per_seq), null_block, dtype=np.int32)
         self._free_rows = list(range(initial_rows - 1, -1, -1))
         self._row_ranges: dict[int, tuple[torch.Tensor, torch.Tensor, list[int]]] = {}
@@ -109,6 +110,7 @@ class InputBatch:
             self._append_blocks(state, new.block_ids)
             self.requests[new.request_id] = state
             self.num_constrained += new.sampling.structured is not None
+            self.num_lora += new.lora_slot >= 0
             scheduled.append((state, new.num_scheduled_tokens))
         for cached in plan.cached_requests:
             known = self.requests.get(cached.request_id)
@@ -125,6 +127,7 @@ class InputBatch:
         state = self.requests.pop(request_id, None)
         if state is not None:
             self.num_constrained -= state.sampling.params.structured is not None
+            self.num_lora -= state.lora_slot >= 0
             self._table[state.row, :state.num_blocks] = self.null_block
             self._free_rows.append(state.row)
 
@@ -215,7 +218,7 @@ class InputBatch:
             seq_lens_list=seq_lens)
         return StepInputs(torch.tensor(input_ids, dtype=torch.long), torch.from_numpy(positions), attention,
                           torch.tensor(sample_rows + spec_rows, dtype=torch.long), sampled, prompt_rows, spec,
-                          _token_slots([state for state, _ in ordered], counts))
+                          _token_slots([state for state, _ in ordered], counts) if self.num_lora else None)
 
     def pack_decode_rows(self, states: list[CachedRequestState], token_ids: list[int],
                          positions: list[int]) -> StepInputs:
@@ -244,7 +247,7 @@ class InputBatch:
             max_query_len=1, max_seq_len=int(lens.max()), query_start_list=query_start, seq_lens_list=lens.tolist())
         tokens = [s.token_ids[-1] for s in states] if token_ids is None else token_ids
         return StepInputs(torch.tensor(tokens, dtype=torch.long), torch.from_numpy(pos),
-                          attention, sample_rows, states, token_slots=_token_slots(states))
+                          attention, sample_rows, states, token_slots=_token_slots(states) if self.num_lora else None)
 
 
 def _token_slots(states: list[CachedRequestState], counts: np.ndarray | None = None) -> torch.Tensor | None:

@@ -114,7 +114,7 @@ class LoRAAdapters:
 
     def __init__(self, model: torch.nn.Module, num_slots: int, max_rank: int, tp_rank: int = 0, tp_size: int = 1):
         self.step = LoRAStep()
-        self.num_slots, self.max_rank = num_slots, max_rank
+        self.max_rank = max_rank
         self.layers: dict[str, LoRALinear] = {}
         for name, module in list(model.named_modules()):
             for child_name, child in list(module.named_children()):
@@ -130,7 +130,6 @@ class LoRAAdapters:
         self.base_modules = frozenset(name.rsplit(".", 1)[-1] for name in self.layers)
         weight = next(iter(self.layers.values())).a_cat
         self.scales = torch.zeros(num_slots + 1, num_slots * max_rank, dtype=weight.dtype, device=weight.device)
-        self.slot_names: list[str | None] = [None] * num_slots
         self.broken: dict[int, str] = {}  # slot -> why its last load failed (a step using it fails)
 
     def load(self, slot: int, name: str, path: str) -> AdapterSpec:
@@ -153,7 +152,6 @@ class LoRAAdapters:
         columns = slice(slot * self.max_rank, (slot + 1) * self.max_rank)
         self.scales[slot] = 0
         self.scales[slot, columns] = spec.scale
-        self.slot_names[slot] = name
         self.broken.pop(slot, None)
         if name:
             log.info("LoRA adapter %s (rank %d, scale %g, %d layers) in slot %d", name, spec.rank, spec.scale,
@@ -173,7 +171,6 @@ class LoRAAdapters:
         for layer in self.layers.values():
             layer.set_slot(slot, None, None)
         self.scales[slot] = 0
-        self.slot_names[slot] = None
 
     def check(self, paths: list[str]) -> None:
         """Read and check each adapter against the model's layers at start-up, so that an adapter this model cannot

@@ -309,9 +309,10 @@ class ModelRunner:
         try:
             if self.batch.num_constrained and self.grammars is not None:
                 self._attach_grammars(plan, self.grammars)
+            packed = None
             if self.drafter is not None:  # the draft model writes its KV for the step's rows and fills draft slots
-                self.drafter.propose(self.forward, self.batch, scheduled)
-            return self._run(plan.step_id, self.batch.pack(scheduled))
+                packed = self.drafter.propose(self.forward, self.batch, scheduled)
+            return self._run(plan.step_id, packed or self.batch.pack(scheduled))
         except Exception:
             for state, _ in scheduled:
                 self.batch.drop(state.request_id)
