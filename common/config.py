@@ -161,7 +161,7 @@ class ParallelConfig:
 
 LOG_LEVEL_ENV = "SHUTTLE_LOG_LEVEL"  # every process's log level (`shuttle serve --log-level` sets it)
 TP_RANK_ENV = "SHUTTLE_TP_RANK"  # a worker process's tensor-parallel rank, set by the launcher (unset: 0)
-DP_GROUP_ENV = "SHUTTLE_DP_GROUP"  # a worker process's local serving group (data parallel), set likewise (unset: 0)
+DP_GROUP_ENV = "SHUTTLE_DP_GROUP"  # an engine process's local serving group (data parallel), set likewise (unset: 0)
 
 
 def tensor_parallel_error(hf_config: dict, tensor_parallel_size: int) -> str | None:

@@ -15,8 +15,9 @@ import time
 
 import zmq
 
-from shuttle.common.config import LOG_LEVEL_ENV, ShuttleConfig
+from shuttle.common.config import DP_GROUP_ENV, LOG_LEVEL_ENV, ShuttleConfig
 from shuttle.common.ipc import Channel
+from shuttle.common.log_format import configure_logging
 from shuttle.common.messages import Heartbeat, ProcessReady
 
 log = logging.getLogger("shuttle")
@@ -67,8 +68,8 @@ def child_main_args(name: str) -> ShuttleConfig:
     parser = argparse.ArgumentParser(prog=f"python -m shuttle.{name}")
     parser.add_argument("--config", required=True, help="ShuttleConfig as JSON (written by the launcher)")
     args = parser.parse_args()
-    logging.basicConfig(level=os.environ.get(LOG_LEVEL_ENV, "INFO").upper(),
-                        format=f"%(asctime)s {name} %(levelname)s %(message)s", stream=sys.stderr)
+    group = os.environ.get(DP_GROUP_ENV)  # set for an engine's processes: their lines name their serving group
+    configure_logging(name, os.environ.get(LOG_LEVEL_ENV, "INFO"), int(group) if group is not None else None)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     die_with_parent()

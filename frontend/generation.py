@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import AsyncGenerator
@@ -12,6 +13,8 @@ from shuttle.frontend.engine.api import Engine
 from shuttle.frontend.observability.metrics import RequestMetrics
 from shuttle.frontend.stop import StopStringMatcher
 from shuttle.frontend.tokenizer import IncrementalDetokenizer, TextTokenizer
+
+log = logging.getLogger("shuttle.frontend")
 
 
 @dataclass
@@ -48,9 +51,11 @@ class TextGeneration:
     # or a prompt + max_tokens that no cache could hold
     refusal_params: tuple[str | None, str] = (None, "max_tokens")
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    log_requests: bool = False  # --enable-log-requests: a line when the sequence ends
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     finish_reason: str | None = None
+    group: int | None = None  # the serving group it went to (data parallel), once submitted
     prompt_token_ids: list[int] = field(init=False)  # the request's
     # decoding state of `deltas`: text so far, stop strings, and tokens whose text is still held
     _detokenizer: IncrementalDetokenizer | None = field(default=None, init=False, repr=False)
@@ -84,7 +89,11 @@ class TextGeneration:
         if self.metrics is not None:
             self.metrics.on_submit(self.request)
         try:
-            async with aclosing(self.engine.generate(self.request)) as outputs:
+            generating = self.engine.generate(self.request)
+            self.group = getattr(self.engine, "last_group", None)  # a data-parallel router's choice
+            if self.metrics is not None:
+                self.metrics.group = self.group
+            async with aclosing(generating) as outputs:
                 async for output in outputs:
                     delta = self.advance(output)
                     if delta is not None:
@@ -94,6 +103,10 @@ class TextGeneration:
         finally:
             if self.metrics is not None:
                 self.metrics.on_finish(self.finish_reason or "abort")
+            if self.log_requests:
+                log.info("request %s finished: %s, %d output tokens", self.request.request_id,
+                         self.finish_reason or "abort", self.num_output_tokens,
+                         extra={"request_id": self.request.request_id, "group": self.group})
 
     def begin(self) -> None:
         """Start decoding afresh (detokenizer, stop strings): deltas() does, and so does a driver that runs the engine

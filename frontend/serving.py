@@ -103,11 +103,13 @@ def build_generations(state: FrontendState, body: SamplingFields, prompts: list[
                              group_id=request_id, ttft_slo_ms=body.ttft_slo_ms or 0.0, background=background,
                              lora_name=adapter, lora_path=state.lora_modules[adapter].path if adapter else "")
             if state.config.observability.enable_log_requests:  # never the prompt's text
-                log.info("request %s: %d prompt tokens, %s", request.request_id, len(ids), sampling)
+                log.info("request %s: %d prompt tokens, %s", request.request_id, len(ids), sampling,
+                         extra={"request_id": request.request_id})
             metrics = prompt_metrics.sequence(len(ids))
             generations.append(TextGeneration(state.engine, state.tokenizer, request, index, stops,
                                               body.include_stop_str_in_output, metrics,
-                                              refusal_params=(constraint_param, max_tokens_param)))
+                                              refusal_params=(constraint_param, max_tokens_param),
+                                              log_requests=state.config.observability.enable_log_requests))
     return generations
 
 

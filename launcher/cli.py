@@ -37,6 +37,7 @@ from shuttle.common.config import (
     WorkerConfig,
 )
 from shuttle.common.generation_config import AUTO
+from shuttle.common.log_format import LOG_FORMAT_ENV, LOG_FORMATS
 from shuttle.launcher.config_file import ConfigFileError, expand_config_file
 from shuttle.launcher.vllm_flags import RefusingParser, add_vllm_flags
 
@@ -97,6 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "win over the file's")
     serve.add_argument("--log-level", default=None, type=str.lower, choices=LOG_LEVELS,
                        help=f"log level of every process (default: ${LOG_LEVEL_ENV}, else info)")
+    serve.add_argument("--log-format", default=None, type=str.lower, choices=LOG_FORMATS,
+                       help=f"every process's log lines as text, or one JSON object per line with time, level, "
+                            f"process, group and (on a request's lines) request_id (default: ${LOG_FORMAT_ENV}, "
+                            f"else text)")
     add_vllm_flags(serve)  # vLLM's flags taken where they name what shuttle does, else refused by name
     _add_engine_parser(commands, serve)
     serve.add_argument("-dp", "--data-parallel-size", type=count, default=1, metavar="M",
@@ -233,6 +238,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"shuttle: error: ${LOG_LEVEL_ENV} {level!r} is not one of {', '.join(LOG_LEVELS)}", file=sys.stderr)
             return 2
         os.environ[LOG_LEVEL_ENV] = level.upper()  # every child process reads it (common/process.py)
+        log_format = args.log_format or os.environ.get(LOG_FORMAT_ENV, "text").lower()
+        if log_format not in LOG_FORMATS:
+            print(f"shuttle: error: ${LOG_FORMAT_ENV} {log_format!r} is not one of {', '.join(LOG_FORMATS)}",
+                  file=sys.stderr)
+            return 2
+        os.environ[LOG_FORMAT_ENV] = log_format  # likewise (common/log_format.py)
+        if log_format == "json":  # progress bars (transformers' weight loading) are no JSON lines
+            os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
         from shuttle.common.errors import ModelDirError
         from shuttle.launcher.model_args import resolve_model_args
         try:

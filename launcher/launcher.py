@@ -48,6 +48,7 @@ from shuttle.common.devices import (
 from shuttle.common.errors import ModelDirError
 from shuttle.common.generation_config import SamplingDefaults
 from shuttle.common.ipc import CURVE_ENV, Channel, CurveKeys
+from shuttle.common.log_format import launcher_line
 from shuttle.common.messages import ControlMessage, EngineDown
 from shuttle.common.model_dir import check_model_dir
 from shuttle.common.process import LAST_WORDS_S, raise_fd_limit
@@ -111,7 +112,7 @@ def device_span(config: ShuttleConfig, first: str, groups: int) -> str:
 
 
 def _say(message: str) -> None:
-    print(f"shuttle: {message}", flush=True)
+    print(launcher_line(message), flush=True)
 
 
 def _say_auto_dtype(args: argparse.Namespace, config: ShuttleConfig) -> None:

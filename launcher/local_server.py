@@ -26,6 +26,18 @@ from shuttle.worker.loop import STEP_DELAY_ENV
 __all__ = ["ShuttleServer", "pid_alive"]
 
 
+def launcher_text(line: str) -> str:
+    """A launcher line as text ("shuttle: MESSAGE"), also when --log-format json wrote it as a JSON object."""
+    if line.startswith("{"):
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            return line
+        if isinstance(entry, dict) and entry.get("process") == "launcher":
+            return f"shuttle: {entry.get('message', '')}"
+    return line
+
+
 def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -53,14 +65,16 @@ class ShuttleServer:
 
     Attributes:
         url: base URL once ready. pids: {"worker", "scheduler", "frontend"} -> pid (with several serving groups
-        "worker.0", "scheduler.1", ...), updated when the launcher restarts a unit. output: launcher stdout lines.
+        "worker.0", "scheduler.1", ...), updated when the launcher restarts a unit. output: launcher stdout lines
+        (as text under --log-format json too). `stderr`: a file for the processes' log lines (default: this stderr).
     """
 
     launches = 0  # servers started by this process (the test suite reports its count)
 
     def __init__(self, *args: str, model_dir: str | Path = DEFAULT_MODEL_DIR, start_timeout: float = 120.0,
                  env: dict[str, str] | None = None, preexec=None, command: str = "serve",
-                 cwd: str | Path | None = None, step_delay: float = 0.0, worker_threads: int | None = 1):
+                 cwd: str | Path | None = None, step_delay: float = 0.0, worker_threads: int | None = 1,
+                 stderr: str | Path | None = None):
         ShuttleServer.launches += 1
         port = ["--port", "0"] if command == "serve" else []
         threads = ["--worker-threads", str(worker_threads)] if worker_threads is not None and \
@@ -76,8 +90,13 @@ class ShuttleServer:
         env = {**os.environ, **(env or {})}
         if step_delay:  # worker/loop.py's test hook: keeps requests in flight on a tiny model
             env[STEP_DELAY_ENV] = str(step_delay)
-        self.proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, text=True, start_new_session=True,
-                                     env=env, preexec_fn=before_exec)
+        err = open(stderr, "w") if stderr is not None else None  # the processes' log lines, to a file
+        try:
+            self.proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=err, text=True,
+                                         start_new_session=True, env=env, preexec_fn=before_exec)
+        finally:
+            if err is not None:
+                err.close()  # the child holds its own copy
         self.output: list[str] = []
         self.url = ""
         self.batch_endpoint = ""
@@ -102,7 +121,8 @@ class ShuttleServer:
     def _read(self, ready: threading.Event) -> None:
         assert self.proc.stdout is not None  # started with stdout=PIPE
         for line in self.proc.stdout:
-            self.output.append(line.rstrip("\n"))
+            line = launcher_text(line.rstrip("\n"))
+            self.output.append(line)
             if line.startswith("shuttle: ready "):
                 info = self.ready_info = json.loads(line[len("shuttle: ready "):])
                 self.url, self.pids, self.batch_endpoint = info["url"], info["pids"], info["batch_endpoint"]

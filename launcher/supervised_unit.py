@@ -104,9 +104,10 @@ class Unit:
             if role != "frontend":
                 child_env.pop("SHUTTLE_API_KEY", None)
             rank = worker_rank(role)
+            if self.group is not None:  # an engine process: a worker's device, and every line it logs, name it
+                child_env[DP_GROUP_ENV] = str(self.group)
             if rank is not None:  # every rank runs `python -m shuttle.worker`; its rank travels like torchrun's RANK
                 child_env[TP_RANK_ENV] = str(rank)
-                child_env[DP_GROUP_ENV] = str(self.group or 0)  # with the rank, it names the device the worker owns
             child_env, cores = self._placement(role, rank, parallel.tensor_parallel_size, child_env)
             module = "shuttle." + ("worker" if rank is not None else role)
             self.procs[role] = subprocess.Popen([sys.executable, "-m", module, "--config", payload], env=child_env,

@@ -73,6 +73,9 @@ class Router:
         self._next = 0  # rotation among equal candidates
         self.affinity_hits = 0
         self.draining = False
+        # the group the latest generate() call chose, read by the caller right after it (the event loop runs one
+        # call at a time): its request's log lines and trace span name it
+        self.last_group: int | None = None
 
     async def start(self, timeout: float = 120.0) -> SchedulerInfo | None:
         """Say Hello to every group; wait until one of the first `wait_for` groups (the local ones) answers. The
@@ -217,6 +220,7 @@ class Router:
             group = self.choose(hashes)
             self._remember(hashes, group)
         self.groups[group].routed += 1
+        self.last_group = group
         return self.groups[group].generate(request)
 
     # ---- supervision --------------------------------------------------------------------------------------------

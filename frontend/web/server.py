@@ -40,6 +40,7 @@ from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 from shuttle.common.config import OpsConfig
 from shuttle.frontend.request.errors import error_body
 from shuttle.frontend.transports.ws_frames import MaskedFramesOnly
+from shuttle.frontend.web.access_log import RequestAccessLogger
 from shuttle.frontend.web.content_coding import BodyRefused, content_coding, decode
 
 log = logging.getLogger("shuttle.frontend")
@@ -47,7 +48,7 @@ log = logging.getLogger("shuttle.frontend")
 PROBE_INTERVAL_S = 0.5
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 # uvicorn's access line ('127.0.0.1 - "GET /health HTTP/1.1" 200') plus the bytes sent and the seconds taken
-ACCESS_LOG_FORMAT = '%a - "%r" %s %b %Tf'
+ACCESS_LOG_FORMAT = '%a - "%r" %s %b %Tf'  # what RequestAccessLogger writes (aiohttp's format string for it)
 LISTEN_BACKLOG = 4096  # a burst of thousands of clients connecting at once should queue, not be refused
 BODY = web.RequestKey("shuttle_body", bytes)  # the request body, decoded from its Content-Encoding
 # RequestHandler's private attributes read below, checked against aiohttp 3.14.5 (tests/api/test_aiohttp_internals.py):
@@ -165,7 +166,8 @@ async def listen(runner: web.AppRunner, host: str, port: int, ops: OpsConfig, *,
         # auto_decompress off: request_limits decodes bodies, after the API key check (see content_coding.py)
         return ShuttleRequestHandler(manager, loop=loop, keepalive_timeout=ops.keep_alive_timeout,
                                      header_timeout=ops.header_timeout, access_log=access_log,
-                                     access_log_format=ACCESS_LOG_FORMAT, auto_decompress=False)
+                                     access_log_class=RequestAccessLogger, access_log_format=ACCESS_LOG_FORMAT,
+                                     auto_decompress=False)
 
     if uds:
         _refuse_live_socket(uds)

@@ -25,10 +25,41 @@ PREFIX = [1] + [(i * 37) % 480 + 20 for i in range(199)]  # 200 tokens: 12 full 
 
 
 @pytest.fixture(scope="module")
-def srv():
-    srv = ShuttleServer("--data-parallel-size", "2", "--max-restarts", "5", step_delay=0.02)
+def srv(tmp_path_factory):
+    """Two groups; every process logs one JSON object per line (issue 46), with a line per request, to srv.log."""
+    log = tmp_path_factory.mktemp("dp-log") / "stderr.jsonl"
+    srv = ShuttleServer("--data-parallel-size", "2", "--max-restarts", "5", "--log-format", "json",
+                        "--enable-log-requests", step_delay=0.02, stderr=log)
+    srv.log = log
     yield srv
     srv.stop()
+
+
+async def test_json_log_lines_name_the_request_and_its_group(srv):
+    """--log-format json: every line of every process is one JSON object; a request's lines (submitted, finished,
+    the access log's) carry its request_id, the finished line the group that served it, and each engine process's
+    lines their group."""
+    async with aiohttp.ClientSession() as session:
+        results = await asyncio.gather(*(post_completion(session, srv.url, prompt=[1, 403, 407, 261 + i],
+                                                         max_tokens=3, temperature=0) for i in range(4)))
+    ids = {body["id"] for _, body in results}
+    deadline = time.monotonic() + HANG
+    while True:  # the access line is written once its response is done
+        entries = [json.loads(line) for line in srv.log.read_text().splitlines()]  # every line parses
+        access = [e for e in entries if e["logger"] == "aiohttp.access" and e.get("request_id") in ids]
+        if len(access) == len(ids) or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.05)
+    assert len(access) == len(ids) and all('"POST /v1/completions HTTP/1.1" 200' in e["message"] for e in access)
+    assert all({"time", "level", "process", "logger", "message"} <= e.keys() for e in entries)
+    submitted = {e["request_id"] for e in entries if e["message"].startswith("request ") and "prompt tokens" in
+                 e["message"]}
+    finished = [e for e in entries if e["message"].startswith("request ") and " finished: length" in e["message"]]
+    assert {i + "-0" for i in ids} <= submitted
+    assert {i + "-0" for i in ids} <= {e["request_id"] for e in finished}
+    assert {e["group"] for e in finished if e["request_id"][:-2] in ids} <= {0, 1}
+    engine = [e for e in entries if e["process"] in ("scheduler", "worker")]
+    assert engine and {e["group"] for e in engine} == {0, 1}, engine[:3]
 
 
 async def health(session, url) -> tuple[int, dict]:
