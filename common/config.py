@@ -218,6 +218,10 @@ class ObservabilityConfig:
                                               "tokens and sampling parameters (never the prompt text or the API "
                                               "key); --disable-log-requests is vLLM's older spelling of the default")
     disable_log_stats: bool = option(False, "stop the scheduler's periodic throughput / queue / KV cache log line")
+    otlp_traces_endpoint: str = option("", "export one OpenTelemetry span per request (vLLM's llm_request, with its "
+                                           "attribute names) to this OTLP collector; the protocol is "
+                                           "$OTEL_EXPORTER_OTLP_TRACES_PROTOCOL (grpc, the default, or "
+                                           "http/protobuf); needs pip install 'shuttle[otel]'", metavar="URL")
 
 
 # whose fields are `shuttle serve` flags

@@ -28,6 +28,7 @@ from shuttle.frontend.lifecycle import Shutdown, SupervisorLink, drain
 from shuttle.frontend.lora_routes import add_lora_routes
 from shuttle.frontend.observability.dashboard import add_dashboard
 from shuttle.frontend.observability.metrics import Metrics
+from shuttle.frontend.observability.tracing import RequestTracer, trace_context_middleware
 from shuttle.frontend.request.chat_template import ChatTemplate
 from shuttle.frontend.responses.routes import add_routes as add_responses_routes
 from shuttle.frontend.state import STATE, FrontendState
@@ -119,6 +120,8 @@ def build_app(state: FrontendState, api_key: str | None = None) -> web.Applicati
     middlewares = ([cors.preflight] if cors else []) + [anthropic_errors, openai_errors] + (
         [api_key_auth(api_key)] if api_key else []) + [json_content_type]
     middlewares.append(request_limits(MAX_BODY_BYTES, state.config.ops.body_timeout))
+    if state.metrics.tracer is not None:
+        middlewares.append(trace_context_middleware())
     api = state.config.api
     if api.enable_server_load_tracking:
         middlewares.append(count_load)
@@ -163,6 +166,8 @@ async def serve(config: ShuttleConfig, on_ready) -> None:
     engine = Router([EngineClient(endpoint, config.ipc.curve, remote=endpoint in config.ipc.remote_groups)
                      for endpoint in config.ipc.all_groups], config.scheduler.max_num_seqs, wait_for=local)
     registry = Metrics(lambda: engine.stats, engine.group_states, config, lambda: engine.info)
+    if config.observability.otlp_traces_endpoint:  # the launcher checked that the SDK is installed
+        registry.tracer = RequestTracer(config.observability.otlp_traces_endpoint, config.model.served_model_name)
     engine.on_stats = registry.observe_steps
     link = SupervisorLink(config, engine)
     link.start()
@@ -204,3 +209,5 @@ async def serve(config: ShuttleConfig, on_ready) -> None:
         await runner.cleanup()
         link.close()
         engine.close()
+        if registry.tracer is not None:
+            registry.tracer.flush()  # the spans still buffered go out

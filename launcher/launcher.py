@@ -52,6 +52,7 @@ from shuttle.common.log_format import launcher_line
 from shuttle.common.messages import ControlMessage, EngineDown
 from shuttle.common.model_dir import check_model_dir
 from shuttle.common.process import LAST_WORDS_S, raise_fd_limit
+from shuttle.frontend.observability.tracing import tracing_unavailable
 from shuttle.launcher.ports import Listen, PortError, check_ports, tcp_listen
 from shuttle.launcher.scheduler_files import check_scheduler_files
 from shuttle.launcher.supervised_unit import (
@@ -165,6 +166,7 @@ def serve(args: argparse.Namespace) -> int:
             check_scheduler_files(config.scheduler)
             if config.chat_template:
                 _check_chat_template(config.chat_template)
+            _check_tracing(config)
             check_ports(_frontend_listens(args, config) + _rendezvous_listens(config, len(groups)))
             plan_cores(allowed_cores(), len(groups) * tp, config.worker.worker_cores)  # refuses a bad --worker-cores
         except (ModelDirError, PortError, DeviceError, CoreError) as exc:
@@ -183,6 +185,14 @@ def _say_sampling_defaults(defaults: SamplingDefaults) -> None:
         named = ", ".join(f"{name}={value}" for name, value in defaults.named().items())
         _say(f"request defaults from {defaults.source}: {named} (a request that sets one keeps its value; "
              f"--generation-config vllm ignores the file)")
+
+
+def _check_tracing(config: ShuttleConfig) -> None:
+    """Raise ModelDirError when --otlp-traces-endpoint is given and cannot be served here."""
+    if config.observability.otlp_traces_endpoint:
+        reason = tracing_unavailable()
+        if reason:
+            raise ModelDirError(reason)
 
 
 def _check_chat_template(value: str) -> None:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Creates .venv in the repository and installs shuttle with its test extras.
+# Creates .venv in the repository and installs shuttle with its test extras (and tracing's, which the tests export).
 # torch goes first and pinned: 2.13.0 is the CPU build on this machine's disk; an unpinned torch pulls a CUDA build.
 # (pyproject.toml accepts torch 2.11 to 2.13, so the GPU machine's 2.11 satisfies it too.)
 set -euo pipefail
@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q torch==2.13.0
-.venv/bin/python -m pip install -q -e '.[test,tune,docs,lint]'
+.venv/bin/python -m pip install -q -e '.[test,tune,docs,lint,otel]'
 # The dashboard's browser test drives Debian's chromium through playwright (no browser download); without it the test
 # is skipped. Installed system-wide once, where this runs as root with apt (CI, the project's machines).
 if ! command -v chromium >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then

@@ -146,13 +146,16 @@ class FakeEngine(ServingGroup):
 
 
 def frontend_app(engine: FakeEngine, template: str | None = "stories_chat.jinja", api_key: str | None = None,
-                 **config) -> web.Application:
+                 tracer=None, **config) -> web.Application:
     """The real application (routes, middlewares) over `engine`, serving stories260K as `stories`.
-    `config`: ShuttleConfig fields to override (e.g. allowed_origins)."""
+    `tracer`: a RequestTracer, as --otlp-traces-endpoint makes. `config`: ShuttleConfig fields to override (e.g.
+    allowed_origins)."""
     model = ModelConfig.from_dir(MODEL_DIR, served_model_name=SERVED)
     shuttle_config = ShuttleConfig(model=model, ipc=IpcConfig("", "", "", ""),
                                    chat_template=str(TEMPLATES / template) if template else None, **config)
     tokenizer = TextTokenizer(model.model_dir)
+    metrics = Metrics(lambda: engine.stats)
+    metrics.tracer = tracer
     state = FrontendState(shuttle_config, engine, tokenizer,
-                          ChatTemplate(model.model_dir, shuttle_config.chat_template), Metrics(lambda: engine.stats))
+                          ChatTemplate(model.model_dir, shuttle_config.chat_template), metrics)
     return build_app(state, api_key)

@@ -30,6 +30,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from shuttle.common.config import ShuttleConfig
 from shuttle.common.messages import RequestOutput, SchedulerInfo, SchedulerStats, Submit
+from shuttle.frontend.observability.tracing import TRACE_HEADERS, RequestTracer
 
 # Latency buckets in seconds (vLLM's choices, extended up for CPU serving).
 _LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -178,6 +179,7 @@ class Metrics:
     def __init__(self, stats_source, groups_source=None, config: ShuttleConfig | None = None,
                  info_source: Callable[[], SchedulerInfo | None] | None = None):
         self.registry = CollectorRegistry()  # what /metrics exposes
+        self.tracer: RequestTracer | None = None  # --otlp-traces-endpoint: each sequence's span at its end
         r = self.series = CollectorRegistry()  # every shuttle: series, before the model_name label
         tokens = one_two_five(config.model.max_model_len if config else _UNKNOWN_MAX_MODEL_LEN)
         self.ttft = Histogram("shuttle:time_to_first_token_seconds", "Time to first token.", buckets=_LATENCY,
@@ -310,10 +312,15 @@ class RequestMetrics:
     last_token: float = 0.0
     num_tokens: int = 0
     done: bool = False
+    request: Submit | None = None  # from on_submit: its id and sampling name the trace span
+    group: int | None = None  # the serving group it went to (set by its TextGeneration)
+    # the W3C trace context of the HTTP request it came in (--otlp-traces-endpoint): its span's parent
+    trace_headers: dict[str, str] | None = field(default_factory=TRACE_HEADERS.get)
 
     def on_submit(self, request: Submit) -> None:
         """The sequence goes to the engine: keep its max_tokens for shuttle:request_params_max_tokens."""
         self.max_tokens = request.sampling.max_tokens
+        self.request = request
 
     def on_output(self, output: RequestOutput) -> None:
         now = time.time()
@@ -340,6 +347,8 @@ class RequestMetrics:
         self.done = True
         metrics = self.metrics
         metrics.finished.labels(finish_reason).inc()
+        if metrics.tracer is not None:
+            metrics.tracer.finish(self, finish_reason)
         if self.prompt is not None:
             self.prompt.ended(self)
         if not self.first_token:  # never ran to a token: no latencies, and no sizes (as vLLM counts)
@@ -360,4 +369,6 @@ class RequestMetrics:
         self.done = True
         if self.prompt is not None:
             self.prompt.ended(self)
+        if self.metrics.tracer is not None:
+            self.metrics.tracer.finish(self, "rejected")
         self.metrics.rejected.labels(reason or ("queue_full" if status == 503 else "never_fits")).inc()

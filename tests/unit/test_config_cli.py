@@ -33,6 +33,7 @@ NON_DEFAULTS = {
                            SpeculativeConfig(method="ngram", num_speculative_tokens=2, prompt_lookup_max=5,
                                              prompt_lookup_min=5)),  # refused with -tp 2 later, by resolve_config
     "max_loras": ("3", 3), "max_lora_rank": ("8", 8), "max_cpu_loras": ("4", 4),
+    "otlp_traces_endpoint": ("http://127.0.0.1:4317", "http://127.0.0.1:4317"),
 }
 # an adapter directory is checked at launch: test_the_lora_flags_reach_their_section takes these two
 WITH_TP1_ONLY = {"enable_lora", "lora_modules"}
