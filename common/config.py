@@ -157,10 +157,21 @@ class ParallelConfig:
                                           aliases=("-tp",))
     master_addr: str = option("127.0.0.1", "host of tensor-parallel rank 0's torch.distributed rendezvous")
     master_port: int = option(0, "port of that rendezvous (0: a free loopback port at each engine start)", type=count)
+    distributed_executor_backend: str = option(
+        "mp", "where the serving groups' worker ranks run: mp, processes of this launcher on this machine; ray, Ray "
+              "actors on the nodes of a Ray cluster, one placement group per serving group (needs pip install "
+              "'shuttle[ray]'; docs/scaling.md)", choices=["mp", "ray"])
+    ray_address: str = option("", "the Ray cluster to join under --distributed-executor-backend ray (default: "
+                                  "$RAY_ADDRESS, else a Ray instance on this machine)", metavar="HOST:PORT")
+    ray_placement_strategy: str = option("STRICT_PACK", "how Ray places a serving group's ranks: STRICT_PACK (one "
+                                                        "node), PACK, SPREAD or STRICT_SPREAD (every rank on its own "
+                                                        "node)", choices=["STRICT_PACK", "PACK", "SPREAD",
+                                                                          "STRICT_SPREAD"])
 
 
 LOG_LEVEL_ENV = "SHUTTLE_LOG_LEVEL"  # every process's log level (`shuttle serve --log-level` sets it)
 TP_RANK_ENV = "SHUTTLE_TP_RANK"  # a worker process's tensor-parallel rank, set by the launcher (unset: 0)
+DEVICE_ENV = "SHUTTLE_DEVICE"  # a worker's own device, where the launcher names it (a Ray rank: its one GPU is cuda:0)
 DP_GROUP_ENV = "SHUTTLE_DP_GROUP"  # an engine process's local serving group (data parallel), set likewise (unset: 0)
 
 

@@ -84,7 +84,8 @@ def report_ready(config: ShuttleConfig, name: str, **info: int | float | str) ->
     over then, so its heap is frozen first (freeze_startup_heap)."""
     freeze_startup_heap()
     ctx: zmq.Context = zmq.Context.instance()
-    channel: Channel[None] = Channel(ctx, zmq.PUSH, config.ipc.control, bind=False)  # send-only
+    channel: Channel[None] = Channel(ctx, zmq.PUSH, config.ipc.control, bind=False,
+                                     curve=config.ipc.curve)  # send-only; tcp:// under Ray
     channel.socket.setsockopt(zmq.LINGER, 2000)
     channel.send(ProcessReady(name=name, pid=os.getpid(), info=dict(info)))
     channel.socket.close(linger=2000)
@@ -111,6 +112,7 @@ class HeartbeatSender:
 
     def __init__(self, config: ShuttleConfig, name: str):
         self._endpoint = config.ipc.control
+        self._curve = config.ipc.curve
         self._message = Heartbeat(name=name, pid=os.getpid())
         self._channel: Channel | None = None
         self._last = 0.0
@@ -121,7 +123,7 @@ class HeartbeatSender:
             return
         self._last = now
         if self._channel is None:  # made on first use, in the thread that uses it (sockets are not thread-safe)
-            self._channel = Channel(zmq.Context.instance(), zmq.PUSH, self._endpoint, bind=False)
+            self._channel = Channel(zmq.Context.instance(), zmq.PUSH, self._endpoint, bind=False, curve=self._curve)
         self._channel.try_send(self._message)  # False: no launcher listening (a process driven alone by a test)
 
     def start_thread(self) -> None:

@@ -54,12 +54,13 @@ from shuttle.common.model_dir import check_model_dir
 from shuttle.common.process import LAST_WORDS_S, raise_fd_limit
 from shuttle.frontend.observability.tracing import tracing_unavailable
 from shuttle.launcher.ports import Listen, PortError, check_ports, tcp_listen
+from shuttle.launcher.processes import process_end
+from shuttle.launcher.ray_backend import RayPlacer, RayProcess, RayUnavailable, join_ray
 from shuttle.launcher.scheduler_files import check_scheduler_files
 from shuttle.launcher.supervised_unit import (
     FRONTEND,
     RESTART_RESET_S,
     Unit,
-    describe_exit,
     engine_roles,
     free_tcp_endpoints,
 )
@@ -141,40 +142,93 @@ def serve(args: argparse.Namespace) -> int:
         print(f"shuttle: error: a tcp:// --engine-endpoint needs the engine host's CURVE keys in ${CURVE_ENV} "
               f"(make them once with `shuttle curve-keys` and export them on both hosts)", file=sys.stderr)
         return 2
+    unused = _ray_flags_unused(args)
+    if unused:
+        print(f"shuttle: error: {unused}", file=sys.stderr)
+        return 2
+    placer = None
+    if args.distributed_executor_backend == "ray":
+        if remote:
+            print("shuttle: error: --engine-endpoint and --distributed-executor-backend ray do not go together: "
+                  "under Ray the launcher places every serving group itself", file=sys.stderr)
+            return 2
+        try:
+            host = join_ray(args.ray_address)
+            placer = RayPlacer(args.ray_placement_strategy)
+        except RayUnavailable as exc:
+            print(f"shuttle: error: {exc}", file=sys.stderr)
+            return 2
+    try:
+        return _serve(args, api_key, remote, placer, host if placer is not None else "")
+    finally:
+        if placer is not None:
+            placer.close()
+
+
+def _ray_flags_unused(args: argparse.Namespace) -> str | None:
+    """Why Ray's placement flags would go unused on this command line (they need --distributed-executor-backend ray),
+    else None: nothing is taken and ignored."""
+    given = [flag for flag, value in (("--ray-address", args.ray_address),
+                                      ("--ray-placement-strategy", args.ray_placement_strategy != "STRICT_PACK"))
+             if value]
+    if given and args.distributed_executor_backend != "ray":
+        return f"{' and '.join(given)} place serving groups on Ray: they need --distributed-executor-backend ray"
+    return None
+
+
+def _serve(args: argparse.Namespace, api_key: str | None, remote: tuple[str, ...], placer: RayPlacer | None,
+           host: str) -> int:
+    """serve() once the serving groups' backend is known (`placer`: Ray's, with the launcher's node address `host`;
+    None: local processes)."""
     runtime_dir = tempfile.mkdtemp(prefix="shuttle-")  # mode 0700: only this user reaches the sockets
     try:
         control = f"ipc://{runtime_dir}/control.sock"
         supervisor = f"ipc://{runtime_dir}/supervisor.sock"
         tp = getattr(args, "tensor_parallel_size", 1)
-        if args.zmq_transport == "tcp":
+        if placer is not None:
+            # the ranks on Ray's nodes reach the scheduler and the control socket over tcp:// on this node, with CURVE;
+            # the frontend and the schedulers, here, keep ipc:// between them
+            per_group = 2 + tp - 1
+            control, *ports = free_tcp_endpoints(1 + args.data_parallel_size * per_group, host)  # all at once: distinct
             groups = []
-            for _ in range(args.data_parallel_size):
-                requests, plans, results, *rank_plans = free_tcp_endpoints(3 + tp - 1)
+            for g in range(args.data_parallel_size):
+                plans, results, *rank_plans = ports[g * per_group:(g + 1) * per_group]
+                local = IpcConfig.in_directory(runtime_dir, g, tp)
+                groups.append(IpcConfig(local.requests, plans, results, control, supervisor, curve=True,
+                                        rank_plans=tuple(rank_plans)))
+        elif args.zmq_transport == "tcp":
+            groups = []
+            endpoints = free_tcp_endpoints(args.data_parallel_size * (3 + tp - 1))  # all at once: distinct ports
+            for g in range(args.data_parallel_size):
+                requests, plans, results, *rank_plans = endpoints[g * (3 + tp - 1):(g + 1) * (3 + tp - 1)]
                 groups.append(IpcConfig(requests, plans, results, control, supervisor, curve=True,
                                         rank_plans=tuple(rank_plans)))
         else:
             groups = [IpcConfig.in_directory(runtime_dir, g, tp) for g in range(args.data_parallel_size)]
         base = groups[0] if groups else IpcConfig("", "", "", control, supervisor)
-        curve = args.zmq_transport == "tcp" or any(e.startswith("tcp://") for e in remote)
+        curve = args.zmq_transport == "tcp" or placer is not None or any(e.startswith("tcp://") for e in remote)
         ipc = dataclasses.replace(base, curve=curve, group_requests=tuple(g.requests for g in groups),
                                   remote_groups=remote)
         try:
             check_model_dir(args.model_dir, tokenizer_dir=getattr(args, "tokenizer_dir", None))  # launcher/cli.py
             config = ShuttleConfig.from_args(args, ipc)
             # --device/--dtype/--attention-backend auto made concrete once; too few devices refused here
-            config = resolve_config(config, len(groups), _cuda_devices(config))
+            # under Ray the devices are the cluster's GPUs
+            devices = placer.cluster_gpus() if placer is not None and config.worker.device != "cpu" \
+                else _cuda_devices(config)
+            config = resolve_config(config, len(groups), devices)
             check_scheduler_files(config.scheduler)
             if config.chat_template:
                 _check_chat_template(config.chat_template)
             _check_tracing(config)
-            check_ports(_frontend_listens(args, config) + _rendezvous_listens(config, len(groups)))
+            check_ports(_frontend_listens(args, config) + ([] if placer else _rendezvous_listens(config, len(groups))))
             plan_cores(allowed_cores(), len(groups) * tp, config.worker.worker_cores)  # refuses a bad --worker-cores
         except (ModelDirError, PortError, DeviceError, CoreError) as exc:
             print(f"shuttle: error: {exc}", file=sys.stderr)
             return 2
         _say_auto_dtype(args, config)  # only once nothing is refused: a refusal is its one line alone
         _say_sampling_defaults(config.model.sampling_defaults)
-        return Launcher(config, api_key, groups).run()
+        return Launcher(config, api_key, groups, placer=placer).run()
     finally:
         shutil.rmtree(runtime_dir, ignore_errors=True)
 
@@ -209,6 +263,14 @@ def engine(args: argparse.Namespace) -> int:
     Returns the exit status as serve() does."""
     if args.model_dir is None:
         print("shuttle: no MODEL_DIR given and the default ../shared/models/stories260K is missing", file=sys.stderr)
+        return 2
+    if args.distributed_executor_backend == "ray":
+        print("shuttle: error: `shuttle engine` runs its serving group on this host; --distributed-executor-backend "
+              "ray is `shuttle serve`'s (it places every group on the Ray cluster itself)", file=sys.stderr)
+        return 2
+    unused = _ray_flags_unused(args)
+    if unused:
+        print(f"shuttle: error: {unused}", file=sys.stderr)
         return 2
     tcp = args.listen.startswith("tcp://")
     if tcp and not os.environ.get(CURVE_ENV):
@@ -288,7 +350,7 @@ class Launcher:
     """
 
     def __init__(self, config: ShuttleConfig, api_key: str | None, groups: list[IpcConfig] | None = None,
-                 with_frontend: bool = True):
+                 with_frontend: bool = True, placer: RayPlacer | None = None):
         self.config = config
         self.env = dict(os.environ)
         self.env.pop("SHUTTLE_API_KEY", None)
@@ -299,6 +361,7 @@ class Launcher:
             # keys given to the launcher (multi-host: the same on every host) win over a fresh pair per launch
             keys = os.environ.get(CURVE_ENV)
             self.env[CURVE_ENV] = CurveKeys.from_env().to_env() if keys else CurveKeys.generate().to_env()
+            os.environ[CURVE_ENV] = self.env[CURVE_ENV]  # this process's own sockets: a tcp:// control socket (Ray)
         self.group_configs = [dataclasses.replace(config, ipc=ipc) for ipc in groups] if groups is not None \
             else [config]
         single = len(self.group_configs) == 1
@@ -306,15 +369,18 @@ class Launcher:
         roles = engine_roles(tp)
         # every local worker rank of every group shares the cores this launcher may use (common/cpu_threads.py);
         # raises ValueError for a --worker-cores outside them
-        self.cores: CorePlan = plan_cores(allowed_cores(), len(self.group_configs) * tp, config.worker.worker_cores,
+        # (under Ray the workers are on Ray's nodes: only the frontend and the schedulers run here)
+        self.placer = placer
+        local_workers = 0 if placer is not None else len(self.group_configs) * tp
+        self.cores: CorePlan = plan_cores(allowed_cores(), local_workers, config.worker.worker_cores,
                                           config.worker.worker_threads)
-        self.engines = [Unit("engine" if single else f"engine of group {g}", roles, group=g, cores=self.cores)
-                        for g in range(len(self.group_configs))]
+        self.engines = [Unit("engine" if single else f"engine of group {g}", roles, group=g, cores=self.cores,
+                             placer=placer) for g in range(len(self.group_configs))]
         self.frontend = Unit("frontend", FRONTEND, cores=self.cores) if with_frontend else None
         self.units = self.engines + ([self.frontend] if self.frontend else [])
         self.ctx: zmq.Context = zmq.Context.instance()
         self.control: Channel[ControlMessage] = Channel(self.ctx, zmq.PULL, config.ipc.control, bind=True,
-                                                        recv_type=ControlMessage)
+                                                        recv_type=ControlMessage, curve=config.ipc.curve)
         self.to_frontend: Channel | None = None
         self.signals = 0
         self.frontend_config = config  # the restarted frontend reuses the first one's port and batch endpoint
@@ -373,7 +439,7 @@ class Launcher:
             for unit in self.units:
                 for role, proc in unit.procs.items():
                     if proc.poll() is not None:
-                        _say(f"{role} (pid {proc.pid}) {describe_exit(proc.returncode)} during start-up; "
+                        _say(f"{process_end(role, proc)} during start-up; "
                              f"stopping the others")
                         return False
             if self.signals:
@@ -472,6 +538,23 @@ class Launcher:
         frontend.wait()
         return 0
 
+    def _ray_line(self) -> str:
+        """Where Ray placed each group's ranks (their nodes' addresses), for the start-up lines."""
+        where = []
+        for unit in self.engines:
+            nodes = [getattr(proc, "node", "?") for role, proc in unit.procs.items() if role.startswith("worker")]
+            where.append(f"group {unit.group} on {', '.join(nodes)}")
+        return f"workers placed by Ray ({self.config.parallel.ray_placement_strategy}): {'; '.join(where)}"
+
+    def _ray_nodes(self) -> dict[str, str]:
+        """role (as in _pids) -> the Ray node id of each worker rank Ray placed."""
+        nodes: dict[str, str] = {}
+        for unit in self.engines:
+            suffix = "" if len(self.engines) == 1 else f".{unit.group}"
+            nodes.update({role + suffix: proc.node_id for role, proc in unit.procs.items()
+                          if isinstance(proc, RayProcess)})
+        return nodes
+
     def _pids(self) -> dict[str, int]:
         """role -> pid; with several groups, role.GROUP ("worker.1")."""
         pids: dict[str, int] = {}
@@ -484,7 +567,7 @@ class Launcher:
             lines = capacity_lines(self.config, self.engines[0].ready["scheduler"], len(self.engines))
             if len(self.engines) > 1:
                 lines[0] = f"{len(self.engines)} data-parallel groups, each: {lines[0]}"
-            lines.append(self.cores.describe())
+            lines.append(self.cores.describe() if self.placer is None else self._ray_line())
             for line in lines:
                 _say(line)
         if self.frontend is None:
@@ -501,5 +584,6 @@ class Launcher:
         batch = info.get("batch_endpoint", "")
         _say(f"serving {self.config.model.served_model_name} at {url}" + (f", batch jobs at {batch}" if batch else "")
              + "  (Ctrl-C stops)")
+        ray_nodes = {"ray_nodes": self._ray_nodes()} if self.placer is not None else {}
         _say("ready " + json.dumps({"url": url, "batch_endpoint": batch, "pids": self._pids(),
-                                    "launcher_pid": os.getpid()}))
+                                    "launcher_pid": os.getpid(), **ray_nodes}))

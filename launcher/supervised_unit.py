@@ -13,11 +13,18 @@ import socket
 import subprocess
 import sys
 import time
+from typing import TYPE_CHECKING
 
-from shuttle.common.config import DP_GROUP_ENV, TP_RANK_ENV, ShuttleConfig
+from shuttle.common.config import DEVICE_ENV, DP_GROUP_ENV, TP_RANK_ENV, ShuttleConfig
 from shuttle.common.cpu_threads import CorePlan, other_env, pin, worker_env
+from shuttle.common.devices import device_type
 from shuttle.common.messages import ControlMessage, Heartbeat, ProcessReady
 from shuttle.common.process import LAST_WORDS_SIGNAL, die_with_parent
+from shuttle.launcher.processes import FailedProcess, Process, process_end
+from shuttle.launcher.ray_backend import RayUnavailable
+
+if TYPE_CHECKING:
+    from shuttle.launcher.ray_backend import RayPlacer
 
 RESTART_RESET_S = 60.0  # a unit that served this long after a restart starts counting its failures afresh
 BACKOFF_FIRST_S, BACKOFF_MAX_S = 0.5, 10.0
@@ -47,22 +54,15 @@ def _before_exec(cores: tuple[int, ...]) -> None:
     pin(cores)
 
 
-def free_tcp_endpoints(n: int) -> list[str]:
-    """`n` loopback tcp:// endpoints on ports free right now (the OS picks them)."""
+def free_tcp_endpoints(n: int, host: str = "127.0.0.1") -> list[str]:
+    """`n` tcp:// endpoints on `host` (default loopback) on ports free right now (the OS picks them)."""
     sockets = [socket.socket() for _ in range(n)]
     for s in sockets:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
     ports = [s.getsockname()[1] for s in sockets]
     for s in sockets:
         s.close()
-    return [f"tcp://127.0.0.1:{p}" for p in ports]
-
-
-def describe_exit(code: int) -> str:
-    """A child's return code in words: "exited with status 2", "was killed by signal SIGKILL"."""
-    if code < 0:
-        return f"was killed by signal {signal.Signals(-code).name}"
-    return f"exited with status {code}"
+    return [f"tcp://{host}:{p}" for p in ports]
 
 
 class Unit:
@@ -73,12 +73,14 @@ class Unit:
         failures_in_a_row: restarts since the unit last served RESTART_RESET_S seconds.
     """
 
-    def __init__(self, name: str, roles: tuple[str, ...], group: int | None = None, cores: CorePlan | None = None):
+    def __init__(self, name: str, roles: tuple[str, ...], group: int | None = None, cores: CorePlan | None = None,
+                 placer: RayPlacer | None = None):
         self.name = name
+        self.placer = placer  # --distributed-executor-backend ray: the worker ranks run on Ray's nodes
         self.roles = roles
         self.group = group  # the serving group's index (None: the frontend)
         self.cores = cores  # each process's cores and the workers' threads (None: inherited, as the launcher's)
-        self.procs: dict[str, subprocess.Popen] = {}
+        self.procs: dict[str, Process] = {}
         self.ready: dict[str, dict] = {}
         self.heartbeats: dict[str, float] = {}
         self.started_at = 0.0
@@ -90,15 +92,27 @@ class Unit:
 
     def start(self, config: ShuttleConfig, env: dict[str, str]) -> None:
         parallel = config.parallel
-        if parallel.tensor_parallel_size > 1:
+        self.ready, self.heartbeats, self.restart_at = {}, {}, None
+        self.started_at, self.serving_since = time.monotonic(), None
+        actors: list = []
+        if self.placer is not None and self.group is not None:
+            try:
+                actors = self.placer.place(self.group, config)
+                if parallel.tensor_parallel_size > 1:  # the rendezvous is on rank 0's node
+                    address, port = self.placer.rendezvous(actors[0])
+                    config = dataclasses.replace(config, parallel=dataclasses.replace(
+                        parallel, master_addr=address, master_port=port))
+            except RayUnavailable as exc:  # the group is not placed: a failed start, retried with the backoff
+                self.procs = {"worker": FailedProcess(str(exc))}
+                return
+        elif parallel.tensor_parallel_size > 1:
             # A fresh rendezvous port for each start (the previous incarnation's may still be held by a dying rank);
             # a given --master-port is group 0's, and group g rendezvouses on the port g above it.
             port = parallel.master_port + (self.group or 0) if parallel.master_port else \
                 int(free_tcp_endpoints(1)[0].rsplit(":", 1)[1])
             config = dataclasses.replace(config, parallel=dataclasses.replace(parallel, master_port=port))
         payload = config.to_json()
-        self.ready, self.heartbeats, self.restart_at = {}, {}, None
-        self.started_at, self.serving_since = time.monotonic(), None
+        self.procs = {}
         for role in self.roles:
             child_env = dict(env)
             if role != "frontend":
@@ -108,10 +122,19 @@ class Unit:
                 child_env[DP_GROUP_ENV] = str(self.group)
             if rank is not None:  # every rank runs `python -m shuttle.worker`; its rank travels like torchrun's RANK
                 child_env[TP_RANK_ENV] = str(rank)
-            child_env, cores = self._placement(role, rank, parallel.tensor_parallel_size, child_env)
             module = "shuttle." + ("worker" if rank is not None else role)
-            self.procs[role] = subprocess.Popen([sys.executable, "-m", module, "--config", payload], env=child_env,
-                                                preexec_fn=functools.partial(_before_exec, cores))
+            argv = [sys.executable, "-m", module, "--config", payload]
+            if actors and rank is not None and self.placer is not None:
+                threads = int(self.placer.bundle(config)["CPU"])
+                # Ray hands the actor its one GPU as the only visible device
+                child_env[DEVICE_ENV] = "cpu" if device_type(config.worker.device) == "cpu" else "cuda:0"
+                try:
+                    self.procs[role] = self.placer.start(actors[rank], argv, worker_env(child_env, threads))
+                except RayUnavailable as exc:
+                    self.procs[role] = FailedProcess(str(exc))
+                continue
+            child_env, cores = self._placement(role, rank, parallel.tensor_parallel_size, child_env)
+            self.procs[role] = subprocess.Popen(argv, env=child_env, preexec_fn=functools.partial(_before_exec, cores))
 
     def _placement(self, role: str, rank: int | None, tensor_parallel_size: int,
                    env: dict[str, str]) -> tuple[dict[str, str], tuple[int, ...]]:
@@ -151,7 +174,7 @@ class Unit:
         """Why the unit must go (a process died, or a ready one fell silent), else None."""
         for role, proc in self.procs.items():
             if proc.poll() is not None:
-                return f"{role} (pid {proc.pid}) {describe_exit(proc.returncode)}"
+                return process_end(role, proc)
         if heartbeat_timeout > 0:
             now = time.monotonic()
             for role, last in self.heartbeats.items():
@@ -180,6 +203,7 @@ class Unit:
         for proc in self.procs.values():
             proc.wait()
         self.ready, self.heartbeats = {}, {}
+        self._release()
 
     def terminate(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -192,6 +216,12 @@ class Unit:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        self._release()
+
+    def _release(self) -> None:
+        """Give a Ray-placed group's bundles back (its processes are gone)."""
+        if self.placer is not None and self.group is not None:
+            self.placer.release(self.group)
 
     def expected_start_s(self) -> float:
         """The next start-up is expected to take as long as the last one (the first start-up, then each restart:

@@ -6,9 +6,10 @@ import logging
 import os
 import sys
 
+import torch
 import zmq
 
-from shuttle.common.config import DP_GROUP_ENV, TP_RANK_ENV
+from shuttle.common.config import DEVICE_ENV, DP_GROUP_ENV, TP_RANK_ENV
 from shuttle.common.devices import DeviceError
 from shuttle.common.errors import ModelDirError
 from shuttle.common.ipc import Channel
@@ -37,7 +38,9 @@ def main() -> None:
         if config.worker.device == "cpu":
             # a CPU worker on a GPU machine owns no GPU (transformers' tensor-parallel mesh follows the accelerator)
             os.environ["CUDA_VISIBLE_DEVICES"] = ""
-        device = local_device(config.worker.device, group, rank, config.parallel.tensor_parallel_size)
+        own = os.environ.get(DEVICE_ENV)  # named by the launcher (a Ray rank), else found from group and rank
+        device = torch.device(own) if own else local_device(config.worker.device, group, rank,
+                                                             config.parallel.tensor_parallel_size)
         hf_config = config.model.hf_config()  # with --hf-overrides, as the launcher checked it
         parallel = join_group(config.parallel, rank, config.model.model_dir, hf_config, device)
         runner = ModelRunner(config, device, parallel=parallel)

@@ -34,6 +34,8 @@ NON_DEFAULTS = {
                                              prompt_lookup_min=5)),  # refused with -tp 2 later, by resolve_config
     "max_loras": ("3", 3), "max_lora_rank": ("8", 8), "max_cpu_loras": ("4", 4),
     "otlp_traces_endpoint": ("http://127.0.0.1:4317", "http://127.0.0.1:4317"),
+    "distributed_executor_backend": ("ray", "ray"), "ray_address": ("10.0.0.1:6379", "10.0.0.1:6379"),
+    "ray_placement_strategy": ("SPREAD", "SPREAD"),
 }
 # an adapter directory is checked at launch: test_the_lora_flags_reach_their_section takes these two
 WITH_TP1_ONLY = {"enable_lora", "lora_modules"}
