@@ -171,6 +171,7 @@ class ParallelConfig:
 
 LOG_LEVEL_ENV = "SHUTTLE_LOG_LEVEL"  # every process's log level (`shuttle serve --log-level` sets it)
 TP_RANK_ENV = "SHUTTLE_TP_RANK"  # a worker process's tensor-parallel rank, set by the launcher (unset: 0)
+MODEL_SOURCE_ENV = "SHUTTLE_MODEL_SOURCE"  # "org/name@commit" of MODEL for a Ray rank to fetch (worker/model_fetch.py)
 DEVICE_ENV = "SHUTTLE_DEVICE"  # a worker's own device, where the launcher names it (a Ray rank: its one GPU is cuda:0)
 DP_GROUP_ENV = "SHUTTLE_DP_GROUP"  # an engine process's local serving group (data parallel), set likewise (unset: 0)
 

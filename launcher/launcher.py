@@ -35,7 +35,7 @@ import zmq
 
 from shuttle.common.arg_types import chat_template_text
 from shuttle.common.capacity import kv_cache_bytes, requests_that_fit
-from shuttle.common.config import IpcConfig, ShuttleConfig
+from shuttle.common.config import MODEL_SOURCE_ENV, IpcConfig, ShuttleConfig
 from shuttle.common.cpu_threads import CoreError, CorePlan, allowed_cores, plan_cores
 from shuttle.common.devices import (
     DeviceError,
@@ -55,7 +55,7 @@ from shuttle.common.process import LAST_WORDS_S, raise_fd_limit
 from shuttle.frontend.observability.tracing import tracing_unavailable
 from shuttle.launcher.ports import Listen, PortError, check_ports, tcp_listen
 from shuttle.launcher.processes import process_end
-from shuttle.launcher.ray_backend import RayPlacer, RayProcess, RayUnavailable, join_ray
+from shuttle.launcher.ray_backend import RayPlacer, RayProcess, RayUnavailable, join_ray, model_source
 from shuttle.launcher.scheduler_files import check_scheduler_files
 from shuttle.launcher.supervised_unit import (
     FRONTEND,
@@ -228,6 +228,9 @@ def _serve(args: argparse.Namespace, api_key: str | None, remote: tuple[str, ...
             return 2
         _say_auto_dtype(args, config)  # only once nothing is refused: a refusal is its one line alone
         _say_sampling_defaults(config.model.sampling_defaults)
+        source = model_source(args.model_dir, args.model) if placer is not None else None
+        if source:  # a Ray rank on a node without the snapshot fetches this very commit (worker/model_fetch.py)
+            os.environ[MODEL_SOURCE_ENV] = source
         return Launcher(config, api_key, groups, placer=placer).run()
     finally:
         shutil.rmtree(runtime_dir, ignore_errors=True)

@@ -25,6 +25,7 @@ import logging
 import os
 import subprocess
 import time
+from pathlib import Path
 from typing import Any
 
 from shuttle.common.config import ShuttleConfig
@@ -37,6 +38,15 @@ ACTOR_START_TIMEOUT_S = 120.0  # for an actor to come up on its node and start i
 # the thread counts it was given, and where models and caches are found
 FORWARDED_PREFIXES = ("SHUTTLE_", "HF_", "TRANSFORMERS_", "OMP_", "MKL_", "KMP_", "NUMBA_", "TORCH", "PYTORCH_",
                       "NCCL_", "GLOO_")
+
+
+def model_source(model_dir: str, typed: str) -> str | None:
+    """"org/name@commit" when `model_dir` is the Hugging Face cache's snapshot of the id `typed`, else None (a
+    directory given as such: the nodes must have it at the same path)."""
+    path = Path(model_dir)
+    if path.parent.name == "snapshots" and path.parent.parent.name == "models--" + typed.replace("/", "--"):
+        return f"{typed}@{path.name}"
+    return None
 
 
 class RayUnavailable(Exception):

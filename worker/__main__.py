@@ -18,6 +18,7 @@ from shuttle.common.process import HeartbeatSender, boot_id, child_main_args, re
 from shuttle.worker.graph_runner import GraphCaptureError
 from shuttle.worker.kv_sizing import KVSizingError
 from shuttle.worker.loop import STEP_DELAY_ENV, WorkerLoop
+from shuttle.worker.model_fetch import fetch_missing_model
 from shuttle.worker.model_loader import UnsupportedModelError
 from shuttle.worker.parallel import join_group, local_device
 from shuttle.worker.worker import ModelRunner
@@ -38,6 +39,7 @@ def main() -> None:
         if config.worker.device == "cpu":
             # a CPU worker on a GPU machine owns no GPU (transformers' tensor-parallel mesh follows the accelerator)
             os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        fetch_missing_model(config.model.model_dir)  # a Ray rank on a node that lacks it
         own = os.environ.get(DEVICE_ENV)  # named by the launcher (a Ray rank), else found from group and rank
         device = torch.device(own) if own else local_device(config.worker.device, group, rank,
                                                              config.parallel.tensor_parallel_size)
