@@ -4,8 +4,8 @@
 
 A local Ray cluster (ray.cluster_utils: one head node, started and stopped by this script) serves the Ray rounds. Each
 round starts the server, times its start-up (launch to the ready line), runs `shuttle bench` (random prompts of
-fixed lengths, ignore_eos, the total output checked to be exactly what was asked) and stops the server by PID. Prints output tokens/s,
-TTFT and ITL p50/p99 per round, the median ratio Ray / mp, and writes JSON. Figures are ratios from one run on a quiet
+fixed lengths, ignore_eos, the total output checked to be exactly what was asked) and stops the server by PID.
+Prints output tokens/s, TTFT and ITL p50/p99 per round, the median ratio Ray / mp, and writes JSON. Figures are ratios from one run on a quiet
 machine; the absolute times depend on the host.
 
     .venv/bin/python scripts/dev/bench_ray.py --model ../shared/models/stories260K
@@ -79,7 +79,8 @@ def main() -> int:
             for backend in order:
                 row = {"round": r, **run_round(backend, args, cluster.address)}
                 rows.append(row)
-                print(f"round {r} {backend:>3}: {row['output_tok_s']:8.1f} output tok/s, start {row['start_s']:5.1f} s, "
+                print(f"round {r} {backend:>3}: {row['output_tok_s']:8.1f} output tok/s, "
+                      f"start {row['start_s']:5.1f} s, "
                       f"TTFT p50/p99 {row['ttft_p50_ms']:.0f}/{row['ttft_p99_ms']:.0f} ms, ITL p50/p99 "
                       f"{row['itl_p50_ms']:.1f}/{row['itl_p99_ms']:.1f} ms", flush=True)
     finally:
