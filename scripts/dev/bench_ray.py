@@ -5,8 +5,8 @@
 A local Ray cluster (ray.cluster_utils: one head node, started and stopped by this script) serves the Ray rounds. Each
 round starts the server, times its start-up (launch to the ready line), runs `shuttle bench` (random prompts of
 fixed lengths, ignore_eos, the total output checked to be exactly what was asked) and stops the server by PID.
-Prints output tokens/s, TTFT and ITL p50/p99 per round, the median ratio Ray / mp, and writes JSON. Figures are ratios from one run on a quiet
-machine; the absolute times depend on the host.
+Prints output tokens/s, TTFT and ITL p50/p99 per round, the median ratio Ray / mp, and writes JSON. Figures are
+ratios from one run on a quiet machine; the absolute times depend on the host.
 
     .venv/bin/python scripts/dev/bench_ray.py --model ../shared/models/stories260K
     .venv/bin/python scripts/dev/bench_ray.py --model /tmp/shuttle-models/llama-110m --input-len 128 --output-len 64
