@@ -226,9 +226,11 @@ class OpsConfig:
 class ObservabilityConfig:
     """What the processes log. Each field's help says what it means."""
 
-    enable_log_requests: bool = option(False, "log one line per request as the frontend submits it: its id, prompt "
-                                              "tokens and sampling parameters (never the prompt text or the API "
-                                              "key); --disable-log-requests is vLLM's older spelling of the default")
+    enable_log_requests: bool = option(False, "log one line per sequence as the frontend submits it (its id, prompt "
+                                              "tokens, sampling parameters and serving group; never the prompt text "
+                                              "or the API key) and one when it ends (its finish reason and output "
+                                              "tokens); --disable-log-requests is vLLM's older spelling of the "
+                                              "default")
     disable_log_stats: bool = option(False, "stop the scheduler's periodic throughput / queue / KV cache log line")
     otlp_traces_endpoint: str = option("", "export one OpenTelemetry span per request (vLLM's llm_request, with its "
                                            "attribute names) to this OTLP collector; the protocol is "

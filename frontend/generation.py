@@ -51,7 +51,7 @@ class TextGeneration:
     # or a prompt + max_tokens that no cache could hold
     refusal_params: tuple[str | None, str] = (None, "max_tokens")
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
-    log_requests: bool = False  # --enable-log-requests: a line when the sequence ends
+    log_requests: bool = False  # --enable-log-requests: a line when the sequence is submitted, and when it ends
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     finish_reason: str | None = None
@@ -93,6 +93,9 @@ class TextGeneration:
             self.group = getattr(self.engine, "last_group", None)  # a data-parallel router's choice
             if self.metrics is not None:
                 self.metrics.group = self.group
+            if self.log_requests:  # never the prompt's text
+                log.info("request %s: %d prompt tokens, %s", self.request.request_id, len(self.prompt_token_ids),
+                         self.request.sampling, extra={"request_id": self.request.request_id, "group": self.group})
             async with aclosing(generating) as outputs:
                 async for output in outputs:
                     delta = self.advance(output)

@@ -16,7 +16,6 @@ ModelNotFoundError, GenerationError; `frontend/request/errors.py`'s `client_erro
 
 from __future__ import annotations
 
-import logging
 import time
 import uuid
 from contextlib import aclosing
@@ -34,7 +33,6 @@ from shuttle.frontend.request.protocol import SamplingFields
 from shuttle.frontend.state import FrontendState
 from shuttle.frontend.structured.request import constraint_source, structured_output_of
 
-log = logging.getLogger("shuttle.frontend")
 
 def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
@@ -102,9 +100,6 @@ def build_generations(state: FrontendState, body: SamplingFields, prompts: list[
                              arrival_time=time.time(), priority=body.priority, timeout=body.timeout or 0.0,
                              group_id=request_id, ttft_slo_ms=body.ttft_slo_ms or 0.0, background=background,
                              lora_name=adapter, lora_path=state.lora_modules[adapter].path if adapter else "")
-            if state.config.observability.enable_log_requests:  # never the prompt's text
-                log.info("request %s: %d prompt tokens, %s", request.request_id, len(ids), sampling,
-                         extra={"request_id": request.request_id})
             metrics = prompt_metrics.sequence(len(ids))
             generations.append(TextGeneration(state.engine, state.tokenizer, request, index, stops,
                                               body.include_stop_str_in_output, metrics,

@@ -254,10 +254,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"shuttle: error: {exc}", file=sys.stderr)
             return 2
     if args.command == "serve":
-        from shuttle.launcher.launcher import serve
+        from shuttle.launcher.commands import serve
         return serve(args)
     if args.command == "engine":
-        from shuttle.launcher.launcher import engine
+        from shuttle.launcher.commands import engine
         return engine(args)
     if args.command == "curve-keys":
         from shuttle.common.ipc import CurveKeys

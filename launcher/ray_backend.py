@@ -124,7 +124,10 @@ class RayProcess:
 
     def kill(self) -> None:
         """Kill the actor, and with it the process (its parent-death signal)."""
-        self._ray.kill(self.actor, no_restart=True)
+        try:
+            self._ray.kill(self.actor, no_restart=True)
+        except Exception:  # noqa: BLE001 - gone already, with its node or the cluster
+            self.lost, self.returncode = True, -9
 
     def describe(self) -> str:
         """How it ended, in words, for the launcher's line."""
@@ -191,14 +194,24 @@ class RayPlacer:
                                  f"within {PLACEMENT_TIMEOUT_S:.0f} s: no node has the resources free") from None
         except Exception as exc:  # the cluster itself is gone (`ray stop`): a failed start like any other
             raise RayUnavailable(f"Ray did not place serving group {group}: {exc}") from None
-        return [self._host.options(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), max_concurrency=4,
-                                   scheduling_strategy=self._in_bundle(placement_group=pg,
-                                                                       placement_group_bundle_index=rank)).remote()
-                for rank in range(tp)]
+        try:
+            return [self._host.options(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), max_concurrency=4,
+                                       scheduling_strategy=self._in_bundle(placement_group=pg,
+                                                                           placement_group_bundle_index=rank)).remote()
+                    for rank in range(tp)]
+        except Exception as exc:  # the cluster went away meanwhile
+            raise RayUnavailable(f"Ray did not start serving group {group}'s actors: {exc}") from None
 
     def rendezvous(self, actor: Any) -> tuple[str, int]:
-        """Rank 0's node address and a port free there."""
-        address, port, _ = self._ray.get(actor.node.remote(), timeout=ACTOR_START_TIMEOUT_S)
+        """Rank 0's node address and a port free there.
+
+        Raises:
+            RayUnavailable: the actor did not come up (its node went away, or it did not start in time).
+        """
+        try:
+            address, port, _ = self._ray.get(actor.node.remote(), timeout=ACTOR_START_TIMEOUT_S)
+        except self._ray.exceptions.RayError as exc:
+            raise RayUnavailable(f"rank 0's Ray actor did not come up: {exc}") from None
         return address, port
 
     def start(self, actor: Any, argv: list[str], env: dict[str, str]) -> RayProcess:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# shuttle's GPU check: one script, under 8 minutes on one GPU, every stage bounded by its own timeout.
+# shuttle's GPU check: one script, under 10 minutes on one GPU, every stage bounded by its own timeout.
 #
 #     bash scripts/gpu_wheels.sh              # first, on a machine that reaches PyPI: fills .gpu_carry/
 #     bash scripts/gpu_check.sh               # on the GPU machine, from the source tree (carry .gpu_carry)
@@ -15,8 +15,10 @@
 #   graphs    CUDA-graph replay equal to --enforce-eager
 #   spec      greedy with n-gram and draft-model speculation equal to none; n-gram's speed-up at concurrency 1
 #   bench     a 1B-shape random Llama: shuttle against transformers' static batches and continuous batching
-# One table at the end; JSON records, the table and the whole log go to $OUT (the device tool's folder) when set,
-# else bench_results/gpu_check/. Exit status 0 when no stage failed.
+#   roofline  decode steps at batch 1, 16, 64 and 256 of the 1B shape (and the 8B shape when the budget allows)
+#             against their floor (bytes / measured bandwidth, FLOPs / measured peak), the largest one profiled
+# One table at the end; JSON records and the whole log, the table at its end, go to $OUT (the device tool's folder)
+# when set, else bench_results/gpu_check/. Exit status 0 when no stage failed.
 set -uo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -25,11 +27,11 @@ DRY_RUN=0
 [ "${1:-}" = "--dry-run" ] && DRY_RUN=1
 RESULTS="${OUT:-$REPO/bench_results/gpu_check}"
 mkdir -p "$RESULTS"
-rm -f "$RESULTS"/{exact,bf16,compiles,graphs,spec,bench}.json
+rm -f "$RESULTS"/{exact,bf16,compiles,graphs,spec,roofline,bench}.json
 LOG="$RESULTS/gpu_check.log"
 : >"$LOG"
 CARRY="${SHUTTLE_GPU_CARRY:-$REPO/.gpu_carry}"
-BUDGET_S="${GPU_CHECK_BUDGET_S:-470}"  # the whole script, setup to table; each stage gets at most what is left
+BUDGET_S="${GPU_CHECK_BUDGET_S:-570}"  # the whole script, setup to table; each stage gets at most what is left
 START_S=$SECONDS
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 
@@ -56,6 +58,7 @@ else
     TEST_MODEL=/tmp/shuttle-models/llama-check
     TOKENIZER="$CARRY/tokenizers/llama2"
     BENCH_MODEL=/tmp/shuttle-models/llama-1b
+    MODEL_8B=/tmp/shuttle-models/llama-8b
     MAKE_MODEL=(--shape 1b --device cuda --dtype bfloat16)
     # 64 requests at once (prompts 16-256, outputs 16-128), one round after a warm-up; transformers one at a time
     # is left out (minutes at 1B). shuttle gets half the GPU, so transformers has room beside it.
@@ -134,6 +137,18 @@ elif run make-model 60 "$PYTHON" scripts/dev/make_random_model.py "${MAKE_MODEL[
         --result-json "$RESULTS/bench.json"
 fi
 
+# ---- the roofline ---------------------------------------------------------------------------------------------
+ROOFLINE_MODELS=("$BENCH_MODEL")
+if [ "$DRY_RUN" = 0 ] && [ $((BUDGET_S - (SECONDS - START_S))) -gt 200 ] && run make-model-8b 70 "$PYTHON" \
+        scripts/dev/make_random_model.py --shape 8b --device cuda --dtype bfloat16 --out "$MODEL_8B" \
+        --tokenizer "$TOKENIZER"; then
+    ROOFLINE_MODELS+=("$MODEL_8B")
+fi
+if [ -d "$BENCH_MODEL" ]; then
+    run roofline 150 "$PYTHON" scripts/dev/gpu_check.py roofline "${STAGE_ARGS[@]}" --out-dir "$RESULTS" \
+        --roofline-models "${ROOFLINE_MODELS[@]}"
+fi
+
 say "done in $((SECONDS - START_S)) s"
-"$PYTHON" scripts/dev/gpu_check.py table "$RESULTS" 2>&1 | tee "$RESULTS/table.txt"
+"$PYTHON" scripts/dev/gpu_check.py table "$RESULTS" 2>&1 | tee -a "$LOG"  # the log's end: 8 files come back
 exit "${PIPESTATUS[0]}"

@@ -17,10 +17,9 @@ from __future__ import annotations
 
 import contextvars
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from shuttle.frontend.observability.metrics import RequestMetrics
+from shuttle.common.messages import Submit
 
 # The W3C trace-context headers of the HTTP request being handled (set by `trace_context_middleware`), read when the
 # request's sequences are created, so each span joins the caller's trace.
@@ -47,6 +46,21 @@ def tracing_unavailable() -> str | None:
         return f"--otlp-traces-endpoint needs OpenTelemetry's SDK and OTLP exporters (pip install 'shuttle[otel]'): " \
                f"{exc}"
     return None
+
+
+class TracedSequence(Protocol):
+    """What a span is made of: metrics.py's RequestMetrics (times are time.time() seconds; 0.0: not reached)."""
+
+    request: Submit | None
+    trace_headers: dict[str, str] | None
+    group: int | None
+    prompt: Any  # its PromptMetrics (`n`), None for a lone sequence
+    arrival: float
+    first_scheduled: float
+    first_token: float
+    last_token: float
+    num_prompt_tokens: int
+    num_tokens: int
 
 
 class RequestTracer:
@@ -78,7 +92,7 @@ class RequestTracer:
         self.kind = SpanKind.SERVER
         self.model_name = model_name
 
-    def finish(self, sequence: RequestMetrics, finish_reason: str) -> None:
+    def finish(self, sequence: TracedSequence, finish_reason: str) -> None:
         """Record the span of `sequence`, which ended now with `finish_reason`."""
         from opentelemetry.trace import Status, StatusCode
 

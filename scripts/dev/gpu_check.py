@@ -54,7 +54,8 @@ from shuttle.scheduler.kv_cache import KVCacheManager  # noqa: E402
 from shuttle.scheduler.scheduler import Scheduler  # noqa: E402
 
 BF16_MIN_PREFIX = 0.5
-STAGES = ("exact", "bf16", "compiles", "graphs", "spec")
+STAGES = ("exact", "bf16", "compiles", "graphs", "spec", "roofline")
+ROOFLINE_AIM = 2.0  # a decode step of the 1B shape at batch 64 within twice its floor (issue 47)
 # What each stage leaves out on a CPU (the dry run), said in the table.
 CPU_NOTES = {
     "exact": "on the CPU: flex runs eagerly (inductor's Triton kernels need CUDA)",
@@ -62,6 +63,8 @@ CPU_NOTES = {
     "compiles": "on the CPU: traced by dynamo's eager backend (no inductor codegen)",
     "graphs": "on the CPU: the graph runner's plain-call capture (CUDA graph capture needs a GPU)",
     "spec": "on the CPU: stories260K, a few tokens (a step of a model this small is all overhead: no speed-up)",
+    "roofline": "on the CPU: a tiny random Llama at batches 1 and 4, float32, the cpu attention backend (its numba "
+                "kernel is no torch op: unprofiled); no 8B shape; CPU op times, no launch gaps",
     "bench": "on the CPU: a tiny random Llama (not 1B), cpu attention backend, no continuous batching (it takes "
              "20 s to start on a CPU), no 2x target, memory as the worker's peak RSS",
 }
@@ -78,14 +81,16 @@ def worker_config(backend: str, device: torch.device, **extra) -> WorkerConfig:
 
 
 def make_engine(model_dir: str, dtype: str, device: torch.device, backend: str = "flex", num_blocks: int = 1024,
-                prefix_caching: bool = True, max_batched: int = 512, speculative=None, **worker_extra):
-    """A fresh Scheduler and a ModelRunner (loaded, start-up exactness check passed) on `device`, at most 32
-    sequences a step (so CUDA graphs are captured, and flex compiled, for buckets up to 32 only). Stages run in one
-    process (the dry run) share a runner of the same dtype and worker settings, its per-request state reset."""
+                prefix_caching: bool = True, max_batched: int = 512, speculative=None, max_num_seqs: int = 32,
+                **worker_extra):
+    """A fresh Scheduler and a ModelRunner (loaded, start-up exactness check passed) on `device`, at most
+    `max_num_seqs` sequences a step (32: CUDA graphs are captured, and flex compiled, for buckets up to 32 only).
+    Stages run in one process (the dry run) share a runner of the same dtype and worker settings, its per-request
+    state reset."""
     model = ModelConfig.from_dir(model_dir, dtype=dtype)
     config = ShuttleConfig(model=model, ipc=IpcConfig.in_directory("/nonexistent"),
                            cache=CacheConfig(16, num_blocks),
-                           scheduler=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=max_batched,
+                           scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_batched,
                                                      speculative_config=speculative),
                            worker=worker_config(backend, device, **worker_extra))
     scheduler = Scheduler(config.scheduler, KVCacheManager(num_blocks, 16, prefix_caching), model.max_model_len,
@@ -308,6 +313,18 @@ def stage_spec(args) -> dict:
         shutil.rmtree(draft_dir, ignore_errors=True)
 
 
+def stage_roofline(args) -> dict:
+    from scripts.dev.roofline import roofline, summary_line
+
+    models = args.roofline_models or [args.model]
+    batches, steps, dtype = ([1, 4], 4, "float32") if args.dry_run else ([1, 16, 64, 256], 16, "bfloat16")
+    result = roofline(models, args.device, dtype, batches, steps)
+    aimed = [r for r in result["rows"] if r["model"] == Path(models[0]).name and r["batch"] == 64]
+    aim = "" if not aimed else (f"; the aim (1B at batch 64 within {ROOFLINE_AIM:g}x its floor) "
+                                f"{'holds' if aimed[0]['ratio'] <= ROOFLINE_AIM else 'is missed'}")
+    return {"status": "pass", "summary": summary_line(result) + aim, **result}
+
+
 # ---- the table --------------------------------------------------------------------------------------------------
 
 def _fmt(value, digits=1) -> str:
@@ -384,6 +401,8 @@ def main() -> int:
     parser.add_argument("--dry-run", action="store_true", help="tiny workloads, for a CPU")
     parser.add_argument("--backend", default="flex", help="the exact stage's attention backend (the others: flex)")
     parser.add_argument("--out-dir", type=Path, help="where each stage's record goes, as STAGE.json")
+    parser.add_argument("--roofline-models", nargs="+", help="the roofline stage's model directories (default "
+                                                             "--model), the first one profiled")
     args = parser.parse_args()
     if args.stages[0] == "table":
         if len(args.stages) != 2:

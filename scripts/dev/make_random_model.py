@@ -25,6 +25,10 @@ SHAPES = {
     # TinyLlama 1.1B's shape (GQA 32 heads over 4 KV heads, untied): scripts/gpu_check.sh's bench model.
     "1b": dict(hidden_size=2048, num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4,
                intermediate_size=5632, max_position_embeddings=2048, tie_word_embeddings=False),
+    # Llama 3 8B's layers (GQA 32 heads over 8 KV heads, head_dim 128, MLP 14336), untied, with the Llama 2
+    # tokenizer's 32000-token vocabulary: the GPU check's roofline stage
+    "8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+               intermediate_size=14336, vocab_size=32000, tie_word_embeddings=False),
     # The 1B shape's kind (GQA, the 32000-token vocabulary) at a size a CPU builds in a second: gpu_check --dry-run.
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  intermediate_size=128, max_position_embeddings=512),

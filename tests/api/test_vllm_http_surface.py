@@ -22,7 +22,7 @@ from shuttle.frontend.web.root_path import normalize_root_path
 from shuttle.frontend.web.sagemaker import route_of
 from shuttle.frontend.web.server import access_logger, listen, listen_url, remove_socket_file
 from shuttle.frontend.web.tokenizer_info import tokenizer_info
-from shuttle.launcher.launcher import _frontend_listens
+from shuttle.launcher.commands import _frontend_listens
 from tests.api.test_api_details import PROMPT, STORY, STORY_TEXT, USER, post, served
 from tests.fake_engine import TEMPLATES, FakeEngine, frontend_app
 from tests.inprocess import make_config

@@ -37,8 +37,8 @@ def srv(tmp_path_factory):
 
 async def test_json_log_lines_name_the_request_and_its_group(srv):
     """--log-format json: every line of every process is one JSON object; a request's lines (submitted, finished,
-    the access log's) carry its request_id, the finished line the group that served it, and each engine process's
-    lines their group."""
+    the access log's) carry its request_id, the submitted and finished lines the group that served it, and each
+    engine process's lines their group."""
     async with aiohttp.ClientSession() as session:
         results = await asyncio.gather(*(post_completion(session, srv.url, prompt=[1, 403, 407, 261 + i],
                                                          max_tokens=3, temperature=0) for i in range(4)))
@@ -52,12 +52,12 @@ async def test_json_log_lines_name_the_request_and_its_group(srv):
         await asyncio.sleep(0.05)
     assert len(access) == len(ids) and all('"POST /v1/completions HTTP/1.1" 200' in e["message"] for e in access)
     assert all({"time", "level", "process", "logger", "message"} <= e.keys() for e in entries)
-    submitted = {e["request_id"] for e in entries if e["message"].startswith("request ") and "prompt tokens" in
-                 e["message"]}
+    submitted = [e for e in entries if e["message"].startswith("request ") and "prompt tokens" in e["message"]]
     finished = [e for e in entries if e["message"].startswith("request ") and " finished: length" in e["message"]]
-    assert {i + "-0" for i in ids} <= submitted
-    assert {i + "-0" for i in ids} <= {e["request_id"] for e in finished}
-    assert {e["group"] for e in finished if e["request_id"][:-2] in ids} <= {0, 1}
+    for lines in (submitted, finished):
+        mine = {e["request_id"]: e["group"] for e in lines if e["request_id"][:-2] in ids}
+        assert set(mine) == {i + "-0" for i in ids} and set(mine.values()) <= {0, 1}, lines
+    assert {e["request_id"]: e["group"] for e in submitted} == {e["request_id"]: e["group"] for e in finished}
     engine = [e for e in entries if e["process"] in ("scheduler", "worker")]
     assert engine and {e["group"] for e in engine} == {0, 1}, engine[:3]
 

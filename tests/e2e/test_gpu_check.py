@@ -9,7 +9,7 @@ import pytest
 
 from tests.server import MODEL_DIR, REPO
 
-STAGES = ("exact", "bf16", "compiles", "graphs", "spec", "bench")
+STAGES = ("exact", "bf16", "compiles", "graphs", "spec", "roofline", "bench")
 
 
 @pytest.mark.slow
@@ -19,8 +19,8 @@ def test_dry_run_passes_every_stage(tmp_path):
     done = subprocess.run(["bash", "scripts/gpu_check.sh", "--dry-run"], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=380)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
-    table = (tmp_path / "table.txt").read_text()
     log = (tmp_path / "gpu_check.log").read_text()
+    table = log[log.rindex("\nshuttle GPU check ("):]  # the table ends the log
     assert any(line.startswith("torch ") and " transformers " in line for line in log.splitlines()), log[:2000]
     assert "shuttle GPU check (dry run, device cpu)" in table
     for stage in STAGES:
@@ -29,6 +29,10 @@ def test_dry_run_passes_every_stage(tmp_path):
         assert f"\n{stage:<10}{record['status']:<9}" in table
     assert json.loads((tmp_path / "exact.json").read_text())["mismatched"] == []
     assert json.loads((tmp_path / "compiles.json").read_text())["second_run_graphs"] == 0
+    roofline = json.loads((tmp_path / "roofline.json").read_text())
+    assert [row["batch"] for row in roofline["rows"]] == [1, 4]
+    assert all(row["step_ms"] > 0 and row["floor_ms"] > 0 and row["ratio"] > 0 for row in roofline["rows"])
+    assert roofline["rows"][-1]["profile"]["gemm"] > 0  # the largest step profiled
     bench = json.loads((tmp_path / "bench.json").read_text())
     shuttle = bench["rows"][0]
     assert shuttle["method"] == "shuttle" and shuttle["ttft_p50_ms"] > 0 and shuttle["itl_p50_ms"] > 0

@@ -23,7 +23,8 @@ from shuttle.common.devices import (
 )
 from shuttle.common.model_config import ModelConfig
 from shuttle.launcher.cli import build_parser
-from shuttle.launcher.launcher import capacity_lines, serve
+from shuttle.launcher.commands import serve
+from shuttle.launcher.launcher import capacity_lines
 from shuttle.worker.flex_attention import max_kv_blocks_for
 from shuttle.worker.input_batch import InputBatch
 from shuttle.worker.kv_cache import KVCache

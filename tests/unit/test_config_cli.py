@@ -141,7 +141,7 @@ def test_the_api_key_comes_from_vllms_variable_too(monkeypatch, tmp_path):
     """A deployment moved from vLLM keeps its key in VLLM_API_KEY: it must not run unauthenticated."""
     import argparse
 
-    from shuttle.launcher.launcher import _api_key
+    from shuttle.launcher.commands import _api_key
 
     args = argparse.Namespace(api_key=None, api_key_file=None)
     monkeypatch.delenv("SHUTTLE_API_KEY", raising=False)

@@ -110,7 +110,7 @@ def test_good_directories_pass(model_copy):
 
 def test_the_check_imports_no_torch():
     """It runs in the launcher, before any process starts: no second of torch import for a one-line refusal."""
-    code = ("import sys; import launcher.launcher; from common.model_dir import check_model_dir; "
+    code = ("import sys; import launcher.commands; from common.model_dir import check_model_dir; "
             f"check_model_dir({str(MODEL_DIR)!r}); print(sorted({{'torch', 'numpy'}} & set(sys.modules)))")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and result.stdout.strip() == "[]", result.stderr

@@ -342,7 +342,7 @@ def test_allowed_origins_takes_vllms_json_list_and_shuttles_comma_list(capsys):
 
 def test_log_level_flag_and_environment(monkeypatch, capsys):
     started = []
-    monkeypatch.setattr("shuttle.launcher.launcher.serve",
+    monkeypatch.setattr("shuttle.launcher.commands.serve",
                         lambda args: started.append(os.environ["SHUTTLE_LOG_LEVEL"]) or 0)
     monkeypatch.setenv("SHUTTLE_LOG_LEVEL", "warning")
     assert cli.main(["serve", str(MODEL_DIR)]) == 0
@@ -440,7 +440,7 @@ def test_load_format_safetensors_needs_safetensors_weights(tmp_path, monkeypatch
     import torch
     torch.save({"w": torch.zeros(1)}, model / "pytorch_model.bin")
     started = []
-    monkeypatch.setattr("shuttle.launcher.launcher.serve", lambda args: started.append(args.load_format) or 0)
+    monkeypatch.setattr("shuttle.launcher.commands.serve", lambda args: started.append(args.load_format) or 0)
     assert cli.main(["serve", str(model), "--load-format", "safetensors"]) == 2
     assert capsys.readouterr().err.strip() == (
         f"shuttle: error: --load-format safetensors: {model} has no model.safetensors or "
