@@ -48,11 +48,11 @@ def pytest_collection_modifyitems(items):
 def no_launch(monkeypatch):
     """serve() and engine() in process, failing the test if they get as far as starting the processes (so that a
     refusal can be tested without a new interpreter, whose imports alone take seconds)."""
-    from shuttle.launcher import launcher as launcher_module
+    from shuttle.launcher import commands
 
     def refuse(*args, **kwargs):
         raise AssertionError("the launcher started processes")
-    monkeypatch.setattr(launcher_module, "Launcher", refuse)
+    monkeypatch.setattr(commands, "Launcher", refuse)
     monkeypatch.delenv(LOG_LEVEL_ENV, raising=False)  # launcher.cli.main sets it for its children; restored after
 
 

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from shuttle.common.ipc import CURVE_ENV, CurveKeys
-from shuttle.launcher import launcher as launcher_module
+from shuttle.launcher import commands
 from shuttle.launcher.cli import build_parser
 from shuttle.launcher.ports import Listen, PortError, check_ports
 from tests.server import MODEL_DIR, REPO
@@ -73,7 +73,7 @@ def test_the_batch_endpoint_on_port_plus_one_is_named_when_taken():
 
 def refusal(capsys, *argv: str) -> str:
     args = build_parser().parse_args(argv)
-    status = (launcher_module.serve if args.command == "serve" else launcher_module.engine)(args)
+    status = (commands.serve if args.command == "serve" else commands.engine)(args)
     err = capsys.readouterr().err
     assert status == 2 and err.count("\n") == 1, err
     return err
