@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"shuttle: error: ${LOG_LEVEL_ENV} {level!r} is not one of {', '.join(LOG_LEVELS)}", file=sys.stderr)
             return 2
         os.environ[LOG_LEVEL_ENV] = level.upper()  # every child process reads it (common/process.py)
-        log_format = args.log_format or os.environ.get(LOG_FORMAT_ENV, "text").lower()
+        log_format = args.log_format or os.environ.get(LOG_FORMAT_ENV, "").lower() or "text"  # empty: unset
         if log_format not in LOG_FORMATS:
             print(f"shuttle: error: ${LOG_FORMAT_ENV} {log_format!r} is not one of {', '.join(LOG_FORMATS)}",
                   file=sys.stderr)

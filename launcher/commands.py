@@ -84,7 +84,8 @@ def _ray_flags_unused(args: argparse.Namespace) -> str | None:
                                       ("--ray-placement-strategy", args.ray_placement_strategy != "STRICT_PACK"))
              if value]
     if given and args.distributed_executor_backend != "ray":
-        return f"{' and '.join(given)} place serving groups on Ray: they need --distributed-executor-backend ray"
+        return f"{' and '.join(given)}: {'these place' if len(given) > 1 else 'it places'} serving groups on Ray, " \
+               f"which needs --distributed-executor-backend ray"
     return None
 
 
@@ -129,13 +130,15 @@ def _serve(args: argparse.Namespace, api_key: str | None, remote: tuple[str, ...
             devices = placer.cluster_gpus() if placer is not None and config.worker.device != "cpu" \
                 else _cuda_devices(config)
             config = resolve_config(config, len(groups), devices)
+            if placer is not None:
+                placer.check_fits(config)
             check_scheduler_files(config.scheduler)
             if config.chat_template:
                 _check_chat_template(config.chat_template)
             _check_tracing(config)
             check_ports(_frontend_listens(args, config) + ([] if placer else _rendezvous_listens(config, len(groups))))
             plan_cores(allowed_cores(), len(groups) * tp, config.worker.worker_cores)  # refuses a bad --worker-cores
-        except (ModelDirError, PortError, DeviceError, CoreError) as exc:
+        except (ModelDirError, PortError, DeviceError, CoreError, RayUnavailable) as exc:
             print(f"shuttle: error: {exc}", file=sys.stderr)
             return 2
         _say_auto_dtype(args, config)  # only once nothing is refused: a refusal is its one line alone

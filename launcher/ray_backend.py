@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -32,6 +33,7 @@ from shuttle.common.config import ShuttleConfig
 from shuttle.common.devices import device_type
 from shuttle.launcher.processes import describe_exit
 
+GCS_PROBE_TIMEOUT_S = 5.0  # for the cluster's address to accept a connection at all
 PLACEMENT_TIMEOUT_S = 60.0  # how long a start waits for Ray to reserve a group's bundles
 ACTOR_START_TIMEOUT_S = 120.0  # for an actor to come up on its node and start its process
 # the launcher's environment that a rank takes to its node: shuttle's own settings (keys, log format, rank, group),
@@ -53,6 +55,20 @@ class RayUnavailable(Exception):
     """Ray is not installed, or its cluster cannot be joined (one line for the launcher to print)."""
 
 
+def _probe_gcs(address: str) -> None:
+    """Raise RayUnavailable unless something accepts a TCP connection at `address` (HOST:PORT, the cluster's GCS)
+    within GCS_PROBE_TIMEOUT_S."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host or "127.0.0.1", int(port)), timeout=GCS_PROBE_TIMEOUT_S):
+            pass
+    except ValueError:
+        raise RayUnavailable(f"--ray-address {address!r} is not HOST:PORT") from None
+    except OSError as exc:
+        raise RayUnavailable(f"cannot join the Ray cluster at {address}: nothing answers there ({exc}); start its "
+                             f"head with `ray start --head`, or give its address") from None
+
+
 def join_ray(address: str) -> str:
     """Join the Ray cluster at `address` ("" : $RAY_ADDRESS, else a local cluster, as `ray.init()` decides); the
     launcher's node address, which the ranks reach it at.
@@ -64,6 +80,9 @@ def join_ray(address: str) -> str:
         import ray
     except ImportError:
         raise RayUnavailable("--distributed-executor-backend ray needs Ray (pip install 'shuttle[ray]')") from None
+    named = address or os.environ.get("RAY_ADDRESS", "")
+    if named and named != "auto" and not named.startswith("ray://"):
+        _probe_gcs(named)  # ray.init retries an absent GCS for minutes, deaf to Ctrl-C: ask once, briefly
     try:
         ray.init(address=address or None, logging_level=logging.WARNING, log_to_driver=False,
                  namespace="shuttle")
@@ -169,6 +188,21 @@ class RayPlacer:
         if device_type(config.worker.device) == "cuda":
             bundle["GPU"] = 1.0
         return bundle
+
+    def check_fits(self, config: ShuttleConfig) -> None:
+        """Refuse a group that no node of the cluster could ever hold (its bundles against each node's total
+        resources), so that it is one line at start-up, not a minute's wait for a reservation that cannot come.
+
+        Raises:
+            RayUnavailable: no node (under STRICT_PACK: no single node for all the ranks) has the resources.
+        """
+        bundle = self.bundle(config)
+        ranks = config.parallel.tensor_parallel_size if self.strategy == "STRICT_PACK" else 1
+        nodes = [n["Resources"] for n in self._ray.nodes() if n.get("Alive")]
+        if not any(all(node.get(k, 0) >= v * ranks for k, v in bundle.items()) for node in nodes):
+            largest = max((node.get("CPU", 0) for node in nodes), default=0)
+            raise RayUnavailable(f"no node of the Ray cluster can hold {ranks} x {bundle} ({self.strategy}); its "
+                                 f"largest node has {largest:g} CPUs (lower --worker-threads, or add nodes)")
 
     def place(self, group: int, config: ShuttleConfig) -> list[Any]:
         """Reserve group `group`'s bundles (releasing any earlier placement of it) and start one actor in each, rank

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextvars
 import os
+import threading
 from typing import Any, Protocol
 
 from shuttle.common.messages import Submit
@@ -28,6 +29,7 @@ TRACE_HEADERS: contextvars.ContextVar[dict[str, str] | None] = contextvars.Conte
 TRACE_HEADER_NAMES = ("traceparent", "tracestate")
 SPAN_NAME = "llm_request"
 PROTOCOL_ENV = "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"
+GENERAL_PROTOCOL_ENV = "OTEL_EXPORTER_OTLP_PROTOCOL"
 PROTOCOLS = ("grpc", "http/protobuf")
 FLUSH_AT_EXIT_MS = 2000  # how long the frontend's exit waits for the collector to take the last spans
 
@@ -35,9 +37,10 @@ FLUSH_AT_EXIT_MS = 2000  # how long the frontend's exit waits for the collector 
 def tracing_unavailable() -> str | None:
     """Why --otlp-traces-endpoint cannot be served here (the SDK or an exporter is not installed, or the protocol
     is not one shuttle exports with), else None."""
-    protocol = os.environ.get(PROTOCOL_ENV, "grpc")
+    protocol = otlp_protocol()
     if protocol not in PROTOCOLS:
-        return f"${PROTOCOL_ENV} {protocol!r} is not one of {', '.join(PROTOCOLS)}"
+        which = PROTOCOL_ENV if os.environ.get(PROTOCOL_ENV) else GENERAL_PROTOCOL_ENV
+        return f"${which} {protocol!r} is not one of {', '.join(PROTOCOLS)}"
     try:
         import opentelemetry.exporter.otlp.proto.grpc.trace_exporter  # noqa: F401
         import opentelemetry.exporter.otlp.proto.http.trace_exporter  # noqa: F401
@@ -84,7 +87,9 @@ class RequestTracer:
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
         service = os.environ.get("OTEL_SERVICE_NAME") or "shuttle"
-        self.provider = TracerProvider(resource=Resource.create({"service.name": service}))
+        # no exit hook of the SDK's own: its shutdown would wait out a silent collector's export timeout (10 s and
+        # more); the frontend flushes for at most FLUSH_AT_EXIT_MS instead (flush)
+        self.provider = TracerProvider(resource=Resource.create({"service.name": service}), shutdown_on_exit=False)
         self.provider.add_span_processor(processor if processor is not None else
                                          BatchSpanProcessor(_exporter(endpoint)))
         self.tracer = self.provider.get_tracer("shuttle")
@@ -134,12 +139,23 @@ class RequestTracer:
     def flush(self) -> None:
         """Export what is still buffered, for at most FLUSH_AT_EXIT_MS (at the frontend's exit: an unreachable
         collector must not hold the drain)."""
-        self.provider.force_flush(FLUSH_AT_EXIT_MS)
+        # in a thread of its own: the SDK's flush waits out an export in progress whatever its timeout says (10 s
+        # against a collector that accepts and never answers); a daemon thread does not hold the exit
+        flushing = threading.Thread(target=self.provider.force_flush, args=(FLUSH_AT_EXIT_MS,), name="span-flush",
+                                    daemon=True)
+        flushing.start()
+        flushing.join(FLUSH_AT_EXIT_MS / 1000)
+
+
+def otlp_protocol() -> str:
+    """OTEL_EXPORTER_OTLP_TRACES_PROTOCOL, else the general OTEL_EXPORTER_OTLP_PROTOCOL (the SDK's rule), else grpc
+    (vLLM's default)."""
+    return os.environ.get(PROTOCOL_ENV) or os.environ.get(GENERAL_PROTOCOL_ENV) or "grpc"
 
 
 def _exporter(endpoint: str):
-    """The OTLP span exporter for `endpoint`, by OTEL_EXPORTER_OTLP_TRACES_PROTOCOL (default grpc, as vLLM's)."""
-    protocol = os.environ.get(PROTOCOL_ENV, "grpc")
+    """The OTLP span exporter for `endpoint`, by otlp_protocol()."""
+    protocol = otlp_protocol()
     if protocol == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
         return GrpcExporter(endpoint=endpoint)

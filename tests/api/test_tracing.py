@@ -158,3 +158,31 @@ def test_an_unknown_otlp_protocol_is_refused_at_start_up():
     assert done.returncode == 2
     assert done.stderr.strip() == "shuttle: error: $OTEL_EXPORTER_OTLP_TRACES_PROTOCOL 'http/json' is not one of " \
                                   "grpc, http/protobuf", done.stderr
+
+
+def test_a_collector_that_never_answers_holds_the_exit_at_most_the_flush_bound(monkeypatch):
+    """At exit the frontend waits FLUSH_AT_EXIT_MS for the last spans, also when the collector accepts connections and
+    never answers (the SDK's own flush would wait out its 10 s export timeout)."""
+    import socket
+
+    from shuttle.frontend.observability.tracing import FLUSH_AT_EXIT_MS
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)  # connections complete in the backlog; nothing is ever read or answered
+        tracer = RequestTracer(f"http://127.0.0.1:{silent.getsockname()[1]}", "stories")
+        finished_sequence(tracer)
+        began = time.monotonic()
+        tracer.flush()
+        assert time.monotonic() - began < FLUSH_AT_EXIT_MS / 1000 + 0.5
+
+
+def test_the_general_otlp_protocol_variable_is_the_fallback(monkeypatch):
+    from shuttle.frontend.observability.tracing import otlp_protocol, tracing_unavailable
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", raising=False)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
+    assert otlp_protocol() == "http/protobuf" and tracing_unavailable() is None
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "bogus")
+    assert tracing_unavailable() == "$OTEL_EXPORTER_OTLP_PROTOCOL 'bogus' is not one of grpc, http/protobuf"
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "grpc")  # the traces-specific one wins
+    assert otlp_protocol() == "grpc"

@@ -128,6 +128,21 @@ def test_shuttle_command_lines_parse_and_probes_reach_its_routes(path):
     assert found == 1
 
 
+def test_thread_counts_fit_the_cpus_the_pods_get():
+    """A container sees every core of its node, so shuttle is told its threads: within the pod's CPU request
+    (Deployment: one CPU left to the frontend and scheduler), and a Ray rank's bundle within a worker pod's Ray CPUs."""
+    (deployment, _) = documents(DEPLOY / "kubernetes" / "deployment.yaml")
+    (_, container), = shuttle_containers(deployment)
+    args = build_parser().parse_args(container["args"])
+    assert args.worker_threads < float(container["resources"]["requests"]["cpu"])
+    (ray_cluster, _) = documents(DEPLOY / "kubernetes" / "raycluster.yaml")
+    (_, container), = shuttle_containers(ray_cluster)
+    args = build_parser().parse_args(container["args"])
+    workers = ray_cluster["spec"]["workerGroupSpecs"]
+    assert all(args.worker_threads <= float(group["rayStartParams"]["num-cpus"]) for group in workers)
+    assert sum(group["replicas"] for group in workers) >= args.data_parallel_size  # a group per worker pod
+
+
 @pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: p.name)
 def test_dockerfiles_install_with_the_install_script_and_serve_what_they_expose(path):
     text = re.sub(r"\\\n", " ", path.read_text())
@@ -135,6 +150,9 @@ def test_dockerfiles_install_with_the_install_script_and_serve_what_they_expose(
     runs = [rest for op, rest in instructions if op == "RUN"]
     assert "bash scripts/install.sh --serve" in runs  # the one install of shuttle and torch
     assert not any("pip" in run for run in runs), runs  # no install step of its own beside the script's
+    # KubeRay runs `ray` in a login shell, whose /etc/profile resets PATH: the venv's commands are linked onto it
+    assert any("ln -s" in run and "/.venv/bin/ray" in run and "/usr/local/bin" in run for run in runs), runs
+    assert any("wget" in run for run in runs), runs  # KubeRay's probes of a Ray container run it
     entrypoint = [rest for op, rest in instructions if op == "ENTRYPOINT"]
     cmd = [rest for op, rest in instructions if op == "CMD"]
     assert entrypoint == ['["shuttle"]']

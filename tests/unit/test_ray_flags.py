@@ -31,12 +31,24 @@ def test_without_ray_installed_the_backend_is_one_line(tmp_path):
 
 
 @pytest.mark.parametrize("flags, why", [
-    (["--ray-address", "10.0.0.1:6379"], "--ray-address place serving groups on Ray"),
-    (["--ray-placement-strategy", "SPREAD"], "--ray-placement-strategy place serving groups on Ray"),
+    (["--ray-address", "10.0.0.1:6379"], "--ray-address: it places serving groups on Ray, which needs "
+                                         "--distributed-executor-backend ray"),
+    (["--ray-placement-strategy", "SPREAD"], "--ray-placement-strategy: it places serving groups on Ray"),
 ])
 def test_ray_flags_without_the_ray_backend_are_refused(flags, why):
     assert why in refused("serve", str(MODEL_DIR), "--port", "0", *flags)
     assert why in refused("engine", str(MODEL_DIR), "--listen", "ipc:///tmp/shuttle-engine-test.sock", *flags)
+
+
+def test_an_address_where_nothing_answers_is_one_line_at_once():
+    """ray.init would retry an absent cluster for minutes, deaf to Ctrl-C: the address is asked once first."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # bound, not listening: nothing answers there
+        line = refused("serve", str(MODEL_DIR), "--port", "0", "--distributed-executor-backend", "ray",
+                       "--ray-address", f"127.0.0.1:{port}")
+    assert line.startswith(f"shuttle: error: cannot join the Ray cluster at 127.0.0.1:{port}: nothing answers there")
 
 
 def test_engine_and_remote_groups_do_not_go_with_ray():
