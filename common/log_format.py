@@ -79,10 +79,16 @@ def configure_logging(process: str, level: str, group: int | None = None) -> Non
     root.setLevel(level.upper())
 
 
-def launcher_line(message: str, level: str = "INFO") -> str:
-    """One line of the launcher's own output ("shuttle: MESSAGE"), as JSON under --log-format json."""
+def launcher_line(message: str, data: dict | None = None, level: str = "INFO") -> str:
+    """One line of the launcher's own output, "shuttle: MESSAGE" with `data` as JSON after it; under --log-format
+    json one JSON object whose `message` is that same text and whose `data` holds `data` as fields, for a log
+    shipper to index (the ready line's URL and pids)."""
+    text = message if data is None else f"{message} {json.dumps(data)}"
     if log_format() != "json":
-        return f"shuttle: {message}"
+        return f"shuttle: {text}"
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds")
-    return json.dumps({"time": now, "level": level, "process": "launcher", "logger": "shuttle.launcher",
-                       "message": message}, ensure_ascii=False)
+    entry: dict[str, object] = {"time": now, "level": level, "process": "launcher", "logger": "shuttle.launcher",
+                                "message": text}
+    if data is not None:
+        entry["data"] = data
+    return json.dumps(entry, ensure_ascii=False)

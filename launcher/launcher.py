@@ -21,7 +21,6 @@ Every child dies with the launcher (Linux parent-death signal), so a killed laun
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import signal
 import time
@@ -94,9 +93,9 @@ def device_span(config: ShuttleConfig, first: str, groups: int) -> str:
     return f"{first}..{rank_device(first, groups - 1, tp - 1, tp)}"
 
 
-def say(message: str) -> None:
-    """One line of the launcher's own output (as JSON under --log-format json)."""
-    print(launcher_line(message), flush=True)
+def say(message: str, data: dict | None = None) -> None:
+    """One line of the launcher's own output, `data` as JSON after the message (common/log_format.py)."""
+    print(launcher_line(message, data), flush=True)
 
 
 class Launcher:
@@ -239,7 +238,7 @@ class Launcher:
                 if unit.is_ready and unit.ready_announced is False:
                     unit.ready_announced = True
                     say(f"the {unit.name} is serving again ({unit.start_durations[-1]:.1f} s to start)")
-                    say("restarted " + json.dumps({"unit": unit.name, "pids": self._pids()}))
+                    say("restarted", {"unit": unit.name, "pids": self._pids()})
                 reason = unit.failure(heartbeat_timeout if unit.is_ready else 0.0)
                 if reason is None and not unit.is_ready and time.monotonic() - unit.started_at > START_TIMEOUT_S:
                     reason = f"it did not start within {START_TIMEOUT_S:.0f} s"
@@ -332,8 +331,8 @@ class Launcher:
         if self.frontend is None:
             endpoint = self.group_configs[0].ipc.requests
             say(f"engine serving {self.config.model.served_model_name} for frontends at {endpoint}  (Ctrl-C stops)")
-            say("ready " + json.dumps({"url": "", "endpoint": endpoint, "batch_endpoint": "", "pids": self._pids(),
-                                        "launcher_pid": os.getpid()}))
+            say("ready", {"url": "", "endpoint": endpoint, "batch_endpoint": "", "pids": self._pids(),
+                          "launcher_pid": os.getpid()})
             return
         info = self.frontend.ready["frontend"]
         url = info["url"]
@@ -344,5 +343,5 @@ class Launcher:
         say(f"serving {self.config.model.served_model_name} at {url}" + (f", batch jobs at {batch}" if batch else "")
              + "  (Ctrl-C stops)")
         ray_nodes = {"ray_nodes": self._ray_nodes()} if self.placer is not None else {}
-        say("ready " + json.dumps({"url": url, "batch_endpoint": batch, "pids": self._pids(),
-                                    "launcher_pid": os.getpid(), **ray_nodes}))
+        say("ready", {"url": url, "batch_endpoint": batch, "pids": self._pids(), "launcher_pid": os.getpid(),
+                      **ray_nodes})

@@ -137,8 +137,8 @@ class ServingGroup(abc.ABC):
         what is in flight and refuse new requests until a new scheduler answers."""
         if group != 0:
             return
-        log.warning("the engine stopped (%s); failing %d in-flight request(s), restart expected in %.1f s",
-                    reason, len(self._queues), retry_after)
+        log.warning("the engine at %s stopped (%s); failing %d in-flight request(s), restart expected in %.1f s",
+                    self._endpoint, reason, len(self._queues), retry_after)
         self.down_reason = reason
         self.times_down += 1
         self._restart.down(time.monotonic(), retry_after)
@@ -151,7 +151,8 @@ class ServingGroup(abc.ABC):
         self.info = info
         if self.down_reason is not None:
             self._restart.up(time.monotonic())
-            log.info("the engine is serving again (%.1f s after it stopped)", self._restart.last_restart_s)
+            log.info("the engine at %s is serving again (%.1f s after it stopped)", self._endpoint,
+                     self._restart.last_restart_s)
         self.down_reason = None
         self._up.set()
 

@@ -52,6 +52,7 @@ async def test_json_log_lines_name_the_request_and_its_group(srv):
         await asyncio.sleep(0.05)
     assert len(access) == len(ids) and all('"POST /v1/completions HTTP/1.1" 200' in e["message"] for e in access)
     assert all({"time", "level", "process", "logger", "message"} <= e.keys() for e in entries)
+    assert srv.ready_info["pids"] and srv.ready_info["url"] == srv.url  # the launcher's ready line, JSON on stdout
     submitted = [e for e in entries if e["message"].startswith("request ") and "prompt tokens" in e["message"]]
     finished = [e for e in entries if e["message"].startswith("request ") and " finished: length" in e["message"]]
     for lines in (submitted, finished):
