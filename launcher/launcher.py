@@ -231,6 +231,9 @@ class Launcher:
                                    else self.group_configs[unit.engine_group], self.env)
                         if unit is self.frontend:
                             self._link_frontend()
+                        # a start may take a while (under Ray it waits for a placement group, up to a minute): the
+                        # heartbeats the other units sent meanwhile are read before anyone is judged silent
+                        self._read_control(0)
                     continue
                 if unit.serving_since is not None and unit.failures_in_a_row \
                         and time.monotonic() - unit.serving_since > RESTART_RESET_S:
