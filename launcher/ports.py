@@ -10,6 +10,7 @@ coincide are found too. A port can still be taken between the check and the bind
 from __future__ import annotations
 
 import errno
+import random
 import socket
 from dataclasses import dataclass
 
@@ -99,3 +100,44 @@ def _refusal(where: str, host: str, exc: OSError) -> str:
     if exc.errno == errno.EACCES:
         return f"{where}: permission denied (ports below 1024 need privileges)"
     return f"{where}: cannot listen on {host or '*'}: {exc.strerror or exc}"
+
+
+LISTEN_PORT_MIN = 20000  # above Ray's worker ports (10002-19999 by default)
+EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
+
+
+def free_listen_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """`n` distinct TCP ports free on `host` now, for listeners that bind them a moment later (a scheduler's
+    sockets, a torch.distributed rendezvous).
+
+    They are drawn below the kernel's ephemeral range (Linux's ip_local_port_range, 32768-60999 by default), so that
+    no other process's outgoing connection, whose local port the kernel takes from that range, can take one between
+    this check and the listener's bind. Port 0's pick lies inside that range: on a busy host (a Ray node's many
+    connections) the rendezvous port was taken that way. Where the range leaves no room below it, the kernel picks.
+    """
+    try:
+        with open(EPHEMERAL_RANGE) as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 0
+    held: list[socket.socket] = []
+    try:
+        rng = random.Random()
+        for _ in range(50 * n):
+            if len(held) == n or low <= LISTEN_PORT_MIN:
+                break
+            s = socket.socket()
+            try:
+                s.bind((host, rng.randrange(LISTEN_PORT_MIN, low)))
+            except OSError:
+                s.close()
+                continue
+            held.append(s)
+        while len(held) < n:
+            s = socket.socket()
+            s.bind((host, 0))
+            held.append(s)
+        return [s.getsockname()[1] for s in held]
+    finally:
+        for s in held:
+            s.close()

@@ -12,11 +12,11 @@ Imported by Ray on every node: it imports nothing heavy (Ray itself only inside 
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import threading
 
 from shuttle.common.process import die_with_parent
+from shuttle.launcher.ports import free_listen_ports
 
 
 class ProcessHost:
@@ -33,9 +33,8 @@ class ProcessHost:
         import ray  # this runs inside a Ray worker process
 
         address = ray.util.get_node_ip_address()
-        with socket.socket() as s:
-            s.bind((address, 0))
-            return address, s.getsockname()[1], ray.get_runtime_context().get_node_id()
+        (port,) = free_listen_ports(1, address)  # below the ephemeral range: a busy node's connections miss it
+        return address, port, ray.get_runtime_context().get_node_id()
 
     def start(self, argv: list[str], env: dict[str, str]) -> int:
         """Start `argv` with this actor's environment updated by `env`; its pid.

@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ from shuttle.common.cpu_threads import CorePlan, other_env, pin, worker_env
 from shuttle.common.devices import device_type
 from shuttle.common.messages import ControlMessage, Heartbeat, ProcessReady
 from shuttle.common.process import LAST_WORDS_SIGNAL, die_with_parent
+from shuttle.launcher.ports import free_listen_ports
 from shuttle.launcher.processes import FailedProcess, Process, process_end
 from shuttle.launcher.ray_backend import RayUnavailable
 
@@ -55,14 +55,8 @@ def _before_exec(cores: tuple[int, ...]) -> None:
 
 
 def free_tcp_endpoints(n: int, host: str = "127.0.0.1") -> list[str]:
-    """`n` tcp:// endpoints on `host` (default loopback) on ports free right now (the OS picks them)."""
-    sockets = [socket.socket() for _ in range(n)]
-    for s in sockets:
-        s.bind((host, 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return [f"tcp://{host}:{p}" for p in ports]
+    """`n` tcp:// endpoints on `host` (default loopback) on distinct ports free right now (launcher/ports.py)."""
+    return [f"tcp://{host}:{p}" for p in free_listen_ports(n, host)]
 
 
 class Unit:
