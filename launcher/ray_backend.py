@@ -198,9 +198,8 @@ class RayPlacer:
         """
         bundle = self.bundle(config)
         ranks = config.parallel.tensor_parallel_size if self.strategy == "STRICT_PACK" else 1
-        nodes = [n["Resources"] for n in self._ray.nodes() if n.get("Alive")]
-        if not any(all(node.get(k, 0) >= v * ranks for k, v in bundle.items()) for node in nodes):
-            largest = max((node.get("CPU", 0) for node in nodes), default=0)
+        if not self._nodes_that_hold(bundle, ranks):
+            largest = max((n["Resources"].get("CPU", 0) for n in self._ray.nodes() if n.get("Alive")), default=0)
             raise RayUnavailable(f"no node of the Ray cluster can hold {ranks} x {bundle} ({self.strategy}); its "
                                  f"largest node has {largest:g} CPUs (lower --worker-threads, or add nodes)")
 
@@ -279,6 +278,10 @@ class RayPlacer:
     def _target_node(self, group: int, bundle: dict[str, float], ranks: int) -> str | None:
         """The node group `group` aims at: the group-th (cyclically) of the alive nodes that can hold its `ranks`,
         so that data-parallel groups land on different nodes while there are enough."""
-        nodes = sorted((n for n in self._ray.nodes() if n.get("Alive")), key=lambda n: n["NodeID"])
-        fits = [n["NodeID"] for n in nodes if all(n["Resources"].get(k, 0) >= v * ranks for k, v in bundle.items())]
+        fits = self._nodes_that_hold(bundle, ranks)
         return fits[group % len(fits)] if fits else None
+
+    def _nodes_that_hold(self, bundle: dict[str, float], ranks: int) -> list[str]:
+        """The ids, in a fixed order, of the alive nodes whose total resources hold `ranks` x `bundle`."""
+        nodes = sorted((n for n in self._ray.nodes() if n.get("Alive")), key=lambda n: n["NodeID"])
+        return [n["NodeID"] for n in nodes if all(n["Resources"].get(k, 0) >= v * ranks for k, v in bundle.items())]
