@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from shuttle.common.capacity import kv_blocks_for_memory
+from shuttle.worker.kv_sizing import KVSizingError
 from shuttle.worker.model_loader import LayerGeometry
 
 
@@ -40,13 +41,15 @@ class KVCache:
         """Allocate `num_blocks` blocks, or as many as fit in `memory_bytes` (bytes) when it is None.
 
         Raises:
-            ValueError: the budget holds no block.
+            KVSizingError: the budget holds no block (the worker refuses to start with this one line).
         """
         bytes_per_token = KVCache.bytes_per_token_of(geometry, dtype)
         if num_blocks is None:
             num_blocks = kv_blocks_for_memory(memory_bytes, bytes_per_token, block_size)  # less the null block
         if num_blocks < 1:
-            raise ValueError(f"KV cache budget of {memory_bytes} bytes holds no block of {block_size} tokens")
+            raise KVSizingError(f"--kv-cache-memory {memory_bytes} bytes holds no KV block of {block_size} tokens "
+                                f"({bytes_per_token} bytes/token, and one null block); it takes bytes or a unit, "
+                                f"e.g. 2GiB")
         layers = [(torch.zeros((num_blocks + 1, block_size, g.num_kv_heads, g.head_dim), dtype=dtype, device=device),
                    torch.zeros((num_blocks + 1, block_size, g.num_kv_heads, g.v_head_dim), dtype=dtype, device=device))
                   for g in geometry]

@@ -12,6 +12,7 @@ from shuttle.common.model_config import ModelConfig
 from shuttle.launcher.cli import build_parser
 from shuttle.launcher.launcher import capacity_lines
 from shuttle.worker.kv_cache import KVCache
+from shuttle.worker.kv_sizing import KVSizingError
 from shuttle.worker.model_loader import LayerGeometry
 from tests.server import MODEL_DIR
 
@@ -41,6 +42,14 @@ def test_worker_allocates_what_the_arithmetic_says():
     assert cache.num_blocks == kv_blocks_for_memory(4 * MiB, cache.bytes_per_token, 16)
     assert sum(k.numel() * 4 + v.numel() * 4 for k, v in cache.layers) == kv_cache_bytes(cache.num_blocks, 16,
                                                                                       cache.bytes_per_token)
+
+
+def test_a_budget_without_a_block_is_a_start_up_refusal():
+    """`--kv-cache-memory 2048` (bytes, meant as MiB) is refused with the error the worker turns into one line."""
+    geometry = [LayerGeometry(2, 16, 16)] * 5
+    with pytest.raises(KVSizingError, match="--kv-cache-memory 2048 bytes holds no KV block of 16 tokens "
+                                            r"\(1280 bytes/token, and one null block\); it takes bytes or a unit"):
+        KVCache.allocate(geometry, 16, torch.float32, torch.device("cpu"), None, 2048)
 
 
 @pytest.fixture(scope="module")
