@@ -43,19 +43,21 @@ DEFAULT_TOKENIZER = Path(__file__).resolve().parents[3] / "shared" / "tokenizers
 
 
 def make_random_model(out: Path, shape: str = "110m", tokenizer_dir: Path = DEFAULT_TOKENIZER, seed: int = 0,
-                      device: str = "cpu", dtype: str = "float32") -> Path:
+                      device: str = "cpu", dtype: str = "float32", max_positions: int | None = None) -> Path:
     """Write config.json, model.safetensors, generation_config.json and the tokenizer files into `out`.
 
     Args:
         device: where the weights are initialised (cuda is much faster at 1B).
         dtype: the dtype the weights are saved in (and config.json's dtype).
+        max_positions: max_position_embeddings instead of the shape's (RoPE has no learned positions, so only the
+            longest context a server accepts changes).
     Raises:
         KeyError: unknown shape. FileNotFoundError: tokenizer_dir lacks tokenizer.json.
     """
     if not (tokenizer_dir / "tokenizer.json").exists():
         raise FileNotFoundError(f"{tokenizer_dir}/tokenizer.json")
     config = LlamaConfig(**{"vocab_size": 32000, "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": True,
-                            **SHAPES[shape]})
+                            **SHAPES[shape], **({"max_position_embeddings": max_positions} if max_positions else {})})
     torch.manual_seed(seed)
     with torch.device(device):
         model = LlamaForCausalLM(config).to(getattr(torch, dtype))
@@ -98,6 +100,8 @@ def main() -> int:
     parser.add_argument("--tokenizer", type=Path, default=DEFAULT_TOKENIZER)
     parser.add_argument("--device", default="cpu", help="where to initialise the weights")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--max-position-embeddings", type=int, default=None,
+                        help="longest context instead of the shape's (e.g. 4096 for a 2,000-token prompt)")
     parser.add_argument("--draft-of", type=Path, default=None, metavar="MODEL_DIR",
                         help="instead: write a draft model of MODEL_DIR's first --layers layers")
     parser.add_argument("--layers", type=int, default=2, help="--draft-of's decoder layers")
@@ -107,7 +111,7 @@ def main() -> int:
         print(f"wrote {out}")
         return 0
     out = make_random_model(args.out or Path(f"/tmp/shuttle-models/llama-{args.shape}"), args.shape, args.tokenizer,
-                            device=args.device, dtype=args.dtype)
+                            device=args.device, dtype=args.dtype, max_positions=args.max_position_embeddings)
     with torch.device("meta"):
         params = sum(p.numel() for p in LlamaForCausalLM(LlamaConfig.from_pretrained(out)).parameters())
     print(f"wrote {out} ({params / 1e6:.1f}M parameters)")
