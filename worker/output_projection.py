@@ -13,12 +13,14 @@ on an AVX2-only CPU: 2.5-39.8 against 0.85-6.8 ms a layer); widening the whole w
 Widening WIDEN_CHUNK output rows at a time (768 KB of float32 for a 768-wide layer, which stays in cache for its
 matmul) ran at 1.0-1.1x float32 (0.96, 1.87, 6.91 ms), and 0.65-0.83x for a 32000 x 768 lm_head, while the
 weights stay resident in bfloat16. Each output is the dot product of bf16 values accumulated in float32, rounded
-to bfloat16 once, as a bf16 matmul with float32 accumulation gives it.
+to bfloat16 once, as a bf16 matmul with float32 accumulation gives it. Up to GEMV_MAX_ROWS rows (a decode step of
+a few sequences, bound by the bytes of weights it reads) go to worker/bf16_gemv.py instead, which reads each bf16
+weight once and widens it in registers.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +47,11 @@ class ColumnChunkedLinear(torch.nn.Module):
         self.linear = linear
         self.chunk = chunk
         self.widen = widen
+        self.rows_kernel: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+        self.max_kernel_rows = 0  # rows up to which rows_kernel (worker/bf16_gemv.py) computes it
+        if widen and linear.weight.dtype == torch.bfloat16:
+            from shuttle.worker import bf16_gemv  # numba loads only where bf16 weights are widened
+            self.rows_kernel, self.max_kernel_rows = bf16_gemv.bf16_linear_rows, bf16_gemv.GEMV_MAX_ROWS
 
     @property
     def weight(self) -> torch.Tensor:
@@ -56,6 +63,12 @@ class ColumnChunkedLinear(torch.nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         weight, bias = self.linear.weight, self.linear.bias
+        if self.rows_kernel is not None and hidden.numel() <= self.max_kernel_rows * weight.shape[1]:
+            # a few rows: the weights' bf16 bytes read once, widened in registers (worker/bf16_gemv.py)
+            out32 = self.rows_kernel(hidden.reshape(-1, weight.shape[1]), weight)
+            if bias is not None:
+                out32 += bias.float()
+            return out32.to(hidden.dtype).reshape(*hidden.shape[:-1], weight.shape[0])
         out = hidden.new_empty(*hidden.shape[:-1], weight.shape[0])
         rows = hidden.float() if self.widen else hidden  # [..., K]
         for first in range(0, weight.shape[0], self.chunk):

@@ -132,6 +132,8 @@ class ModelRunner:
         if self.widened_linears:
             log.info("%d bfloat16 linear layers computed in float32 chunks: this CPU has no bf16 matrix units",
                      self.widened_linears)
+            from shuttle.worker import bf16_gemv  # numba loads only where bf16 weights are widened
+            bf16_gemv.warm_up(torch.get_num_threads())
         lora = config.lora  # --enable-lora: every target linear wrapped once, the slots empty (worker/lora.py)
         self.lora = LoRAAdapters(self.model, lora.max_loras, lora.max_lora_rank, parallel.rank, parallel.size) \
             if lora.enable_lora else None

@@ -1,8 +1,12 @@
-"""The column-chunked output projection gives the same logits, bit for bit, and is only used where it is exact."""
+"""The column-chunked output projection gives the same logits, bit for bit, and is only used where it is exact; bf16
+linears on a CPU without bf16 units compute the float32 product of their bf16 values, rounded once."""
 
+import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from shuttle.worker import bf16_gemv
+from shuttle.worker.bf16_gemv import bf16_linear_rows
 from shuttle.worker.output_projection import (
     MIN_COLUMNS,
     WIDEN_CHUNK,
@@ -49,21 +53,35 @@ def test_small_heads_other_dtypes_and_tensor_parallel_keep_the_plain_head():
                                        tensor_parallel=False)
 
 
-def test_widened_bf16_linear_is_the_float32_product_of_its_bf16_values_rounded_once():
+@pytest.mark.parametrize("leading", [(1,), (3, 5), (4, 9)], ids=["1 row", "15 rows", "36 rows"])
+def test_widened_bf16_linear_is_the_float32_product_of_its_bf16_values_rounded_once(leading, monkeypatch):
+    """Up to GEMV_MAX_ROWS rows through worker/bf16_gemv.py's kernel, more through the widened float32 chunks: the
+    same products either way."""
+    calls = []
+    monkeypatch.setattr(bf16_gemv, "bf16_linear_rows", lambda *a: calls.append(1) or bf16_linear_rows(*a))
     torch.manual_seed(0)
     for out_features, bias in ((600, True), (MIN_COLUMNS, False)):  # a partial last chunk; no bias
         linear = torch.nn.Linear(96, out_features, bias=bias).to(torch.bfloat16)
-        hidden = torch.randn(3, 5, 96).to(torch.bfloat16)
+        hidden = torch.randn(*leading, 96).to(torch.bfloat16)
         with torch.inference_mode():
             out = ColumnChunkedLinear(linear, WIDEN_CHUNK, widen=True)(hidden)
             # the same dot products in float64 from the same bf16 values, rounded to bf16 once
             exact = torch.nn.functional.linear(hidden.double(), linear.weight.double(),
                                                None if linear.bias is None else linear.bias.double())
-        assert out.dtype == torch.bfloat16 and out.shape == (3, 5, out_features)
+        assert out.dtype == torch.bfloat16 and out.shape == (*leading, out_features)
         rounded = exact.to(torch.bfloat16)
         # float32 accumulation can land on the neighbouring bf16 value when the exact sum sits near a tie
         assert (out.double() - rounded.double()).abs().le(rounded.double().abs() * 2 ** -7 + 1e-6).all()
         assert (out == rounded).float().mean() > 0.95
+    rows = torch.Size(leading).numel()
+    assert len(calls) == (2 if rows <= bf16_gemv.GEMV_MAX_ROWS else 0)
+
+
+def test_bf16_rows_kernel_refuses_a_weight_it_cannot_read():
+    with pytest.raises(ValueError, match="bf16_linear_rows: weight"):
+        bf16_linear_rows(torch.ones(1, 4), torch.ones(3, 4))  # float32 weight
+    with pytest.raises(ValueError, match="bf16_linear_rows: weight"):
+        bf16_linear_rows(torch.ones(1, 4), torch.ones(3, 5, dtype=torch.bfloat16))
 
 
 def test_widening_swaps_every_bf16_linear_keeps_tied_weights_and_only_without_bf16_units():
