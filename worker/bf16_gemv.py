@@ -22,7 +22,7 @@ from shuttle.worker.decode_kernel import _widen  # the exact bf16 -> float32 wid
 
 # Rows up to which ColumnChunkedLinear takes this kernel. Its cost grows with the rows (each row's dot products widen
 # the weights again), the chunked float32 GEMM's barely: on a 2-core AVX2 CPU, 12 layers of 2304 x 768 bf16 weights
-# took 0.15-0.3x the chunked path's time at 1-4 rows, 0.4-0.6x at 16, and about the same at 64
+# took 0.31-0.41x the chunked path's time at 1-16 rows, 0.65x at 32, 0.94x at 64 and 1.34x at 128
 # (scripts/dev/bench_bf16_gemv.py).
 GEMV_MAX_ROWS = 16
 _ROW_BLOCK = 64  # weight rows per parallel task
