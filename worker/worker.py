@@ -130,9 +130,10 @@ class ModelRunner:
         chunk_output_projection(self.model, device, parallel.enabled)
         self.widened_linears = widen_bf16_linears(self.model, device, parallel.enabled, bf16_units)
         if self.widened_linears:
-            log.info("%d bfloat16 linear layers computed in float32 chunks: this CPU has no bf16 matrix units",
-                     self.widened_linears)
             from shuttle.worker import bf16_gemv  # numba loads only where bf16 weights are widened
+            log.info("%d bfloat16 linear layers computed in float32 (chunks widened in memory, or up to %d rows "
+                     "widened in registers): this CPU has no bf16 matrix units", self.widened_linears,
+                     bf16_gemv.GEMV_MAX_ROWS)
             bf16_gemv.warm_up(torch.get_num_threads())
         lora = config.lora  # --enable-lora: every target linear wrapped once, the slots empty (worker/lora.py)
         self.lora = LoRAAdapters(self.model, lora.max_loras, lora.max_lora_rank, parallel.rank, parallel.size) \

@@ -205,6 +205,7 @@ def main() -> int:
                         judge_vllm_tool(runs[-2:])
     table = summary_table(runs)
     print_table(table, args)
+    print_ratio_table(table)
     if args.json:
         args.json.write_text(json.dumps({"table": table, "runs": runs}, indent=1))
     return 0
@@ -256,6 +257,24 @@ def print_table(table: list[dict], args) -> None:
               f"| {v.get('ttft_p50', 0):.0f}/{v.get('ttft_p99', 0):.0f} "
               f"| {s.get('itl_p50', 0):.0f}/{s.get('itl_p99', 0):.0f} "
               f"| {v.get('itl_p50', 0):.0f}/{v.get('itl_p99', 0):.0f} | {exact} |")
+
+
+def print_ratio_table(table: list[dict]) -> None:
+    """shuttle's figures over vLLM's: above 1 is more throughput, below 1 shorter latency ("-": not measured)."""
+    def ratio(row: dict, key: str) -> str:
+        ours, theirs = row["shuttle"].get(key), row["vllm"].get(key)
+        return f"{ours / theirs:.2f}" if ours is not None and theirs else "-"
+
+    print("\n| dtype | workload | load tool | output tok/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | exact |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for row in table:
+        exact = "yes" if row["shuttle"]["exact"] and row["vllm"]["exact"] else "NO"
+        if row["workload"] == "long-prompt":
+            print(f"| {row['dtype']} | long-prompt | shuttle | | long prompt's TTFT {ratio(row, 'long_ttft_ms')} | "
+                  f"| longest gap {ratio(row, 'gap_max_ms')} | | {exact} |")
+            continue
+        ratios = [ratio(row, key) for key in ("tok_s", "ttft_p50", "ttft_p99", "itl_p50", "itl_p99")]
+        print(f"| {row['dtype']} | {row['workload']} | {row['tool']} | {' | '.join(ratios)} | {exact} |")
 
 
 if __name__ == "__main__":
