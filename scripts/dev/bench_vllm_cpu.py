@@ -178,8 +178,8 @@ def main() -> int:
             servers = {"shuttle": shuttle.url, "vllm": vllm.url}
             print(f"{dtype}: shuttle {shuttle.url}, vLLM {vllm.url}", flush=True)
             vocab = asyncio.run(served_vocab_size(shuttle.url, None))
-            for url in servers.values():  # warm-up: both servers' first steps of every shape class
-                shuttle_tool(url, "c16", vocab, seed=10**6)
+            for url in servers.values():  # warm-up: both servers' first prefill and decode steps
+                shuttle_tool(url, "c1", vocab, seed=10**6)
             for r in range(args.rounds):
                 order = list(servers) if r % 2 == 0 else list(servers)[::-1]
                 for w_index, workload in enumerate(args.workloads):
