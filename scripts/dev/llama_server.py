@@ -7,20 +7,13 @@ Both come from the llama.cpp source tree that llama-cpp-python's source distribu
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
 import subprocess
 import sys
-import tempfile
-import time
-import urllib.request
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
+from peer_server import PeerServer, free_port  # scripts/dev, this script's own directory
 
-from shuttle.common.process import die_with_parent  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 LLAMA_CPP_SRC = REPO / ".venv" / "llama-cpp-src"
 LLAMA_SERVER = LLAMA_CPP_SRC / "build" / "bin" / "llama-server"
@@ -49,14 +42,7 @@ def convert_to_gguf(model_dir: str | Path, outtype: str = "f32") -> Path:
     return out
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now (another process may take it before the server does)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-class LlamaServer:
+class LlamaServer(PeerServer):
     """llama-server on one GGUF model with continuous batching: `slots` parallel sequences of at most
     `context_per_slot` tokens each, `threads` threads for both decode and prompt batches. A context manager that
     starts it in a session of its own, waits for /health, and stops it (SIGTERM, then SIGKILL) by PID.
@@ -69,56 +55,14 @@ class LlamaServer:
         RuntimeError: it exited or did not answer /health within `start_timeout` seconds.
     """
 
+    name = "llama-server"
+
     def __init__(self, gguf: Path, slots: int, context_per_slot: int, threads: int,
                  binary: Path = LLAMA_SERVER, start_timeout: float = 300.0):
         if not binary.exists():
             raise FileNotFoundError(f"{binary}: run scripts/dev/build_llama_server.sh")
         port = free_port()
-        self.url = f"http://127.0.0.1:{port}"
-        self.command = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
-                        "--parallel", str(slots), "--ctx-size", str(slots * context_per_slot),
-                        "--threads", str(threads), "--threads-batch", str(threads), "--cont-batching",
-                        "--no-webui"]
-        self.start_timeout = start_timeout
-        self.process: subprocess.Popen | None = None
-
-    def __enter__(self) -> LlamaServer:
-        self.log = tempfile.TemporaryFile()  # its log: a pipe nobody reads would fill and stall the server
-        self.process = subprocess.Popen(self.command, stdout=self.log, stderr=subprocess.STDOUT,
-                                        start_new_session=True, preexec_fn=die_with_parent)
-        deadline = time.monotonic() + self.start_timeout
-        try:
-            while not self._healthy():
-                if self.process.poll() is not None:
-                    self.log.seek(0)
-                    raise RuntimeError(f"llama-server exited with {self.process.returncode}: "
-                                       f"{self.log.read().decode(errors='replace')[-2000:]}")
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"llama-server did not answer {self.url}/health in {self.start_timeout} s")
-                time.sleep(0.5)
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.stop()
-
-    def _healthy(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"{self.url}/health", timeout=2) as response:
-                return response.status == 200
-        except OSError:
-            return False
-
-    def stop(self, timeout: float = 10.0) -> None:
-        if self.process is None:
-            return
-        if self.process.poll() is None:
-            os.kill(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.kill(self.process.pid, signal.SIGKILL)
-                self.process.wait()
-        self.log.close()
+        super().__init__([str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+                          "--parallel", str(slots), "--ctx-size", str(slots * context_per_slot),
+                          "--threads", str(threads), "--threads-batch", str(threads), "--cont-batching",
+                          "--no-webui"], port, start_timeout)

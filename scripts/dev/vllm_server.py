@@ -18,20 +18,10 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
 
-from llama_server import free_port  # scripts/dev, this script's own directory
-
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
-
-from shuttle.common.process import die_with_parent  # noqa: E402
+from peer_server import PeerServer, free_port  # scripts/dev, this script's own directory
 
 VLLM_PYTHON = Path("/tmp/vllm-venv/bin/python")
 LAUNCHER = '''import importlib.metadata as metadata
@@ -64,12 +54,12 @@ def vllm_env(kv_cache_gib: int) -> dict[str, str]:
     return {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)}
 
 
-class VllmServer:
+class VllmServer(PeerServer):
     """`vllm serve MODEL` on the CPU with `dtype`, `max_num_seqs`, `max_model_len` and `kv_cache_gib` GiB of KV cache,
     everything else vLLM's own defaults (chunked prefill and prefix caching on; its OpenMP threads bound to the cores
     it chooses), unless `env` says otherwise (e.g. VLLM_CPU_NUM_OF_RESERVED_CPU=0). A context manager that starts it
     in a session of its own, waits for /v1/models (its first start compiles the model with torch.compile: minutes),
-    and stops it (SIGTERM, then SIGKILL) by its process group.
+    and stops it (SIGTERM, then SIGKILL) by its process group, the engine core it spawned included.
 
     Attributes:
         url: http://127.0.0.1:PORT, the OpenAI-compatible API. model: the served model's id (the directory given).
@@ -79,62 +69,16 @@ class VllmServer:
         RuntimeError: it exited or did not answer within `start_timeout` seconds (its log's tail in the message).
     """
 
+    name = "vllm serve"
+    ready_path = "/v1/models"
+
     def __init__(self, model: str | Path, dtype: str, max_num_seqs: int, max_model_len: int, kv_cache_gib: int,
                  python: Path = VLLM_PYTHON, start_timeout: float = 900.0, env: dict[str, str] | None = None):
         port = free_port()
-        self.url = f"http://127.0.0.1:{port}"
         self.model = str(model)
-        self.command = [*vllm_command(python), "serve", self.model, "--host", "127.0.0.1", "--port", str(port),
-                        "--dtype", dtype, "--max-num-seqs", str(max_num_seqs), "--max-model-len", str(max_model_len)]
-        self.env = {**vllm_env(kv_cache_gib), **(env or {})}
-        self.start_timeout = start_timeout
-        self.process: subprocess.Popen | None = None
+        super().__init__([*vllm_command(python), "serve", self.model, "--host", "127.0.0.1", "--port", str(port),
+                          "--dtype", dtype, "--max-num-seqs", str(max_num_seqs), "--max-model-len",
+                          str(max_model_len)], port, start_timeout, {**vllm_env(kv_cache_gib), **(env or {})})
 
-    def __enter__(self) -> VllmServer:
-        self.log = tempfile.TemporaryFile()  # a pipe nobody reads would fill and stall the server
-        self.process = subprocess.Popen(self.command, stdout=self.log, stderr=subprocess.STDOUT, env=self.env,
-                                        start_new_session=True, preexec_fn=die_with_parent)
-        deadline = time.monotonic() + self.start_timeout
-        try:
-            while not self._ready():
-                if self.process.poll() is not None:
-                    raise RuntimeError(f"vllm serve exited with {self.process.returncode}: {self.log_tail()}")
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"vllm serve did not answer in {self.start_timeout} s: {self.log_tail()}")
-                time.sleep(1.0)
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.stop()
-
-    def log_tail(self, chars: int = 3000) -> str:
-        self.log.seek(0)
-        return self.log.read().decode(errors="replace")[-chars:]
-
-    def _ready(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"{self.url}/v1/models", timeout=2) as response:
-                return response.status == 200 and bool(json.load(response)["data"])
-        except OSError:
-            return False
-
-    def stop(self, timeout: float = 20.0) -> None:
-        """SIGTERM to its process group (the API server and the engine core it spawned), SIGKILL after `timeout` s."""
-        if self.process is None:
-            return
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)  # its own session: the group id is its pid
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
-        try:  # the engine core may outlive the API server by a moment
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.log.close()
-        self.process = None
+    def is_ready(self, body: bytes) -> bool:
+        return bool(json.loads(body)["data"])  # the model is listed once its engine core is up
