@@ -39,6 +39,7 @@ from shuttle.worker.parallel import TensorParallel, local_device, local_numel
 from shuttle.worker.quantization import quantize_model
 from shuttle.worker.sampler import LOGPROB_FLOOR, Sampler
 from shuttle.worker.speculation import verify_drafts
+from shuttle.worker.split_linear import SPLIT_MAX_ROWS, split_float32_linears
 from shuttle.worker.staging import StepStaging
 
 log = logging.getLogger("shuttle.worker")
@@ -135,6 +136,10 @@ class ModelRunner:
                      "widened in registers): this CPU has no bf16 matrix units", self.widened_linears,
                      bf16_gemv.GEMV_MAX_ROWS)
             bf16_gemv.warm_up(torch.get_num_threads())
+        self.split_linears = split_float32_linears(self.model, device, parallel.enabled, torch.get_num_threads())
+        if self.split_linears:
+            log.info("%d float32 linear layers split by output columns over %d threads up to %d rows",
+                     self.split_linears, torch.get_num_threads(), SPLIT_MAX_ROWS)
         lora = config.lora  # --enable-lora: every target linear wrapped once, the slots empty (worker/lora.py)
         self.lora = LoRAAdapters(self.model, lora.max_loras, lora.max_lora_rank, parallel.rank, parallel.size) \
             if lora.enable_lora else None
