@@ -20,7 +20,7 @@ weight once and widens it in registers.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, cast
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +33,24 @@ MIN_COLUMNS = 8 * CHUNK_COLUMNS  # smaller heads gain nothing measurable
 WIDEN_CHUNK = 256  # output rows of bf16 weights widened at a time (measured above: 256 and 1024 alike)
 
 
-class ColumnChunkedLinear(torch.nn.Module):
+class LinearWrapper(torch.nn.Module):
+    """A module computing a wrapped linear layer `linear` its own way, exposing its weight and bias (shared, so tied
+    embeddings stay tied) as nn.Linear does."""
+
+    def __init__(self, linear: torch.nn.Module):
+        super().__init__()
+        self.linear = linear
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return cast(torch.Tensor, self.linear.weight)
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return cast("torch.Tensor | None", self.linear.bias)
+
+
+class ColumnChunkedLinear(LinearWrapper):
     """Wraps an nn.Linear (sharing its weight and bias, so tied embeddings stay tied) and computes it in chunks of
     `chunk` output features.
 
@@ -43,8 +60,7 @@ class ColumnChunkedLinear(torch.nn.Module):
     """
 
     def __init__(self, linear: torch.nn.Linear, chunk: int = CHUNK_COLUMNS, widen: bool = False):
-        super().__init__()
-        self.linear = linear
+        super().__init__(linear)
         self.chunk = chunk
         self.widen = widen
         self.rows_kernel: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
@@ -53,16 +69,8 @@ class ColumnChunkedLinear(torch.nn.Module):
             from shuttle.worker import bf16_gemv  # numba loads only where bf16 weights are widened
             self.rows_kernel, self.max_kernel_rows = bf16_gemv.bf16_linear_rows, bf16_gemv.GEMV_MAX_ROWS
 
-    @property
-    def weight(self) -> torch.Tensor:
-        return self.linear.weight
-
-    @property
-    def bias(self) -> torch.Tensor | None:
-        return self.linear.bias
-
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight, bias = self.linear.weight, self.linear.bias
+        weight, bias = self.weight, self.bias
         if self.rows_kernel is not None and hidden.numel() <= self.max_kernel_rows * weight.shape[1]:
             # a few rows: the weights' bf16 bytes read once, widened in registers (worker/bf16_gemv.py)
             out32 = self.rows_kernel(hidden.reshape(-1, weight.shape[1]), weight)

@@ -12,10 +12,11 @@ threads, each group one GEMM of the same input rows.
 Exactness. Every output is the dot product of the same K values either way; whether the BLAS sums them in the same
 order depends on its kernel for each shape. At one row (a one-sequence decode step, where the engine's logits
 match transformers' own bit for bit) `split_is_exact` checks it at start-up on each weight shape with the layer's
-own weights, and a shape where it fails keeps `F.linear` (on the CPU above: 96-wide layers at 2 threads). At a few
-other row counts (5-7 and 9-11 on that CPU) MKL's small-GEMM kernels sum in another order for a narrower GEMM, so
-those products can differ from one wide GEMM in the last bit, as the same row already does between batch sizes
-(row 0 of a 4-row product is not the 1-row product's bits); tests/engine/test_split_linear.py holds both facts.
+own weights, and a shape where it fails keeps `F.linear` (on the CPU above, at 2 threads: 96-wide layers, and groups
+of 86 columns). At a few other row counts (5-7 and 9-11 on that CPU) MKL's small-GEMM kernels sum in another order
+for a narrower GEMM, so those products can differ from one wide GEMM in the last bit, as the same row already does
+between batch sizes (row 0 of a 4-row product is not the 1-row product's bits). tests/engine/test_split_linear.py
+holds both facts, and that an engine on two threads gives transformers' greedy tokens.
 
 Groups hold at most MAX_GROUP_COLUMNS output columns (the lm_head's 32000 columns: 32 groups of 1000), the chunk
 width that output_projection.py measured faster than one wide GEMM, in a number of groups the threads share evenly.
@@ -29,7 +30,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from shuttle.worker.output_projection import CHUNK_COLUMNS, ColumnChunkedLinear
+from shuttle.worker.output_projection import CHUNK_COLUMNS, ColumnChunkedLinear, LinearWrapper
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +74,7 @@ def split_linear(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     return out.transpose(0, 1).reshape(m, n)
 
 
-class SplitColumnsLinear(torch.nn.Module):
+class SplitColumnsLinear(LinearWrapper):
     """Wraps a float32 nn.Linear (or the float32 ColumnChunkedLinear of the lm_head), sharing its weight and bias
     so tied embeddings stay tied: input [..., K] float32, output [..., N] float32, the wrapped layer's product (bit
     for bit at one row, which split_is_exact checked for this shape). Up to SPLIT_MAX_ROWS rows it computes
@@ -81,23 +82,14 @@ class SplitColumnsLinear(torch.nn.Module):
     """
 
     def __init__(self, linear: torch.nn.Linear | ColumnChunkedLinear, groups: int):
-        super().__init__()
-        self.linear: torch.nn.Linear | ColumnChunkedLinear = linear
+        super().__init__(linear)
         self.groups = groups
 
-    @property
-    def weight(self) -> torch.Tensor:
-        return self.linear.weight
-
-    @property
-    def bias(self) -> torch.Tensor | None:
-        return self.linear.bias
-
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.linear.weight
+        weight = self.weight
         if hidden.numel() > SPLIT_MAX_ROWS * weight.shape[1]:
             return self.linear(hidden)
-        out = split_linear(hidden.reshape(-1, weight.shape[1]), weight, self.linear.bias, self.groups)
+        out = split_linear(hidden.reshape(-1, weight.shape[1]), weight, self.bias, self.groups)
         return out.reshape(*hidden.shape[:-1], weight.shape[0])
 
     def extra_repr(self) -> str:
