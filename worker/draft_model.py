@@ -23,10 +23,11 @@ import logging
 
 import torch
 
+from shuttle.common.devices import cpu_bf16_flags
+from shuttle.worker.cpu_linears import prepare_cpu_linears
 from shuttle.worker.input_batch import CachedRequestState, InputBatch, StepInputs
 from shuttle.worker.kv_cache import KVCache
 from shuttle.worker.model_loader import UnsupportedModelError, load_model, probe_geometry
-from shuttle.worker.split_linear import split_float32_linears
 
 log = logging.getLogger("shuttle.worker")
 
@@ -51,8 +52,8 @@ class DraftModel:
         if draft_vocab != vocab_size:
             raise UnsupportedModelError(f"the draft model's vocabulary has {draft_vocab} tokens, the target's "
                                         f"{vocab_size}: a draft model must share the target's tokenizer")
-        # its passes are a few rows each, bound by reading its weights: on every thread, as the target's
-        split_float32_linears(self.model, device, tensor_parallel=False, threads=torch.get_num_threads())
+        # the same CPU linears as the target's (the draft runs unsharded beside it)
+        prepare_cpu_linears(self.model, device, False, bool(cpu_bf16_flags()), torch.get_num_threads())
         self.geometry = probe_geometry(self.model)
         self.kv_cache: KVCache | None = None  # allocated once the target's cache is sized (same block ids)
         log.info("draft model %s: %d layers, %.1f M parameters", model_dir, len(self.geometry),

@@ -18,6 +18,7 @@ from shuttle.common.speculative import DRAFT_MODEL
 from shuttle.worker.attention import StepAttention
 from shuttle.worker.attention_backends import make_backend
 from shuttle.worker.capability import check_exactness
+from shuttle.worker.cpu_linears import prepare_cpu_linears
 from shuttle.worker.draft_model import DraftModel
 from shuttle.worker.flex_attention import compiled_head_dim_problem, max_kv_blocks_for, token_buckets
 from shuttle.worker.grammar import GrammarCompiler, GrammarMasks
@@ -34,12 +35,10 @@ from shuttle.worker.kv_sizing import (
 )
 from shuttle.worker.lora import LoRAAdapters
 from shuttle.worker.model_loader import DTYPES, UnsupportedModelError, architecture, load_model, probe_geometry
-from shuttle.worker.output_projection import chunk_output_projection, widen_bf16_linears
 from shuttle.worker.parallel import TensorParallel, local_device, local_numel
 from shuttle.worker.quantization import quantize_model
 from shuttle.worker.sampler import LOGPROB_FLOOR, Sampler
 from shuttle.worker.speculation import verify_drafts
-from shuttle.worker.split_linear import SPLIT_MAX_ROWS, split_float32_linears
 from shuttle.worker.staging import StepStaging
 
 log = logging.getLogger("shuttle.worker")
@@ -128,18 +127,8 @@ class ModelRunner:
         self.quantized_linears = quantize_model(self.model, config.worker.quantization, device, parallel.enabled,
                                                 bf16_units)
         self.architecture = architecture(self.model)
-        chunk_output_projection(self.model, device, parallel.enabled)
-        self.widened_linears = widen_bf16_linears(self.model, device, parallel.enabled, bf16_units)
-        if self.widened_linears:
-            from shuttle.worker import bf16_gemv  # numba loads only where bf16 weights are widened
-            log.info("%d bfloat16 linear layers computed in float32 (chunks widened in memory, or up to %d rows "
-                     "widened in registers): this CPU has no bf16 matrix units", self.widened_linears,
-                     bf16_gemv.GEMV_MAX_ROWS)
-            bf16_gemv.warm_up(torch.get_num_threads())
-        self.split_linears = split_float32_linears(self.model, device, parallel.enabled, torch.get_num_threads())
-        if self.split_linears:
-            log.info("%d float32 linear layers split by output columns over %d threads up to %d rows",
-                     self.split_linears, torch.get_num_threads(), SPLIT_MAX_ROWS)
+        self.cpu_linears = prepare_cpu_linears(self.model, device, parallel.enabled, bf16_units,
+                                               torch.get_num_threads())
         lora = config.lora  # --enable-lora: every target linear wrapped once, the slots empty (worker/lora.py)
         self.lora = LoRAAdapters(self.model, lora.max_loras, lora.max_lora_rank, parallel.rank, parallel.size) \
             if lora.enable_lora else None

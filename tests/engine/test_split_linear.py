@@ -131,7 +131,7 @@ def test_an_engine_on_two_threads_matches_transformers_on_two_threads(two_thread
     config = ShuttleConfig(model=model, ipc=IpcConfig.in_directory("/nonexistent"), cache=CacheConfig(16, 200),
                            scheduler=SchedulerConfig(max_num_batched_tokens=2048))
     runner = ModelRunner(config)
-    assert runner.split_linears > 0
+    assert runner.cpu_linears.split > 0
     hf = AutoModelForCausalLM.from_pretrained(MODEL_DIR).eval()
     rng = random.Random(3)
     prompts = [[1] + [rng.randrange(3, 512) for _ in range(n)] for n in (4, 5, 8, 10, 40, 120)]
