@@ -1,7 +1,7 @@
-"""How a loaded model's linear layers run on the CPU, for the target model and the draft model alike: the float32
-output projection in column chunks (output_projection.py), bfloat16 layers widened to float32 where the CPU has no
-bf16 matrix units (output_projection.py, bf16_gemv.py), and float32 layers split by output columns over the
-worker's threads at decode-sized row counts (split_linear.py). Nothing changes on CUDA or under tensor parallel.
+"""How a loaded model's linear layers run on the CPU, for the target model and the draft model alike: float32
+layers by oneDNN's matmul (onednn_linear.py), or where torch has no oneDNN the float32 output projection in column
+chunks (output_projection.py); bfloat16 layers widened to float32 where the CPU has no bf16 matrix units
+(output_projection.py, bf16_gemv.py). Nothing changes on CUDA or under tensor parallel.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from shuttle.worker.onednn_linear import route_float32_linears
 from shuttle.worker.output_projection import chunk_output_projection, widen_bf16_linears
-from shuttle.worker.split_linear import SPLIT_MAX_ROWS, split_float32_linears
 
 if TYPE_CHECKING:  # for annotations only: importing transformers here would slow this module's import
     from transformers import PreTrainedModel
@@ -23,26 +23,28 @@ log = logging.getLogger("shuttle.worker")
 
 @dataclass(frozen=True)
 class CpuLinears:
-    """What prepare_cpu_linears swapped: whether the lm_head is chunked, and how many layers are widened / split."""
+    """What prepare_cpu_linears swapped: whether the lm_head is chunked, and how many layers are widened / run by
+    oneDNN."""
 
     chunked_head: bool
     widened: int
-    split: int
+    onednn: int
 
 
 def prepare_cpu_linears(model: PreTrainedModel, device: torch.device, tensor_parallel: bool,
                         has_bf16_units: bool, threads: int) -> CpuLinears:
     """Swap `model`'s linear layers in place for the CPU's ways of computing them (module docstring), warm up the
-    bf16 rows kernel where it is used, and log what was done. `threads`: the worker's intra-op thread count."""
-    chunked = chunk_output_projection(model, device, tensor_parallel)
+    bf16 rows kernel where it is used, and log what was done. `threads`: the worker's intra-op
+    thread count."""
+    onednn = route_float32_linears(model, device, tensor_parallel, threads)
+    if onednn:
+        log.info("%d float32 linear layers computed by oneDNN's matmul (weights %s)", onednn,
+                 "reordered at load" if threads >= 2 else "row-major: one thread")
+    chunked = chunk_output_projection(model, device, tensor_parallel)  # a head oneDNN took is no nn.Linear now
     widened = widen_bf16_linears(model, device, tensor_parallel, has_bf16_units)
     if widened:
         from shuttle.worker import bf16_gemv  # numba loads only where bf16 weights are widened
         log.info("%d bfloat16 linear layers computed in float32 (chunks widened in memory, or up to %d rows "
                  "widened in registers): this CPU has no bf16 matrix units", widened, bf16_gemv.GEMV_MAX_ROWS)
         bf16_gemv.warm_up(threads)
-    split = split_float32_linears(model, device, tensor_parallel, threads)
-    if split:
-        log.info("%d float32 linear layers split by output columns over %d threads up to %d rows", split, threads,
-                 SPLIT_MAX_ROWS)
-    return CpuLinears(chunked, widened, split)
+    return CpuLinears(chunked, widened, onednn)

@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Callable, cast
 import torch
 import torch.nn.functional as F
 
+from shuttle.worker.module_swap import replace_module
+
 if TYPE_CHECKING:  # for annotations only: importing transformers here would slow this module's import
     from transformers import PreTrainedModel
 
@@ -99,8 +101,7 @@ def widen_bf16_linears(model: torch.nn.Module, device: torch.device, tensor_para
     targets = [(name, module) for name, module in model.named_modules()
                if type(module) is torch.nn.Linear and module.weight.dtype == torch.bfloat16]
     for name, linear in targets:
-        parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), child, ColumnChunkedLinear(linear, WIDEN_CHUNK, widen=True))
+        replace_module(model, name, ColumnChunkedLinear(linear, WIDEN_CHUNK, widen=True))
     return len(targets)
 
 

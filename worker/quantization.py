@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from shuttle.common.devices import quantization_error
+from shuttle.worker.module_swap import replace_module
 
 if TYPE_CHECKING:  # for annotations only: importing transformers here would slow this module's import
     from transformers import PreTrainedModel
@@ -121,6 +122,5 @@ def quantize_model(model: PreTrainedModel, method: str, device: torch.device, te
                if type(module) is torch.nn.Linear and module is not head]
     wide_dtype = torch.bfloat16 if has_bf16_units else torch.float32
     for name, linear in targets:
-        parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), child, Int8Linear(linear, wide_dtype))
+        replace_module(model, name, Int8Linear(linear, wide_dtype))
     return len(targets)

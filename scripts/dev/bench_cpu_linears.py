@@ -1,0 +1,95 @@
+#!/usr/bin/env python3
+"""float32 linear layers on a CPU: torch's default GEMM (`F.linear`, MKL's sgemm in torch 2.13) against oneDNN's
+matmul (worker/onednn_linear.py) on the row-major weights and on copies reordered into oneDNN's layout, over all the
+linear layers of a model (its lm_head included), at decode-sized and prefill-sized row counts, next to the time of
+reading the weights' bytes once (the memory-bandwidth floor of a one-row pass).
+
+Loads --model with transformers in float32, and for each --rows count times a pass over all its nn.Linear weights
+each way (the median of --repeats, on torch's default threads or --threads), and gives the largest difference
+between the two products as a fraction of the float32 rounding bound (2 K u sum|products|: at most 1 is rounding).
+Prints a table and writes JSON. No assertions.
+
+    .venv/bin/python scripts/dev/bench_cpu_linears.py --model /tmp/shuttle-models/llama-110m --json /tmp/linears.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from bench_bf16_gemv import median_ms  # noqa: E402  scripts/dev, this script's own directory
+
+from shuttle.worker.onednn_linear import ROWS_HINT, onednn_linear  # noqa: E402
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 256, 512, 2048])
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    threads = torch.get_num_threads()
+    layers = [(m.weight.detach(), None if m.bias is None else m.bias.detach())
+              for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    reordered = [torch.ops.mkldnn._reorder_linear_weight(w, ROWS_HINT) for w, _ in layers]
+    weight_bytes = sum(w.numel() * 4 for w, _ in layers)
+    weights_sized = torch.empty(weight_bytes // 4).uniform_()
+    weights_sized.sum()
+    floor_ms = median_ms(weights_sized.sum, args.repeats)
+    print(f"{args.model}: {len(layers)} linears, {weight_bytes / 1e6:.0f} MB of float32, {threads} threads; "
+          f"ms per pass over all of them, median of {args.repeats}; reading {weight_bytes / 1e6:.0f} MB once: "
+          f"{floor_ms:.1f} ms")
+    print("| rows | F.linear (MKL) | oneDNN | oneDNN reordered | oneDNN / F.linear | reordered / F.linear "
+          "| largest difference / rounding bound |")
+    print("|---|---|---|---|---|---|---|")
+    table = []
+    generator = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for rows in args.rows:
+            inputs = {k: torch.randn(rows, k, generator=generator) for k in {w.shape[1] for w, _ in layers}}
+
+            def mkl_pass(inputs=inputs):
+                return [F.linear(inputs[w.shape[1]], w, b) for w, b in layers]
+
+            def onednn_pass(inputs=inputs):
+                return [onednn_linear(inputs[w.shape[1]], w, b) for w, b in layers]
+
+            def reordered_pass(inputs=inputs):
+                return [onednn_linear(inputs[w.shape[1]], r, b) for (w, b), r in zip(layers, reordered)]
+
+            mkl_pass(), onednn_pass(), reordered_pass()  # first calls off the clock
+            mkl, onednn = median_ms(mkl_pass, args.repeats), median_ms(onednn_pass, args.repeats)
+            packed = median_ms(reordered_pass, args.repeats)
+            worst = 0.0
+            for (w, b), want, got, got_r in zip(layers, mkl_pass(), onednn_pass(), reordered_pass()):
+                x = inputs[w.shape[1]]
+                bound = 2 * w.shape[1] * 2.0 ** -24 * (F.linear(x.abs(), w.abs()) + (0 if b is None else b.abs()))
+                for product in (got, got_r):
+                    worst = max(worst, float(((product - want).abs() / bound).max()))
+            row = {"rows": rows, "mkl_ms": mkl, "onednn_ms": onednn, "reordered_ms": packed, "ratio": onednn / mkl,
+                   "reordered_ratio": packed / mkl, "worst_of_bound": worst}
+            table.append(row)
+            print(f"| {rows} | {mkl:.1f} | {onednn:.1f} | {packed:.1f} | {onednn / mkl:.2f} | {packed / mkl:.2f} "
+                  f"| {worst:.3f} |", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps({"model": args.model, "threads": threads, "weight_bytes": weight_bytes,
+                                         "read_once_ms": floor_ms, "rows": table}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

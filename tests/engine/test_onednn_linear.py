@@ -1,0 +1,153 @@
+"""float32 linears on oneDNN's matmul (worker/onednn_linear.py): the product agrees with F.linear to float32 rounding
+at every row count, the right layers are replaced (tied weights stay tied and are not copied, the others are
+reordered on two or more threads), what must be left alone is, the start-up check catches a product outside
+rounding, and an engine on two threads gives transformers' greedy tokens, token for token."""
+
+import random
+import time
+
+import numba
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from shuttle.common.config import CacheConfig, IpcConfig, SchedulerConfig, ShuttleConfig
+from shuttle.common.messages import Submit
+from shuttle.common.model_config import ModelConfig
+from shuttle.common.sampling import SamplingParams
+from shuttle.scheduler.in_process import drive
+from shuttle.scheduler.kv_cache import KVCacheManager
+from shuttle.scheduler.scheduler import Scheduler
+from shuttle.worker import onednn_linear as onednn_module
+from shuttle.worker.cpu_linears import prepare_cpu_linears
+from shuttle.worker.onednn_linear import OneDnnLinear, onednn_is_close, onednn_linear, route_float32_linears
+from shuttle.worker.output_projection import MIN_COLUMNS, ColumnChunkedLinear
+from shuttle.worker.worker import ModelRunner
+from tests.server import MODEL_DIR
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def two_threads():
+    """Two torch threads for the test, back to the suite's one after it, numba's too (the decode kernel's warm-up
+    sets numba's count from torch's)."""
+    torch.set_num_threads(2)
+    yield
+    numba.set_num_threads(1)
+    torch.set_num_threads(1)
+
+
+def _within_rounding(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    # two float32 sums of the same K products in any orders differ by at most 2 K u sum|products| (u = 2^-24, the
+    # classic bound of recursive summation: Higham, Accuracy and Stability of Numerical Algorithms, 4.2)
+    bound = 2 * weight.shape[1] * 2.0 ** -24 * (F.linear(x.abs(), weight.abs()) + (0 if bias is None else bias.abs()))
+    return bool(((got - F.linear(x, weight, bias)).abs() <= bound).all())
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_every_row_count_agrees_with_f_linear_to_rounding_plain_or_reordered(threads):
+    torch.set_num_threads(threads)
+    try:
+        generator = torch.Generator().manual_seed(0)
+        for out_features, in_features, bias in ((2304, 768, False), (768, 768, True), (768, 2048, False)):
+            linear = torch.nn.Linear(in_features, out_features, bias=bias)
+            with torch.no_grad():
+                linear.weight.copy_(torch.randn(out_features, in_features, generator=generator))
+            layers = [OneDnnLinear(linear, reorder=False), OneDnnLinear(linear, reorder=True)]
+            assert layers[0].weight is linear.weight and layers[1].weight.is_mkldnn
+            with torch.inference_mode():
+                for rows in (1, 2, 5, 9, 16, 64, 300):
+                    x = torch.randn(rows, in_features, generator=generator)
+                    for layer in layers:
+                        assert _within_rounding(layer(x), x, linear.weight, linear.bias)
+                x3 = torch.randn(2, 3, in_features, generator=generator).transpose(0, 1)  # [3, 2, K], not contiguous
+                assert layers[1](x3).shape == (3, 2, out_features)
+                assert _within_rounding(layers[1](x3).reshape(6, -1), x3.reshape(6, -1), linear.weight, linear.bias)
+    finally:
+        torch.set_num_threads(1)
+
+
+def _tiny_llama(vocab: int, tied: bool = True) -> LlamaForCausalLM:
+    config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_every_float32_linear_is_replaced_once_and_tied_weights_stay_tied_and_unreordered(tied, threads):
+    model = _tiny_llama(MIN_COLUMNS, tied)
+    ids = torch.tensor([[5, 9, 2]])
+    with torch.inference_mode():
+        before = model(input_ids=ids).logits
+        done = prepare_cpu_linears(model, CPU, tensor_parallel=False, has_bf16_units=False, threads=threads)
+        assert (done.onednn, done.chunked_head) == (2 * 7 + 1, False)  # the head is oneDNN's, not chunked
+        head = model.get_output_embeddings()
+        assert isinstance(head, OneDnnLinear)
+        assert (head.weight is model.get_input_embeddings().weight) is tied
+        assert head.weight.is_mkldnn is (threads == 2 and not tied)
+        assert all(module.weight.is_mkldnn is (threads == 2) for module in model.modules()
+                   if isinstance(module, OneDnnLinear) and module is not head)
+        assert not any(type(module) is torch.nn.Linear for module in model.modules())
+        after = model(input_ids=ids).logits
+        assert torch.equal(after.argmax(-1), before.argmax(-1))
+        assert torch.allclose(after, before, rtol=0, atol=1e-5)
+
+
+def test_tensor_parallel_other_dtypes_other_devices_and_failing_shapes_are_left_alone(monkeypatch):
+    assert route_float32_linears(_tiny_llama(512), CPU, tensor_parallel=True, threads=2) == 0
+    assert route_float32_linears(_tiny_llama(512).to(torch.bfloat16), CPU, tensor_parallel=False, threads=2) == 0
+    assert route_float32_linears(_tiny_llama(512), torch.device("meta"), tensor_parallel=False, threads=2) == 0
+    model = _tiny_llama(512)
+    monkeypatch.setattr(onednn_module, "onednn_is_close", lambda layer: layer.weight.shape != (64, 64))
+    assert route_float32_linears(model, CPU, tensor_parallel=False, threads=2) == 2 * 5 + 1  # not q_proj, o_proj
+    assert type(model.model.layers[0].self_attn.q_proj) is torch.nn.Linear
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    model = _tiny_llama(MIN_COLUMNS)
+    done = prepare_cpu_linears(model, CPU, tensor_parallel=False, has_bf16_units=False, threads=1)
+    assert (done.onednn, done.chunked_head) == (0, True)  # no oneDNN: the head is chunked as before
+    assert isinstance(model.get_output_embeddings(), ColumnChunkedLinear)
+
+
+def test_the_start_up_check_fails_on_a_product_outside_rounding(monkeypatch):
+    linear = torch.nn.Linear(256, 64)
+    assert onednn_is_close(linear)
+    monkeypatch.setattr(onednn_module, "onednn_linear", lambda *a: onednn_linear(*a) * (1 + 2.0 ** -10))
+    assert not onednn_is_close(linear)
+
+
+def test_an_engine_on_two_threads_matches_transformers_on_two_threads(two_threads):
+    """The worker's linears on oneDNN (every row count, prefill of these prompts included), the reference on
+    torch's GEMM on the same two threads; one prompt at a time, as transformers' generate runs them, then all at
+    once. (The rest of the suite runs on one thread, oneDNN's linears included.)"""
+    model = ModelConfig.from_dir(MODEL_DIR)
+    config = ShuttleConfig(model=model, ipc=IpcConfig.in_directory("/nonexistent"), cache=CacheConfig(16, 200),
+                           scheduler=SchedulerConfig(max_num_batched_tokens=2048))
+    runner = ModelRunner(config)
+    assert runner.cpu_linears.onednn > 0
+    hf = AutoModelForCausalLM.from_pretrained(MODEL_DIR).eval()
+    rng = random.Random(3)
+    prompts = [[1] + [rng.randrange(3, 512) for _ in range(n)] for n in (4, 5, 8, 10, 40, 120)]
+    expected = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            out = hf.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False)
+            expected.append(out[0, len(prompt):].tolist())
+    for together in (False, True):
+        scheduler = Scheduler(config.scheduler, KVCacheManager(200, 16, False), model.max_model_len,
+                              model.eos_token_ids)
+        got = {str(i): [] for i in range(len(prompts))}
+
+        def collect(batch, got=got):
+            for out in batch:
+                got[out.request_id] += out.new_token_ids
+
+        for i, prompt in enumerate(prompts):
+            scheduler.add_request(b"c", Submit(request_id=str(i), prompt_token_ids=prompt, arrival_time=time.time(),
+                                               sampling=SamplingParams(max_tokens=40, temperature=0.0)))
+            if not together:
+                drive(scheduler, runner, collect, max_in_flight=1, check_blocks=True)
+        drive(scheduler, runner, collect, max_in_flight=1, check_blocks=True)
+        assert [got[str(i)] for i in range(len(prompts))] == expected, f"together={together}"
