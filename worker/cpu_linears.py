@@ -36,10 +36,9 @@ def prepare_cpu_linears(model: PreTrainedModel, device: torch.device, tensor_par
     """Swap `model`'s linear layers in place for the CPU's ways of computing them (module docstring), warm up the
     bf16 rows kernel where it is used, and log what was done. `threads`: the worker's intra-op
     thread count."""
-    onednn = route_float32_linears(model, device, tensor_parallel, threads)
+    onednn = route_float32_linears(model, device, tensor_parallel)
     if onednn:
-        log.info("%d float32 linear layers computed by oneDNN's matmul (weights %s)", onednn,
-                 "reordered at load" if threads >= 2 else "row-major: one thread")
+        log.info("%d float32 linear layers computed by oneDNN's matmul", onednn)
     chunked = chunk_output_projection(model, device, tensor_parallel)  # a head oneDNN took is no nn.Linear now
     widened = widen_bf16_linears(model, device, tensor_parallel, has_bf16_units)
     if widened:

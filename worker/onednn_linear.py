@@ -3,16 +3,17 @@
 Why. torch 2.13's `F.linear` on a CPU calls MKL's sgemm, which packs the weight into its kernel's layout on every
 call and, at a decode step's few rows, runs each layer on one thread whatever torch.get_num_threads() says: the
 step re-streams its weights at one core's bandwidth and leaves the other cores idle. oneDNN (torch.ops.mkldnn, the
-library torch's inductor uses for frozen CPU linears, and vLLM's CPU backend for its own) threads every row count.
-With 2 or more threads each weight is reordered once at load into oneDNN's blocked layout (`_reorder_linear_weight`;
-the row-major original is freed with the layer it replaces). Measured on a 2-core AVX2 CPU, a pass over the 110M
-Llama shape's 85 linears (scripts/dev/bench_cpu_linears.py; the table is in docs/operations.md), as a fraction of
-MKL's time: on 2 threads 0.46-0.66 at 2-64 rows, 0.77-0.90 at 256-2048 (prefill chunks) and 0.67 at one row from
-reordered weights, as fast as row-major ones or faster from 2 rows up (0.57 at one row). On 1 thread the reordered
-layout was 1.2x MKL at one row, so there the weights stay row-major (0.81-0.91x MKL at every row count).
+library torch's inductor uses for frozen CPU linears, and vLLM's CPU backend for its own) threads every row count
+and reads the row-major [N, K] weight in place. Measured on a 2-core AVX2 CPU, a pass over the 110M Llama shape's
+85 linears (scripts/dev/bench_cpu_linears.py; the table is in docs/operations.md) took, as a fraction of MKL's
+time: on 2 threads 0.57 at one row, 0.48-0.68 at 2-64 rows and 0.82-0.91 at 256-2048 (prefill chunks); on 1
+thread 0.81-0.91.
 
-A weight another module shares (a lm_head tied to the input embeddings) is never reordered, which would hold a
-second copy: oneDNN reads it row-major, in place.
+The weights stay the layers' own tensors (tied embeddings stay tied, and weights that transformers maps from the
+checkpoint stay mapped). Reordering them at load into oneDNN's blocked layout (`_reorder_linear_weight`, as
+inductor's freezing does) measured 2-6% faster from 2 rows up on 2 threads, but 1.2x slower at one row and 1.2x
+MKL's time at one row on 1 thread, and it holds a second, anonymous copy of every weight beside the mapped one:
+not worth it.
 
 Exactness. Each output is the dot product of the same K float32 products, summed in oneDNN's order instead of
 MKL's: equal to `F.linear` within float32 rounding, not bit for bit (a one-sequence step's logits are no longer
@@ -29,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from shuttle.worker.module_swap import replace_module
+from shuttle.worker.output_projection import LinearWrapper
 
 log = logging.getLogger(__name__)
 
@@ -45,32 +47,12 @@ def onednn_linear(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return torch.ops.mkldnn._linear_pointwise(rows, weight, bias, "none", [], "")
 
 
-# The row count oneDNN is told to expect when it lays out a reordered weight: a decode step of a few dozen sequences.
-# Any row count computes from that layout.
-ROWS_HINT = 32
-
-
-class OneDnnLinear(torch.nn.Module):
-    """A float32 linear layer computed by `onednn_linear`: input [..., K] float32, output [..., N] float32.
-
-    `weight` [N, K] float32: the wrapped layer's own Parameter unless `reorder` (so tied embeddings stay tied), else
-    a reordered copy (layout torch._mkldnn: it reports its shape, dtype and bytes, but only oneDNN reads its values;
-    the original is freed with the replaced layer). `bias` [N] float32 or None, the wrapped layer's.
-    """
-
-    def __init__(self, linear: torch.nn.Linear, reorder: bool):
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight = linear.weight if not reorder else torch.nn.Parameter(
-            torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), ROWS_HINT), requires_grad=False)
-        self.bias = linear.bias
+class OneDnnLinear(LinearWrapper):
+    """Wraps a float32 nn.Linear, sharing its weight and bias (so tied embeddings stay tied), and computes it by
+    `onednn_linear`: input [..., K] float32, output [..., N] float32."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return onednn_linear(hidden, self.weight, self.bias)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, " \
-               f"reordered={self.weight.is_mkldnn}"
 
 
 def onednn_is_close(linear: torch.nn.Linear, rows: int = 8, seed: int = 0) -> bool:
@@ -85,23 +67,18 @@ def onednn_is_close(linear: torch.nn.Linear, rows: int = 8, seed: int = 0) -> bo
         return bool(((onednn_linear(x, weight, bias) - F.linear(x, weight, bias)).abs() <= bound).all())
 
 
-def route_float32_linears(model: torch.nn.Module, device: torch.device, tensor_parallel: bool, threads: int) -> int:
-    """On the CPU where torch has oneDNN (not under tensor parallel, whose plan hooks the original modules), replace
-    every float32 nn.Linear of `model` (its lm_head included) by a OneDnnLinear, shape by shape where
+def route_float32_linears(model: torch.nn.Module, device: torch.device, tensor_parallel: bool) -> int:
+    """On the CPU where torch has oneDNN (not under tensor parallel, whose plan hooks the original modules), wrap
+    every float32 nn.Linear of `model` (its lm_head included) in a OneDnnLinear, shape by shape where
     onednn_is_close holds (the first layer of each shape is checked; a failing shape is logged and left as it is).
-    Weights are reordered at `threads` >= 2, except one another module also holds (module docstring). Returns how
-    many layers were replaced.
+    Returns how many layers were wrapped.
     """
     if tensor_parallel or device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return 0
-    holders: dict[int, int] = {}  # id of a Parameter -> how many modules hold it
-    for module in model.modules():
-        for param in module.parameters(recurse=False):
-            holders[id(param)] = holders.get(id(param), 0) + 1
     targets = [(name, module) for name, module in model.named_modules()
                if type(module) is torch.nn.Linear and module.weight.dtype == torch.float32]
     close: dict[tuple[int, int, bool], bool] = {}
-    replaced = 0
+    wrapped = 0
     for name, layer in targets:
         shape = (layer.out_features, layer.in_features, layer.bias is not None)
         if shape not in close:
@@ -110,7 +87,6 @@ def route_float32_linears(model: torch.nn.Module, device: torch.device, tensor_p
                 log.info("float32 linears of %d x %d stay on torch's GEMM: oneDNN's product was outside float32 "
                          "rounding of it", shape[0], shape[1])
         if close[shape]:
-            reorder = threads >= 2 and holders[id(layer.weight)] == 1
-            replace_module(model, name, OneDnnLinear(layer, reorder))
-            replaced += 1
-    return replaced
+            replace_module(model, name, OneDnnLinear(layer))
+            wrapped += 1
+    return wrapped

@@ -1,7 +1,7 @@
 """float32 linears on oneDNN's matmul (worker/onednn_linear.py): the product agrees with F.linear to float32 rounding
-at every row count, the right layers are replaced (tied weights stay tied and are not copied, the others are
-reordered on two or more threads), what must be left alone is, the start-up check catches a product outside
-rounding, and an engine on two threads gives transformers' greedy tokens, token for token."""
+at every row count, every float32 linear is wrapped once sharing its weight (tied weights stay tied), what must be
+left alone is, the start-up check catches a product outside rounding, and an engine on two threads gives
+transformers' greedy tokens, token for token."""
 
 import random
 import time
@@ -47,7 +47,7 @@ def _within_rounding(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, b
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_every_row_count_agrees_with_f_linear_to_rounding_plain_or_reordered(threads):
+def test_every_row_count_agrees_with_f_linear_to_rounding(threads):
     torch.set_num_threads(threads)
     try:
         generator = torch.Generator().manual_seed(0)
@@ -55,16 +55,15 @@ def test_every_row_count_agrees_with_f_linear_to_rounding_plain_or_reordered(thr
             linear = torch.nn.Linear(in_features, out_features, bias=bias)
             with torch.no_grad():
                 linear.weight.copy_(torch.randn(out_features, in_features, generator=generator))
-            layers = [OneDnnLinear(linear, reorder=False), OneDnnLinear(linear, reorder=True)]
-            assert layers[0].weight is linear.weight and layers[1].weight.is_mkldnn
+            layer = OneDnnLinear(linear)
+            assert layer.weight is linear.weight and layer.bias is linear.bias
             with torch.inference_mode():
                 for rows in (1, 2, 5, 9, 16, 64, 300):
                     x = torch.randn(rows, in_features, generator=generator)
-                    for layer in layers:
-                        assert _within_rounding(layer(x), x, linear.weight, linear.bias)
+                    assert _within_rounding(layer(x), x, linear.weight, linear.bias)
                 x3 = torch.randn(2, 3, in_features, generator=generator).transpose(0, 1)  # [3, 2, K], not contiguous
-                assert layers[1](x3).shape == (3, 2, out_features)
-                assert _within_rounding(layers[1](x3).reshape(6, -1), x3.reshape(6, -1), linear.weight, linear.bias)
+                assert layer(x3).shape == (3, 2, out_features)
+                assert _within_rounding(layer(x3).reshape(6, -1), x3.reshape(6, -1), linear.weight, linear.bias)
     finally:
         torch.set_num_threads(1)
 
@@ -76,33 +75,33 @@ def _tiny_llama(vocab: int, tied: bool = True) -> LlamaForCausalLM:
 
 
 @pytest.mark.parametrize("tied", [True, False])
-@pytest.mark.parametrize("threads", [1, 2])
-def test_every_float32_linear_is_replaced_once_and_tied_weights_stay_tied_and_unreordered(tied, threads):
+def test_every_float32_linear_is_wrapped_once_sharing_its_weight(tied):
     model = _tiny_llama(MIN_COLUMNS, tied)
+    weights = {name: module.weight for name, module in model.named_modules() if type(module) is torch.nn.Linear}
     ids = torch.tensor([[5, 9, 2]])
     with torch.inference_mode():
         before = model(input_ids=ids).logits
-        done = prepare_cpu_linears(model, CPU, tensor_parallel=False, has_bf16_units=False, threads=threads)
+        done = prepare_cpu_linears(model, CPU, tensor_parallel=False, has_bf16_units=False, threads=2)
         assert (done.onednn, done.chunked_head) == (2 * 7 + 1, False)  # the head is oneDNN's, not chunked
         head = model.get_output_embeddings()
-        assert isinstance(head, OneDnnLinear)
+        assert isinstance(head, OneDnnLinear) and type(head.linear) is torch.nn.Linear
         assert (head.weight is model.get_input_embeddings().weight) is tied
-        assert head.weight.is_mkldnn is (threads == 2 and not tied)
-        assert all(module.weight.is_mkldnn is (threads == 2) for module in model.modules()
-                   if isinstance(module, OneDnnLinear) and module is not head)
-        assert not any(type(module) is torch.nn.Linear for module in model.modules())
+        wrapped = {name: module for name, module in model.named_modules() if isinstance(module, OneDnnLinear)}
+        assert set(wrapped) == set(weights) and all(wrapped[name].weight is weights[name] for name in weights)
+        assert all(type(child) is not torch.nn.Linear or isinstance(parent, OneDnnLinear)
+                   for parent in model.modules() for child in parent.children())  # no nn.Linear left unwrapped
         after = model(input_ids=ids).logits
         assert torch.equal(after.argmax(-1), before.argmax(-1))
         assert torch.allclose(after, before, rtol=0, atol=1e-5)
 
 
 def test_tensor_parallel_other_dtypes_other_devices_and_failing_shapes_are_left_alone(monkeypatch):
-    assert route_float32_linears(_tiny_llama(512), CPU, tensor_parallel=True, threads=2) == 0
-    assert route_float32_linears(_tiny_llama(512).to(torch.bfloat16), CPU, tensor_parallel=False, threads=2) == 0
-    assert route_float32_linears(_tiny_llama(512), torch.device("meta"), tensor_parallel=False, threads=2) == 0
+    assert route_float32_linears(_tiny_llama(512), CPU, tensor_parallel=True) == 0
+    assert route_float32_linears(_tiny_llama(512).to(torch.bfloat16), CPU, tensor_parallel=False) == 0
+    assert route_float32_linears(_tiny_llama(512), torch.device("meta"), tensor_parallel=False) == 0
     model = _tiny_llama(512)
     monkeypatch.setattr(onednn_module, "onednn_is_close", lambda layer: layer.weight.shape != (64, 64))
-    assert route_float32_linears(model, CPU, tensor_parallel=False, threads=2) == 2 * 5 + 1  # not q_proj, o_proj
+    assert route_float32_linears(model, CPU, tensor_parallel=False) == 2 * 5 + 1  # not q_proj, o_proj
     assert type(model.model.layers[0].self_attn.q_proj) is torch.nn.Linear
     monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
     model = _tiny_llama(MIN_COLUMNS)
