@@ -32,8 +32,8 @@ sys.path.insert(0, str(REPO))
 PROMPT_LEN = 128
 CATEGORIES = (  # kernel or op name fragments -> category, first match wins (lower-cased names)
     ("attention", ("flex", "attention", "sdpa", "paged", "decode_kernel", "flash")),
-    ("gemm", ("gemm", "matmul", "aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "cutlass", "sm90_xmma",
-              "ampere_", "cublas", "nvjet")),
+    ("gemm", ("gemm", "matmul", "aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "_linear_pointwise", "cutlass",
+              "sm90_xmma", "ampere_", "cublas", "nvjet")),
     ("sampling", ("argmax", "topk", "softmax", "multinomial", "sort", "sample")),
 )
 
