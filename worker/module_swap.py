@@ -1,5 +1,5 @@
 """Replacing one submodule of a loaded model by its dotted name, as the load-time rewrites of its linear layers
-(quantization.py, output_projection.py, packed_linear.py) do."""
+(quantization.py, output_projection.py, onednn_linear.py) do."""
 
 from __future__ import annotations
 

@@ -9,6 +9,11 @@ and reads the row-major [N, K] weight in place. Measured on a 2-core AVX2 CPU, a
 time: on 2 threads 0.57 at one row, 0.48-0.68 at 2-64 rows and 0.82-0.91 at 256-2048 (prefill chunks); on 1
 thread 0.81-0.91.
 
+Small layers stay on `F.linear`: oneDNN costs about 25 us more a call (2 threads, weights in cache: a 64 x 64
+layer 31 against 4 us at one row, 256 x 256 33 against 9 us, 512 x 512 42 against 25 us, 1024 x 512 55 against
+46 us, 2048 x 768 80 against 134 us), so a pass over stories260K's 36 tiny linears took 2-5x MKL's time. Only
+weights of at least MIN_WEIGHT_BYTES go to oneDNN.
+
 The weights stay the layers' own tensors (tied embeddings stay tied, and weights that transformers maps from the
 checkpoint stay mapped). Reordering them at load into oneDNN's blocked layout (`_reorder_linear_weight`, as
 inductor's freezing does) measured 2-6% faster from 2 rows up on 2 threads, but 1.2x slower at one row and 1.2x
@@ -34,6 +39,8 @@ from shuttle.worker.output_projection import LinearWrapper
 
 log = logging.getLogger(__name__)
 
+MIN_WEIGHT_BYTES = 2 << 20  # smaller stay on F.linear (module docstring); the 110M shape's 768 x 768: 2.25 MiB
+
 
 def onednn_linear(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`F.linear(rows, weight, bias)` by oneDNN's matmul.
@@ -55,28 +62,41 @@ class OneDnnLinear(LinearWrapper):
         return onednn_linear(hidden, self.weight, self.bias)
 
 
+def rounding_bound(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """How far two float32 sums of the same K products `rows @ weight.T (+ bias)` in any orders can differ, output by
+    output: 2 K u sum|products| (u = 2^-24; the classic bound of recursive summation, Higham, Accuracy and Stability
+    of Numerical Algorithms, 2nd ed., section 4.2).
+
+    Args:
+        rows: [M, K] float32; weight: [N, K] float32; bias: [N] float32 or None.
+    Returns:
+        float32 [M, N].
+    """
+    return 2 * weight.shape[1] * 2.0 ** -24 * (F.linear(rows.abs(), weight.abs()) + (0 if bias is None else bias.abs()))
+
+
 def onednn_is_close(linear: torch.nn.Linear, rows: int = 8, seed: int = 0) -> bool:
-    """Whether `onednn_linear` gives `F.linear`'s product for `linear` on `rows` random rows within the bound two
-    float32 sums of the same K products in any orders can differ by: 2 K u sum|products| (u = 2^-24; the classic
-    bound of recursive summation, Higham, Accuracy and Stability of Numerical Algorithms, 2nd ed., section 4.2)."""
+    """Whether `onednn_linear` gives `F.linear`'s product for `linear` on `rows` random rows within `rounding_bound`."""
     weight, bias = linear.weight, linear.bias
     x = torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(seed))
     with torch.inference_mode():
-        bound = 2 * weight.shape[1] * 2.0 ** -24 * (
-            F.linear(x.abs(), weight.abs()) + (0 if bias is None else bias.abs()))
-        return bool(((onednn_linear(x, weight, bias) - F.linear(x, weight, bias)).abs() <= bound).all())
+        difference = (onednn_linear(x, weight, bias) - F.linear(x, weight, bias)).abs()
+        return bool((difference <= rounding_bound(x, weight, bias)).all())
 
 
-def route_float32_linears(model: torch.nn.Module, device: torch.device, tensor_parallel: bool) -> int:
+def route_float32_linears(model: torch.nn.Module, device: torch.device, tensor_parallel: bool,
+                          min_weight_bytes: int | None = None) -> int:
     """On the CPU where torch has oneDNN (not under tensor parallel, whose plan hooks the original modules), wrap
-    every float32 nn.Linear of `model` (its lm_head included) in a OneDnnLinear, shape by shape where
-    onednn_is_close holds (the first layer of each shape is checked; a failing shape is logged and left as it is).
-    Returns how many layers were wrapped.
+    every float32 nn.Linear of `model` (its lm_head included) whose weight holds at least `min_weight_bytes` (None:
+    MIN_WEIGHT_BYTES) in a OneDnnLinear, shape by shape where onednn_is_close holds (the first layer of each shape
+    is checked; a failing shape is logged and left as it is). Returns how many layers were wrapped.
     """
     if tensor_parallel or device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return 0
+    least = MIN_WEIGHT_BYTES if min_weight_bytes is None else min_weight_bytes
     targets = [(name, module) for name, module in model.named_modules()
-               if type(module) is torch.nn.Linear and module.weight.dtype == torch.float32]
+               if type(module) is torch.nn.Linear and module.weight.dtype == torch.float32
+               and module.weight.numel() * module.weight.element_size() >= least]
     close: dict[tuple[int, int, bool], bool] = {}
     wrapped = 0
     for name, layer in targets:

@@ -1,5 +1,6 @@
-"""Linear layers computed in column chunks on the CPU: the float32 output projection (lm_head), and every linear
-layer of a bfloat16 model on a CPU without bf16 matrix units, each chunk of its weights widened to float32.
+"""Linear layers computed in column chunks on the CPU: the float32 output projection (lm_head) where torch has no
+oneDNN (where it has, worker/onednn_linear.py computes every float32 linear), and every linear layer of a bfloat16
+model on a CPU without bf16 matrix units, each chunk of its weights widened to float32.
 
 A decode step multiplies a few dozen rows by the vocabulary projection (768 x 32000 fp32 for a 110M Llama, 98 MB).
 On a 2-core AVX2 CPU (torch 2.13, MKL), one `linear` over all 32000 columns ran at 8-64 rows

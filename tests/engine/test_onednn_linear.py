@@ -21,12 +21,19 @@ from shuttle.scheduler.kv_cache import KVCacheManager
 from shuttle.scheduler.scheduler import Scheduler
 from shuttle.worker import onednn_linear as onednn_module
 from shuttle.worker.cpu_linears import prepare_cpu_linears
-from shuttle.worker.onednn_linear import OneDnnLinear, onednn_is_close, onednn_linear, route_float32_linears
+from shuttle.worker.onednn_linear import (
+    OneDnnLinear,
+    onednn_is_close,
+    onednn_linear,
+    rounding_bound,
+    route_float32_linears,
+)
 from shuttle.worker.output_projection import MIN_COLUMNS, ColumnChunkedLinear
 from shuttle.worker.worker import ModelRunner
 from tests.server import MODEL_DIR
 
 CPU = torch.device("cpu")
+DEFAULT_MIN_WEIGHT_BYTES = onednn_module.MIN_WEIGHT_BYTES  # before this file's fixture sets it to 0
 
 
 @pytest.fixture
@@ -39,11 +46,25 @@ def two_threads():
     torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True)
+def small_layers_too(monkeypatch):
+    """These tests' models are tiny: every float32 linear goes to oneDNN whatever its size, except where a test
+    restores the size rule."""
+    monkeypatch.setattr(onednn_module, "MIN_WEIGHT_BYTES", 0)
+
+
+def test_by_default_only_weights_of_at_least_min_weight_bytes_go_to_onednn(monkeypatch):
+    monkeypatch.setattr(onednn_module, "MIN_WEIGHT_BYTES", DEFAULT_MIN_WEIGHT_BYTES)  # the size rule back
+    model = torch.nn.Sequential(torch.nn.Linear(768, 768), torch.nn.Linear(64, 64))  # 2.25 MiB and 16 KiB
+    assert route_float32_linears(model, CPU, tensor_parallel=False) == 1
+    assert isinstance(model[0], OneDnnLinear) and type(model[1]) is torch.nn.Linear
+    stories = _tiny_llama(512)
+    assert route_float32_linears(stories, CPU, tensor_parallel=False) == 0  # tiny layers: all stay on F.linear
+    assert route_float32_linears(stories, CPU, tensor_parallel=False, min_weight_bytes=0) == 2 * 7 + 1
+
+
 def _within_rounding(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    # two float32 sums of the same K products in any orders differ by at most 2 K u sum|products| (u = 2^-24, the
-    # classic bound of recursive summation: Higham, Accuracy and Stability of Numerical Algorithms, 4.2)
-    bound = 2 * weight.shape[1] * 2.0 ** -24 * (F.linear(x.abs(), weight.abs()) + (0 if bias is None else bias.abs()))
-    return bool(((got - F.linear(x, weight, bias)).abs() <= bound).all())
+    return bool(((got - F.linear(x, weight, bias)).abs() <= rounding_bound(x, weight, bias)).all())
 
 
 @pytest.mark.parametrize("threads", [1, 2])
