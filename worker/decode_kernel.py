@@ -1,10 +1,13 @@
 """A CPU paged-attention kernel for decode rows, compiled with numba: it reads K and V in place through the block
 table, so no per-sequence gather copy and no Python loop over sequences.
 
-One parallel task per sequence computes the scores of all its heads position by position (each position's keys of
-every head are one contiguous row of the cache), a max-subtracted softmax per head (with attention sinks and
-soft-capping when the layer has them) and the weighted sum of V the same way. Accumulation is float32, the same
-as torch's CPU attention; results match it within ~1e-6.
+Each sequence's context is cut into partitions of PARTITION_TOKENS positions, and the partitions of all sequences
+are the parallel work items (split-K over the context, as in FlashDecoding and vLLM's paged attention v2), so one
+long sequence keeps every core busy instead of one. An item computes the scores of all heads position by position
+(each position's keys of every head are one contiguous row of the cache), exponentiates them against its own maximum
+and sums the weighted V rows the same way; a second pass rescales each sequence's partitions to their common maximum
+(with attention sinks in the denominator when the layer has them) and adds them up. Soft-capping applies per score.
+Accumulation is float32, the same as torch's CPU attention; results match it within ~1e-6.
 
 A bfloat16 cache is read in place too: numba has no bfloat16, so the kernel gets the cache viewed as uint16 and widens
 each element to float32 where it reads it (a bfloat16 is the top half of a float32: a 16-bit shift, exact). The
@@ -51,24 +54,44 @@ def _widen_overload(x):
 # Reassociation lets LLVM vectorize the dot products; infinities and NaNs keep their IEEE meaning (masking uses -inf).
 @njit(parallel=True, fastmath={"reassoc", "contract", "nsz"}, cache=True, boundscheck=False)
 def _paged_decode(q, key_rows, value_rows, block_table, seq_lens, block_size, scale, window, softcap, sinks,
-                  has_sinks, out):
+                  has_sinks, partition, out):
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = key_rows.shape[1]
     v_head_dim = value_rows.shape[2]
     group = num_heads // num_kv_heads
-    for b in prange(num_seqs):
+    # Work items: each sequence's attended span cut into partitions of `partition` positions, numbered sequence
+    # after sequence (sequence b owns items offsets[b] .. offsets[b + 1] - 1).
+    firsts = np.empty(num_seqs, dtype=np.int64)
+    offsets = np.empty(num_seqs + 1, dtype=np.int64)
+    offsets[0] = 0
+    for b in range(num_seqs):
         context = seq_lens[b]
         first = 0
         if window > 0 and context - window > 0:
             first = context - window
-        span = context - first
+        firsts[b] = first
+        offsets[b + 1] = offsets[b] + (context - first + partition - 1) // partition
+    num_items = offsets[num_seqs]
+    owner = np.empty(num_items, dtype=np.int64)
+    for b in range(num_seqs):
+        for item in range(offsets[b], offsets[b + 1]):
+            owner[item] = b
+    # Per item and head: the largest score, the sum of exp(score - largest) and the V rows weighted by those exps.
+    part_max = np.empty((num_items, num_heads), dtype=np.float32)
+    part_sum = np.empty((num_items, num_heads), dtype=np.float32)
+    part_acc = np.empty((num_items, num_heads, v_head_dim), dtype=np.float32)
+    for item in prange(num_items):
+        b = owner[item]
+        start = firsts[b] + (item - offsets[b]) * partition
+        end = min(start + partition, seq_lens[b])
+        span = end - start
         # The cache row (block * block_size + offset) of each attended position, walked block by block so that no
         # integer division is left in the loops below (it dominated small heads: 2x on head_dim 8).
         rows = np.empty(span, dtype=np.int64)
-        for blk in range(first // block_size, (context - 1) // block_size + 1):
+        for blk in range(start // block_size, (end - 1) // block_size + 1):
             base = blk * block_size
-            for j in range(max(first, base), min(context, base + block_size)):
-                rows[j - first] = block_table[b, blk] * block_size + j - base
+            for j in range(max(start, base), min(end, base + block_size)):
+                rows[j - start] = block_table[b, blk] * block_size + j - base
         # Position by position, all heads at once: each position's keys of every head are one contiguous row of
         # the cache, read once (3x faster than a pass per KV head, which strides over the rows, on a 110M Llama).
         scores = np.empty((num_heads, span), dtype=np.float32)
@@ -85,21 +108,17 @@ def _paged_decode(q, key_rows, value_rows, block_table, seq_lens, block_size, sc
                     scores[h, col] = s
         for h in range(num_heads):
             top = np.float32(-np.inf)
-            if has_sinks:
-                top = sinks[h]
             for i in range(span):
                 top = max(top, scores[h, i])
             total = np.float32(0.0)
-            if has_sinks:
-                total = np.float32(math.exp(sinks[h] - top))
             for i in range(span):
                 e = np.float32(math.exp(scores[h, i] - top))
                 scores[h, i] = e
                 total += e
-            inverse = np.float32(1.0) / total
-            for i in range(span):
-                scores[h, i] *= inverse
-        acc = np.zeros((num_heads, v_head_dim), dtype=np.float32)
+            part_max[item, h] = top
+            part_sum[item, h] = total
+        acc = part_acc[item]
+        acc[:] = 0.0
         for col in range(span):
             row = rows[col]
             for kv_head in range(num_kv_heads):
@@ -107,12 +126,36 @@ def _paged_decode(q, key_rows, value_rows, block_table, seq_lens, block_size, sc
                     p = scores[h, col]
                     for d in range(v_head_dim):
                         acc[h, d] += p * _widen(value_rows[row, kv_head, d])
+    # Each sequence's partitions rescaled to their common maximum (the sink logit included) and summed.
+    for b in prange(num_seqs):
         for h in range(num_heads):
+            top = np.float32(-np.inf)
+            if has_sinks:
+                top = sinks[h]
+            for item in range(offsets[b], offsets[b + 1]):
+                top = max(top, part_max[item, h])
+            total = np.float32(0.0)
+            if has_sinks:
+                total = np.float32(math.exp(sinks[h] - top))
             for d in range(v_head_dim):
-                out[b, h, d] = acc[h, d]
+                out[b, h, d] = 0.0
+            for item in range(offsets[b], offsets[b + 1]):
+                weight = np.float32(math.exp(part_max[item, h] - top))
+                total += part_sum[item, h] * weight
+                for d in range(v_head_dim):
+                    out[b, h, d] += weight * part_acc[item, h, d]
+            inverse = np.float32(1.0) / total
+            for d in range(v_head_dim):
+                out[b, h, d] *= inverse
 
 
 _NO_SINKS = np.zeros(1, dtype=np.float32)
+
+# Positions per work item. A fixed length, not one fitted to the batch or the thread count, so that a sequence's
+# attention sums in the same order whichever sequences share its step. 128 keeps every thread busy at one sequence
+# of a few hundred tokens on a few cores and at one of a few thousand on many; from 16 sequences up the step time
+# is the same for partitions of 64 to 512 positions (scripts/dev/bench_decode_kernel.py).
+PARTITION_TOKENS = 128
 
 # Cache dtypes the kernel reads, and the numpy view it reads each through.
 CACHE_VIEWS = {torch.float32: torch.float32, torch.bfloat16: torch.uint16}
@@ -120,7 +163,7 @@ CACHE_VIEWS = {torch.float32: torch.float32, torch.bfloat16: torch.uint16}
 
 def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
                  seq_lens: torch.Tensor, scale: float, window: int | None, softcap: float | None,
-                 sinks: torch.Tensor | None) -> torch.Tensor:
+                 sinks: torch.Tensor | None, partition: int = PARTITION_TOKENS) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context, accumulated in float32.
 
     Args:
@@ -130,6 +173,7 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
         block_table: int32 [B, W]; seq_lens: int32 [B] (context length, the query's own token included).
         scale: multiplier of q.k; window: attend only the last `window` positions (None: all);
         softcap: cap of tanh soft-capping (None: off); sinks: float [num_heads] sink logits (None: off).
+        partition: positions per parallel work item (PARTITION_TOKENS; tests pass small ones).
     Returns:
         float32 [B, num_heads, v_head_dim].
     """
@@ -141,7 +185,7 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     value_rows = value_cache.view(-1, *value_cache.shape[2:]).view(view).numpy()
     _paged_decode(query.float().contiguous().numpy(), key_rows, value_rows, block_table.contiguous().numpy(),
                   seq_lens.contiguous().numpy(), key_cache.shape[1], np.float32(scale), int(window or 0),
-                  np.float32(softcap or 0.0), sink_array, sinks is not None, out.numpy())
+                  np.float32(softcap or 0.0), sink_array, sinks is not None, partition, out.numpy())
     return out
 
 

@@ -9,7 +9,7 @@ import torch
 
 from shuttle.worker.attention import LayerFeatures
 from shuttle.worker.attention_backends import attend
-from shuttle.worker.decode_kernel import paged_decode
+from shuttle.worker.decode_kernel import PARTITION_TOKENS, paged_decode
 
 BLOCK = 4
 
@@ -39,15 +39,30 @@ def _reference(query, key_cache, value_cache, table, seq_lens, features):
     return torch.stack(rows)
 
 
+# 3 and 5 positions per work item cut the contexts below into several partitions, some ending mid-block and some
+# inside a sliding window; PARTITION_TOKENS leaves each in one.
+@pytest.mark.parametrize("partition", [3, 5, PARTITION_TOKENS])
 @pytest.mark.parametrize("window,softcap,with_sinks", [
-    (None, None, False), (5, None, False), (None, 2.0, False), (None, None, True), (3, 1.0, True)])
-def test_kernel_matches_reference_attention(window, softcap, with_sinks):
+    (None, None, False), (5, None, False), (None, 2.0, False), (None, None, True), (3, 1.0, True), (11, None, True)])
+def test_kernel_matches_reference_attention(window, softcap, with_sinks, partition):
     query, key_cache, value_cache, table, seq_lens = _case([1, 4, 7, 13, 30])
     sinks = torch.randn(query.shape[1]) if with_sinks else None
     features = LayerFeatures(scaling=0.25, sliding_window=window, softcap=softcap, sinks=sinks)
-    got = paged_decode(query, key_cache, value_cache, table, seq_lens, 0.25, window, softcap, sinks)
+    got = paged_decode(query, key_cache, value_cache, table, seq_lens, 0.25, window, softcap, sinks,
+                       partition=partition)
     want = _reference(query, key_cache, value_cache, table, seq_lens, features)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+
+
+def test_a_sequence_attends_the_same_whatever_shares_its_step():
+    """The partition length is fixed, not fitted to the batch, so a sequence's sums run in the same order alone and
+    among others: its output is bit for bit the same."""
+    query, key_cache, value_cache, table, seq_lens = _case([300, 7, 130, 2], num_heads=4, num_kv_heads=2)
+    together = paged_decode(query, key_cache, value_cache, table, seq_lens, 0.25, None, None, None)
+    for b in range(len(seq_lens)):
+        alone = paged_decode(query[b:b + 1], key_cache, value_cache, table[b:b + 1], seq_lens[b:b + 1], 0.25, None,
+                             None, None)
+        assert torch.equal(alone[0], together[b])
 
 
 def test_kernel_handles_multi_query_and_wider_values():
