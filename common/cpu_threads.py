@@ -14,9 +14,13 @@ The rule (docs/operations.md "Threads and cores"), applied by the launcher when 
    OMP_NUM_THREADS in the launcher's environment is not read (the launcher sets the worker's own, so that a value
    left over in a shell or a test harness cannot make the default differ from the same count given explicitly).
    torch's inter-op pool gets one thread (the worker runs one op at a time), numba's decode kernel torch's count.
-5. Waiting OpenMP threads sleep instead of spinning (OMP_WAIT_POLICY=PASSIVE, KMP_BLOCKTIME=0): a spinning thread
-   beside a busy neighbour turns a millisecond step into hundreds. The launcher puts all of this into the worker's
-   environment and affinity before Python starts, so torch and numba read it when they start their pools.
+5. A worker's waiting OpenMP threads spin briefly, then sleep: GNU OpenMP (torch's pip builds) polls WAIT_SPINS
+   times (GOMP_SPINCOUNT, under a millisecond) before it sleeps, other runtimes sleep at once
+   (OMP_WAIT_POLICY=PASSIVE, KMP_BLOCKTIME=0). The short spin covers the gaps between the operators of a step and
+   between steps (sleeping there cost a wake-up per parallel region, a third of a one-sequence decode step of a
+   110M Llama); OpenMP's own default (300,000 polls, milliseconds) made steps several-fold slower beside busy
+   neighbours. The frontend and scheduler never spin. The launcher puts all of this into the worker's environment
+   and affinity before Python starts, so torch and numba read it when they start their pools.
 """
 
 from __future__ import annotations
@@ -26,6 +30,13 @@ from dataclasses import dataclass
 
 # The worker's intra-op thread count, as the launcher chose it (read by worker/worker.py; unset: torch's own)
 WORKER_THREADS_ENV = "SHUTTLE_WORKER_THREADS"
+
+# How many times a worker's idle GNU OpenMP thread polls for the next parallel region before it sleeps. A poll is
+# one pause instruction: 24 ns on a Zen 5 core, tens of ns on others, so 10,000 polls last a quarter to half a
+# millisecond: longer than the host work between two operators of a step or between two steps (input preparation,
+# sampling, the next plan's arrival), far shorter than a neighbour's time slice. scripts/dev/bench_threads.py
+# measures it alone and beside busy neighbours (docs/operations.md, threads and cores).
+WAIT_SPINS = 10_000
 
 
 def parse_cpu_list(text: str) -> tuple[int, ...]:
@@ -133,11 +144,14 @@ def split_cores(pool: tuple[int, ...], num_workers: int) -> tuple[tuple[int, ...
 
 def worker_env(base: dict[str, str], threads: int) -> dict[str, str]:
     """The environment of a worker process running `threads` intra-op threads: every thread pool it starts
-    (OpenMP's, MKL's, numba's) sized to `threads`, and waiting OpenMP threads sleeping instead of spinning."""
+    (OpenMP's, MKL's, numba's) sized to `threads`, and waiting OpenMP threads polling WAIT_SPINS times before they
+    sleep (GNU OpenMP reads GOMP_SPINCOUNT before OMP_WAIT_POLICY; other runtimes sleep at once), unless `base`
+    sets GOMP_SPINCOUNT itself."""
     env = dict(base)
     count = str(threads)
     env.update({"OMP_NUM_THREADS": count, "MKL_NUM_THREADS": count, "NUMBA_NUM_THREADS": count,
                 WORKER_THREADS_ENV: count, "OMP_WAIT_POLICY": "PASSIVE", "KMP_BLOCKTIME": "0"})
+    env.setdefault("GOMP_SPINCOUNT", str(WAIT_SPINS))  # an operator's own count wins (0: sleep at once)
     return env
 
 

@@ -38,8 +38,8 @@ PLACEMENT_TIMEOUT_S = 60.0  # how long a start waits for Ray to reserve a group'
 ACTOR_START_TIMEOUT_S = 120.0  # for an actor to come up on its node and start its process
 # the launcher's environment that a rank takes to its node: shuttle's own settings (keys, log format, rank, group),
 # the thread counts it was given, and where models and caches are found
-FORWARDED_PREFIXES = ("SHUTTLE_", "HF_", "TRANSFORMERS_", "OMP_", "MKL_", "KMP_", "NUMBA_", "TORCH", "PYTORCH_",
-                      "NCCL_", "GLOO_")
+FORWARDED_PREFIXES = ("SHUTTLE_", "HF_", "TRANSFORMERS_", "OMP_", "GOMP_", "MKL_", "KMP_", "NUMBA_", "TORCH",
+                      "PYTORCH_", "NCCL_", "GLOO_")
 
 
 def model_source(model_dir: str, typed: str) -> str | None:

@@ -126,9 +126,9 @@ class WorkerCpuClocks:
     """CPU seconds (user + system, every thread) that each worker rank's process has used, read from Linux's
     /proc/<pid>/stat (fields 14 and 15, utime and stime, in clock ticks; proc(5)).
 
-    The whole process, not the thread that runs the steps: that thread waits asleep at OpenMP's barriers
-    (OMP_WAIT_POLICY=PASSIVE, common/cpu_threads.py) while the pool's threads do the step's work, and on a crowded
-    host it went seconds without CPU time while its step advanced. The price: a deadlocked step beside a grammar
+    The whole process, not the thread that runs the steps: that thread waits asleep at OpenMP's barriers (after a
+    spin of under a millisecond, common/cpu_threads.py) while the pool's threads do the step's work, and on a
+    crowded host it went seconds without CPU time while its step advanced. The price: a deadlocked step beside a grammar
     compile that still runs (at most 30 s, worker/grammar.py, or an over-long one left to finish) reads as progress
     until that compile ends, or until WORKING_STEP_LIMIT.
 

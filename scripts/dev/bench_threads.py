@@ -3,16 +3,17 @@
 CPU-bound processes.
 
 For each setting (--settings: "default" is the server's own flags, anything else is passed as flags, e.g.
-"--worker-threads 1"), starts `shuttle serve` on --model (launcher/local_server.py's ShuttleServer, stopped by
-PID), warms it with one burst, then times --rounds bursts of --requests concurrent non-streaming completions of
---max-tokens tokens each (ignore_eos, greedy) alone; then starts --hogs CPU-bound Python processes (busy loops,
-on every core this script may use, stopped by PID however the run ends), waits a second, and times as many bursts
-beside them. Reported per setting and condition: the median burst's seconds, output tokens/s, the median
-decode-only step in the server's step log (--step-log) during those bursts, and the slowdown beside the hogs over
-alone. No assertions: it prints a table and writes JSON.
+"--worker-threads 1", after any NAME=VALUE words, which go into the launcher's environment, e.g. "GOMP_SPINCOUNT=0"
+for worker threads that sleep as soon as they wait), starts `shuttle serve` on --model (launcher/local_server.py's
+ShuttleServer, stopped by PID), warms it with one burst, then times --rounds bursts of --requests concurrent
+non-streaming completions of --max-tokens tokens each (ignore_eos, greedy) alone; then starts --hogs CPU-bound
+Python processes (busy loops, on every core this script may use, stopped by PID however the run ends), waits a
+second, and times as many bursts beside them. Reported per setting and condition: the median burst's seconds,
+output tokens/s, the median decode-only step in the server's step log (--step-log) during those bursts, and the
+slowdown beside the hogs over alone. No assertions: it prints a table and writes JSON.
 
     .venv/bin/python scripts/dev/bench_threads.py
-    .venv/bin/python scripts/dev/bench_threads.py --settings default "--worker-threads 1" "--worker-threads 2" \\
+    .venv/bin/python scripts/dev/bench_threads.py --settings default "--worker-threads 1" "GOMP_SPINCOUNT=0" \\
         --json /tmp/threads.json
 """
 
@@ -93,12 +94,18 @@ def stop_hogs(hogs: list[subprocess.Popen]) -> None:
 
 
 def run_setting(setting: str, args) -> dict:
-    flags = [] if setting == "default" else shlex.split(setting)
+    words = [] if setting == "default" else shlex.split(setting)
+    env = {}
+    while words and "=" in words[0] and not words[0].startswith("-"):
+        name, _, value = words.pop(0).partition("=")
+        env[name] = value
+    flags = words
     step_log = Path(tempfile.mkstemp(prefix="bench-threads-", suffix=".jsonl")[1])
     hogs: list[subprocess.Popen] = []
     try:
         # worker_threads=None: the server's own default, not the test harness's one thread
-        with ShuttleServer(*flags, "--step-log", str(step_log), model_dir=args.model, worker_threads=None) as server:
+        with ShuttleServer(*flags, "--step-log", str(step_log), model_dir=args.model, worker_threads=None,
+                           env=env) as server:
             startup = [line for line in server.output if line.startswith("shuttle: worker")]
             model = asyncio.run(_served_model(server.url))
             asyncio.run(burst(server.url, model, args.requests, args.max_tokens))  # warm-up

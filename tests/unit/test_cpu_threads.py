@@ -6,6 +6,7 @@ import argparse
 import pytest
 
 from shuttle.common.cpu_threads import (
+    WAIT_SPINS,
     WORKER_THREADS_ENV,
     CoreError,
     cpu_list,
@@ -89,12 +90,14 @@ def test_split_cores_of_no_workers():
     assert split_cores((0, 1), 0) == ()  # --data-parallel-size 0: only remote groups
 
 
-def test_the_worker_environment_sizes_every_pool_and_sleeps_when_idle():
+def test_the_worker_environment_sizes_every_pool_and_spins_briefly_when_idle():
     env = worker_env({"PATH": "/bin", "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "ACTIVE"}, 3)
     assert env["PATH"] == "/bin"
     assert env["OMP_NUM_THREADS"] == env["MKL_NUM_THREADS"] == env["NUMBA_NUM_THREADS"] == "3"
     assert env[WORKER_THREADS_ENV] == "3"  # a stale OMP_NUM_THREADS from the shell does not survive
     assert env["OMP_WAIT_POLICY"] == "PASSIVE" and env["KMP_BLOCKTIME"] == "0"
+    assert env["GOMP_SPINCOUNT"] == str(WAIT_SPINS) and "GOMP_SPINCOUNT" not in other_env({})
+    assert worker_env({"GOMP_SPINCOUNT": "0"}, 2)["GOMP_SPINCOUNT"] == "0"  # the operator's own count
     assert other_env({})["OMP_NUM_THREADS"] == "1" and other_env({})["OMP_WAIT_POLICY"] == "PASSIVE"
 
 
