@@ -8,7 +8,7 @@ and writes it once in between; this kernel reads it once, half the bytes of floa
 of the products of bf16 values (exact in float32), summed in a vectorised order, for the caller to round to
 bfloat16 once: the same arithmetic as a bf16 matmul with float32 accumulation, up to summation order.
 
-The widening is decode_kernel.py's (a bfloat16 is the top half of a float32: a 16-bit shift, exact). numba compiles
+The widening is worker/numba_widen.py's (a bfloat16 is the top half of a float32: a 16-bit shift, exact). numba compiles
 on first use and caches the machine code next to this file; `warm_up` compiles it at start-up.
 """
 
@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from numba import njit, prange, set_num_threads
 
-from shuttle.worker.decode_kernel import _widen  # the exact bf16 -> float32 widening, shared with the decode kernel
+from shuttle.worker.numba_widen import widen
 
 # Rows up to which ColumnChunkedLinear takes this kernel. Its cost grows with the rows (each row's dot products widen
 # the weights again), the chunked float32 GEMM's barely: on a 2-core AVX2 CPU, 12 layers of 2304 x 768 bf16 weights
@@ -37,7 +37,7 @@ def _bf16_rows(x, weight_bits, out):
             for i in range(rows):  # the weight row stays in L1 across the rows of x
                 total = np.float32(0.0)
                 for k in range(width):
-                    total += x[i, k] * _widen(weight_bits[j, k])
+                    total += x[i, k] * widen(weight_bits[j, k])
                 out[i, j] = total
 
 

@@ -10,7 +10,7 @@ and sums the weighted V rows the same way; a second pass rescales each sequence'
 Accumulation is float32, the same as torch's CPU attention; results match it within ~1e-6.
 
 A bfloat16 cache is read in place too: numba has no bfloat16, so the kernel gets the cache viewed as uint16 and widens
-each element to float32 where it reads it (a bfloat16 is the top half of a float32: a 16-bit shift, exact). The
+each element to float32 where it reads it (worker/numba_widen.py: a 16-bit shift, exact). The
 same source compiles once per cache type; for a float32 cache the widening is the identity, so that machine code is
 the one it always was. Queries come in as float32 (the caller widens them, bfloat16 -> float32 being exact) and the
 output is float32, for the caller to round to the model's dtype.
@@ -25,30 +25,9 @@ import math
 
 import numpy as np
 import torch
-from llvmlite import ir
-from numba import njit, prange, set_num_threads, types
-from numba.extending import intrinsic, overload
+from numba import njit, prange, set_num_threads
 
-
-@intrinsic
-def _float32_of_bits(typingctx, bits):
-    """The float32 whose bit pattern is the uint32 `bits` (an LLVM bitcast)."""
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.FloatType())
-    return types.float32(types.uint32), codegen
-
-
-def _widen(x):
-    """float32 of one cache element: itself for a float32, the shifted bits of a bfloat16 stored as uint16."""
-
-
-@overload(_widen, inline="always")
-def _widen_overload(x):
-    if isinstance(x, types.Float):
-        return lambda x: x
-    if x == types.uint16:
-        return lambda x: _float32_of_bits(np.uint32(x) << np.uint32(16))
-    return None
+from shuttle.worker.numba_widen import widen
 
 
 # Reassociation lets LLVM vectorize the dot products; infinities and NaNs keep their IEEE meaning (masking uses -inf).
@@ -101,7 +80,7 @@ def _paged_decode(q, key_rows, value_rows, block_table, seq_lens, block_size, sc
                 for h in range(kv_head * group, (kv_head + 1) * group):
                     s = np.float32(0.0)
                     for d in range(head_dim):
-                        s += q[b, h, d] * _widen(key_rows[row, kv_head, d])
+                        s += q[b, h, d] * widen(key_rows[row, kv_head, d])
                     s *= scale
                     if softcap > 0.0:
                         s = softcap * math.tanh(s / softcap)
@@ -125,7 +104,7 @@ def _paged_decode(q, key_rows, value_rows, block_table, seq_lens, block_size, sc
                 for h in range(kv_head * group, (kv_head + 1) * group):
                     p = scores[h, col]
                     for d in range(v_head_dim):
-                        acc[h, d] += p * _widen(value_rows[row, kv_head, d])
+                        acc[h, d] += p * widen(value_rows[row, kv_head, d])
     # Each sequence's partitions rescaled to their common maximum (the sink logit included) and summed.
     for b in prange(num_seqs):
         for h in range(num_heads):
