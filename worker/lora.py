@@ -204,7 +204,9 @@ def _linear_shape(base: torch.nn.Module) -> tuple[int, int, torch.dtype, torch.d
     weight = next(inner.parameters())
     weight = weight.to_local() if hasattr(weight, "to_local") else weight  # a DTensor shard under tensor parallel
     dtype = weight.dtype if weight.is_floating_point() else torch.float32
+    # a weight OneDnnLinear reordered is a meta tensor of its shape (worker/onednn_linear.py): the layer is on the CPU
+    device = torch.device("cpu") if weight.is_meta else weight.device
     if weight.dim() == 2 and weight.is_floating_point():  # [out, in]: the shard this rank holds
-        return int(weight.shape[1]), int(weight.shape[0]), dtype, weight.device
+        return int(weight.shape[1]), int(weight.shape[0]), dtype, device
     features = cast(tuple[int, int], (inner.in_features, inner.out_features))  # an Int8Linear's q is padded
-    return features[0], features[1], dtype, weight.device
+    return features[0], features[1], dtype, device

@@ -3,6 +3,7 @@ at every row count, every float32 linear is wrapped once sharing its weight (tie
 left alone is, the start-up check catches a product outside rounding, and an engine on two threads gives
 transformers' greedy tokens, token for token."""
 
+import copy
 import random
 import time
 
@@ -67,8 +68,9 @@ def _within_rounding(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, b
     return bool(((got - F.linear(x, weight, bias)).abs() <= rounding_bound(x, weight, bias)).all())
 
 
+@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_every_row_count_agrees_with_f_linear_to_rounding(threads):
+def test_every_row_count_agrees_with_f_linear_to_rounding(threads, packed):
     torch.set_num_threads(threads)
     try:
         generator = torch.Generator().manual_seed(0)
@@ -76,8 +78,8 @@ def test_every_row_count_agrees_with_f_linear_to_rounding(threads):
             linear = torch.nn.Linear(in_features, out_features, bias=bias)
             with torch.no_grad():
                 linear.weight.copy_(torch.randn(out_features, in_features, generator=generator))
-            layer = OneDnnLinear(linear)
-            assert layer.weight is linear.weight and layer.bias is linear.bias
+            layer = OneDnnLinear(copy.deepcopy(linear), packed=packed)
+            assert (layer.packed_weight is not None) is packed and layer.weight.is_meta is packed
             with torch.inference_mode():
                 for rows in (1, 2, 5, 9, 16, 64, 300):
                     x = torch.randn(rows, in_features, generator=generator)
@@ -96,7 +98,8 @@ def _tiny_llama(vocab: int, tied: bool = True) -> LlamaForCausalLM:
 
 
 @pytest.mark.parametrize("tied", [True, False])
-def test_every_float32_linear_is_wrapped_once_sharing_its_weight(tied):
+def test_every_float32_linear_is_wrapped_once_sharing_its_weight(tied, monkeypatch):
+    monkeypatch.setattr(onednn_module, "packs_weights", lambda: False)  # an AVX2 CPU: row-major weights
     model = _tiny_llama(MIN_COLUMNS, tied)
     weights = {name: module.weight for name, module in model.named_modules() if type(module) is torch.nn.Linear}
     ids = torch.tensor([[5, 9, 2]])
@@ -116,12 +119,56 @@ def test_every_float32_linear_is_wrapped_once_sharing_its_weight(tied):
         assert torch.allclose(after, before, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_on_avx512_untied_layers_compute_from_reordered_weights_and_release_their_own(tied, monkeypatch):
+    monkeypatch.setattr(onednn_module, "packs_weights", lambda: True)
+    model = _tiny_llama(MIN_COLUMNS, tied)
+    embedding = model.get_input_embeddings().weight
+    byte_count = sum(p.numel() * p.element_size() for p in model.parameters())
+    ids = torch.tensor([[5, 9, 2]])
+    with torch.inference_mode():
+        before = model(input_ids=ids).logits
+        done = prepare_cpu_linears(model, CPU, tensor_parallel=False, has_bf16_units=False, threads=2)
+        assert done.onednn == 2 * 7 + 1
+        head = model.get_output_embeddings()
+        assert (head.packed_weight is None) is tied  # a tied head stays row-major, the embedding's own tensor
+        assert (head.weight is embedding) is tied and model.get_input_embeddings().weight is embedding
+        layers = [module for module in model.modules() if isinstance(module, OneDnnLinear)]
+        assert all(m.packed_weight is not None and m.weight.is_meta for m in layers if m is not head)
+        # the model's byte count (the worker's weight_bytes) and its shapes are the same; its values are gone
+        assert sum(p.numel() * p.element_size() for p in model.parameters()) == byte_count
+        after = model(input_ids=ids).logits
+        assert torch.equal(after.argmax(-1), before.argmax(-1))
+        assert torch.allclose(after, before, rtol=0, atol=1e-5)
+
+
+def _resident_bytes() -> int:
+    fields = dict(line.split(":", 1) for line in open("/proc/self/status"))
+    return sum(int(fields[name].split()[0]) * 1024 for name in ("RssAnon", "RssFile"))
+
+
+def test_reordering_a_checkpoints_weights_does_not_hold_them_twice(tmp_path, monkeypatch):
+    """transformers maps the checkpoint: the reordered copies must replace the mapped weights in memory, not sit
+    beside them (each linear's pages are dropped once it is reordered)."""
+    config = LlamaConfig(vocab_size=512, hidden_size=1024, intermediate_size=2816, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=8, tie_word_embeddings=True)
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    linear_bytes = sum(m.weight.numel() * 4 for m in model.modules() if type(m) is torch.nn.Linear)
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([[1, 2]]))  # every weight page resident, as after the start-up checks
+        before = _resident_bytes()
+        assert route_float32_linears(model, CPU, tensor_parallel=False, pack=True) == 2 * 7 + 1  # the tied head too
+        model(input_ids=torch.tensor([[1, 2]]))
+    assert _resident_bytes() - before < 0.5 * linear_bytes, (before, _resident_bytes(), linear_bytes)  # not twice
+
+
 def test_tensor_parallel_other_dtypes_other_devices_and_failing_shapes_are_left_alone(monkeypatch):
     assert route_float32_linears(_tiny_llama(512), CPU, tensor_parallel=True) == 0
     assert route_float32_linears(_tiny_llama(512).to(torch.bfloat16), CPU, tensor_parallel=False) == 0
     assert route_float32_linears(_tiny_llama(512), torch.device("meta"), tensor_parallel=False) == 0
     model = _tiny_llama(512)
-    monkeypatch.setattr(onednn_module, "onednn_is_close", lambda layer: layer.weight.shape != (64, 64))
+    monkeypatch.setattr(onednn_module, "onednn_is_close", lambda layer, packed: layer.weight.shape != (64, 64))
     assert route_float32_linears(model, CPU, tensor_parallel=False) == 2 * 5 + 1  # not q_proj, o_proj
     assert type(model.model.layers[0].self_attn.q_proj) is torch.nn.Linear
     monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
@@ -138,10 +185,12 @@ def test_the_start_up_check_fails_on_a_product_outside_rounding(monkeypatch):
     assert not onednn_is_close(linear)
 
 
-def test_an_engine_on_two_threads_matches_transformers_on_two_threads(two_threads):
+@pytest.mark.parametrize("packed", [False, True])
+def test_an_engine_on_two_threads_matches_transformers_on_two_threads(two_threads, packed, monkeypatch):
     """The worker's linears on oneDNN (every row count, prefill of these prompts included), the reference on
     torch's GEMM on the same two threads; one prompt at a time, as transformers' generate runs them, then all at
     once. (The rest of the suite runs on one thread, oneDNN's linears included.)"""
+    monkeypatch.setattr(onednn_module, "packs_weights", lambda: packed)  # both layouts, whatever this CPU runs
     model = ModelConfig.from_dir(MODEL_DIR)
     config = ShuttleConfig(model=model, ipc=IpcConfig.in_directory("/nonexistent"), cache=CacheConfig(16, 200),
                            scheduler=SchedulerConfig(max_num_batched_tokens=2048))
