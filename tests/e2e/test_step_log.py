@@ -45,4 +45,8 @@ async def test_the_server_logs_each_step_it_runs(slow_server):
     assert [(s.num_tokens, s.num_prefill_seqs, s.num_decode_seqs, s.num_sampled) for s in steps] == [
         (prompt_len, 1, 0, 1)] + [(1, 0, 1, 1)] * 3
     assert [s.decode_attention for s in steps[1:]] == [prompt_len + 1, prompt_len + 2, prompt_len + 3]
-    assert all(SLOW_STEP_DELAY <= s.seconds < 5 for s in steps)  # the worker's time is in it (the step_delay hook)
+    # The worker's time is in it (the step_delay hook). Not step by step: a step's time starts when the scheduler
+    # reads the previous result, so a result read late moves time from the next step into that one (a fresh-clone
+    # CI on a loaded machine saw one step under the delay). The steps' times are contiguous, so their sum holds
+    # every step's delay.
+    assert sum(s.seconds for s in steps) >= len(steps) * SLOW_STEP_DELAY and all(s.seconds < 5 for s in steps)
