@@ -60,6 +60,12 @@ def packs_weights() -> bool:
     return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
 
+def reordered_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A copy of the float32 [N, K] `weight` in oneDNN's blocked layout (an opaque tensor `onednn_linear` takes in
+    the weight's place), laid out for PACK_ROWS_HINT rows."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
+
+
 def release_weight(linear: torch.nn.Module) -> None:
     """Give back the memory of `linear`'s weight, which nothing may read again: the weight becomes a meta Parameter
     of the same shape and dtype, and the whole pages of its bytes are dropped first (madvise MADV_DONTNEED, Linux).
@@ -100,9 +106,7 @@ class OneDnnLinear(LinearWrapper):
         super().__init__(linear)
         self.packed_weight: torch.Tensor | None = None
         if packed:
-            with torch.no_grad():
-                weight = cast(torch.Tensor, linear.weight)
-                self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
+            self.packed_weight = reordered_weight(cast(torch.Tensor, linear.weight))
             release_weight(linear)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -129,7 +133,7 @@ def onednn_is_close(linear: torch.nn.Linear, rows: int = 8, seed: int = 0, packe
     weight, bias = linear.weight, linear.bias
     x = torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(seed))
     with torch.inference_mode():
-        operand = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT) if packed else weight
+        operand = reordered_weight(weight) if packed else weight
         difference = (onednn_linear(x, operand, bias) - F.linear(x, weight, bias)).abs()
         return bool((difference <= rounding_bound(x, weight, bias)).all())
 

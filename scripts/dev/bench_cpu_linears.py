@@ -27,11 +27,7 @@ sys.path.insert(0, str(REPO))
 
 from bench_bf16_gemv import median_ms  # noqa: E402  scripts/dev, this script's own directory
 
-from shuttle.worker.onednn_linear import onednn_linear, rounding_bound  # noqa: E402
-
-# The row count oneDNN is told to expect when it lays out a reordered weight (a decode step of a few dozen
-# sequences); any row count computes from that layout.
-REORDER_ROWS_HINT = 32
+from shuttle.worker.onednn_linear import onednn_linear, reordered_weight, rounding_bound  # noqa: E402
 
 
 def main() -> int:
@@ -49,7 +45,7 @@ def main() -> int:
     threads = torch.get_num_threads()
     layers = [(m.weight.detach(), None if m.bias is None else m.bias.detach())
               for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    reordered = [torch.ops.mkldnn._reorder_linear_weight(w, REORDER_ROWS_HINT) for w, _ in layers]
+    reordered = [reordered_weight(w) for w, _ in layers]
     weight_bytes = sum(w.numel() * 4 for w, _ in layers)
     weights_sized = torch.empty(weight_bytes // 4).uniform_()
     weights_sized.sum()
