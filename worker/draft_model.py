@@ -53,7 +53,8 @@ class DraftModel:
             raise UnsupportedModelError(f"the draft model's vocabulary has {draft_vocab} tokens, the target's "
                                         f"{vocab_size}: a draft model must share the target's tokenizer")
         # the same CPU linears as the target's (the draft runs unsharded beside it)
-        prepare_cpu_linears(self.model, device, False, bool(cpu_bf16_flags()), torch.get_num_threads())
+        self.cpu_linears = prepare_cpu_linears(self.model, device, False, bool(cpu_bf16_flags()),
+                                               torch.get_num_threads())
         self.geometry = probe_geometry(self.model)
         self.kv_cache: KVCache | None = None  # allocated once the target's cache is sized (same block ids)
         log.info("draft model %s: %d layers, %.1f M parameters", model_dir, len(self.geometry),
@@ -65,7 +66,8 @@ class DraftModel:
 
     @property
     def weight_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+        """Bytes of the draft's weights, reordered copies of a tied head included."""
+        return sum(p.numel() * p.element_size() for p in self.model.parameters()) + self.cpu_linears.copied_bytes
 
     def allocate(self, num_blocks: int, block_size: int, kv_dtype: torch.dtype, device: torch.device) -> None:
         """Allocate the draft KV cache with the target's `num_blocks` blocks (and its null block)."""

@@ -202,9 +202,10 @@ class ModelRunner:
 
     @property
     def weight_bytes(self) -> int:
-        """Bytes of the weights this rank holds (a draft model's included)."""
+        """Bytes of the weights this rank holds (a draft model's included, and reordered copies of tied heads)."""
         draft = self.drafter.weight_bytes if self.drafter is not None else 0
-        return sum(local_numel(p) * p.element_size() for p in self.model.parameters()) + draft
+        parameters = sum(local_numel(p) * p.element_size() for p in self.model.parameters())
+        return parameters + self.cpu_linears.copied_bytes + draft
 
     @property
     def _bytes_per_token(self) -> int:

@@ -27,7 +27,7 @@ from shuttle.worker.onednn_linear import (
     onednn_is_close,
     onednn_linear,
     rounding_bound,
-    route_float32_linears,
+    route_linears_to_onednn,
 )
 from shuttle.worker.output_projection import MIN_COLUMNS, ColumnChunkedLinear
 from shuttle.worker.worker import ModelRunner
@@ -35,6 +35,14 @@ from tests.server import MODEL_DIR
 
 CPU = torch.device("cpu")
 DEFAULT_MIN_WEIGHT_BYTES = onednn_module.MIN_WEIGHT_BYTES  # before this file's fixture sets it to 0
+bf16_onednn = pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+                                 reason="this CPU's oneDNN has no bfloat16 matmul")
+
+
+def route_float32_linears(model: torch.nn.Module, device: torch.device = CPU, tensor_parallel: bool = False,
+                          **options) -> int:
+    """How many layers route_linears_to_onednn wraps on a CPU without bf16 units (float32 layers only)."""
+    return route_linears_to_onednn(model, device, tensor_parallel, has_bf16_units=False, **options).wrapped
 
 
 @pytest.fixture
@@ -52,6 +60,7 @@ def small_layers_too(monkeypatch):
     """These tests' models are tiny: every float32 linear goes to oneDNN whatever its size, except where a test
     restores the size rule."""
     monkeypatch.setattr(onednn_module, "MIN_WEIGHT_BYTES", 0)
+    monkeypatch.setattr(onednn_module, "MIN_BF16_WEIGHT_BYTES", 0)
 
 
 def test_by_default_only_weights_of_at_least_min_weight_bytes_go_to_onednn(monkeypatch):
@@ -120,7 +129,7 @@ def test_every_float32_linear_is_wrapped_once_sharing_its_weight(tied, monkeypat
 
 
 @pytest.mark.parametrize("tied", [True, False])
-def test_on_avx512_untied_layers_compute_from_reordered_weights_and_release_their_own(tied, monkeypatch):
+def test_on_avx512_layers_compute_from_reordered_weights_and_release_all_but_a_tied_heads(tied, monkeypatch):
     monkeypatch.setattr(onednn_module, "packs_weights", lambda: True)
     model = _tiny_llama(MIN_COLUMNS, tied)
     embedding = model.get_input_embeddings().weight
@@ -131,15 +140,57 @@ def test_on_avx512_untied_layers_compute_from_reordered_weights_and_release_thei
         done = prepare_cpu_linears(model, CPU, tensor_parallel=False, has_bf16_units=False, threads=2)
         assert done.onednn == 2 * 7 + 1
         head = model.get_output_embeddings()
-        assert (head.packed_weight is None) is tied  # a tied head stays row-major, the embedding's own tensor
-        assert (head.weight is embedding) is tied and model.get_input_embeddings().weight is embedding
         layers = [module for module in model.modules() if isinstance(module, OneDnnLinear)]
-        assert all(m.packed_weight is not None and m.weight.is_meta for m in layers if m is not head)
-        # the model's byte count (the worker's weight_bytes) and its shapes are the same; its values are gone
+        assert all(m.packed_weight is not None for m in layers)  # the head too, tied or not
+        assert all(m.weight.is_meta for m in layers if m is not head)
+        # a tied head's weight stays the embedding's, held beside its reordered copy, and that copy is counted
+        assert (head.weight is embedding) is tied and model.get_input_embeddings().weight is embedding
+        assert head.weight.is_meta is not tied and not embedding.is_meta
+        assert done.copied_bytes == (embedding.numel() * 4 if tied else 0)
+        # the model's byte count (the worker's weight_bytes, less the copies) and its shapes are the same
         assert sum(p.numel() * p.element_size() for p in model.parameters()) == byte_count
         after = model(input_ids=ids).logits
         assert torch.equal(after.argmax(-1), before.argmax(-1))
         assert torch.allclose(after, before, rtol=0, atol=1e-5)
+
+
+@bf16_onednn
+@pytest.mark.parametrize("tied", [True, False])
+def test_bfloat16_layers_compute_from_reordered_weights_only_where_the_cpu_has_bf16_units(tied, monkeypatch):
+    model = _tiny_llama(MIN_COLUMNS, tied).to(torch.bfloat16)
+    ids = torch.tensor([[5, 9, 2, 7, 7, 1]])
+    with torch.inference_mode():
+        before = model(input_ids=ids).logits
+        monkeypatch.setattr(onednn_module, "packs_weights", lambda: False)  # AVX2: bf16 is output_projection's
+        assert route_linears_to_onednn(model, CPU, False, has_bf16_units=True).wrapped == 0
+        monkeypatch.setattr(onednn_module, "packs_weights", lambda: True)
+        assert route_linears_to_onednn(model, CPU, False, has_bf16_units=False).wrapped == 0  # no bf16 units
+        done = prepare_cpu_linears(model, CPU, tensor_parallel=False, has_bf16_units=True, threads=2)
+        assert (done.onednn, done.widened, done.chunked_head) == (2 * 7 + 1, 0, False)
+        assert done.copied_bytes == (model.get_input_embeddings().weight.numel() * 2 if tied else 0)
+        layers = [module for module in model.modules() if isinstance(module, OneDnnLinear)]
+        assert all(m.packed_weight is not None and m.packed_weight.dtype == torch.bfloat16 for m in layers)
+        after = model(input_ids=ids).logits
+    assert after.dtype == torch.bfloat16 and torch.equal(after.argmax(-1), before.argmax(-1))
+    # each layer's output within one bf16 rounding of F.linear's, compounded over two layers: a few bf16 ulps
+    assert torch.allclose(after.float(), before.float(), rtol=2.0 ** -5, atol=2.0 ** -7)
+
+
+@bf16_onednn
+def test_bfloat16_layers_smaller_than_min_bf16_weight_bytes_stay_on_f_linear(monkeypatch):
+    monkeypatch.setattr(onednn_module, "packs_weights", lambda: True)
+    monkeypatch.setattr(onednn_module, "MIN_BF16_WEIGHT_BYTES", 128 << 10)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256, bias=False), torch.nn.Linear(128, 256)).to(torch.bfloat16)
+    assert route_linears_to_onednn(model, CPU, False, has_bf16_units=True).wrapped == 1  # 128 KiB and 64 KiB
+    assert isinstance(model[0], OneDnnLinear) and type(model[1]) is torch.nn.Linear
+
+
+@bf16_onednn
+def test_the_start_up_check_holds_for_bfloat16_and_fails_on_a_product_outside_rounding(monkeypatch):
+    linear = torch.nn.Linear(768, 512).to(torch.bfloat16)
+    assert onednn_is_close(linear, packed=True) and onednn_is_close(linear, packed=False)
+    monkeypatch.setattr(onednn_module, "onednn_linear", lambda *a: onednn_linear(*a) * (1 + 2.0 ** -5))
+    assert not onednn_is_close(linear, packed=True)
 
 
 def _resident_bytes() -> int:
@@ -159,6 +210,7 @@ def test_reordering_a_checkpoints_weights_does_not_hold_them_twice(tmp_path, mon
         model(input_ids=torch.tensor([[1, 2]]))  # every weight page resident, as after the start-up checks
         before = _resident_bytes()
         assert route_float32_linears(model, CPU, tensor_parallel=False, pack=True) == 2 * 7 + 1  # the tied head too
+        # (the tied head's reordered copy, 2 MiB, sits beside the embedding: counted, and well under the bound)
         model(input_ids=torch.tensor([[1, 2]]))
     assert _resident_bytes() - before < 0.5 * linear_bytes, (before, _resident_bytes(), linear_bytes)  # not twice
 
