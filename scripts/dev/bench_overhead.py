@@ -146,12 +146,14 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=128, help="prompt tokens per request before decoding")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--dtype", default="float32", help="the engine's --dtype (auto, float32, bfloat16, ...); "
+                        "the bare forward runs in the same dtype")
     parser.add_argument("--json", type=Path, default=Path("bench_results/bench_overhead.json"))
     parser.add_argument("--torch-profile", action="store_true",
                         help="also print torch.profiler's top operators (self CPU time) of the timed decode steps "
                              "at the largest batch: where the forward's time goes")
     args = parser.parse_args()
-    model_config = ModelConfig.from_dir(args.model)
+    model_config = ModelConfig.from_dir(args.model, dtype=args.dtype)
     block_size = 16
     blocks = max(args.batch) * -(-(args.context + args.steps + 12) // block_size) + 16
     from shuttle.common.config import WorkerConfig
@@ -159,8 +161,9 @@ def main() -> None:
                            cache=CacheConfig(block_size, blocks, enable_prefix_caching=False),
                            worker=WorkerConfig(args.attention_backend))
     runner = ModelRunner(config)
-    bare_model = AutoModelForCausalLM.from_pretrained(args.model, attn_implementation="sdpa").eval()
-    print(f"model {args.model} ({runner.architecture}), context {args.context} tokens, attention backend "
+    bare_model = AutoModelForCausalLM.from_pretrained(args.model, attn_implementation="sdpa",
+                                                      dtype=runner.dtype).eval()
+    print(f"model {args.model} ({runner.architecture}, {runner.dtype_label}), context {args.context} tokens, attention backend "
           f"{runner.backend.name}, torch threads {torch.get_num_threads()}; medians in ms per decode step")
     header = f"{'batch':>6}" + "".join(f"{p:>12}" for p in PHASES) + f"{'step':>10}{'overhead':>10}{'bare fwd':>10}"
     print(header)

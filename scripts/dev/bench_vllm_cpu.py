@@ -7,7 +7,10 @@ its OpenMP threads bound by vLLM, chunked prefill, prefix caching), both with --
 --kv-cache-gib GiB of KV cache, started once and left running; then --rounds rounds, each running every workload with
 every tool against both servers, the server order alternating by round, so a machine's slow minute falls on both.
 Every run draws fresh prompts (its seed is a function of round, workload and tool, the same for both servers), so no
-server's prefix cache holds an earlier run's prompts. Workloads (ignore_eos, greedy; lengths drawn in +-30%):
+server's prefix cache holds an earlier run's prompts. Before every run the machine is left idle for SETTLE_SECONDS:
+vLLM's server keeps one core busy for about a second after its last request (measured: its process group used 100%
+of a core for 1.0 s after each run, then nothing), which slowed whichever server ran next (shuttle's first steps
+after a vLLM run took 6x their time). Workloads (ignore_eos, greedy; lengths drawn in +-30%):
 
     c1, c16, c64    4, 32, 64 requests of 320-token prompts and 96 output tokens at concurrency 1, 16, 64
     prefix64        64 requests at concurrency 64 sharing one 384-token prefix, then 64 tokens of their own
@@ -55,6 +58,7 @@ WORKLOADS = {"c1": (1, 4, 320, 96, 0), "c16": (16, 32, 320, 96, 0), "c64": (64, 
              "prefix64": (64, 64, 64, 96, 384)}
 RANGE_RATIO = 0.3
 TOOLS = ("shuttle", "vllm")
+SETTLE_SECONDS = 2.0  # idle before each run: vLLM polls a core for ~1 s after its last request (module docstring)
 
 
 def shuttle_tool(url: str, workload: str, vocab: int, seed: int) -> dict:
@@ -188,6 +192,7 @@ def main() -> int:
                         for name in order:
                             run = {"dtype": dtype, "round": r, "workload": workload, "tool": tool, "server": name,
                                    "seed": seed}
+                            time.sleep(SETTLE_SECONDS)
                             try:
                                 if workload == "long-prompt":
                                     run.update(asyncio.run(long_prompt_among_decodes(servers[name], vocab, seed)))
