@@ -163,8 +163,9 @@ def main() -> None:
     runner = ModelRunner(config)
     bare_model = AutoModelForCausalLM.from_pretrained(args.model, attn_implementation="sdpa",
                                                       dtype=runner.dtype).eval()
-    print(f"model {args.model} ({runner.architecture}, {runner.dtype_label}), context {args.context} tokens, attention backend "
-          f"{runner.backend.name}, torch threads {torch.get_num_threads()}; medians in ms per decode step")
+    print(f"model {args.model} ({runner.architecture}, {runner.dtype_label}), context {args.context} tokens, "
+          f"attention backend {runner.backend.name}, torch threads {torch.get_num_threads()}; "
+          "medians in ms per decode step")
     header = f"{'batch':>6}" + "".join(f"{p:>12}" for p in PHASES) + f"{'step':>10}{'overhead':>10}{'bare fwd':>10}"
     print(header)
     rows = []
