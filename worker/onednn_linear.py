@@ -183,6 +183,28 @@ class OneDnnRouting:
     copied_bytes: int
 
 
+def onednn_targets(model: torch.nn.Module, device: torch.device, tensor_parallel: bool, has_bf16_units: bool,
+                   pack: bool, min_weight_bytes: int | None = None) -> list[tuple[str, torch.nn.Linear]]:
+    """The plain nn.Linear layers of `model` that oneDNN computes (route_linears_to_onednn's rule), by name, leaving
+    out those another module already wraps (a LinearWrapper's `linear`): none under tensor parallel, off the CPU or
+    where torch has no oneDNN."""
+    if tensor_parallel or device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return []
+    least = {torch.float32: MIN_WEIGHT_BYTES if min_weight_bytes is None else min_weight_bytes}
+    if pack and has_bf16_units:
+        least[torch.bfloat16] = MIN_BF16_WEIGHT_BYTES if min_weight_bytes is None else min_weight_bytes
+    wrappers = {name for name, module in model.named_modules() if isinstance(module, LinearWrapper)}
+    return [(name, module) for name, module in model.named_modules()
+            if type(module) is torch.nn.Linear and name.rpartition(".")[0] not in wrappers  # not one already wrapped
+            and module.weight.dtype in least
+            and module.weight.numel() * module.weight.element_size() >= least[module.weight.dtype]]
+
+
+def parameter_uses(model: torch.nn.Module) -> Counter[int]:
+    """How many places of `model` hold each parameter, by id (a tied weight: 2)."""
+    return Counter(id(parameter) for _, parameter in model.named_parameters(remove_duplicate=False))
+
+
 def route_linears_to_onednn(model: torch.nn.Module, device: torch.device, tensor_parallel: bool,
                             has_bf16_units: bool, min_weight_bytes: int | None = None,
                             pack: bool | None = None) -> OneDnnRouting:
@@ -194,16 +216,9 @@ def route_linears_to_onednn(model: torch.nn.Module, device: torch.device, tensor
     when given). With `pack` (None: packs_weights()), the layers compute from reordered copies, releasing their own
     weights where no other module shares them.
     """
-    if tensor_parallel or device.type != "cpu" or not torch.backends.mkldnn.is_available():
-        return OneDnnRouting(0, 0, 0)
     pack = packs_weights() if pack is None else pack
-    least = {torch.float32: MIN_WEIGHT_BYTES if min_weight_bytes is None else min_weight_bytes}
-    if pack and has_bf16_units:
-        least[torch.bfloat16] = MIN_BF16_WEIGHT_BYTES if min_weight_bytes is None else min_weight_bytes
-    targets = [(name, module) for name, module in model.named_modules()
-               if type(module) is torch.nn.Linear and module.weight.dtype in least
-               and module.weight.numel() * module.weight.element_size() >= least[module.weight.dtype]]
-    uses = Counter(id(parameter) for _, parameter in model.named_parameters(remove_duplicate=False))
+    targets = onednn_targets(model, device, tensor_parallel, has_bf16_units, pack, min_weight_bytes)
+    uses = parameter_uses(model)
     close: dict[tuple[int, int, bool, bool, torch.dtype], bool] = {}
     wrapped = packed = copied_bytes = 0
     for name, layer in targets:

@@ -22,6 +22,7 @@ from shuttle.scheduler.kv_cache import KVCacheManager
 from shuttle.scheduler.scheduler import Scheduler
 from shuttle.worker import onednn_linear as onednn_module
 from shuttle.worker.cpu_linears import prepare_cpu_linears
+from shuttle.worker.fused_projections import SharedInputLinear
 from shuttle.worker.onednn_linear import (
     OneDnnLinear,
     onednn_is_close,
@@ -138,11 +139,13 @@ def test_on_avx512_layers_compute_from_reordered_weights_and_release_all_but_a_t
     with torch.inference_mode():
         before = model(input_ids=ids).logits
         done = prepare_cpu_linears(model, CPU, tensor_parallel=False, has_bf16_units=False, threads=2)
-        assert done.onednn == 2 * 7 + 1
+        # q/k/v and gate/up in groups (test_fused_projections.py), o_proj, down_proj and the head alone
+        assert (done.onednn, done.fused) == (2 * 2 + 1, 2 * 5)
         head = model.get_output_embeddings()
         layers = [module for module in model.modules() if isinstance(module, OneDnnLinear)]
         assert all(m.packed_weight is not None for m in layers)  # the head too, tied or not
-        assert all(m.weight.is_meta for m in layers if m is not head)
+        fused = [module for module in model.modules() if isinstance(module, SharedInputLinear)]
+        assert all(m.weight.is_meta for m in layers + fused if m is not head)
         # a tied head's weight stays the embedding's, held beside its reordered copy, and that copy is counted
         assert (head.weight is embedding) is tied and model.get_input_embeddings().weight is embedding
         assert head.weight.is_meta is not tied and not embedding.is_meta
@@ -166,7 +169,7 @@ def test_bfloat16_layers_compute_from_reordered_weights_only_where_the_cpu_has_b
         monkeypatch.setattr(onednn_module, "packs_weights", lambda: True)
         assert route_linears_to_onednn(model, CPU, False, has_bf16_units=False).wrapped == 0  # no bf16 units
         done = prepare_cpu_linears(model, CPU, tensor_parallel=False, has_bf16_units=True, threads=2)
-        assert (done.onednn, done.widened, done.chunked_head) == (2 * 7 + 1, 0, False)
+        assert (done.onednn, done.fused, done.widened, done.chunked_head) == (2 * 2 + 1, 2 * 5, 0, False)
         assert done.copied_bytes == (model.get_input_embeddings().weight.numel() * 2 if tied else 0)
         layers = [module for module in model.modules() if isinstance(module, OneDnnLinear)]
         assert all(m.packed_weight is not None and m.packed_weight.dtype == torch.bfloat16 for m in layers)
@@ -247,7 +250,7 @@ def test_an_engine_on_two_threads_matches_transformers_on_two_threads(two_thread
     config = ShuttleConfig(model=model, ipc=IpcConfig.in_directory("/nonexistent"), cache=CacheConfig(16, 200),
                            scheduler=SchedulerConfig(max_num_batched_tokens=2048))
     runner = ModelRunner(config)
-    assert runner.cpu_linears.onednn > 0
+    assert runner.cpu_linears.onednn > 0 and (runner.cpu_linears.fused > 0) is packed  # reordered: q/k/v fused
     hf = AutoModelForCausalLM.from_pretrained(MODEL_DIR).eval()
     rng = random.Random(3)
     prompts = [[1] + [rng.randrange(3, 512) for _ in range(n)] for n in (4, 5, 8, 10, 40, 120)]
