@@ -251,6 +251,11 @@ def test_an_engine_on_two_threads_matches_transformers_on_two_threads(two_thread
                            scheduler=SchedulerConfig(max_num_batched_tokens=2048))
     runner = ModelRunner(config)
     assert runner.cpu_linears.onednn > 0 and (runner.cpu_linears.fused > 0) is packed  # reordered: q/k/v fused
+    # stories260K's head is tied: reordered, its copy sits beside the embedding and the worker's bytes count it
+    head_bytes = runner.model.get_input_embeddings().weight.numel() * 4
+    assert runner.cpu_linears.copied_bytes == (head_bytes if packed else 0)
+    assert runner.weight_bytes == sum(p.numel() * p.element_size() for p in runner.model.parameters()) + \
+        runner.cpu_linears.copied_bytes
     hf = AutoModelForCausalLM.from_pretrained(MODEL_DIR).eval()
     rng = random.Random(3)
     prompts = [[1] + [rng.randrange(3, 512) for _ in range(n)] for n in (4, 5, 8, 10, 40, 120)]
