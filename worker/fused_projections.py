@@ -12,7 +12,9 @@ How. The model's code stays transformers': each member keeps its place and name 
 keeps it; the others, called with that same tensor object, take their columns from it. A member called with any
 other tensor computes the group's product for that tensor (never a stale one: the kept input is referenced, so its
 identity cannot be reused), so a model that feeds the siblings different inputs (cross-attention) still gets each
-product right, only without the saving. The product is dropped once every member has taken its columns.
+product right, only without the saving. The product is dropped once every member has taken its columns. What the
+identity cannot see is a tensor changed in place between two members' calls (inference tensors keep no version
+counter to compare); no transformers decoder does that to the hidden states its projections read.
 
 Exactness. The fused product of each output column is the same dot product as the member's own, summed in
 oneDNN's order: within the rounding bound onednn_linear.py checks at start-up, which the fused weight passes too.
