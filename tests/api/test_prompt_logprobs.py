@@ -124,7 +124,8 @@ async def test_prompt_logprobs_zero_lists_the_prompt_token_alone(model_api):
     ({"prompt_logprobs": -1, "stream": True}, "`prompt_logprobs` are not available when `stream=True`."),
     ({"prompt_logprobs": -2}, "`prompt_logprobs` must be a positive value or -1."),
     ({"prompt_logprobs": 21}, "Requested prompt logprobs of 21, which is greater than max allowed: 20"),
-    ({"prompt_logprobs": -1}, "Requested prompt logprobs of 512, which is greater than max allowed: 20"),
+    ({"prompt_logprobs": -1},
+     "Requested prompt logprobs of -1 (the whole vocabulary, 512), which is greater than max allowed: 20"),
     ({"prompt_logprobs": 1.5}, None),
 ])
 async def test_prompt_logprobs_out_of_range_are_refused(path, body, extra, message):
