@@ -1,10 +1,10 @@
 """Time the CPU paged decode kernel (worker/decode_kernel.py) per partition length.
 
-For each (batch, context) shape, random float32 K/V scattered over shuffled blocks of a 110M Llama's geometry
-(12 heads of 64 by default) are attended by one query per sequence, once with the whole context as one work item
-per sequence ("whole": the kernel's parallelism before partitions) and once per --partitions length. Each cell is
-the best of --repeats passes of --calls calls, in milliseconds per call; the last column is the largest difference
-from the whole-context result.
+For each (batch, context) shape, random K/V (float32, or --cache-dtype bfloat16) scattered over shuffled blocks of
+a 110M Llama's geometry (12 heads of 64 by default) are attended by one query per sequence, once with the whole
+context as one work item per sequence ("whole": the kernel's parallelism before partitions) and once per
+--partitions length. Each cell is the best of --repeats passes of --calls calls, in milliseconds per call; the last
+column is the largest difference from the whole-context result.
 
     .venv/bin/python scripts/dev/bench_decode_kernel.py --threads 2
     .venv/bin/python scripts/dev/bench_decode_kernel.py --shapes 1x4000 64x1000 --partitions 64 128 256
@@ -26,8 +26,10 @@ from shuttle.worker import decode_kernel
 WHOLE = 1 << 30  # longer than any context: one work item per sequence
 
 
-def make_case(batch: int, context: int, heads: int, kv_heads: int, head_dim: int, block_size: int, seed: int = 0):
-    """Query [batch, heads, head_dim], caches [blocks + 1, block_size, kv_heads, head_dim], block table, lengths."""
+def make_case(batch: int, context: int, heads: int, kv_heads: int, head_dim: int, block_size: int, seed: int = 0,
+              dtype: torch.dtype = torch.float32):
+    """Query [batch, heads, head_dim] and caches [blocks + 1, block_size, kv_heads, head_dim] in `dtype`, block table,
+    lengths."""
     gen = torch.Generator().manual_seed(seed)
     per_seq = -(-context // block_size)
     blocks = batch * per_seq + 1
@@ -35,6 +37,7 @@ def make_case(batch: int, context: int, heads: int, kv_heads: int, head_dim: int
     value_cache = torch.randn(blocks, block_size, kv_heads, head_dim, generator=gen)
     table = torch.randperm(blocks - 1, generator=gen).view(batch, per_seq).to(torch.int32)
     query = torch.randn(batch, heads, head_dim, generator=gen)
+    query, key_cache, value_cache = (t.to(dtype) for t in (query, key_cache, value_cache))
     return query, key_cache, value_cache, table, torch.full((batch,), context, dtype=torch.int32)
 
 
@@ -63,17 +66,19 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--cache-dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--json", default="bench_results/bench_decode_kernel.json")
     args = parser.parse_args()
-    decode_kernel.warm_up(args.threads)
-    print(f"paged decode, {args.heads} heads ({args.kv_heads} KV) of {args.head_dim}, float32 cache, "
+    dtype = getattr(torch, args.cache_dtype)
+    decode_kernel.warm_up(args.threads, (dtype,))
+    print(f"paged decode, {args.heads} heads ({args.kv_heads} KV) of {args.head_dim}, {args.cache_dtype} cache, "
           f"{args.threads} threads; ms per call (best of {args.repeats} x {args.calls})")
     header = f"{'batch':>6} {'context':>8} {'whole':>8}" + "".join(f" {'p' + str(p):>8}" for p in args.partitions)
     print(header + f" {'max diff':>9}")
     results = []
     for shape in args.shapes:
         batch, context = (int(part) for part in shape.split("x"))
-        case = make_case(batch, context, args.heads, args.kv_heads, args.head_dim, args.block_size)
+        case = make_case(batch, context, args.heads, args.kv_heads, args.head_dim, args.block_size, dtype=dtype)
         whole_ms, whole_out = time_call(case, WHOLE, args.calls, args.repeats)
         row = {"batch": batch, "context": context, "whole_ms": whole_ms, "partition_ms": {}}
         diff = 0.0
@@ -86,7 +91,8 @@ def main() -> None:
         print(f"{batch:>6} {context:>8} {whole_ms:>8.3f}"
               + "".join(f" {row['partition_ms'][p]:>8.3f}" for p in args.partitions) + f" {diff:>9.1e}")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps({"threads": args.threads, "heads": args.heads, "kv_heads": args.kv_heads,
+    Path(args.json).write_text(json.dumps({"threads": args.threads, "cache_dtype": args.cache_dtype,
+                                           "heads": args.heads, "kv_heads": args.kv_heads,
                                            "head_dim": args.head_dim, "results": results}, indent=1))
     print(f"wrote {args.json}")
 
