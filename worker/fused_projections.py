@@ -54,17 +54,18 @@ class FusedProjection:
     widths: tuple[int, ...]
     _input: torch.Tensor | None = field(default=None, repr=False)
     _parts: tuple[torch.Tensor, ...] = field(default=(), repr=False)
-    _taken: set[int] = field(default_factory=set, repr=False)
+    _taken: int = field(default=0, repr=False)  # bit i: member i has its columns
 
     def member_output(self, index: int, hidden: torch.Tensor) -> torch.Tensor:
         """Member `index`'s product for `hidden` ([..., K]): [..., N_index], a column slice of the group's product."""
-        if hidden is not self._input or index in self._taken:
+        bit = 1 << index
+        if hidden is not self._input or self._taken & bit:
             self._parts = tuple(onednn.onednn_linear(hidden, self.weight, self.bias).split(self.widths, dim=-1))
-            self._input, self._taken = hidden, set()
-        self._taken.add(index)
+            self._input, self._taken = hidden, 0
+        self._taken |= bit
         part = self._parts[index]
-        if len(self._taken) == len(self.widths):  # every member has its columns: let the product go
-            self._input, self._parts, self._taken = None, (), set()
+        if self._taken == (1 << len(self.widths)) - 1:  # every member has its columns: let the product go
+            self._input, self._parts, self._taken = None, (), 0
         return part
 
 
@@ -113,18 +114,13 @@ def fuse_sibling_projections(model: torch.nn.Module, device: torch.device, tenso
         layers = [layer for _, layer in members]
         if any(uses[id(layer.weight)] > 1 for layer in layers):
             continue
-        stacked = torch.nn.Linear(layers[0].in_features, sum(layer.out_features for layer in layers),
-                                  bias=layers[0].bias is not None, device="meta")
-        stacked.weight = torch.nn.Parameter(torch.cat([layer.weight.detach() for layer in layers]),
-                                            requires_grad=False)
-        if layers[0].bias is not None:
-            stacked.bias = torch.nn.Parameter(torch.cat([cast(torch.Tensor, layer.bias).detach() for layer in layers]),
-                                              requires_grad=False)
-        if not onednn.onednn_is_close(stacked, packed=True):
+        weight = torch.cat([layer.weight.detach() for layer in layers])
+        bias = None if layers[0].bias is None else torch.cat([cast(torch.Tensor, layer.bias).detach()
+                                                              for layer in layers])
+        if not onednn.onednn_is_close(weight, bias, packed=True):
             log.info("%s: the fused product was outside rounding of torch's; its layers stay apart", members[0][0])
             continue
-        group = FusedProjection(onednn.reordered_weight(stacked.weight), stacked.bias,
-                                tuple(layer.out_features for layer in layers))
+        group = FusedProjection(onednn.reordered_weight(weight), bias, tuple(layer.out_features for layer in layers))
         for index, (name, layer) in enumerate(members):
             onednn.release_weight(layer)
             replace_module(model, name, SharedInputLinear(layer, group, index))

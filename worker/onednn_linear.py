@@ -161,10 +161,11 @@ def agreement_bound(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     return bound
 
 
-def onednn_is_close(linear: torch.nn.Linear, rows: int = 8, seed: int = 0, packed: bool = False) -> bool:
-    """Whether `onednn_linear` gives `F.linear`'s product for the float32 or bfloat16 `linear` on `rows` random rows
-    within `agreement_bound`; from the weight reordered as OneDnnLinear(packed=True) holds it, with `packed`."""
-    weight, bias = linear.weight, linear.bias
+def onednn_is_close(weight: torch.Tensor, bias: torch.Tensor | None, rows: int = 8, seed: int = 0,
+                    packed: bool = False) -> bool:
+    """Whether `onednn_linear` gives `F.linear`'s product for a float32 or bfloat16 `weight` [N, K] and `bias` [N]
+    (or None) on `rows` random rows within `agreement_bound`; from the weight reordered as OneDnnLinear(packed=True)
+    holds it, with `packed`."""
     x = torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(seed)).to(weight.dtype)
     with torch.inference_mode():
         operand = reordered_weight(weight) if packed else weight
@@ -225,7 +226,7 @@ def route_linears_to_onednn(model: torch.nn.Module, device: torch.device, tensor
         weight = layer.weight
         shape = (layer.out_features, layer.in_features, layer.bias is not None, pack, weight.dtype)
         if shape not in close:
-            close[shape] = onednn_is_close(layer, packed=pack)
+            close[shape] = onednn_is_close(weight, layer.bias, packed=pack)
             if not close[shape]:
                 log.info("%s linears of %d x %d stay on torch's GEMM: oneDNN's product was outside rounding of it",
                          str(weight.dtype).removeprefix("torch."), shape[0], shape[1])

@@ -191,9 +191,10 @@ def test_bfloat16_layers_smaller_than_min_bf16_weight_bytes_stay_on_f_linear(mon
 @bf16_onednn
 def test_the_start_up_check_holds_for_bfloat16_and_fails_on_a_product_outside_rounding(monkeypatch):
     linear = torch.nn.Linear(768, 512).to(torch.bfloat16)
-    assert onednn_is_close(linear, packed=True) and onednn_is_close(linear, packed=False)
+    assert onednn_is_close(linear.weight, linear.bias, packed=True)
+    assert onednn_is_close(linear.weight, linear.bias, packed=False)
     monkeypatch.setattr(onednn_module, "onednn_linear", lambda *a: onednn_linear(*a) * (1 + 2.0 ** -5))
-    assert not onednn_is_close(linear, packed=True)
+    assert not onednn_is_close(linear.weight, linear.bias, packed=True)
 
 
 def _resident_bytes() -> int:
@@ -223,7 +224,7 @@ def test_tensor_parallel_other_dtypes_other_devices_and_failing_shapes_are_left_
     assert route_float32_linears(_tiny_llama(512).to(torch.bfloat16), CPU, tensor_parallel=False) == 0
     assert route_float32_linears(_tiny_llama(512), torch.device("meta"), tensor_parallel=False) == 0
     model = _tiny_llama(512)
-    monkeypatch.setattr(onednn_module, "onednn_is_close", lambda layer, packed: layer.weight.shape != (64, 64))
+    monkeypatch.setattr(onednn_module, "onednn_is_close", lambda weight, bias, packed: weight.shape != (64, 64))
     assert route_float32_linears(model, CPU, tensor_parallel=False) == 2 * 5 + 1  # not q_proj, o_proj
     assert type(model.model.layers[0].self_attn.q_proj) is torch.nn.Linear
     monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
@@ -235,9 +236,9 @@ def test_tensor_parallel_other_dtypes_other_devices_and_failing_shapes_are_left_
 
 def test_the_start_up_check_fails_on_a_product_outside_rounding(monkeypatch):
     linear = torch.nn.Linear(256, 64)
-    assert onednn_is_close(linear)
+    assert onednn_is_close(linear.weight, linear.bias)
     monkeypatch.setattr(onednn_module, "onednn_linear", lambda *a: onednn_linear(*a) * (1 + 2.0 ** -10))
-    assert not onednn_is_close(linear)
+    assert not onednn_is_close(linear.weight, linear.bias)
 
 
 @pytest.mark.parametrize("packed", [False, True])
