@@ -28,6 +28,7 @@ from shuttle.worker.cpu_linears import prepare_cpu_linears
 from shuttle.worker.input_batch import CachedRequestState, InputBatch, StepInputs
 from shuttle.worker.kv_cache import KVCache
 from shuttle.worker.model_loader import UnsupportedModelError, load_model, probe_geometry
+from shuttle.worker.sampler import greedy_tokens
 
 log = logging.getLogger("shuttle.worker")
 
@@ -103,7 +104,7 @@ class DraftModel:
                 state.next_prompt_logprob = mark
         drafting_rows = [i for i, state in enumerate(inputs.sampled_requests) if num_drafts[state]]
         rows = inputs.sample_rows[drafting_rows]
-        tokens = forward(inputs, layers, rows, model=self.model).argmax(dim=-1).tolist()  # runs even with no drafts
+        tokens = greedy_tokens(forward(inputs, layers, rows, model=self.model)).tolist()  # runs even with no drafts
         proposed = {inputs.sampled_requests[i]: [t] for i, t in zip(drafting_rows, tokens)}
         # passes 1 .. d: one row per sequence with at least j drafts
         for j in range(1, max(num_drafts.values(), default=0) + 1):
@@ -112,7 +113,7 @@ class DraftModel:
             step = batch.pack_decode_rows(states, [proposed[state][j - 1] for state in states], positions)
             wanted = [i for i, state in enumerate(states) if num_drafts[state] > j]
             logits = forward(step, layers, step.sample_rows[wanted], model=self.model)
-            for i, token in zip(wanted, logits.argmax(dim=-1).tolist()):
+            for i, token in zip(wanted, greedy_tokens(logits).tolist()):
                 proposed[states[i]].append(token)
         for state in drafting:
             state.draft_token_ids = proposed[state]

@@ -89,6 +89,17 @@ class SamplingState:
             self.seen[token_id] = True
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """The index of each row's largest logit (the first where several are equal, NaN counting as largest, as
+    `argmax`): int64 [S] of float [S, vocab].
+
+    Through `torch.max` rather than `argmax`: torch's CPU argmax is 5x slower over bfloat16 rows (over 32000 logits
+    on 2 threads: 103 against 21 us for one row, 3.2 against 0.57 ms for 64) and 1.4x over float32 ones; the two give
+    the same index.
+    """
+    return torch.max(logits, dim=-1).indices
+
+
 @dataclass
 class SamplerOutput:
     token_ids: list[int]
@@ -119,7 +130,7 @@ class Sampler:
             SamplerOutput with S token ids (and logprobs for rows that asked).
         """
         if all(s.plain_greedy for s in states):
-            return SamplerOutput(logits.argmax(dim=-1).tolist(), None)
+            return SamplerOutput(greedy_tokens(logits).tolist(), None)
         logits = logits.float()
         params = [s.params for s in states]
         wants_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
@@ -128,7 +139,7 @@ class Sampler:
             raw_logprobs = logits[wants_logprobs].log_softmax(dim=-1).clamp_(min=LOGPROB_FLOOR)
         num_outputs = [len(ids) - s.prompt_len for ids, s in zip(token_ids, states)]
         logits = self._process(logits, states, params, token_ids, num_outputs)
-        tokens = logits.argmax(dim=-1)
+        tokens = greedy_tokens(logits)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
             rows = torch.tensor(random_rows, device=logits.device)

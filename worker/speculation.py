@@ -25,6 +25,7 @@ from shuttle.worker.sampler import (
     _filtered_probabilities,
     _inverse_cdf,
     _logprobs,
+    greedy_tokens,
     seeded_uniform,
 )
 
@@ -58,7 +59,7 @@ def verify_drafts(sampler: Sampler, logits: torch.Tensor, requests: list[CachedR
     wants = [i for i, p in enumerate(params) if p.logprobs is not None]
     raw = logits[wants].log_softmax(dim=-1).clamp_(min=LOGPROB_FLOOR) if wants else None
     processed = sampler._process(logits, states, params, histories, num_outputs)
-    argmax = processed.argmax(dim=-1).tolist()
+    argmax = greedy_tokens(processed).tolist()
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     probs: dict[int, torch.Tensor] = {}
     draft_prob: dict[int, tuple[float, float]] = {}  # row -> (p of its draft, total mass), read in one copy

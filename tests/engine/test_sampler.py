@@ -4,7 +4,7 @@ logit_bias, min_tokens and logprobs do what OpenAI documents."""
 import torch
 
 from shuttle.common.sampling import SamplingParams
-from shuttle.worker.sampler import Sampler, SamplingState
+from shuttle.worker.sampler import Sampler, SamplingState, greedy_tokens
 
 
 def states(params: SamplingParams, n: int, prompt_len: int = 1) -> list[SamplingState]:
@@ -15,6 +15,17 @@ def test_greedy_is_argmax():
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
     out = Sampler()(logits, states(SamplingParams(temperature=0.0), 4), [[1]] * 4)
     assert out.token_ids == logits.argmax(-1).tolist() and out.logprobs is None
+
+
+def test_greedy_tokens_pick_argmax_s_index_among_ties_and_nans_in_both_dtypes():
+    """greedy_tokens goes through torch.max for speed; it must name the same index argmax does: the first of equal
+    largest logits, and a NaN where a row has one."""
+    gen = torch.Generator().manual_seed(3)
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = (torch.randint(0, 6, (32, 3000), generator=gen).float() / 7).to(dtype)  # every row full of ties
+        logits[5, 17] = float("nan")
+        assert torch.equal(greedy_tokens(logits), logits.argmax(dim=-1))
+        assert greedy_tokens(logits)[5] == 17
 
 
 def test_top_k_top_p_min_p_restrict_choices():
