@@ -6,7 +6,8 @@ The rule (docs/operations.md "Threads and cores"), applied by the launcher when 
 2. --worker-cores LIST (e.g. `0-3,6`) gives the workers those cores (each must be allowed); the frontend and the
    scheduler are pinned to the allowed cores outside the list (left unpinned when none are left). Without it, the
    workers get every allowed core but one when more than 2 are allowed (that one is for the frontend and the
-   scheduler, which are light but wake on every step), all of them on 1 or 2 cores; nothing is pinned.
+   scheduler, which are light but wake on every step), all of them on 1 or 2 cores; only a worker is pinned, to
+   its slice (rule 5).
 3. The worker processes of all local serving groups (data parallel x tensor parallel) split those cores between
    them in contiguous slices, never oversubscribing: with fewer cores than workers, each worker gets one core
    (shared round-robin). Pinned (--worker-cores), each worker is bound to its slice.
@@ -14,7 +15,14 @@ The rule (docs/operations.md "Threads and cores"), applied by the launcher when 
    OMP_NUM_THREADS in the launcher's environment is not read (the launcher sets the worker's own, so that a value
    left over in a shell or a test harness cannot make the default differ from the same count given explicitly).
    torch's inter-op pool gets one thread (the worker runs one op at a time), numba's decode kernel torch's count.
-5. A worker's waiting OpenMP threads spin briefly, then sleep: GNU OpenMP (torch's pip builds) polls WAIT_SPINS
+5. A CPU worker whose slice is its own (no core shared with another worker) and who runs one thread per core of it
+   (the default) is bound to its slice, pinned or not, and its OpenMP threads one per core (OMP_PROC_BIND=close:
+   GNU OpenMP places them from the process's affinity, so numba's copy of the runtime, started later, agrees).
+   Bound threads are never moved, nor stacked on one core while another idles; at one sequence on a 2-core machine
+   beside busy neighbours the served decode step's p99 fell by 40%, level alone (docs/operations.md, threads and
+   cores: scripts/dev/bench_threads.py).
+   An operator's own OMP_PROC_BIND or OMP_PLACES wins (OMP_PROC_BIND=false: neither bound nor pinned).
+6. A worker's waiting OpenMP threads spin briefly, then sleep: GNU OpenMP (torch's pip builds) polls WAIT_SPINS
    times (GOMP_SPINCOUNT, under a millisecond) before it sleeps, other runtimes sleep at once
    (OMP_WAIT_POLICY=PASSIVE, KMP_BLOCKTIME=0). The short spin covers the gaps between the operators of a step and
    between steps (sleeping there cost a wake-up per parallel region, a third of a one-sequence decode step of a
@@ -93,23 +101,36 @@ class CorePlan:
         threads: per worker process, its intra-op thread count.
         others: the cores of the frontend and the scheduler (the allowed set when nothing is set aside).
         pinned: whether processes are bound to those cores (only with --worker-cores).
+        on_cpu: whether the workers compute on the CPU (only those bind their threads, rule 5: a GPU worker's few
+            busy host threads keep the freedom of its slice).
     """
 
     workers: tuple[tuple[int, ...], ...]
     threads: tuple[int, ...]
     others: tuple[int, ...]
     pinned: bool
+    on_cpu: bool = True
 
-    def describe(self) -> str:
-        """For the start-up line: "worker threads 2 on cores 0-1" / "... pinned, frontend+scheduler on 2"."""
-        shares = sorted({(t, format_cpu_list(c)) for t, c in zip(self.threads, self.workers)})
-        text = "; ".join(f"{t} thread{'s' * (t != 1)} on cores {c}" for t, c in shares)
+    @property
+    def exclusive(self) -> bool:
+        """Whether no core is in two workers' slices (False: fewer cores than workers, shared round-robin)."""
+        cores = [core for share in self.workers for core in share]
+        return len(cores) == len(set(cores))
+
+    def describe(self, base: dict[str, str] | None = None) -> str:
+        """For the start-up line: "worker: 2 threads on cores 0-1" / "... bound one per core" (rule 5, judged with
+        the launcher's environment `base`) / "... (pinned; frontend and scheduler on 2)"."""
+        shares = sorted({(t, format_cpu_list(c), base is not None and binds_threads(self, i, base))
+                         for i, (t, c) in enumerate(zip(self.threads, self.workers))})
+        text = "; ".join(f"{t} thread{'s' * (t != 1)} on cores {c}{', bound one per core' * bound}"
+                         for t, c, bound in shares)
         if self.pinned:
             text += f" (pinned; frontend and scheduler on {format_cpu_list(self.others)})"
         return f"{len(self.workers)} worker(s): {text}" if len(self.workers) > 1 else f"worker: {text}"
 
 
-def plan_cores(allowed, num_workers: int, worker_cores: str = "", worker_threads: int = 0) -> CorePlan:
+def plan_cores(allowed, num_workers: int, worker_cores: str = "", worker_threads: int = 0,
+               on_cpu: bool = True) -> CorePlan:
     """The rule of the module docstring for `num_workers` worker processes on the `allowed` cores.
 
     Raises CoreError when --worker-cores names a core outside `allowed`.
@@ -127,7 +148,7 @@ def plan_cores(allowed, num_workers: int, worker_cores: str = "", worker_threads
         others = allowed[-1:] if len(allowed) > 2 else allowed
     shares = split_cores(pool, num_workers)
     threads = tuple(worker_threads or len(share) for share in shares)
-    return CorePlan(shares, threads, others, pinned=bool(chosen))
+    return CorePlan(shares, threads, others, pinned=bool(chosen), on_cpu=on_cpu)
 
 
 def split_cores(pool: tuple[int, ...], num_workers: int) -> tuple[tuple[int, ...], ...]:
@@ -142,17 +163,28 @@ def split_cores(pool: tuple[int, ...], num_workers: int) -> tuple[tuple[int, ...
     return tuple((pool[i % len(pool)],) for i in range(num_workers))
 
 
-def worker_env(base: dict[str, str], threads: int) -> dict[str, str]:
+def worker_env(base: dict[str, str], threads: int, bind: bool = False) -> dict[str, str]:
     """The environment of a worker process running `threads` intra-op threads: every thread pool it starts
     (OpenMP's, MKL's, numba's) sized to `threads`, and waiting OpenMP threads polling WAIT_SPINS times before they
     sleep (GNU OpenMP reads GOMP_SPINCOUNT before OMP_WAIT_POLICY; other runtimes sleep at once), unless `base`
-    sets GOMP_SPINCOUNT itself."""
+    sets GOMP_SPINCOUNT itself. With `bind` (see binds_threads), its OpenMP threads are bound one per core of the
+    process's affinity (rule 5)."""
     env = dict(base)
     count = str(threads)
     env.update({"OMP_NUM_THREADS": count, "MKL_NUM_THREADS": count, "NUMBA_NUM_THREADS": count,
                 WORKER_THREADS_ENV: count, "OMP_WAIT_POLICY": "PASSIVE", "KMP_BLOCKTIME": "0"})
     env.setdefault("GOMP_SPINCOUNT", str(WAIT_SPINS))  # an operator's own count wins (0: sleep at once)
+    if bind:
+        env["OMP_PROC_BIND"] = "close"
     return env
+
+
+def binds_threads(plan: CorePlan, index: int, base: dict[str, str]) -> bool:
+    """Whether worker `index` of `plan` is bound to its slice, a thread per core (rule 5): it computes on the CPU,
+    its slice is its own, it runs one thread per core of it, and `base` (the launcher's environment) sets no
+    OMP_PROC_BIND or OMP_PLACES."""
+    return (plan.on_cpu and plan.exclusive and plan.threads[index] == len(plan.workers[index])
+            and "OMP_PROC_BIND" not in base and "OMP_PLACES" not in base)
 
 
 def other_env(base: dict[str, str]) -> dict[str, str]:

@@ -131,7 +131,7 @@ class Launcher:
         self.placer = placer
         local_workers = 0 if placer is not None else len(self.group_configs) * tp
         self.cores: CorePlan = plan_cores(allowed_cores(), local_workers, config.worker.worker_cores,
-                                          config.worker.worker_threads)
+                                          config.worker.worker_threads, device_type(config.worker.device) == "cpu")
         self.engines = [Unit("engine" if single else f"engine of group {g}", roles, group=g, cores=self.cores,
                              placer=placer) for g in range(len(self.group_configs))]
         self.frontend = Unit("frontend", FRONTEND, cores=self.cores) if with_frontend else None
@@ -328,7 +328,7 @@ class Launcher:
             lines = capacity_lines(self.config, self.engines[0].ready["scheduler"], len(self.engines))
             if len(self.engines) > 1:
                 lines[0] = f"{len(self.engines)} data-parallel groups, each: {lines[0]}"
-            lines.append(self.cores.describe() if self.placer is None else self._ray_line())
+            lines.append(self.cores.describe(dict(os.environ)) if self.placer is None else self._ray_line())
             for line in lines:
                 say(line)
         if self.frontend is None:

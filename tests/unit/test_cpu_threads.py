@@ -9,6 +9,7 @@ from shuttle.common.cpu_threads import (
     WAIT_SPINS,
     WORKER_THREADS_ENV,
     CoreError,
+    binds_threads,
     cpu_list,
     format_cpu_list,
     other_env,
@@ -77,6 +78,9 @@ def test_worker_cores_pin_the_workers_and_send_the_rest_elsewhere():
     assert plan.threads == (3, 2)
     assert plan.others == (4, 5, 7)
     assert "pinned" in plan.describe()
+    assert plan.describe({}) == ("2 worker(s): 2 threads on cores 3,6, bound one per core; 3 threads on cores 0-2, "
+                                 "bound one per core (pinned; frontend and scheduler on 4-5,7)")
+    assert "bound" not in plan.describe({"OMP_PROC_BIND": "false"})
     every = plan_cores({0, 1}, 1, worker_cores="0-1")  # no core left: the frontend and scheduler stay unpinned
     assert every.others == (0, 1)
 
@@ -101,6 +105,29 @@ def test_the_worker_environment_sizes_every_pool_and_spins_briefly_when_idle():
     assert other_env({})["OMP_NUM_THREADS"] == "1" and other_env({})["OMP_WAIT_POLICY"] == "PASSIVE"
 
 
+def test_a_worker_with_a_core_per_thread_of_its_own_is_bound_to_them():
+    alone = Unit("engine", engine_roles(1), group=0, cores=plan_cores({0, 1}, 1))
+    env, cores = alone._placement("worker", 0, 1, {})
+    assert env["OMP_PROC_BIND"] == "close" and "OMP_PLACES" not in env and cores == (0, 1)  # unpinned, still bound
+    split = Unit("engine", engine_roles(2), group=0, cores=plan_cores(range(5), 2))  # 4 for the workers, 2 each
+    assert [split._placement(f"worker{r}", r, 2, {})[1] for r in (0, 1)] == [(0, 1), (2, 3)]
+    assert split._placement("scheduler", None, 2, {}) == (other_env({}), ())  # the others stay unpinned
+    assert "OMP_PROC_BIND" not in other_env({}) and "OMP_PROC_BIND" not in worker_env({}, 2)
+
+
+def test_a_worker_sharing_cores_or_threads_is_left_to_the_kernel():
+    shared = plan_cores({0, 1}, 3)  # fewer cores than workers: core 0 serves two of them
+    assert not shared.exclusive and plan_cores(range(5), 2).exclusive
+    assert not binds_threads(shared, 0, {})
+    assert not binds_threads(plan_cores({0, 1}, 1, on_cpu=False), 0, {})  # a GPU worker's threads stay free
+    for threads in (1, 4):  # --worker-threads other than the slice's size
+        assert not binds_threads(plan_cores({0, 1}, 1, worker_threads=threads), 0, {})
+    for own in ({"OMP_PROC_BIND": "false"}, {"OMP_PLACES": "cores"}):  # the operator's own setting wins
+        env, cores = Unit("engine", engine_roles(1), group=0, cores=plan_cores({0, 1}, 1))._placement(
+            "worker", 0, 1, own)
+        assert cores == () and env.get("OMP_PROC_BIND") == own.get("OMP_PROC_BIND")
+
+
 def test_each_process_of_a_unit_gets_its_own_threads_and_cores():
     plan = plan_cores(range(6), 4, worker_cores="0-3")  # 2 groups x 2 ranks, a core each
     unit = Unit("engine of group 1", engine_roles(2), group=1, cores=plan)
@@ -110,5 +137,5 @@ def test_each_process_of_a_unit_gets_its_own_threads_and_cores():
     assert cores == (4, 5) and env["OMP_NUM_THREADS"] == "1"
     unpinned = Unit("engine", engine_roles(1), group=0, cores=plan_cores({0, 1}, 1))
     env, cores = unpinned._placement("worker", 0, 1, {})
-    assert cores == () and env["OMP_NUM_THREADS"] == "2"
+    assert cores == (0, 1) and env["OMP_NUM_THREADS"] == "2"  # its slice is every core: bound there (rule 5)
     assert Unit("frontend", ("frontend",))._placement("frontend", None, 1, {"X": "1"}) == ({"X": "1"}, ())
