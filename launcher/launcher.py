@@ -328,7 +328,7 @@ class Launcher:
             lines = capacity_lines(self.config, self.engines[0].ready["scheduler"], len(self.engines))
             if len(self.engines) > 1:
                 lines[0] = f"{len(self.engines)} data-parallel groups, each: {lines[0]}"
-            lines.append(self.cores.describe(dict(os.environ)) if self.placer is None else self._ray_line())
+            lines.append(self.cores.describe(self.env) if self.placer is None else self._ray_line())
             for line in lines:
                 say(line)
         if self.frontend is None:
