@@ -12,7 +12,7 @@ vLLM's server keeps one core busy for about a second after its last request (mea
 of a core for 1.0 s after each run, then nothing), which slowed whichever server ran next (shuttle's first steps
 after a vLLM run took 6x their time). Workloads (ignore_eos, greedy; lengths drawn in +-30%):
 
-    c1, c16, c64    4, 32, 64 requests of 320-token prompts and 96 output tokens at concurrency 1, 16, 64
+    c1, c16, c64    16, 32, 64 requests of 320-token prompts and 96 output tokens at concurrency 1, 16, 64
     prefix64        64 requests at concurrency 64 sharing one 384-token prefix, then 64 tokens of their own
     long-prompt     32 streams decoding (128-token prompts, 256 output tokens); once each has 8 tokens, one
                     2,000-token prompt arrives: the streams' inter-token gaps while it is prefilled (p99, max) and
@@ -54,7 +54,7 @@ from shuttle.capacity.bench_serve import random_workload, run_benchmark, served_
 from shuttle.launcher.local_server import ShuttleServer  # noqa: E402
 
 # name -> (concurrency, requests, prompt tokens, output tokens, shared prefix tokens)
-WORKLOADS = {"c1": (1, 4, 320, 96, 0), "c16": (16, 32, 320, 96, 0), "c64": (64, 64, 320, 96, 0),
+WORKLOADS = {"c1": (1, 16, 320, 96, 0), "c16": (16, 32, 320, 96, 0), "c64": (64, 64, 320, 96, 0),
              "prefix64": (64, 64, 64, 96, 384)}
 RANGE_RATIO = 0.3
 TOOLS = ("shuttle", "vllm")
