@@ -18,6 +18,8 @@ The rule (docs/operations.md "Threads and cores"), applied by the launcher when 
 5. A CPU worker whose slice is its own (no core shared with another worker) and who runs one thread per core of it
    (the default) is bound to its slice, pinned or not, and its OpenMP threads one per core (OMP_PROC_BIND=close:
    GNU OpenMP places them from the process's affinity, so numba's copy of the runtime, started later, agrees).
+   The main thread is OpenMP's first, bound to the slice's first core; threads it starts afterwards (ZMQ's, the
+   heartbeat's) inherit that core, so `taskset -p` of the worker's pid shows that one core.
    Bound threads are never moved, nor stacked on one core while another idles; at one sequence on a 2-core machine
    beside busy neighbours the served decode step's p99 fell by 40%, level alone (docs/operations.md, threads and
    cores: scripts/dev/bench_threads.py).
@@ -122,8 +124,8 @@ class CorePlan:
         the launcher's environment `base`) / "... (pinned; frontend and scheduler on 2)"."""
         shares = sorted({(t, format_cpu_list(c), base is not None and binds_threads(self, i, base))
                          for i, (t, c) in enumerate(zip(self.threads, self.workers))})
-        text = "; ".join(f"{t} thread{'s' * (t != 1)} on cores {c}{', bound one per core' * bound}"
-                         for t, c, bound in shares)
+        text = "; ".join(f"{t} thread{'s' * (t != 1)} on core{'s' * (',' in c or '-' in c)} {c}"
+                         f"{', bound one per core' * bound}" for t, c, bound in shares)
         if self.pinned:
             text += f" (pinned; frontend and scheduler on {format_cpu_list(self.others)})"
         return f"{len(self.workers)} worker(s): {text}" if len(self.workers) > 1 else f"worker: {text}"

@@ -81,6 +81,8 @@ def test_worker_cores_pin_the_workers_and_send_the_rest_elsewhere():
     assert plan.describe({}) == ("2 worker(s): 2 threads on cores 3,6, bound one per core; 3 threads on cores 0-2, "
                                  "bound one per core (pinned; frontend and scheduler on 4-5,7)")
     assert "bound" not in plan.describe({"OMP_PROC_BIND": "false"})
+    assert plan_cores({0, 1}, 1, worker_cores="1").describe() == \
+        "worker: 1 thread on core 1 (pinned; frontend and scheduler on 0)"
     every = plan_cores({0, 1}, 1, worker_cores="0-1")  # no core left: the frontend and scheduler stay unpinned
     assert every.others == (0, 1)
 
