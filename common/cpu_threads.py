@@ -119,12 +119,19 @@ class CorePlan:
         cores = [core for share in self.workers for core in share]
         return len(cores) == len(set(cores))
 
+    def binds(self, index: int, base: dict[str, str]) -> bool:
+        """Whether worker `index` is bound to its slice, a thread per core (rule 5): it computes on the CPU, its
+        slice is its own, it runs one thread per core of it, and `base` (the launcher's environment) sets no
+        OMP_PROC_BIND or OMP_PLACES."""
+        return (self.on_cpu and self.exclusive and self.threads[index] == len(self.workers[index])
+                and "OMP_PROC_BIND" not in base and "OMP_PLACES" not in base)
+
     def describe(self, base: dict[str, str] | None = None) -> str:
         """For the start-up line: "worker: 2 threads on cores 0-1" / "... bound one per core" (rule 5, judged with
         the launcher's environment `base`) / "... (pinned; frontend and scheduler on 2)"."""
-        shares = sorted({(t, format_cpu_list(c), base is not None and binds_threads(self, i, base))
+        shares = sorted({(t, c, base is not None and self.binds(i, base))
                          for i, (t, c) in enumerate(zip(self.threads, self.workers))})
-        text = "; ".join(f"{t} thread{'s' * (t != 1)} on core{'s' * (',' in c or '-' in c)} {c}"
+        text = "; ".join(f"{t} thread{'s' * (t != 1)} on core{'s' * (len(c) != 1)} {format_cpu_list(c)}"
                          f"{', bound one per core' * bound}" for t, c, bound in shares)
         if self.pinned:
             text += f" (pinned; frontend and scheduler on {format_cpu_list(self.others)})"
@@ -169,7 +176,7 @@ def worker_env(base: dict[str, str], threads: int, bind: bool = False) -> dict[s
     """The environment of a worker process running `threads` intra-op threads: every thread pool it starts
     (OpenMP's, MKL's, numba's) sized to `threads`, and waiting OpenMP threads polling WAIT_SPINS times before they
     sleep (GNU OpenMP reads GOMP_SPINCOUNT before OMP_WAIT_POLICY; other runtimes sleep at once), unless `base`
-    sets GOMP_SPINCOUNT itself. With `bind` (see binds_threads), its OpenMP threads are bound one per core of the
+    sets GOMP_SPINCOUNT itself. With `bind` (CorePlan.binds), its OpenMP threads are bound one per core of the
     process's affinity (rule 5)."""
     env = dict(base)
     count = str(threads)
@@ -179,14 +186,6 @@ def worker_env(base: dict[str, str], threads: int, bind: bool = False) -> dict[s
     if bind:
         env["OMP_PROC_BIND"] = "close"
     return env
-
-
-def binds_threads(plan: CorePlan, index: int, base: dict[str, str]) -> bool:
-    """Whether worker `index` of `plan` is bound to its slice, a thread per core (rule 5): it computes on the CPU,
-    its slice is its own, it runs one thread per core of it, and `base` (the launcher's environment) sets no
-    OMP_PROC_BIND or OMP_PLACES."""
-    return (plan.on_cpu and plan.exclusive and plan.threads[index] == len(plan.workers[index])
-            and "OMP_PROC_BIND" not in base and "OMP_PLACES" not in base)
 
 
 def other_env(base: dict[str, str]) -> dict[str, str]:

@@ -15,7 +15,7 @@ import time
 from typing import TYPE_CHECKING
 
 from shuttle.common.config import DEVICE_ENV, DP_GROUP_ENV, TP_RANK_ENV, ShuttleConfig
-from shuttle.common.cpu_threads import CorePlan, binds_threads, other_env, pin, worker_env
+from shuttle.common.cpu_threads import CorePlan, other_env, pin, worker_env
 from shuttle.common.devices import device_type
 from shuttle.common.messages import ControlMessage, Heartbeat, ProcessReady
 from shuttle.common.process import LAST_WORDS_SIGNAL, die_with_parent
@@ -138,7 +138,7 @@ class Unit:
         if rank is None:
             return other_env(env), self.cores.others if self.cores.pinned else ()
         index = (self.group or 0) * tensor_parallel_size + rank
-        bind = binds_threads(self.cores, index, env)
+        bind = self.cores.binds(index, env)
         pin_to = self.cores.workers[index] if self.cores.pinned or bind else ()
         return worker_env(env, self.cores.threads[index], bind), pin_to
 

@@ -9,7 +9,6 @@ from shuttle.common.cpu_threads import (
     WAIT_SPINS,
     WORKER_THREADS_ENV,
     CoreError,
-    binds_threads,
     cpu_list,
     format_cpu_list,
     other_env,
@@ -120,10 +119,10 @@ def test_a_worker_with_a_core_per_thread_of_its_own_is_bound_to_them():
 def test_a_worker_sharing_cores_or_threads_is_left_to_the_kernel():
     shared = plan_cores({0, 1}, 3)  # fewer cores than workers: core 0 serves two of them
     assert not shared.exclusive and plan_cores(range(5), 2).exclusive
-    assert not binds_threads(shared, 0, {})
-    assert not binds_threads(plan_cores({0, 1}, 1, on_cpu=False), 0, {})  # a GPU worker's threads stay free
+    assert not shared.binds(0, {})
+    assert not plan_cores({0, 1}, 1, on_cpu=False).binds(0, {})  # a GPU worker's threads stay free
     for threads in (1, 4):  # --worker-threads other than the slice's size
-        assert not binds_threads(plan_cores({0, 1}, 1, worker_threads=threads), 0, {})
+        assert not plan_cores({0, 1}, 1, worker_threads=threads).binds(0, {})
     for own in ({"OMP_PROC_BIND": "false"}, {"OMP_PLACES": "cores"}):  # the operator's own setting wins
         env, cores = Unit("engine", engine_roles(1), group=0, cores=plan_cores({0, 1}, 1))._placement(
             "worker", 0, 1, own)
