@@ -11,6 +11,9 @@ socket's registration away. That test's request is then never polled and hangs u
   still open fails the test that opened it, by name;
 - must leave no registration in the loop's selector whose fd the loop's epoll set no longer holds (an fd closed while
   registered): such a registration fails the test, and is removed so that it cannot take the next test down.
+
+The collection after each test walks only what was created since its module began: what collection left alive, and
+what outlived each finished module, is frozen (gc.freeze), as common/process.py does for a served process.
 """
 from __future__ import annotations
 
@@ -58,6 +61,34 @@ def stale_registrations(loop: asyncio.AbstractEventLoop) -> list[int]:
         return []
     watched = epoll_fds(epoll.fileno())
     return sorted(fd for fd in selector.get_map() if fd not in watched)
+
+
+def _freeze_survivors() -> None:
+    """Collect, then take every survivor out of later collections (as common/process.py does for a served process).
+    The guard collects after every test; walking the imported modules and the parametrize tables each time cost most
+    of a second a test. What a test creates stays collectable until its module is done."""
+    gc.collect()
+    gc.freeze()
+
+
+def pytest_collection_finish(session):
+    _freeze_survivors()
+
+
+def pytest_unconfigure(config):
+    """Back in the collector's reach for the interpreter's exit: extension modules that count their live objects at
+    exit (triton's nanobind bindings) report frozen ones as leaked."""
+    gc.unfreeze()
+    gc.collect()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """After a module's last test (its module-scoped fixtures torn down), freeze what outlives it: the modules it
+    imported and the caches it filled."""
+    yield
+    if nextitem is None or nextitem.path != item.path:
+        _freeze_survivors()
 
 
 @pytest_asyncio.fixture(autouse=True, loop_scope="session")
