@@ -63,11 +63,15 @@ class StepWatchdog:
 
     def sent(self, step_id: int, at: float | None = None) -> None:
         """Time step `step_id` from `at` (clock seconds when it was sent; now by default). The progress rule and
-        WORKING_STEP_LIMIT count from now, when the step became the one waited for."""
+        WORKING_STEP_LIMIT count from now, when the step became the one waited for: every rank counts as advanced
+        now, against the previous step's last reading (or the first reading of this one, if there is none)."""
         self._last_look = self.clock()
         self._step_id, self._sent_at = step_id, self._last_look if at is None else at
         self._watched_from = self._last_look
-        self._readings, self._advanced_at, self._read_at = [], [], -math.inf
+        if self._readings:  # the last reading is this step's baseline: /proc is read twice a second, not each step
+            self._advanced_at = [self._last_look] * len(self._readings)
+        else:
+            self._advanced_at, self._read_at = [], -math.inf
 
     def poll_ms(self) -> int:
         if self.timeout <= 0:

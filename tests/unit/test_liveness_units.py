@@ -125,6 +125,50 @@ def test_a_step_that_keeps_using_cpu_is_hung_after_ten_timeouts():
         watchdog.check()
 
 
+class CountedWork(FakeWork):
+    def __init__(self, ranks: int):
+        super().__init__(ranks)
+        self.reads = 0
+
+    def __call__(self) -> list[float | None]:
+        self.reads += 1
+        return super().__call__()
+
+
+def test_short_steps_read_the_workers_cpu_time_twice_a_second_not_once_a_step():
+    """At one sequence the loop times about a hundred steps a second; each reading is a /proc read in the
+    scheduler's loop, so a step takes the previous step's last reading as its baseline."""
+    clock, work = FakeClock(), CountedWork(1)
+    watchdog = StepWatchdog(timeout=5.0, clock=clock, work=work)
+    for step in range(200):  # 2 s of 10 ms steps, each looked at twice
+        watchdog.sent(step)
+        for _ in range(2):
+            clock.now += 0.005
+            work.cpu[0] += 0.005
+            watchdog.check()
+    assert 4 <= work.reads <= 5
+
+
+def test_a_rank_stopped_between_short_steps_is_hung_one_timeout_after_its_last_reading_moved():
+    """The stop is seen at most one reading interval (0.5 s) later than with a fresh baseline: the CPU time the rank
+    used between the previous step's last reading and its stop counts as progress at the next reading."""
+    clock, work = FakeClock(), FakeWork(2)
+    watchdog = StepWatchdog(timeout=5.0, clock=clock, work=work)
+    for step in range(30):  # both ranks working through 10 ms steps
+        watchdog.sent(step)
+        clock.now += 0.01
+        work.cpu = [c + 0.01 for c in work.cpu]
+        watchdog.check()
+    watchdog.sent(30)  # rank 1 stops now; rank 0 spins in a collective
+    watched = clock.now
+    with pytest.raises(WorkerHung, match=r"no progress on step 30 .* rank\(s\) \[1\]"):
+        while clock.now < watched + 10.0:
+            clock.now += 0.05
+            work.cpu[0] += 0.05
+            watchdog.check()
+    assert watched + 5.0 < clock.now <= watched + 5.0 + 0.5 + 0.05
+
+
 def test_an_unreadable_rank_falls_back_to_the_wall_clock():
     clock, work = FakeClock(), FakeWork(1)
     work.cpu = [None]  # the worker on another host
