@@ -128,13 +128,16 @@ class CorePlan:
 
     def describe(self, base: dict[str, str] | None = None) -> str:
         """For the start-up line: "worker: 2 threads on cores 0-1" / "... bound one per core" (rule 5, judged with
-        the launcher's environment `base`) / "... (pinned; frontend and scheduler on 2)"."""
+        the launcher's environment `base`) / "... (pinned; frontend and scheduler on 2)", or "... unpinned: ..."
+        when --worker-cores names every allowed core."""
         shares = sorted({(t, c, base is not None and self.binds(i, base))
                          for i, (t, c) in enumerate(zip(self.threads, self.workers))})
         text = "; ".join(f"{t} thread{'s' * (t != 1)} on core{'s' * (len(c) != 1)} {format_cpu_list(c)}"
                          f"{', bound one per core' * bound}" for t, c, bound in shares)
-        if self.pinned:
+        if self.pinned and {core for share in self.workers for core in share}.isdisjoint(self.others):
             text += f" (pinned; frontend and scheduler on {format_cpu_list(self.others)})"
+        elif self.pinned:  # others fell back to every allowed core, the workers' included
+            text += " (pinned; frontend and scheduler unpinned: --worker-cores leaves no other core)"
         return f"{len(self.workers)} worker(s): {text}" if len(self.workers) > 1 else f"worker: {text}"
 
 

@@ -84,6 +84,8 @@ def test_worker_cores_pin_the_workers_and_send_the_rest_elsewhere():
         "worker: 1 thread on core 1 (pinned; frontend and scheduler on 0)"
     every = plan_cores({0, 1}, 1, worker_cores="0-1")  # no core left: the frontend and scheduler stay unpinned
     assert every.others == (0, 1)
+    assert every.describe() == ("worker: 2 threads on cores 0-1 (pinned; frontend and scheduler unpinned: "
+                                "--worker-cores leaves no other core)")
 
 
 def test_worker_cores_outside_the_affinity_are_refused():
