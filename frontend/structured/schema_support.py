@@ -23,9 +23,9 @@ MAX_SCHEMA_DEPTH = 64  # nested subschemas; deeper is refused before any walk or
 ENFORCED, REFUSED, ANNOTATION = "enforced", "refused", "annotation (not a constraint)"
 # keyword -> (how it fares, the condition or the reason)
 KEYWORDS: dict[str, tuple[str, str]] = {
-    "type": (ENFORCED, "one type or a list of types"),
-    "enum": (ENFORCED, ""),
-    "const": (ENFORCED, ""),
+    "type": (ENFORCED, "one type or a non-empty list of types"),
+    "enum": (ENFORCED, "a non-empty list; each value of the `type` beside it, if any (the engine writes them anyway)"),
+    "const": (ENFORCED, "of the `type` beside it, if any (the engine writes it anyway)"),
     "properties": (ENFORCED, ""),
     "required": (ENFORCED, "each name must be one of `properties`; refused otherwise (the engine writes `{}`)"),
     "additionalProperties": (ENFORCED, ""),
@@ -50,11 +50,11 @@ KEYWORDS: dict[str, tuple[str, str]] = {
     "format": (ENFORCED, "email, date, time, date-time, duration, uuid, ipv4, ipv6, hostname, uri, uri-reference, "
                          "uri-template, json-pointer, relative-json-pointer; regex, iri, iri-reference, idn-email "
                          "and idn-hostname are refused; other names are annotations"),
-    "anyOf": (ENFORCED, ""),
-    "oneOf": (ENFORCED, "when its branches are disjoint: distinct types, distinct const/enum values, or objects "
-                        "with a required property whose const/enum values differ (a discriminated union); refused "
-                        "otherwise (the engine would allow an output that matches two branches)"),
-    "allOf": (ENFORCED, "with one entry; refused with more"),
+    "anyOf": (ENFORCED, "a non-empty list"),
+    "oneOf": (ENFORCED, "a non-empty list, and when its branches are disjoint: distinct types, distinct const/enum "
+                        "values, or objects with a required property whose const/enum values differ (a discriminated "
+                        "union); refused otherwise (the engine would allow an output that matches two branches)"),
+    "allOf": (ENFORCED, "with one entry; refused with none or more"),
     "$ref": (ENFORCED, "to this schema (`#` or `#/...`); a remote reference is refused"),
     "$defs": (ENFORCED, ""),
     "definitions": (ENFORCED, ""),
@@ -151,7 +151,19 @@ def _check_node(node: dict[str, Any], root: dict[str, Any], param: str, where: s
     if "type" in node and not (types in JSON_TYPES or isinstance(types, list) and all(t in JSON_TYPES for t in types)):
         # the engine refuses it only once the request is queued: a background response was answered queued first
         _refuse(param, where, f"{path}/type", f"`type` must be one of {', '.join(JSON_TYPES)} or a list of them")
+    if types == []:
+        _refuse(param, where, f"{path}/type", "`type` [] allows no value")
     types = {types} if isinstance(types, str) else set(types) if isinstance(types, list) else set()
+    for keyword in ("anyOf", "oneOf", "allOf", "enum"):
+        if keyword in node and not (isinstance(node[keyword], list) and node[keyword]):
+            _refuse(param, where, f"{path}/{keyword}", f"`{keyword}` must be a list of at least one "
+                                                      f"{'value' if keyword == 'enum' else 'schema'}")
+    for keyword in ("const", "enum"):
+        listed = ([node["const"]] if "const" in node else []) if keyword == "const" else node.get("enum", [])
+        strays = [value for value in listed if types and not _json_types(value) & types]
+        if strays:  # the engine writes the listed values whatever the type says
+            _refuse(param, where, f"{path}/{keyword}", f"{json.dumps(strays[0])[:100]} is not of the `type` beside "
+                                                      f"it ({', '.join(sorted(types))}): the engine would write it")
     typed_values = "enum" in node or "const" in node
     for keyword in _NUMERIC:
         if keyword in node and not types & {"integer", "number"} and not typed_values:
@@ -211,6 +223,18 @@ def _disjoint(branches: list[Any]) -> bool:
         if _pairwise_disjoint(tags):
             return True
     return False
+
+
+def _json_types(value: Any) -> set[str]:
+    """The JSON Schema types `value` (decoded JSON) is an instance of: an integral number is both integer and
+    number (JSON Schema 2020-12, validation section 6.1.1)."""
+    if isinstance(value, bool):
+        return {"boolean"}
+    if isinstance(value, int) or isinstance(value, float) and value.is_integer():
+        return {"integer", "number"}
+    if isinstance(value, float):
+        return {"number"}
+    return {str: {"string"}, type(None): {"null"}, list: {"array"}, dict: {"object"}}.get(type(value), set())
 
 
 def _types(branch: dict[str, Any]) -> set[str] | None:

@@ -95,6 +95,15 @@ CONDITIONAL_REFUSALS = [
     ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "oneOf", "1"),
     ({"type": "string", "format": "regex"}, "format", '" !!"'),
     ({"type": "array", "items": {"type": "integer"}, "contains": {"const": 1}}, "contains", "[2]"),
+    ({"type": "integer", "const": "a"}, "const", '"a"'),
+    ({"type": "string", "enum": ["b", 1]}, "enum", "1"),
+    ({"type": ["string", "null"], "enum": [None, 2.5]}, "enum", "2.5"),
+    ({"type": []}, "type", "true"),
+    ({"anyOf": []}, "anyOf", None),
+    ({"oneOf": []}, "oneOf", None),
+    ({"allOf": []}, "allOf", None),
+    ({"enum": []}, "enum", None),
+    ({"anyOf": {"type": "string"}}, "anyOf", None),
 ]
 
 
@@ -131,6 +140,14 @@ def test_what_the_engine_would_weaken_is_refused_naming_the_keyword(schema, keyw
         check_schema(schema, "response_format", "schema")
     if weakened is not None:
         assert accepts(grammar(schema), weakened)
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "number", "const": 1}, {"type": "integer", "const": 2.0}, {"type": "integer", "enum": [1, 2]},
+    {"type": ["string", "null"], "enum": ["a", None]}, {"enum": [1, "a", None, True, [1], {"a": 1}]},
+    {"type": "object", "const": {"a": 1}}, {"type": "boolean", "enum": [True]}])
+def test_const_and_enum_values_of_the_type_beside_them_pass(schema):
+    check_schema(schema, "response_format", "schema")
 
 
 def test_a_pydantic_discriminated_union_passes_and_overlapping_one_of_does_not():
