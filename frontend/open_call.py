@@ -22,12 +22,24 @@ def open_call(state: FrontendState, url: str, data: Any, background: bool = Fals
     """A body addressed by its endpoint path (`url`: /v1/completions or /v1/chat/completions), already parsed
     from JSON or msgpack into plain objects; for transports that carry either kind of request.
 
+    The call is answered with one body (Call.collect), so a body asking to stream is refused rather than answered
+    unstreamed.
+
     Raises:
-        InvalidRequestError: an unknown url (param "url") or an invalid body (param names the field).
+        InvalidRequestError: an unknown url (param "url"), an invalid body (param names the field), or `stream`
+            true (param "stream").
         ModelNotFoundError: a model other than the served one.
     """
+    body: CompletionRequest | ChatCompletionRequest
     if url == COMPLETIONS_URL:
-        return CompletionCall(state, convert_body(data, CompletionRequest), "cmpl", background)
-    if url == CHAT_COMPLETIONS_URL:
-        return ChatCall(state, convert_body(data, ChatCompletionRequest), "chatcmpl", background)
-    raise InvalidRequestError(f"url must be one of {', '.join(URLS)}, got {url!r}", param="url")
+        body = convert_body(data, CompletionRequest)
+    elif url == CHAT_COMPLETIONS_URL:
+        body = convert_body(data, ChatCompletionRequest)
+    else:
+        raise InvalidRequestError(f"url must be one of {', '.join(URLS)}, got {url!r}", param="url")
+    if body.stream:
+        raise InvalidRequestError("stream is not supported here: each job is answered with one body (stream over "
+                                  "HTTP or the WebSocket)", param="stream")
+    if isinstance(body, CompletionRequest):
+        return CompletionCall(state, body, "cmpl", background)
+    return ChatCall(state, body, "chatcmpl", background)

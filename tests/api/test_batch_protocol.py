@@ -63,8 +63,13 @@ BODIES = [
 
 
 async def test_batch_bodies_get_what_http_gets(app):
-    results = await run_jobs(app, [{"custom_id": i, "url": u, "body": b} for i, u, b in BODIES]
+    streamed = [("stream-cmpl", "/v1/completions", {"prompt": "Hi", "max_tokens": 2, "stream": True}),
+                ("stream-chat", "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
+                                                         "max_tokens": 2, "stream": True})]
+    results = await run_jobs(app, [{"custom_id": i, "url": u, "body": b} for i, u, b in BODIES + streamed]
                              + [{"custom_id": "bad-url", "url": "/v1/embeddings", "body": {"input": "x"}}])
+    for job_id, _, _ in streamed:  # one body per job: a stream is refused by name, not answered unstreamed
+        assert (results[job_id].status_code, results[job_id].body["error"]["param"]) == (400, "stream"), job_id
     for job_id, url, body in BODIES:
         status, expected = await http(app, url, body)
         got = results[job_id]
