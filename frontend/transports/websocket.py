@@ -107,8 +107,10 @@ class _Session:
     async def _dispatch(self, data: str) -> None:
         try:
             frame = json.loads(data)
-        except (ValueError, RecursionError) as exc:
+        except ValueError as exc:
             return await self.error(None, 400, f"invalid JSON: {exc}")
+        except RecursionError:  # as HTTP words it; the interpreter's own message names its internals
+            return await self.error(None, 400, "the frame is nested too deeply")
         if not isinstance(frame, dict):
             return await self.error(None, 400, "frame must be a JSON object")
         client_id = frame.get("id")

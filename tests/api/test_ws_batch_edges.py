@@ -60,6 +60,16 @@ async def test_lone_surrogate_id_gets_frames_and_the_socket_goes_on(app):
     assert [t for f in frames if f["type"] == "delta" and f["id"] == "\ud800" for t in f["token_ids"]] == SCRIPT[:3]
 
 
+async def test_a_frame_nested_too_deeply_gets_an_error_frame_and_the_socket_goes_on(app):
+    async with aiohttp.ClientSession(headers=auth()) as session, session.ws_connect(f"{app.url}/v1/ws") as ws:
+        await ws.send_str("[" * 100_000 + "]" * 100_000)
+        refused = json.loads((await ws.receive(timeout=HANG)).data)
+        await ws.send_str('{"type": "generate", "id": "after", "prompt": "Hi", "max_tokens": 1}')
+        frames = await collect_frames(ws, {"after"})
+    assert refused["type"] == "error" and refused["error"]["message"] == "the frame is nested too deeply"
+    assert frames[-1]["type"] == "done"
+
+
 async def test_ids_are_echoed_as_sent_and_other_id_types_are_refused(app):
     async with aiohttp.ClientSession(headers=auth()) as session, session.ws_connect(f"{app.url}/v1/ws") as ws:
         await ws.send_str('{"type": "generate", "id": 5, "prompt": "Hi", "max_tokens": 2}')
