@@ -544,13 +544,15 @@ async def test_integral_floats_are_taken_where_the_schema_says_integer():
     ("/v1/completions", "prompt", [1, "403"]), ("/v1/completions", "stop_token_ids", [2.5]),
     ("/v1/completions", "stream", 1.0), ("/v1/chat/completions", "top_logprobs", 1.5),
     ("/v1/chat/completions", "max_completion_tokens", "2"), ("/detokenize", "tokens", [403.5]),
-    ("/detokenize", "tokens", ["403"])])
+    ("/detokenize", "tokens", ["403"]), ("/v1/completions", "max_tokens", 1e300),
+    ("/v1/completions", "stop_token_ids", [2.0, 1e30])])
 async def test_non_integral_values_are_refused_naming_the_field(path, field, value):
     body = {"/v1/completions": {"prompt": PROMPT, "max_tokens": 2}, "/detokenize": {},
             "/v1/chat/completions": {"messages": USER, "logprobs": True}}[path]
     async with served() as (client, engine):
         status, answer = await post(client, path, {**body, field: value})
     assert status == 400 and answer["error"]["param"] == field, answer
+    assert len(answer["error"]["message"]) < 200, answer  # 1e300 is not written out as 301 digits
     assert engine.submitted == []
 
 
