@@ -98,9 +98,11 @@ _MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSch
 _REGEX_LETTER_ESCAPES = frozenset("dDwWsSntrfvae0")
 
 
-def check_schema(schema: dict[str, Any], param: str, where: str) -> None:
-    """Refuse a JSON schema (already decoded, at most MAX_SCHEMA_BYTES) that asks for anything the grammar engine
-    would not keep (see KEYWORDS).
+def check_schema(schema: dict[str, Any], param: str, where: str, enforced: bool = True) -> None:
+    """Refuse a JSON schema (already decoded, at most MAX_SCHEMA_BYTES) that is not a valid schema (an unknown
+    `type`, `type` [], an empty `anyOf`/`oneOf`/`allOf`/`enum`, a subschema that is neither an object nor a boolean)
+    or, when it is to be `enforced` by the grammar engine, that asks for anything the engine would not keep (see
+    KEYWORDS). `enforced=False`: a schema only shown to the model (the tools of tool_choice "auto").
 
     Raises:
         InvalidRequestError: naming the keyword and its path (`where` then a JSON pointer), param `param`.
@@ -114,7 +116,9 @@ def check_schema(schema: dict[str, Any], param: str, where: str) -> None:
             _refuse(param, where, path, "a schema must be an object or a boolean")
         if depth > MAX_SCHEMA_DEPTH:
             _refuse(param, where, path, f"subschemas are nested more than {MAX_SCHEMA_DEPTH} deep")
-        _check_node(node, schema, param, where, path)
+        _check_valid(node, param, where, path)
+        if enforced:
+            _check_node(node, schema, param, where, path)
         for keyword, value in node.items():
             here = f"{path}/{keyword}"
             if keyword in _ONE:
@@ -142,22 +146,28 @@ def check_regex(pattern: str, param: str, where: str) -> None:
         i = pattern.find("\\", i + 2)
 
 
-def _check_node(node: dict[str, Any], root: dict[str, Any], param: str, where: str, path: str) -> None:
-    for keyword, value in node.items():
-        fate = KEYWORDS.get(keyword)
-        if fate is not None and fate[0] == REFUSED and not (keyword == "uniqueItems" and value is False):
-            _refuse(param, where, f"{path}/{keyword}", f"`{keyword}` is refused: {fate[1]}")
+def _check_valid(node: dict[str, Any], param: str, where: str, path: str) -> None:
+    """What makes `node` no valid JSON schema, whether or not the engine enforces it."""
     types = node.get("type")
     if "type" in node and not (types in JSON_TYPES or isinstance(types, list) and all(t in JSON_TYPES for t in types)):
         # the engine refuses it only once the request is queued: a background response was answered queued first
         _refuse(param, where, f"{path}/type", f"`type` must be one of {', '.join(JSON_TYPES)} or a list of them")
     if types == []:
         _refuse(param, where, f"{path}/type", "`type` [] allows no value")
-    types = {types} if isinstance(types, str) else set(types) if isinstance(types, list) else set()
     for keyword in ("anyOf", "oneOf", "allOf", "enum"):
         if keyword in node and not (isinstance(node[keyword], list) and node[keyword]):
             _refuse(param, where, f"{path}/{keyword}", f"`{keyword}` must be a list of at least one "
                                                       f"{'value' if keyword == 'enum' else 'schema'}")
+
+
+def _check_node(node: dict[str, Any], root: dict[str, Any], param: str, where: str, path: str) -> None:
+    """What the engine would not keep of a valid `node` (KEYWORDS)."""
+    for keyword, value in node.items():
+        fate = KEYWORDS.get(keyword)
+        if fate is not None and fate[0] == REFUSED and not (keyword == "uniqueItems" and value is False):
+            _refuse(param, where, f"{path}/{keyword}", f"`{keyword}` is refused: {fate[1]}")
+    types = node.get("type")
+    types = {types} if isinstance(types, str) else set(types) if isinstance(types, list) else set()
     for keyword in ("const", "enum"):
         listed = ([node["const"]] if "const" in node else []) if keyword == "const" else node.get("enum", [])
         strays = [value for value in listed if types and not _json_types(value) & types]

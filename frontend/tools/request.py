@@ -105,8 +105,9 @@ def tool_use_of(tools: list[Tool] | None, tool_choice: ToolChoice | None, parall
     with --enable-auto-tool-choice and a --tool-call-parser).
 
     Raises:
-        InvalidRequestError: a tool named twice (param "tools"); tool_choice other than "none" without tools, naming
-            a function that is not listed, or "auto" on a server without auto tool choice (param "tool_choice").
+        InvalidRequestError: a tool named twice, or parameters that are no valid JSON schema (param "tools");
+            tool_choice other than "none" without tools, naming a function that is not listed, or "auto" on a
+            server without auto tool choice (param "tool_choice").
     """
     listed = tuple(tools or ())
     names = [t.function.name for t in listed]
@@ -116,6 +117,8 @@ def tool_use_of(tools: list[Tool] | None, tool_choice: ToolChoice | None, parall
                                   param="tools")
     for i, tool in enumerate(listed):
         _check_size(tool.function.schema, f"tools[{i}].function.parameters")
+        # a valid schema whatever the choice; what the grammar engine keeps is checked where it is enforced
+        check_schema(tool.function.schema, "tools", f"tools[{i}].function.parameters", enforced=False)
     if tool_choice is None:
         tool_choice = "auto" if listed else "none"
     if tool_choice == "none":

@@ -283,3 +283,27 @@ async def test_tool_parameters_nested_past_the_bound_are_a_400_on_tools_whatever
             assert (status, body["error"]["param"]) == (400, "tools") and "nested more than 64" in \
                 body["error"]["message"], body
     assert engine.submitted == []
+
+
+async def test_tool_parameters_that_are_no_valid_schema_are_a_400_on_tools_whatever_the_choice():
+    """A schema only shown to the model ("none"; "auto" on a server that parses tool calls) must still be a schema;
+    what the grammar engine would not keep is refused only where the engine enforces it."""
+    from tests.api.test_api_details import USER, post, served
+
+    def tools(parameters: dict) -> list[dict]:
+        return [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
+    async with served() as (client, engine):
+        for parameters, named in (({"type": "bogus"}, "/type"), ({"anyOf": []}, "/anyOf"), ({"type": []}, "/type")):
+            for choice in ("none", "required"):
+                status, body = await post(client, "/v1/chat/completions",
+                                          {"messages": USER, "tools": tools(parameters), "tool_choice": choice})
+                assert (status, body["error"]["param"]) == (400, "tools") and f"at {named}" in \
+                    body["error"]["message"], (parameters, choice, body)
+        assert engine.submitted == []
+        weakened = {"type": "object", "properties": {"a": {"not": {"type": "string"}}}}  # valid, not enforceable
+        status, body = await post(client, "/v1/chat/completions",
+                                  {"messages": USER, "tools": tools(weakened), "tool_choice": "none"})
+        assert status == 200, body
+        status, body = await post(client, "/v1/chat/completions",
+                                  {"messages": USER, "tools": tools(weakened), "tool_choice": "required"})
+        assert (status, body["error"]["param"]) == (400, "tools") and "`not` is refused" in body["error"]["message"]
