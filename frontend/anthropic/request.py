@@ -108,7 +108,7 @@ class MessagesRequest(CountTokensRequest, kw_only=True):
     max_tokens: Annotated[int, msgspec.Meta(ge=1)]
     stop_sequences: list[str] | None = None
     stream: bool = False
-    temperature: float | None = None
+    temperature: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] | None = None  # Anthropic's range, not OpenAI's 0-2
     top_p: float | None = None
     top_k: int | None = None
     metadata: dict[str, Any] | None = None

@@ -373,6 +373,8 @@ BASE = {"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content"
     ({**BASE, "tool_choice": {"type": "any"}}, "tool_choice needs tools"),
     ({**BASE, "stop_sequences": [""]}, "stop_sequences must be"),
     ({**BASE, "echo": True}, "echo"),
+    ({**BASE, "temperature": 1.5}, "<= 1.0"),
+    ({**BASE, "temperature": -0.1}, ">= 0.0"),
 ])
 async def test_bad_input_is_an_anthropic_invalid_request_error(body, words):
     async with served() as (client, engine):
