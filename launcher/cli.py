@@ -39,7 +39,7 @@ from shuttle.common.config import (
 from shuttle.common.generation_config import AUTO
 from shuttle.common.log_format import LOG_FORMAT_ENV, LOG_FORMATS
 from shuttle.launcher.config_file import ConfigFileError, expand_config_file
-from shuttle.launcher.vllm_flags import RefusingParser, add_vllm_flags
+from shuttle.launcher.vllm_flags import AlwaysOn, RefusingParser, add_vllm_flags
 
 __all__ = ["TOOLS", "build_parser", "main", "parse_bytes"]
 
@@ -156,7 +156,9 @@ def _add_model_options(serve: argparse.ArgumentParser) -> None:
                             "repetition_penalty and max_tokens (max_new_tokens) come from: auto, the model's "
                             "generation_config.json; vllm, none (the neutral defaults); or FOLDER's "
                             "generation_config.json. A request that sets a field keeps its value")
-    serve.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+    serve.add_argument("--enable-chunked-prefill", action=AlwaysOn, default=True,
+                       why="shuttle always prefills long prompts in chunks within --max-num-batched-tokens (set it "
+                           "to the longest prompt to prefill each in one step)",
                        help="always on: long prompts are prefilled in chunks (--no-enable-chunked-prefill is refused)")
     # default=False: a store_false action's own default (True) would otherwise become the shared dest's default
     serve.add_argument("--disable-log-requests", dest="enable_log_requests", action="store_false", default=False,

@@ -1,8 +1,6 @@
 """`shuttle serve MODEL` / `shuttle engine MODEL`: MODEL (a directory or a Hugging Face id) and --tokenizer made
 local directories once, before any process starts (common/model_source.py), and checked (common/model_dir.py), so
 that every child is handed directories and a bad model is one line and exit status 2.
-
-vLLM's flags whose only effect here is to be refused are refused here too, by name.
 """
 
 from __future__ import annotations
@@ -23,13 +21,10 @@ def resolve_model_args(args: argparse.Namespace) -> None:
     """Set args.model (MODEL as typed), args.model_dir and args.tokenizer_dir (local directories).
 
     Raises:
-        ModelDirError: a one-line reason: no MODEL, both MODEL and --model, a flag shuttle cannot honour, an id
+        ModelDirError: a one-line reason: no MODEL, both MODEL and --model, an id
             that cannot be resolved, a bad model or tokenizer directory, --load-format safetensors for a model
             without safetensors weights.
     """
-    if getattr(args, "enable_chunked_prefill", True) is False:
-        raise ModelDirError("--no-enable-chunked-prefill: shuttle always prefills long prompts in chunks within "
-                            "--max-num-batched-tokens (set it to the longest prompt to prefill each in one step)")
     option = getattr(args, "model_option", None)
     if option and args.model_dir == str(DEFAULT_MODEL_DIR):
         args.model_dir = None  # the positional's default, not a MODEL typed beside --model

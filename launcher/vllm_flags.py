@@ -203,6 +203,21 @@ class _Refused(argparse.Action):
         _refuse(parser, f"{flag}: {NOT_IMPLEMENTED}: {REFUSED_FLAGS[flag]}")
 
 
+class AlwaysOn(argparse.BooleanOptionalAction):
+    """A vLLM switch for what shuttle always does: `--X` is taken, `--no-X` refused by name with the other refusals
+    of its command line (RefusingParser). `why`: the refusal's reason."""
+
+    def __init__(self, option_strings, dest, why: str, **kwargs):
+        super().__init__(option_strings, dest, **kwargs)
+        self.why = why
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if option_string is not None and option_string.startswith("--no-"):
+            _refuse(parser, f"{option_string}: {NOT_IMPLEMENTED}: {self.why}")
+        else:
+            setattr(namespace, self.dest, True)
+
+
 class _Taken(argparse.Action):
     """A flag of TAKEN_FLAGS: its value kept as typed when taken, else refused by name."""
 

@@ -160,11 +160,6 @@ def test_a_model_that_needs_remote_code_is_refused_without_the_flag(tmp_path, no
     assert "pass --trust-remote-code to run it" in cli_refusal(capsys, "serve", str(tmp_path), "--port", "0")
 
 
-def test_no_enable_chunked_prefill_is_refused_by_name():
-    assert_refused(shuttle("serve", str(MODEL_DIR), "--no-enable-chunked-prefill", "--port", "0"),
-                   "--no-enable-chunked-prefill: shuttle always prefills long prompts in chunks")
-
-
 def test_an_unknown_vllm_flag_is_still_refused():
     result = shuttle("serve", str(MODEL_DIR), "--kv-transfer-config", "{}")
     assert result.returncode == 2 and "unrecognized arguments: --kv-transfer-config" in result.stderr

@@ -178,16 +178,27 @@ def test_a_malformed_value_of_an_accepted_flag_is_a_usage_error(argv, line, caps
 
 def test_every_refusal_of_a_command_line_is_in_one_message(capsys):
     lines = _refusal_lines(["--swap-space", "4", "--load-format", "pt", "--ssl-certfile", "c.pem", "--no-such-flag",
-                            "--max-num-seqs", "8", "--pipeline-parallel-size", "2", "--ssl-keyfile", "k.pem"], capsys)
-    assert lines[0] == "shuttle serve: error: 5 problems, all of them refused before anything started:"
+                            "--max-num-seqs", "8", "--pipeline-parallel-size", "2", "--no-enable-chunked-prefill",
+                            "--ssl-keyfile", "k.pem"], capsys)
+    assert lines[0] == "shuttle serve: error: 6 problems, all of them refused before anything started:"
     assert lines[1:] == [
         "  --load-format pt: shuttle does not implement it: transformers loads the checkpoint's safetensors or "
         "pytorch_model.bin (taken: auto, safetensors)",
         "  --ssl-certfile: shuttle does not implement it: TLS is not implemented: terminate it in a reverse proxy",
         "  --pipeline-parallel-size 2: shuttle does not implement it: one pipeline stage: spread a model with "
         "--tensor-parallel-size, replicate it with -dp (taken: 1)",
+        "  --no-enable-chunked-prefill: shuttle does not implement it: shuttle always prefills long prompts in chunks "
+        "within --max-num-batched-tokens (set it to the longest prompt to prefill each in one step)",
         "  --ssl-keyfile: shuttle does not implement it: TLS is not implemented: terminate it in a reverse proxy",
         "  unrecognized arguments: --no-such-flag"]
+
+
+def test_chunked_prefill_is_taken_on_and_refused_off_by_name(capsys):
+    assert cli.build_parser().parse_args(["serve", str(MODEL_DIR), "--enable-chunked-prefill"]).enable_chunked_prefill
+    assert _refusal_lines(["--no-enable-chunked-prefill"], capsys) == [
+        "shuttle serve: error: --no-enable-chunked-prefill: shuttle does not implement it: shuttle always prefills "
+        "long prompts in chunks within --max-num-batched-tokens (set it to the longest prompt to prefill each in one "
+        "step)"]
 
 
 def test_refusals_and_a_bad_value_of_another_flag_are_one_message(capsys):
@@ -448,3 +459,13 @@ def test_load_format_safetensors_needs_safetensors_weights(tmp_path, monkeypatch
     assert cli.main(["serve", str(model), "--load-format", "auto"]) == 0
     assert cli.main(["serve", str(MODEL_DIR), "--load-format", "safetensors"]) == 0
     assert started == ["auto", "safetensors"]
+
+
+def test_the_docs_refusal_example_is_what_the_parser_prints(capsys):
+    text = TABLE.read_text()
+    example = text[text.index("`--swap-space 4 --pipeline-parallel-size 2"):]
+    argv = example[1:example.index("`", 1)].split()
+    block = example[example.index("```text\n") + 8:]
+    printed = block[:block.index("```")].splitlines()
+    assert printed[0] == "usage: shuttle serve [options] MODEL"
+    assert _refusal_lines(argv, capsys) == printed[1:]
