@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import aiohttp
 from tqdm import tqdm
 
-from shuttle.common.arg_types import count, positive, request_rate
+from shuttle.common.arg_types import count, positive, range_ratio, request_rate
 
 
 @dataclass
@@ -63,14 +63,26 @@ def random_workload(n: int, input_len: int, output_len: int, range_ratio: float,
 
 
 def file_workload(path: str, n: int) -> list[RequestSpec]:
+    """The first `n` requests of a JSONL file of {"prompt": text or token ids, "max_tokens": int (default 128)}.
+
+    Raises:
+        ValueError: the file cannot be read, or a line is not such an object (naming the line).
+    """
     specs = []
-    with open(path) as f:
-        for line in f:
-            if line.strip():
-                item = json.loads(line)
-                prompt = item["prompt"]
-                specs.append(RequestSpec(prompt, len(prompt) if isinstance(prompt, list) else 0,
-                                         int(item.get("max_tokens", 128))))
+    try:
+        with open(path) as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    item = json.loads(line)
+                    prompt = item["prompt"]
+                    specs.append(RequestSpec(prompt, len(prompt) if isinstance(prompt, list) else 0,
+                                             int(item.get("max_tokens", 128))))
+                except (ValueError, KeyError, TypeError) as exc:
+                    raise ValueError(f"{path} line {number}: not a {{prompt, max_tokens}} object ({exc})") from None
+    except OSError as exc:
+        raise ValueError(f"cannot read {path}: {exc.strerror}") from None
     return specs[:n] if n else specs
 
 
@@ -221,7 +233,8 @@ def add_request_shape_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-concurrency", type=positive, default=None)
     parser.add_argument("--input-len", type=positive, default=128)
     parser.add_argument("--output-len", type=positive, default=64)
-    parser.add_argument("--range-ratio", type=float, default=0.5, help="lengths uniform in len*(1 +- r), r in [0, 1)")
+    parser.add_argument("--range-ratio", type=range_ratio, default=0.5,
+                        help="lengths uniform in len*(1 +- r), r in [0, 1)")
     parser.add_argument("--shared-prefix-len", type=count, default=0)
     parser.add_argument("--seed", type=int, default=0)
 
@@ -250,9 +263,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.dataset:
-        specs = file_workload(args.dataset, args.num_prompts)
+        try:
+            specs = file_workload(args.dataset, args.num_prompts)
+        except ValueError as exc:
+            parser.error(f"--dataset: {exc}")
     else:
-        vocab_size = args.vocab_size or asyncio.run(served_vocab_size(args.url, args.api_key))
+        try:
+            vocab_size = args.vocab_size or asyncio.run(served_vocab_size(args.url, args.api_key))
+        except (aiohttp.ClientError, OSError, KeyError, IndexError, ValueError) as exc:
+            parser.error(f"cannot read {args.url}/v1/models ({type(exc).__name__}: {exc}): is the server up at "
+                         f"--url?")
         if vocab_size is None:
             parser.error(f"{args.url}/v1/models reports no vocab_size: pass --vocab-size (token ids of random "
                          "prompts must stay inside the model's vocabulary) or --dataset")

@@ -8,7 +8,7 @@ prediction can be set next to a real run flag for flag:
 
     shuttle simulate --profile profiles/stories260K.json --num-prompts 10000 --request-rate 40
     shuttle bench --num-prompts 10000 --request-rate 40      # the real thing, against a running server
-    shuttle simulate --profile profiles/llama-110m.json --max-concurrency 16 --input-len 256 --range-ratio 1.0 \\
+    shuttle simulate --profile profiles/llama-110m.json --max-concurrency 16 --input-len 256 --range-ratio 0.9 \\
         --num-prompts 64
 
 --burstiness < 1 draws bursty (gamma) arrivals instead; --trace reads a JSONL trace (capacity/workload.py). The
@@ -124,10 +124,8 @@ def require_model_dir(parser: argparse.ArgumentParser, model_dir: str, max_model
 
 def load_workload(parser: argparse.ArgumentParser, args: argparse.Namespace, cost: StepCostModel,
                   request_rate: float | None = None) -> list[SimRequest]:
-    """build_workload, or a one-line usage error (exit 2): a bad --range-ratio or trace, or a request longer than
+    """build_workload, or a one-line usage error (exit 2): a bad trace, or a request longer than
     max_model_len (which a real server would refuse with 400, and the simulated scheduler could never place)."""
-    if not 0 <= args.range_ratio < 1:
-        parser.error(f"--range-ratio must be in [0, 1), got {args.range_ratio}")
     try:
         workload = build_workload(args, cost, request_rate)
     except ValueError as exc:

@@ -113,6 +113,17 @@ def unit_fraction(text: str) -> float:
     return value
 
 
+def range_ratio(text: str) -> float:
+    """A load tool's length spread r in [0, 1): lengths drawn in len x (1 +- r), as vLLM's bench takes it."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text!r}")
+    return value
+
+
 def origins(text: str) -> tuple[str, ...]:
     """'https://a.example,https://b.example', or vLLM's JSON list '["https://a.example", "https://b.example"]' -> a
     tuple of origins; '*' allows any."""

@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "dev"))
 
 import compare_inprocess  # noqa: E402
 
-from shuttle.capacity import calibrate, simulate, tune  # noqa: E402
+from shuttle.capacity import bench_serve, calibrate, simulate, tune  # noqa: E402
 
 MODEL = Path(__file__).resolve().parents[2].parent / "shared" / "models" / "stories260K"
 
@@ -76,11 +76,30 @@ def test_a_bad_trace_is_named_with_its_line(profile, tmp_path, capsys, lines, sa
     (["--num-prompts", "0"], "--num-prompts: must be at least 1"),
     (["--max-concurrency", "0"], "--max-concurrency: must be at least 1"),
     (["--burstiness", "0"], "--burstiness: must be a number > 0"),
-    (["--range-ratio", "1.5"], "--range-ratio must be in [0, 1)"),
+    (["--range-ratio", "1.5"], "--range-ratio: must be in [0, 1), got '1.5'"),
+    (["--range-ratio", "1"], "--range-ratio: must be in [0, 1), got '1'"),
     (["--input-len", "5000"], "exceeds max_model_len 512"),
 ])
 def test_simulate_refuses_workloads_it_cannot_mean(profile, capsys, flags, says):
     assert says in refused(simulate.main, ["--profile", str(profile), *flags], capsys)
+
+
+def test_bench_refuses_a_range_ratio_outside_its_help_before_any_request(capsys):
+    """`shuttle bench --range-ratio 1.5` ran (its --help says r in [0, 1)); refused before it reads the server."""
+    assert "--range-ratio: must be in [0, 1), got '1.5'" in refused(
+        bench_serve.main, ["--url", "http://127.0.0.1:9", "--range-ratio", "1.5"], capsys)
+
+
+def test_bench_names_an_unreachable_server_and_an_unreadable_dataset_in_one_line(tmp_path, capsys):
+    """Both were tracebacks (aiohttp's ClientConnectorError, FileNotFoundError)."""
+    assert "cannot read http://127.0.0.1:9/v1/models (ClientConnectorError" in refused(
+        bench_serve.main, ["--url", "http://127.0.0.1:9"], capsys)
+    assert "--dataset: cannot read /no/such.jsonl: No such file or directory" in refused(
+        bench_serve.main, ["--dataset", "/no/such.jsonl"], capsys)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a"}\n{"max_tokens": 3}\n')
+    assert f"--dataset: {bad} line 2: not a {{prompt, max_tokens}} object" in refused(
+        bench_serve.main, ["--dataset", str(bad)], capsys)
 
 
 def test_the_other_tools_refuse_before_any_work(profile, tmp_path, capsys):
