@@ -104,7 +104,8 @@ def _record(custom_id: str | None, response: dict | None, error: dict | None) ->
 
 def run(args: argparse.Namespace) -> int:
     """Run `shuttle batch`; returns the exit status (0: every line answered; 1: the server went away or another
-    failure, OUTPUT holding what was answered; 2: bad input, nothing sent)."""
+    failure, OUTPUT holding what was answered; 2: bad input, nothing sent; 130: interrupted, OUTPUT holding what was
+    answered)."""
     try:
         lines = read_input(Path(args.input))
     except (OSError, ValueError) as exc:
@@ -146,6 +147,11 @@ def run(args: argparse.Namespace) -> int:
             print(f"shuttle batch: {exc}; {output} holds every answer received, rerun the same command to finish",
                   file=sys.stderr)
             return 1
+        except KeyboardInterrupt:  # Ctrl-C: the client's connection is closed as the loop unwinds
+            bar.close()
+            print(f"shuttle batch: interrupted; {output} holds every answer received, rerun the same command to "
+                  f"finish", file=sys.stderr)
+            return 130
     bar.close()
     print(f"{len(lines)} lines -> {output}: {len(todo) - errors - failed} answered 200 this run, "
           f"{failed} error responses, {errors} invalid lines, {len(lines) - len(todo)} already done")

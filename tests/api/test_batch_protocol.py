@@ -288,6 +288,30 @@ async def test_shuttle_batch_file_kill_9_and_resume(app, tmp_path):
     assert records["line:10"]["custom_id"] is None and "not JSON" in records["line:10"]["error"]["message"]
 
 
+async def test_ctrl_c_on_shuttle_batch_is_one_line_and_a_rerun_finishes(app, tmp_path):
+    """It printed a KeyboardInterrupt traceback (the resume was already right)."""
+    keys = batch_file(tmp_path / "in.jsonl", 60)
+    out = tmp_path / "out.jsonl"
+    app.engine.step_delay = 0.05
+    try:
+        process = await shuttle_batch(str(tmp_path / "in.jsonl"), str(out), "--endpoint", app.batch.endpoint,
+                                      "--max-in-flight", "4")
+        await wait_until(lambda: out.exists() and len(out.read_text().splitlines()) >= 20, "a third of the file")
+        process.send_signal(signal.SIGINT)
+        code, stderr = await finish(process)
+        app.engine.step_delay = 0.0
+        await wait_until(lambda: app.engine.num_in_flight == 0, "the interrupted client's jobs ended")
+        rerun, rerun_stderr = await finish(await shuttle_batch(str(tmp_path / "in.jsonl"), str(out), "--endpoint",
+                                                               app.batch.endpoint))
+    finally:
+        app.engine.step_delay = 0.0
+    assert code == 130 and stderr.strip().splitlines() == [
+        f"shuttle batch: interrupted; {out} holds every answer received, rerun the same command to finish"], stderr
+    assert rerun == 0, rerun_stderr
+    got = output_keys(out)
+    assert len(got) == 60 and sorted(got) == sorted(keys)
+
+
 async def test_shuttle_batch_refuses_duplicate_ids_before_sending(app, tmp_path):
     lines = [{"custom_id": c, "url": "/v1/completions", "body": {"prompt": "Hi", "max_tokens": 1}} for c in "aba"]
     (tmp_path / "in.jsonl").write_text("\n".join(json.dumps(line) for line in lines))
