@@ -29,6 +29,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from shuttle.common.config import ShuttleConfig
+from shuttle.common.errors import InvalidRequestError
 from shuttle.common.messages import RequestOutput, SchedulerInfo, SchedulerStats, Submit
 from shuttle.frontend.observability.tracing import TRACE_HEADERS, RequestTracer
 
@@ -246,6 +247,11 @@ class Metrics:
         ProcessCollector(registry=self.registry)
         GCCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)
+
+    def on_client_error(self, exc: BaseException) -> None:
+        """A request refused as invalid (an InvalidRequestError, 400), whichever transport carried it."""
+        if isinstance(exc, InvalidRequestError):
+            self.rejected.labels("invalid").inc()
 
     def prompt(self, n: int = 1) -> "PromptMetrics":
         """The recorder of one prompt's `n` sequences (its choices); each gets its own from `sequence()`."""

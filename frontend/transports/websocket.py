@@ -170,6 +170,7 @@ class _Session:
             await self.end(stream, self._done(stream, "abort"))
         except Exception as exc:
             known = client_error(exc)
+            self.state.metrics.on_client_error(exc)
             if known is None and not self.broken:
                 log.exception("websocket generation %s failed", client_id)
             status, param = known or (500, None)

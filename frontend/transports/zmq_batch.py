@@ -144,6 +144,7 @@ class BatchEndpoint:
                               request_id=call.request_id if call else "")
         except Exception as exc:
             known = client_error(exc)
+            self.state.metrics.on_client_error(exc)
             if known is None:
                 log.exception("batch job %s failed", job.job_id)
             status, param = known or (500, None)

@@ -44,8 +44,7 @@ async def openai_errors(request: web.Request, handler) -> web.StreamResponse:
         return await handler(request)
     except (InvalidRequestError, ModelNotFoundError, GenerationError) as exc:
         status, param = client_error(exc)
-        if isinstance(exc, InvalidRequestError):
-            request.app[STATE].metrics.rejected.labels("invalid").inc()
+        request.app[STATE].metrics.on_client_error(exc)
         return _error(status, str(exc), param, retry_after=getattr(exc, "retry_after", None),
                       going_away=request.app[STATE].engine.draining)
     except web.HTTPException as exc:

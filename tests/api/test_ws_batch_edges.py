@@ -266,3 +266,23 @@ def test_mask_screen_follows_frame_boundaries_across_any_chunking():
             screen.feed_data(stream[start:start + chunk])
         assert refusals == [CLOSE_FRAME], chunk
         assert bytes(reader.fed[:len(good)]) == good and len(reader.fed) <= len(good) + 1, chunk
+
+
+async def test_invalid_requests_are_counted_whichever_transport_carried_them(app):
+    """request_rejected{reason="invalid"} counted HTTP's 400s only; the batch endpoint and the WebSocket carry the
+    same requests."""
+    invalid = app.state.metrics.rejected.labels("invalid")
+    before = invalid._value.get()
+    sock = await dealer(app.batch.endpoint)
+    try:
+        await sock.send(completion("bad", max_tokens=-1))
+        assert (await next_response(sock)).status_code == 400
+    finally:
+        sock.close()
+    async with aiohttp.ClientSession(headers=auth()) as session, session.ws_connect(f"{app.url}/v1/ws") as ws:
+        await ws.send_str('{"type": "generate", "id": "bad", "prompt": "Hi", "max_tokens": -1}')
+        frames = await collect_frames(ws, {"bad"})
+        async with session.post(f"{app.url}/v1/completions", json={"prompt": "Hi", "max_tokens": -1}) as response:
+            assert response.status == 400
+    assert frames[-1]["type"] == "error" and frames[-1]["error"]["param"] == "max_tokens"
+    assert invalid._value.get() == before + 3
