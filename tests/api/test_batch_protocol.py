@@ -292,11 +292,12 @@ async def test_ctrl_c_on_shuttle_batch_is_one_line_and_a_rerun_finishes(app, tmp
     """It printed a KeyboardInterrupt traceback (the resume was already right)."""
     keys = batch_file(tmp_path / "in.jsonl", 60)
     out = tmp_path / "out.jsonl"
-    app.engine.step_delay = 0.05
+    app.engine.step_delay = 0.2  # 4 jobs of 3 tokens at a time: the file takes ~9 s, the signal comes at ~1 s
     try:
         process = await shuttle_batch(str(tmp_path / "in.jsonl"), str(out), "--endpoint", app.batch.endpoint,
                                       "--max-in-flight", "4")
-        await wait_until(lambda: out.exists() and len(out.read_text().splitlines()) >= 20, "a third of the file")
+        await wait_until(lambda: out.exists() and len(out.read_text().splitlines()) >= 8, "a few answers")
+        assert process.returncode is None
         process.send_signal(signal.SIGINT)
         code, stderr = await finish(process)
         app.engine.step_delay = 0.0
