@@ -243,10 +243,18 @@ def output_keys(path) -> list[str]:
     return keys
 
 
-async def shuttle_batch(*args: str) -> asyncio.subprocess.Process:
+async def shuttle_batch(*args: str, **popen) -> asyncio.subprocess.Process:
     return await asyncio.create_subprocess_exec(
         sys.executable, "-m", "shuttle.launcher.cli", "batch", *args, "--quiet", cwd=REPO,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env={**os.environ, "SHUTTLE_API_KEY": KEY})
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env={**os.environ, "SHUTTLE_API_KEY": KEY},
+        **popen)
+
+
+def _sigint_as_a_terminal_sends_it() -> None:
+    """In the child before exec: SIGINT's default action, so that Python installs its KeyboardInterrupt handler.
+    A shell runs a background job (CI's `.ci/run &`) with SIGINT ignored, every descendant inheriting that, and
+    Python leaves an ignored SIGINT ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 async def finish(process) -> tuple[int, str]:
@@ -295,7 +303,7 @@ async def test_ctrl_c_on_shuttle_batch_is_one_line_and_a_rerun_finishes(app, tmp
     app.engine.step_delay = 0.2  # 4 jobs of 3 tokens at a time: the file takes ~9 s, the signal comes at ~1 s
     try:
         process = await shuttle_batch(str(tmp_path / "in.jsonl"), str(out), "--endpoint", app.batch.endpoint,
-                                      "--max-in-flight", "4")
+                                      "--max-in-flight", "4", preexec_fn=_sigint_as_a_terminal_sends_it)
         await wait_until(lambda: out.exists() and len(out.read_text().splitlines()) >= 8, "a few answers")
         assert process.returncode is None
         process.send_signal(signal.SIGINT)
