@@ -48,7 +48,7 @@ def _wants_int(info: mi.Type) -> bool:
     return any(isinstance(t, mi.IntType) for t in members) and not any(isinstance(t, mi.FloatType) for t in members)
 
 
-def _integral(value: float) -> bool:
+def integral(value: float) -> bool:
     """An integral float within msgspec's integers (1e300 stays a float, refused as one where an int is wanted)."""
     return value.is_integer() and _INT_RANGE[0] <= value < _INT_RANGE[1]
 
@@ -56,7 +56,7 @@ def _integral(value: float) -> bool:
 def _walk(value: Any, info: mi.Type) -> Any:
     # Only the type's own structure is followed (an Any stops the walk): no deeper than the type, nor the data
     if isinstance(value, float):
-        return int(value) if _integral(value) and _wants_int(info) else value
+        return int(value) if integral(value) and _wants_int(info) else value
     if isinstance(value, list):
         sequence = _member(info, _SEQUENCES)
         if sequence is None:
@@ -66,7 +66,7 @@ def _walk(value: Any, info: mi.Type) -> Any:
             if float not in map(type, value):
                 return value
             if _wants_int(item_type):
-                return [int(v) if type(v) is float and _integral(v) else v for v in value]
+                return [int(v) if type(v) is float and integral(v) else v for v in value]
             return value
         return [_walk(item, item_type) for item in value]
     if isinstance(value, dict):

@@ -9,6 +9,7 @@ from typing import Any
 from shuttle.common.errors import InvalidRequestError
 from shuttle.common.generation_config import SamplingDefaults
 from shuttle.common.sampling import MAX_LOGPROBS, SamplingParams, StructuredOutput
+from shuttle.frontend.request.integral_floats import integral
 from shuttle.frontend.request.protocol import MAX_N, MAX_PROMPTS, SamplingFields
 
 
@@ -23,7 +24,7 @@ def _integral_ids(prompt: Any) -> Any:
     def ints(values: list) -> list:
         if float not in map(type, values):
             return values  # the common case: one pass at C speed, no copy
-        return [int(v) if type(v) is float and v.is_integer() else v for v in values]
+        return [int(v) if type(v) is float and integral(v) else v for v in values]
 
     if not isinstance(prompt, list):
         return prompt

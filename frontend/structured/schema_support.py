@@ -166,11 +166,10 @@ def _check_node(node: dict[str, Any], root: dict[str, Any], param: str, where: s
         fate = KEYWORDS.get(keyword)
         if fate is not None and fate[0] == REFUSED and not (keyword == "uniqueItems" and value is False):
             _refuse(param, where, f"{path}/{keyword}", f"`{keyword}` is refused: {fate[1]}")
-    types = node.get("type")
-    types = {types} if isinstance(types, str) else set(types) if isinstance(types, list) else set()
-    for keyword in ("const", "enum"):
-        listed = ([node["const"]] if "const" in node else []) if keyword == "const" else node.get("enum", [])
-        strays = [value for value in listed if types and not _json_types(value) & types]
+    types = _types(node) or set()
+    listed = {"const": [node["const"]] if "const" in node else [], "enum": node.get("enum", [])}
+    for keyword, values in listed.items():
+        strays = [value for value in values if types and not _json_types(value) & types]
         if strays:  # the engine writes the listed values whatever the type says
             _refuse(param, where, f"{path}/{keyword}", f"{json.dumps(strays[0])[:100]} is not of the `type` beside "
                                                       f"it ({', '.join(sorted(types))}): the engine would write it")
