@@ -137,8 +137,9 @@ class WorkerConfig:
     worker_cores: str = option("", "CPU list (like 0-3,6) the workers are pinned to, split between them; the "
                                    "frontend and scheduler go to the other allowed cores ('': no pinning)",
                                type=cpu_list, metavar="LIST")
-    enforce_eager: bool = option(False, "run every step eagerly: no CUDA graphs for decode-only steps (graphs are "
-                                        "captured only on CUDA, with the flex attention backend)")
+    enforce_eager: bool = option(False, "run every step eagerly: no CUDA graphs for decode-only steps on CUDA "
+                                        "(with the flex attention backend) and no compiled decode forward on a CPU "
+                                        "(with the cpu backend)")
     quantization: str = option("none", "int8: the decoder layers' linear layers (not the embeddings or lm_head) get "
                                        "per-output-channel int8 weights at load, run by torch's int8 weight-only "
                                        "CPU matmul (worker/quantization.py; CPU only, without tensor parallel; "

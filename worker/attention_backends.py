@@ -148,7 +148,7 @@ class CpuBackend(ReferenceBackend):
                 value_cache: torch.Tensor, meta: AttentionMetadata, features: LayerFeatures) -> torch.Tensor:
         d = meta.num_decodes
         kernel = query.dtype in KERNEL_DTYPES and key_cache.dtype in self._kernel.CACHE_VIEWS
-        if d == meta.num_seqs and kernel:
+        if d == meta.seq_lens.shape[0] and kernel:  # the rows' count from a tensor: a compiled forward has no lists
             return self._decode(query, key_cache, value_cache, meta, features).to(query.dtype)
         out = query.new_empty(query.shape[0], query.shape[1], value_cache.shape[3])
         first = 0
@@ -163,6 +163,9 @@ class CpuBackend(ReferenceBackend):
         block_table, seq_lens = meta.block_table, meta.seq_lens
         if rows is not None:
             block_table, seq_lens = block_table[:rows], seq_lens[:rows]
+        if torch.compiler.is_compiling():  # traced by worker/cpu_compiled_decode.py: the kernel as one operator
+            return self._kernel.paged_decode_op(query, key_cache, value_cache, block_table, seq_lens, features.scaling,
+                                                features.sliding_window or 0, features.softcap or 0.0, features.sinks)
         return self._kernel.paged_decode(query, key_cache, value_cache, block_table, seq_lens, features.scaling,
                                          features.sliding_window, features.softcap, features.sinks)
 

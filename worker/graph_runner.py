@@ -60,16 +60,18 @@ def bucket_for(rows: int, sizes: list[int]) -> int | None:
     return sizes[index] if index < len(sizes) else None
 
 
-class _HostListUnavailable:
-    """Stands in for AttentionMetadata's host lists in graph mode: a graph replays recorded device work, so a value
-    read on the host at capture time would be replayed stale on every later step. Any read raises."""
+class HostListUnavailable:
+    """Stands in for AttentionMetadata's host lists in graph mode (and in worker/cpu_compiled_decode.py's compiled
+    forward): a graph replays recorded device work, so a value read on the host at capture time would be replayed
+    stale on every later step (and a compiled forward would guard on it, compiling again for new values). Any read
+    raises."""
 
     def __init__(self, name: str):
         self.name = name
 
     def _refuse(self, *args):
-        raise RuntimeError(f"AttentionMetadata.{self.name} is not available in CUDA-graph mode: a backend that can "
-                           f"be captured reads its step from tensors only")
+        raise RuntimeError(f"AttentionMetadata.{self.name} is not available in a captured or compiled decode step: "
+                           f"a backend that can be captured or compiled reads its step from tensors only")
 
     __len__ = __getitem__ = __iter__ = _refuse
 
@@ -130,8 +132,8 @@ class DecodeGraphRunner:
         that reads them on the CPU, lists refilled in place by each step)."""
         if self.graph_safe:
             # stand-ins for the lists, typed as them: a graph-safe backend never reads them, and any read raises
-            starts = cast(list[int], _HostListUnavailable("query_start_list"))
-            lens = cast(list[int], _HostListUnavailable("seq_lens_list"))
+            starts = cast(list[int], HostListUnavailable("query_start_list"))
+            lens = cast(list[int], HostListUnavailable("seq_lens_list"))
         else:
             starts, lens = list(range(size + 1)), [1] * size
             self._seq_lens_lists[size] = lens

@@ -106,7 +106,23 @@ def onednn_linear(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     Returns:
         [..., N] of rows' dtype.
     """
+    if torch.compiler.is_compiling():  # worker/cpu_compiled_decode.py: one opaque call in the graph
+        return onednn_linear_op(rows, weight, bias, weight.shape[0])
     return torch.ops.mkldnn._linear_pointwise(rows, weight, bias, "none", [], "")
+
+
+@torch.library.custom_op("shuttle::onednn_linear", mutates_args=(),
+                         schema="(Tensor rows, Tensor weight, Tensor? bias, SymInt out_features) -> Tensor")
+def onednn_linear_op(rows, weight, bias, out_features):
+    """`onednn_linear` as an operator torch.compile does not look into: inductor's own lowering of oneDNN's linear
+    takes weights it froze itself, not the reordered weights the layers hold. Returns [..., out_features]."""
+    return torch.ops.mkldnn._linear_pointwise(rows, weight, bias, "none", [], "")
+
+
+@onednn_linear_op.register_fake
+def _onednn_linear_shape(rows, weight, bias, out_features):
+    """The operator's output as torch.compile traces it: shape and dtype only."""
+    return rows.new_empty((*rows.shape[:-1], out_features))
 
 
 class OneDnnLinear(LinearWrapper):

@@ -18,11 +18,12 @@ from shuttle.common.speculative import DRAFT_MODEL
 from shuttle.worker.attention import StepAttention
 from shuttle.worker.attention_backends import make_backend
 from shuttle.worker.capability import check_exactness
+from shuttle.worker.cpu_compiled_decode import CompiledCpuDecode, compiled_decode_for
 from shuttle.worker.cpu_linears import prepare_cpu_linears
 from shuttle.worker.draft_model import DraftModel
 from shuttle.worker.flex_attention import compiled_head_dim_problem, max_kv_blocks_for, token_buckets
 from shuttle.worker.grammar import GrammarCompiler, GrammarMasks
-from shuttle.worker.graph_runner import graph_runner_for, graphs_off_reason
+from shuttle.worker.graph_runner import DecodeGraphRunner, graph_runner_for, graphs_off_reason
 from shuttle.worker.input_batch import InputBatch, StepInputs
 from shuttle.worker.kv_cache import KVCache
 from shuttle.worker.kv_sizing import (
@@ -65,8 +66,9 @@ class ModelRunner:
     Construction runs the start-up phases in order: claim the device; load the model, probe its KV geometry and
     check that the paged path reproduces transformers' eager attention on it (worker/capability.py); only then size
     and allocate the cache; prepare the batch, sampler and grammars; compile (a compiled backend's prefill shapes);
-    capture (CUDA graphs for decode steps). The cache gets, on CUDA (unless --num-kv-blocks), as many blocks as
-    --gpu-memory-utilization leaves after one profiling step at the largest step shape (worker/kv_sizing.py),
+    capture (CUDA graphs for decode steps; on the CPU, the compiled decode forward). The cache gets, on CUDA
+    (unless --num-kv-blocks), as many blocks as --gpu-memory-utilization leaves after one profiling step at the
+    largest step shape (worker/kv_sizing.py),
     elsewhere --kv-cache-memory or --num-kv-blocks.
 
     Under tensor parallel (worker/parallel.py) every rank builds one on its shard of the weights, runs the same
@@ -95,7 +97,9 @@ class ModelRunner:
         self.warm_up_seconds = 0.0
         if self.backend.compiled:
             self.warm_up_prefill_shapes(config.scheduler.max_num_batched_tokens, config.model.max_model_len)
-        self.graphs = graph_runner_for(self, config)  # decode-only steps from CUDA graphs (None: all eager)
+        # decode-only steps from CUDA graphs, or on the CPU from the compiled forward (None: all eager)
+        self.graphs: DecodeGraphRunner | CompiledCpuDecode | None = \
+            graph_runner_for(self, config) or compiled_decode_for(self, config)
 
     # ---- the phases of start-up, in order ----------------------------------------------------------------
 
@@ -320,7 +324,7 @@ class ModelRunner:
         if self.lora is not None:
             self.lora.begin_step(inputs.token_slots)
         if self.graphs is not None and self.graphs.can_run(inputs):
-            logits = self.graphs.run(inputs)  # a decode-only step, replayed: [S, vocab]
+            logits = self.graphs.run(inputs)  # a decode-only step, replayed or compiled: [S, vocab]
         else:
             logits = self.forward(inputs, self.kv_cache.layers, inputs.logits_rows)  # [S + prompt rows, vocab]
         requests = inputs.sampled_requests

@@ -1,0 +1,108 @@
+"""The compiled CPU decode forward (worker/cpu_compiled_decode.py): greedy output equal to transformers' token for
+token with decode steps run compiled over many batch sizes and block-table widths and no compile after warm-up; when
+it is off, why; and a failed compile serving eagerly instead of failing the worker."""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import replace
+
+import pytest
+import torch
+
+from shuttle.common.config import CacheConfig, IpcConfig, SchedulerConfig, ShuttleConfig, WorkerConfig
+from shuttle.common.lora import LoRAConfig
+from shuttle.common.model_config import ModelConfig
+from shuttle.worker import cpu_compiled_decode as ccd
+
+CPU = torch.device("cpu")
+
+
+def _config(**worker) -> ShuttleConfig:
+    from tests.server import MODEL_DIR
+
+    return ShuttleConfig(model=ModelConfig.from_dir(MODEL_DIR), ipc=IpcConfig.in_directory("/nonexistent"),
+                         cache=CacheConfig(16, 60),
+                         scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=48),
+                         worker=WorkerConfig(**worker))
+
+
+class CountedRuns(ccd.CompiledCpuDecode):
+    """Counts the rows of each step it runs."""
+
+    def __init__(self, compiled: ccd.CompiledCpuDecode):
+        self.__dict__.update(compiled.__dict__)
+        self.rows: list[int] = []
+
+    def run(self, inputs):
+        self.rows.append(int(inputs.attention.seq_lens.shape[0]))
+        return super().run(inputs)
+
+
+@pytest.mark.slow
+def test_greedy_matches_transformers_with_decode_steps_compiled(monkeypatch):
+    """Eight requests of different lengths decode together, rows finishing one by one (batch 8 down to 1) and
+    contexts crossing block boundaries (table widths 1 to 4): every decode step runs compiled, none compiles again
+    (served under torch's fail-on-recompile stance, which raises if one would), and every output equals
+    transformers' greedy one."""
+    from shuttle.scheduler.kv_cache import KVCacheManager
+    from shuttle.scheduler.scheduler import Scheduler
+    from shuttle.worker.worker import ModelRunner
+    from tests.conftest import hf_greedy
+    from tests.engine.test_engine_inprocess import greedy_outputs
+
+    monkeypatch.setattr(ccd, "SERVING_STANCE", "fail_on_recompile")  # served: eager instead of compiling again
+    config = _config()
+    runner = ModelRunner(config)
+    assert isinstance(runner.graphs, ccd.CompiledCpuDecode)  # the CPU default
+    assert runner.graphs.difference <= 1e-3
+    runner.graphs = counted = CountedRuns(runner.graphs)
+    scheduler = Scheduler(config.scheduler, KVCacheManager(60, 16, True), config.model.max_model_len,
+                          config.model.eos_token_ids)
+    rng = random.Random(4)
+    prompts = [[1] + [rng.randrange(3, 512) for _ in range(rng.randrange(2, 40))] for _ in range(8)]
+    max_tokens = [rng.randrange(6, 30) for _ in prompts]
+    outputs, _ = greedy_outputs(scheduler, runner, prompts, max_tokens, first_alone=False)
+    assert outputs == [hf_greedy(prompt, m) for prompt, m in zip(prompts, max_tokens)]
+    assert 1 in counted.rows and 8 in counted.rows and len(set(counted.rows)) >= 4, counted.rows
+
+
+def test_off_reasons():
+    config = _config()
+    reason = ccd.compiled_decode_off_reason
+    assert reason(CPU, config, "cpu", torch.float32, False) is None
+    assert reason(torch.device("cuda"), config, "flex", torch.float32, False) == "not on the CPU"
+    assert reason(CPU, _config(enforce_eager=True), "cpu", torch.float32, False) == "--enforce-eager"
+    assert "reference attention backend" in reason(CPU, config, "reference", torch.float32, False)
+    assert "float16 KV cache" in reason(CPU, config, "cpu", torch.float16, False)
+    assert reason(CPU, config, "cpu", torch.float32, True) == "tensor parallel"
+    lora = replace(config, lora=LoRAConfig(enable_lora=True))
+    assert reason(CPU, lora, "cpu", torch.float32, False) == "--enable-lora"
+
+
+def test_off_without_a_cpp_compiler(monkeypatch):
+    monkeypatch.setattr(ccd.shutil, "which", lambda name: None)
+    assert "no C++ compiler" in ccd.compiled_decode_off_reason(CPU, _config(), "cpu", torch.float32, False)
+
+
+def test_a_failed_compile_serves_eagerly_and_says_why(monkeypatch, caplog):
+    """A compile that raises (or a compiled forward that disagrees with the eager one) leaves the worker serving
+    every step eagerly, with one warning naming the cause, instead of failing start-up."""
+    from shuttle.worker.worker import ModelRunner
+
+    def fail(self, num_blocks, dtype, vocab):
+        raise RuntimeError("its log-probabilities differ from the eager forward's by 3 nats\nsecond line")
+
+    monkeypatch.setattr(ccd.CompiledCpuDecode, "warm_up", fail)
+    with caplog.at_level(logging.WARNING, logger="shuttle.worker"):
+        runner = ModelRunner(_config())
+    assert runner.graphs is None
+    assert ("compiled CPU decode off (RuntimeError: its log-probabilities differ from the eager forward's by 3 nats)"
+            ": every step runs eagerly") in caplog.text
+
+
+def test_enforce_eager_runs_every_step_eagerly():
+    from shuttle.worker.worker import ModelRunner
+
+    assert ModelRunner(_config(enforce_eager=True)).graphs is None
