@@ -18,9 +18,12 @@ padded to buckets: the batch and the block table's width are dynamic dimensions,
 step never compiles (tests/engine/test_cpu_compiled_decode.py serves a spread of shapes under torch's
 fail-on-recompile stance); were one to need it, it would run eagerly instead (SERVING_STANCE).
 
+With --enable-lora, steps without an adapter row run compiled: the graph traces the LoRA layers' base-model path,
+which reads no adapter weights, so loading adapters changes nothing it traced.
+
 When it is off, said once at start-up: --enforce-eager; not on the CPU; an attention backend other than `cpu`; a KV
-cache dtype the decode kernel does not read; tensor parallel; --enable-lora (adapters loading mid-serving would
-change what the graph traced); no C++ compiler on the machine; or the compile or its check failing.
+cache dtype the decode kernel does not read; tensor parallel; no C++ compiler on the machine; or the compile or its
+check failing.
 
 Exactness. Fused elementwise code and reductions may round differently from the eager operators. At warm-up both
 forwards run the same rows (random tokens at several positions over two cache blocks, before any request exists)
@@ -183,8 +186,6 @@ def compiled_decode_off_reason(device: torch.device, config, backend_name: str, 
         return f"a {str(kv_dtype).removeprefix('torch.')} KV cache (the decode kernel reads float32 and bfloat16)"
     if tensor_parallel:
         return "tensor parallel"
-    if config.lora.enable_lora:
-        return "--enable-lora"
     if shutil.which("c++") is None and shutil.which("g++") is None:
         return "no C++ compiler (c++ or g++) on PATH for torch's inductor"
     return None

@@ -1,7 +1,9 @@
 """LoRA adapters on the in-process engine: greedy output through an adapter equals transformers' generate on
 weights merged by hand (W + scale * B @ A), for Llama (stories260K) and Qwen2, at float32; two adapters and the
 base model in one batch each equal their own reference; with fewer slots than adapters every request still
-finishes; and an adapter's prefix-cache blocks are never the base model's."""
+finishes; and an adapter's prefix-cache blocks are never the base model's. Steps without an adapter row run the
+compiled decode forward (worker/cpu_compiled_decode.py), which adapters loading and unloading never make compile
+again."""
 
 import json
 
@@ -20,10 +22,16 @@ from shuttle.scheduler.in_process import drive
 from shuttle.scheduler.kv_cache import KVCacheManager
 from shuttle.scheduler.lora_slots import lora_slots_for
 from shuttle.scheduler.scheduler import Scheduler
+from shuttle.worker import cpu_compiled_decode
 from shuttle.worker.worker import ModelRunner
 from tests.server import MODEL_DIR
 
 MAX_TOKENS = 24
+
+
+@pytest.fixture(autouse=True)
+def compiled_steps_never_compile_again(monkeypatch):
+    monkeypatch.setattr(cpu_compiled_decode, "SERVING_STANCE", "fail_on_recompile")
 
 
 def write_adapter(directory, model_dir, targets, rank, alpha, seed, rslora=False):
