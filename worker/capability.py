@@ -39,6 +39,20 @@ def log_prob_difference(paged: torch.Tensor, reference: torch.Tensor, exact: boo
     return float((reference.float().exp() * difference).sum(-1).max())
 
 
+def path_tolerance(runner) -> float:
+    """The TOLERANCE (nats) two paths of `runner`'s model must agree within: its dtype's, the bfloat16 one where
+    linears are int8 or the KV cache is rounded to another dtype. With it the difference is measured as
+    `log_prob_difference(..., exact=tolerance <= TOLERANCE[torch.float32])`."""
+    # int8 linears take bfloat16 activations (worker/quantization.py): a rounding step that amplifies the paths'
+    # last-bit differences as bfloat16 weights do
+    tolerance = TOLERANCE[torch.bfloat16] if getattr(runner, "quantized_linears", 0) else \
+        TOLERANCE.get(runner.dtype, 0.25)
+    kv_dtype = getattr(runner, "kv_dtype", runner.dtype)
+    if kv_dtype != runner.dtype:  # a cache rounded to another dtype (--kv-cache-dtype): the looser tolerance
+        tolerance = max(tolerance, TOLERANCE.get(kv_dtype, 0.25))
+    return tolerance
+
+
 @torch.inference_mode()
 def check_exactness(runner, max_model_len: int) -> float:
     """Compare the paged path with eager attention; returns their difference as TOLERANCE measures it (nats).
@@ -68,13 +82,7 @@ def check_exactness(runner, max_model_len: int) -> float:
     except Exception as exc:
         raise UnsupportedModelError(f"{architecture(model)}: transformers' eager attention fails on it, so the paged "
                                     f"path cannot be checked ({type(exc).__name__})") from None
-    # int8 linears take bfloat16 activations (worker/quantization.py): a rounding step that amplifies the paths'
-    # last-bit differences as bfloat16 weights do
-    tolerance = TOLERANCE[torch.bfloat16] if getattr(runner, "quantized_linears", 0) else \
-        TOLERANCE.get(runner.dtype, 0.25)
-    kv_dtype = getattr(runner, "kv_dtype", runner.dtype)
-    if kv_dtype != runner.dtype:  # a cache rounded to another dtype (--kv-cache-dtype): the looser tolerance
-        tolerance = max(tolerance, TOLERANCE.get(kv_dtype, 0.25))
+    tolerance = path_tolerance(runner)
     exact = tolerance <= TOLERANCE[torch.float32]
     prefix = len(sequences["a"]) // 2  # the cached decode covers positions prefix - 1 .. len - 2
     disagreement = log_prob_difference(cached, reference["a"][prefix - 1:-1], exact)

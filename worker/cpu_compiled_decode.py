@@ -27,9 +27,10 @@ check failing.
 
 Exactness. Fused elementwise code and reductions may round differently from the eager operators. At warm-up both
 forwards run the same rows (random tokens at several positions over two cache blocks, before any request exists)
-and their log-probabilities must agree within worker/capability.py's TOLERANCE for the model's dtype; otherwise
-the worker serves eagerly and says so. The engine tests hold greedy output token for token against transformers'
-`generate` on this path.
+and their log-probabilities must agree within the start-up exactness check's tolerance (worker/capability.py
+`path_tolerance`: the model's dtype's, the bfloat16 one with int8 linears or a KV cache of another dtype);
+otherwise the worker serves eagerly and says so. The engine tests hold greedy output token for token against
+transformers' `generate` on this path.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from shuttle.worker.attention import AttentionMetadata, StepAttention
-from shuttle.worker.capability import TOLERANCE, log_prob_difference
+from shuttle.worker.capability import TOLERANCE, log_prob_difference, path_tolerance
 from shuttle.worker.graph_runner import HostListUnavailable
 from shuttle.worker.input_batch import StepInputs
 
@@ -124,21 +125,23 @@ class CompiledCpuDecode:
         return logits.index_select(0, sample_rows)
 
     @torch.inference_mode()
-    def warm_up(self, num_blocks: int, dtype: torch.dtype, vocab: int) -> None:
-        """Compile both graphs over check rows and compare them with the eager forward (module docstring); `vocab`:
-        the model's vocabulary size (the check rows' tokens are drawn below it).
+    def warm_up(self, num_blocks: int, tolerance: float, vocab: int) -> None:
+        """Compile both graphs over check rows and compare them with the eager forward (module docstring): their
+        log-probabilities must agree within `tolerance` (nats, capability.path_tolerance: the start-up exactness
+        check's, measured as it measures). `vocab`: the model's vocabulary size (the check rows' tokens are drawn
+        below it).
 
         The check rows write K and V into cache blocks 0 and 1, which hold junk until requests write them (no block
         is a prefix-cache hit before a request has written it).
 
         Raises:
             RuntimeError: the compiled forward's log-probabilities differ from the eager forward's by more than
-                TOLERANCE for `dtype`.
+                `tolerance`.
         """
         began = time.perf_counter()
         generator = torch.Generator().manual_seed(0)
         blocks = [0, 1] if num_blocks >= 2 else [0]
-        exact = TOLERANCE.get(dtype, 0.25) <= TOLERANCE[torch.float32]
+        exact = tolerance <= TOLERANCE[torch.float32]
         difference = 0.0
         for rows in _CHECK_ROWS:
             meta, input_ids, positions = _check_step(rows, blocks, self.block_size, self.null_block, vocab,
@@ -149,7 +152,7 @@ class CompiledCpuDecode:
                                                              eager.float().log_softmax(-1), exact))
         self.compile_seconds = time.perf_counter() - began
         self.difference = difference
-        if difference > TOLERANCE.get(dtype, 0.25):
+        if difference > tolerance:
             raise RuntimeError(f"its log-probabilities differ from the eager forward's by {difference:.3g} nats")
         self._serving = torch.compiler.set_stance(SERVING_STANCE)(self._compiled)
 
@@ -208,7 +211,7 @@ def compiled_decode_for(runner, config) -> CompiledCpuDecode | None:
     kv = runner.kv_cache
     compiled = CompiledCpuDecode(runner.model, runner.backend, kv.layers, kv.null_block, runner.block_size)
     try:
-        compiled.warm_up(kv.num_blocks, runner.dtype, runner.model.get_output_embeddings().weight.shape[0])
+        compiled.warm_up(kv.num_blocks, path_tolerance(runner), runner.model.get_output_embeddings().weight.shape[0])
     except Exception as exc:  # a slower server, not a wrong or a dead one: say why once and serve eagerly
         first_line = str(exc).splitlines()[0] if str(exc) else ""
         log.warning("compiled CPU decode off (%s: %s): every step runs eagerly", type(exc).__name__, first_line)

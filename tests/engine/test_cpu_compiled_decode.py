@@ -91,7 +91,7 @@ def test_a_failed_compile_serves_eagerly_and_says_why(monkeypatch, caplog):
     every step eagerly, with one warning naming the cause, instead of failing start-up."""
     from shuttle.worker.worker import ModelRunner
 
-    def fail(self, num_blocks, dtype, vocab):
+    def fail(self, num_blocks, tolerance, vocab):
         raise RuntimeError("its log-probabilities differ from the eager forward's by 3 nats\nsecond line")
 
     monkeypatch.setattr(ccd.CompiledCpuDecode, "warm_up", fail)
@@ -106,3 +106,19 @@ def test_enforce_eager_runs_every_step_eagerly():
     from shuttle.worker.worker import ModelRunner
 
     assert ModelRunner(_config(enforce_eager=True)).graphs is None
+
+
+@pytest.mark.parametrize("worker, cache, want", [({}, {}, 1e-3), ({"quantization": "int8"}, {}, 0.25),
+                                                 ({}, {"kv_cache_dtype": "bfloat16"}, 0.25)])
+def test_the_warm_up_check_uses_the_start_up_checks_tolerance(monkeypatch, worker, cache, want):
+    """float32's 1e-3 nats, but the bfloat16 tolerance where int8 linears (bfloat16 activations) or a bfloat16 KV
+    cache round the two forwards apart: with float32's, a 110M Llama with int8 linears fell back to eager at
+    1.3e-3 nats."""
+    from shuttle.worker.worker import ModelRunner
+
+    tolerances = []
+    monkeypatch.setattr(ccd.CompiledCpuDecode, "warm_up",
+                        lambda self, num_blocks, tolerance, vocab: tolerances.append(tolerance))
+    config = _config(**worker)
+    ModelRunner(replace(config, cache=replace(config.cache, **cache)))
+    assert tolerances == [want]

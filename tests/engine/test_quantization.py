@@ -17,6 +17,7 @@ from shuttle.common.sampling import SamplingParams
 from shuttle.scheduler.in_process import drive
 from shuttle.scheduler.kv_cache import KVCacheManager
 from shuttle.scheduler.scheduler import Scheduler
+from shuttle.worker.cpu_compiled_decode import CompiledCpuDecode
 from shuttle.worker.quantization import DEQUANTIZED_ROWS, Int8Linear, dequantize, quantize_model, quantize_per_channel
 from shuttle.worker.worker import ModelRunner
 from tests.server import MODEL_DIR
@@ -97,6 +98,7 @@ def test_an_int8_engine_generates_exact_counts_and_reports_its_int8_bytes():
     int8 = sum(m.qweight.numel() + 2 * m.scales.numel() for m in linears)
     assert runner.weight_bytes == others + int8
     assert runner.weight_bytes < ModelRunner(config_for("none")).weight_bytes / 2
+    assert isinstance(runner.graphs, CompiledCpuDecode)  # decode steps through the compiled forward
 
     config = config_for("int8")
     scheduler = Scheduler(config.scheduler, KVCacheManager(256, 16, True), config.model.max_model_len,
