@@ -21,11 +21,16 @@ fail-on-recompile stance); were one to need it, it would run eagerly instead (SE
 With --enable-lora, steps without an adapter row run compiled: the graph traces the LoRA layers' base-model path,
 which reads no adapter weights, so loading adapters changes nothing it traced.
 
-When it is off, said once at start-up: --enforce-eager; not on the CPU; an attention backend other than `cpu`; a KV
-cache dtype the decode kernel does not read; tensor parallel; no C++ compiler on the machine; or the compile or its
-check failing.
+When it is off, said once at start-up: --enforce-eager; not on the CPU; an attention backend other than `cpu`;
+bfloat16 linears widened by numba (a CPU without bf16 units); tensor parallel; no C++ compiler on the machine; or
+the compile or its check failing.
 
-Exactness. Fused elementwise code and reductions may round differently from the eager operators. At warm-up both
+Exactness. inductor is told to round to the model's dtype wherever eager torch rounds (`emulate_precision_casts`;
+by default it keeps float32 across fused operators): in bfloat16 a compiled step's logits then equal the eager
+forward's bit for bit in most shapes (stories260K at 1, 3 and 5 rows; the 110M shape at 1 and 5, within 0.03 in
+a logit at 3), so a request's tokens do not depend on whether its steps ran compiled or eagerly, which the other
+requests decide (without it, the first of four identical greedy requests diverged from the other three). In
+float32 reductions may still sum in another order (logits within 1e-5). At warm-up both
 forwards run the same rows (random tokens at several positions over two cache blocks, before any request exists)
 and their log-probabilities must agree within the start-up exactness check's tolerance (worker/capability.py
 `path_tolerance`: the model's dtype's, the bfloat16 one with int8 linears or a KV cache of another dtype);
@@ -75,7 +80,10 @@ class CompiledCpuDecode:
         for key_cache, value_cache in kv_caches:  # one graph whatever the block count: an on-disk cache hit
             torch._dynamo.maybe_mark_dynamic(key_cache, 0)  # for every --kv-cache-memory of the same model
             torch._dynamo.maybe_mark_dynamic(value_cache, 0)
-        self._compiled = torch.compile(self._forward, fullgraph=True)
+        # inductor rounds to the model's dtype wherever eager torch rounds (it keeps float32 across fused operators
+        # by default): a bfloat16 step then equals the eager one bit for bit in most shapes, so a request's tokens do
+        # not depend on whether its steps ran compiled or eagerly (which other requests decide)
+        self._compiled = torch.compile(self._forward, fullgraph=True, options={"emulate_precision_casts": True})
         self._serving = self._compiled  # after warm_up: the compiled forward under SERVING_STANCE
         self.compile_seconds = 0.0
         self.difference = 0.0  # log-prob difference from the eager forward at warm-up (nats, as TOLERANCE)
@@ -174,19 +182,19 @@ def _check_step(rows: int, blocks: list[int], block_size: int, null_block: int, 
     return meta, torch.randint(3, vocab, (rows,), generator=generator), positions
 
 
-def compiled_decode_off_reason(device: torch.device, config, backend_name: str, kv_dtype: torch.dtype,
+def compiled_decode_off_reason(device: torch.device, config, backend_name: str, widened_linears: int,
                                tensor_parallel: bool) -> str | None:
     """Why decode steps on this worker will not run compiled on the CPU, or None when compiled_decode_for compiles
-    them."""
+    them. `widened_linears`: bfloat16 linear layers computed in float32 by worker/output_projection.py (a CPU
+    without bf16 units)."""
     if device.type != "cpu":
         return "not on the CPU"
     if config.worker.enforce_eager:
         return "--enforce-eager"
     if backend_name != "cpu":
-        return f"the {backend_name} attention backend (the cpu backend's kernel is what the graph calls)"
-    from shuttle.worker.decode_kernel import CACHE_VIEWS  # numba loads only where the cpu backend runs
-    if kv_dtype not in CACHE_VIEWS:
-        return f"a {str(kv_dtype).removeprefix('torch.')} KV cache (the decode kernel reads float32 and bfloat16)"
+        return f"--attention-backend {backend_name}: only the cpu backend's decode kernel is compiled in"
+    if widened_linears:
+        return "bfloat16 linears widened to float32 by numba on a CPU without bf16 units, which inductor cannot trace"
     if tensor_parallel:
         return "tensor parallel"
     if shutil.which("c++") is None and shutil.which("g++") is None:
@@ -202,7 +210,7 @@ def compiled_decode_for(runner, config) -> CompiledCpuDecode | None:
         runner: a worker.worker.ModelRunner with its KV cache allocated.
         config: the ShuttleConfig it was built from.
     """
-    reason = compiled_decode_off_reason(runner.device, config, runner.backend.name, runner.kv_dtype,
+    reason = compiled_decode_off_reason(runner.device, config, runner.backend.name, runner.cpu_linears.widened,
                                         runner.parallel.enabled)
     if reason is not None:
         if runner.device.type == "cpu":

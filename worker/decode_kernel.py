@@ -222,7 +222,6 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     return out
 
 
-
 @torch.library.custom_op("shuttle::paged_decode", mutates_args=(),
                          schema="(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_table, "
                                 "Tensor seq_lens, float scale, int window, float softcap, Tensor? sinks) -> Tensor")
@@ -239,6 +238,7 @@ def paged_decode_op(query, key_cache, value_cache, block_table, seq_lens, scale,
 def _paged_decode_shape(query, key_cache, value_cache, block_table, seq_lens, scale, window, softcap, sinks):
     """The operator's output as torch.compile traces it: shape and dtype only."""
     return query.new_empty((query.shape[0], query.shape[1], value_cache.shape[3]), dtype=torch.float32)
+
 
 def warm_up(num_threads: int, cache_dtypes=(torch.float32,)) -> None:
     """Compile (or load the cached compilation) for each cache dtype now, not on the first request, and match
