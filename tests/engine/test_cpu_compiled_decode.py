@@ -146,3 +146,31 @@ def test_bfloat16_compiled_steps_equal_eager_ones_bit_for_bit():
             meta, ids, positions = ccd._check_step(rows, [0, 1], 16, runner.kv_cache.null_block, vocab, generator)
             eager = compiled._call(compiled._forward, ids, positions, meta)
             assert torch.equal(compiled._call(compiled._serving, ids, positions, meta), eager), rows
+
+
+def test_engines_in_one_process_each_compile_within_torchs_recompile_limit(monkeypatch):
+    """torch.compile counts the compiles of one code object against a limit (8 by default) and, with fullgraph,
+    fails past it. Every CompiledCpuDecode's graphs live on `_forward`'s code, so a process building engines of
+    many configurations piled them up there until an engine's compile failed and it served eagerly (a fresh-clone
+    CI process, after engines at several thread counts, dtypes and quantizations). The warm-up now compiles under
+    torch's process-wide cap only: under a limit of 2 (one engine's two graphs), engines at 1 and then 2 threads
+    both compile, and the first still serves its steps (at its thread count) without compiling again."""
+    from shuttle.worker.worker import ModelRunner
+
+    monkeypatch.setattr(ccd, "SERVING_STANCE", "fail_on_recompile")
+    threads = torch.get_num_threads()
+    try:
+        with torch._dynamo.config.patch(recompile_limit=2):
+            runners = []
+            for count in (1, 2):
+                torch.set_num_threads(count)  # a global state torch.compile guards on: new graphs
+                runners.append(ModelRunner(_config()))
+            assert all(isinstance(runner.graphs, ccd.CompiledCpuDecode) for runner in runners)
+            torch.set_num_threads(1)
+            first = runners[0].graphs
+            with torch.inference_mode():
+                meta, input_ids, positions = ccd._check_step(3, [0, 1], 16, runners[0].kv_cache.null_block, 100,
+                                                             torch.Generator().manual_seed(1))
+                assert first._call(first._serving, input_ids, positions, meta).shape == (3, 512)
+    finally:
+        torch.set_num_threads(threads)
