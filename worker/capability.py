@@ -29,20 +29,19 @@ from shuttle.worker.model_loader import UnsupportedModelError, architecture, cac
 TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 0.25, torch.float16: 0.25}
 
 
-def log_prob_difference(paged: torch.Tensor, reference: torch.Tensor, exact: bool) -> float:
-    """The difference TOLERANCE bounds, between log-probabilities [positions, vocab] (float32) of two paths:
-    the max absolute difference when `exact`, else the max over positions of the reference-probability-weighted mean
-    absolute difference."""
+def log_prob_difference(paged: torch.Tensor, reference: torch.Tensor, tolerance: float) -> float:
+    """The difference TOLERANCE bounds, between log-probabilities [positions, vocab] (float32) of two paths, as the
+    `tolerance` (nats) it will be held to measures it: float32's (or tighter), the max absolute difference; a
+    reduced-precision one, the max over positions of the reference-probability-weighted mean absolute difference."""
     difference = (paged.float() - reference.float()).abs()
-    if exact:
+    if tolerance <= TOLERANCE[torch.float32]:
         return float(difference.max())
     return float((reference.float().exp() * difference).sum(-1).max())
 
 
 def path_tolerance(runner) -> float:
     """The TOLERANCE (nats) two paths of `runner`'s model must agree within: its dtype's, the bfloat16 one where
-    linears are int8 or the KV cache is rounded to another dtype. With it the difference is measured as
-    `log_prob_difference(..., exact=tolerance <= TOLERANCE[torch.float32])`."""
+    linears are int8 or the KV cache is rounded to another dtype (log_prob_difference measures by it)."""
     # int8 linears take bfloat16 activations (worker/quantization.py): a rounding step that amplifies the paths'
     # last-bit differences as bfloat16 weights do
     tolerance = TOLERANCE[torch.bfloat16] if getattr(runner, "quantized_linears", 0) else \
@@ -83,16 +82,15 @@ def check_exactness(runner, max_model_len: int) -> float:
         raise UnsupportedModelError(f"{architecture(model)}: transformers' eager attention fails on it, so the paged "
                                     f"path cannot be checked ({type(exc).__name__})") from None
     tolerance = path_tolerance(runner)
-    exact = tolerance <= TOLERANCE[torch.float32]
     prefix = len(sequences["a"]) // 2  # the cached decode covers positions prefix - 1 .. len - 2
-    disagreement = log_prob_difference(cached, reference["a"][prefix - 1:-1], exact)
+    disagreement = log_prob_difference(cached, reference["a"][prefix - 1:-1], tolerance)
     if not disagreement <= tolerance:
         raise UnsupportedModelError(f"{architecture(model)}: transformers' own cached decoding and its full forward "
                                     f"disagree by {disagreement:.3g} nats on this model (e.g. a sliding-window cache "
                                     f"its attention does not apply), so there is no single output to reproduce")
     worst = 0.0
     for name in sequences:
-        worst = max(worst, log_prob_difference(paged[name], reference[name], exact))
+        worst = max(worst, log_prob_difference(paged[name], reference[name], tolerance))
     if not worst <= tolerance:
         raise UnsupportedModelError(f"{architecture(model)}: the paged attention path differs from transformers' "
                                     f"eager attention by {worst:.3g} nats (tolerance {tolerance:g}); refusing to "
