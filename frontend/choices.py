@@ -18,6 +18,7 @@ class CollectedChoice:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    text_starts: list[int] = field(default_factory=list)  # each token's, in `text` (TextDelta.text_starts)
 
 
 async def collect(generations: list[TextGeneration]) -> list[CollectedChoice]:
@@ -40,6 +41,7 @@ async def _collect_one(choice: CollectedChoice) -> CollectedChoice:
             texts.append(delta.text)
             choice.token_ids.extend(delta.token_ids)
             choice.logprobs.extend(delta.logprobs)
+            choice.text_starts.extend(delta.text_starts)
     choice.text = "".join(texts)
     return choice
 

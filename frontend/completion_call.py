@@ -76,7 +76,8 @@ class CompletionCall(Call):
 
     def final_choice(self, choice: CollectedChoice) -> dict:
         g = choice.generation
-        out = self._choice(g, choice.text, choice.token_ids, choice.logprobs, g.finish_reason, True)
+        out = self._choice(g, choice.text, choice.token_ids, choice.logprobs, choice.text_starts, g.finish_reason,
+                           True)
         if self.prompt_logprobs is not None:  # vLLM's, on each choice of a whole response
             out["prompt_logprobs"] = prompt_logprobs_list(self.state.tokenizer, g.prompt_token_ids, g.prompt_logprobs,
                                                           self.as_token_ids)
@@ -84,18 +85,20 @@ class CompletionCall(Call):
 
     def chunk_choices(self, delta: TextDelta, first: bool) -> list[dict]:
         return [self._choice(self.generations[delta.index], delta.text, delta.token_ids, delta.logprobs,
-                             delta.finish_reason, first)]
+                             delta.text_starts, delta.finish_reason, first)]
 
-    def _choice(self, g: TextGeneration, text: str, token_ids: list[int], lps, finish: str | None,
-                first: bool) -> dict:
+    def _choice(self, g: TextGeneration, text: str, token_ids: list[int], lps, text_starts: list[int],
+                finish: str | None, first: bool) -> dict:
         tokenizer = self.state.tokenizer
+        echo_length = len(self.echo_texts.get(g.index, ""))
         prefix = self.echo_texts.get(g.index, "") if first else ""
         start = self.emitted.get(g.index, 0) + len(prefix)
         self.emitted[g.index] = start + len(text)
         lp_object = None
         if self.logprobs is not None:
             as_ids = self.as_token_ids
-            lp_object = completion_logprobs(tokenizer, token_ids, lps, start, len(text), as_ids)
+            lp_object = completion_logprobs(tokenizer, token_ids, lps, text_starts, echo_length, start + len(text),
+                                            as_ids)
             if first and g.index in self.echo_texts:
                 echoed = [first_k(lp, self.logprobs) for lp in g.prompt_logprobs]
                 lp_object = prompt_logprobs_object(tokenizer, g.prompt_token_ids, echoed, lp_object, len(prefix),

@@ -19,13 +19,16 @@ log = logging.getLogger("shuttle.frontend")
 
 @dataclass
 class TextDelta:
-    """New text of choice `index`, the token ids that produced it and their logprobs; `finish_reason` on the last."""
+    """New text of choice `index`, the token ids that produced it and their logprobs; `finish_reason` on the last.
+    `text_starts`: where each token's text starts in the choice's whole text (characters; a byte-fallback token of
+    an unfinished character starts where that character will, the token after it one character on)."""
 
     text: str
     token_ids: list[int]
     logprobs: list[TokenLogprobs]
     finish_reason: str | None = None
     index: int = 0
+    text_starts: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -167,7 +170,7 @@ class TextGeneration:
             sum(1 for start, _, _ in held if start < matcher.released)
         released, self._held = held[:out], held[out:]
         return TextDelta(text, [t for _, t, _ in released], [lp for _, _, lp in released if lp is not None],
-                         self.finish_reason, self.index)
+                         self.finish_reason, self.index, [start for start, _, _ in released])
 
     def _error(self, output: RequestOutput) -> GenerationError:
         """The GenerationError of an error output (a refusal at arrival counted as such)."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import codecs
+
 from shuttle.common.messages import TokenLogprobs
 from shuttle.frontend.tokenizer import TextTokenizer
 
@@ -22,31 +24,24 @@ def token_name(tokenizer: TextTokenizer, token_id: int, as_token_ids: bool = Fal
 
 
 def completion_logprobs(tokenizer: TextTokenizer, token_ids: list[int], logprobs: list[TokenLogprobs],
-                        text_offset: int, text_length: int, as_token_ids: bool = False) -> dict:
+                        text_starts: list[int], echo_length: int, text_end: int, as_token_ids: bool = False) -> dict:
     """The completions API's logprobs object: tokens, token_logprobs, top_logprobs, text_offset.
     `top_logprobs` maps token text to logprob (see top_alternatives). With `as_token_ids` every token, in `tokens`
     and as a `top_logprobs` key, is named "token_id:ID" (token_name); offsets still count the text's characters.
 
-    `text_offset` is where these tokens' text starts in the choice's whole text (cumulative across stream
-    chunks) and `text_length` how long that text is; a token's offset advances by its own text, never past the
-    end of the text it belongs to (a byte-fallback token has no text of its own until its character completes).
+    A token's `text_offset` is where its text starts in the choice's whole text: after the echoed prompt
+    (`echo_length` characters; 0 without echo), at its start in the output (`text_starts`, TextGeneration's
+    TextDelta.text_starts: a byte-fallback token of a character starts where the character does), never past
+    `text_end`, the end of the text sent so far (a token whose text is still held shows where that text will start).
+    The same tokens get the same offsets streamed or not.
     """
     return {
         "tokens": [token_name(tokenizer, t, as_token_ids) for t in token_ids],
         "token_logprobs": [lp.logprob for lp in logprobs],
         "top_logprobs": [{token_name(tokenizer, i, as_token_ids): v for i, v in top_alternatives(t, lp)}
                          for t, lp in zip(token_ids, logprobs)],
-        "text_offset": _offsets(tokenizer, token_ids, text_offset, text_length),
+        "text_offset": [min(echo_length + start, text_end) for start in text_starts],
     }
-
-
-def _offsets(tokenizer: TextTokenizer, token_ids: list[int], start: int, text_length: int) -> list[int]:
-    """Where each token's text starts: advancing by each token's own characters, never past the text's end."""
-    offsets, advanced = [], 0
-    for token_id in token_ids:
-        offsets.append(start + min(advanced, text_length))
-        advanced += len(tokenizer.token_bytes[token_id].decode(errors="ignore")) if tokenizer.token_bytes else 1
-    return offsets
 
 
 def prompt_logprobs_object(tokenizer: TextTokenizer, prompt_token_ids: list[int], prompt_logprobs: list[TokenLogprobs],
@@ -71,9 +66,15 @@ def prompt_logprobs_object(tokenizer: TextTokenizer, prompt_token_ids: list[int]
     position = 0
     for i, (token_id, lp) in enumerate(zip(prompt_token_ids[1:], prompt_logprobs), start=1):
         tops.append({name(t, i): v for t, v in top_alternatives(token_id, lp)})
+    # a byte-fallback token ("bytes:\\xNN") shows no character of its own: the character its run of bytes completes
+    # counts once, at the token that completes it (an invalid byte as U+FFFD)
+    characters = codecs.getincrementaldecoder("utf-8")(errors="replace")
     for token_id, text in zip(prompt_token_ids, texts):
         offsets.append(min(position, echo_length))
-        position += 0 if tokenizer.is_byte_token(token_id) else len(text)
+        if tokenizer.is_byte_token(token_id) and tokenizer.token_bytes is not None:
+            position += len(characters.decode(tokenizer.token_bytes[token_id]))
+        else:
+            position += len(characters.decode(b"", final=True)) + len(text)
     names = [token_name(tokenizer, t, True) for t in prompt_token_ids] if as_token_ids else texts
     return {
         "tokens": names + output["tokens"],

@@ -643,3 +643,28 @@ async def test_continuous_usage_stats_puts_the_usage_so_far_on_every_chunk():
     assert all(e["usage"]["prompt_tokens"] == len(PROMPT_IDS) for e in events)
     assert last["choices"] == [] and last["usage"]["completion_tokens"] == 5
     assert (status, refused["error"]["param"]) == (400, "stream_options")
+
+
+async def test_text_offsets_count_a_character_of_byte_tokens_once_streamed_or_not():
+    """A character spelled by byte-fallback tokens (😀: <0xF0> <0x9F> <0x98> <0x80>) starts where its first byte
+    token is and moves the next token's offset on by one character. A fresh-clone trial found the whole response's
+    offsets never moving past such a character ([0, ..., 0] against the stream's right [0, 0, 0, 0, 1, ...]), and
+    an echoed prompt's likewise."""
+    emoji = [243, 162, 155, 131]
+    script = emoji + emoji + [383]  # "😀😀 there"
+    body = {"prompt": "Once 😀😀 there", "max_tokens": len(script), "logprobs": 0}
+    output_offsets = [0, 0, 0, 0, 1, 1, 1, 1, 2]
+    async with served(FakeEngine(script=script, script_end=FinishReason.LENGTH)) as (client, _):
+        status, result = await post(client, "/v1/completions", body)
+        [choice] = result["choices"]
+        assert (status, choice["text"]) == (200, "😀😀 there")
+        assert choice["logprobs"]["text_offset"] == output_offsets
+        events = await stream(client, "/v1/completions", body)
+        assert [o for e in events for o in (e["choices"][0]["logprobs"] or {}).get("text_offset", [])] == \
+            output_offsets
+        status, result = await post(client, "/v1/completions", {**body, "echo": True})
+        [choice] = result["choices"]
+        assert choice["text"] == "Once 😀😀 there😀😀 there"
+        # <s>, "Once", " ", the bytes of two 😀, " there"; then the output's, after the 13 echoed characters
+        prompt_offsets = [0, 0, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7]
+        assert choice["logprobs"]["text_offset"] == prompt_offsets + [13 + o for o in output_offsets]
