@@ -226,7 +226,8 @@ def input_messages(instructions: str | None, given: str | list[dict[str, Any]],
                    history: list[dict[str, Any]] | None = None) -> list[ChatMessage]:
     """The chat messages of `instructions`, then `history` (a stored conversation's input items, already checked),
     then `input`. Consecutive function_call items become one assistant message's tool_calls (joined to the
-    assistant message right before them, if any).
+    assistant message right before them, if any). An "incomplete" function_call whose arguments are no JSON object
+    (a response's call cut off by max_output_tokens, as the response gave it) is left out.
 
     Raises:
         InvalidRequestError: an empty input, an item of a type not served or malformed (param "input"; the index
@@ -244,7 +245,10 @@ def input_messages(instructions: str | None, given: str | list[dict[str, Any]],
         if isinstance(item, _ReasoningItem):
             continue
         if isinstance(item, _FunctionCallItem):
-            _check_arguments(i, item.arguments)
+            if not _is_json_object(item.arguments):
+                if item.status == "incomplete":  # a response's call cut off by max_output_tokens, stored or sent
+                    continue  # back: never a call anyone could answer, nor one a chat template can render
+                raise InvalidRequestError(f"input[{i}].arguments must be a JSON object as text", param="input")
             call = MessageToolCall(id=item.call_id, type="function",
                                    function=CalledFunction(name=item.name, arguments=item.arguments))
             if calls_open:
@@ -281,14 +285,12 @@ def _item(i: int, data: Any) -> _MessageItem | _FunctionCallItem | _FunctionCall
         raise InvalidRequestError(f"input[{i}] is not a valid {kind} item: {exc}", param="input") from None
 
 
-def _check_arguments(i: int, text: str) -> None:
-    """Raises InvalidRequestError naming input[i] where the chat template would name the message it becomes."""
+def _is_json_object(text: str) -> bool:
+    """Whether a function call's arguments are a JSON object as text (what the chat template renders)."""
     try:
-        arguments = json.loads(text)
+        return isinstance(json.loads(text), dict)
     except (ValueError, RecursionError):
-        arguments = None
-    if not isinstance(arguments, dict):
-        raise InvalidRequestError(f"input[{i}].arguments must be a JSON object as text", param="input")
+        return False
 
 
 def _text(i: int, content: str | list[dict[str, Any]]) -> str:

@@ -19,6 +19,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from shuttle.common.config import ApiConfig
 from shuttle.common.errors import InvalidRequestError
+from shuttle.common.messages import FinishReason
 from shuttle.frontend.lifecycle import drain
 from shuttle.frontend.responses import background
 from shuttle.frontend.responses.api import ResponsesCall
@@ -27,7 +28,7 @@ from shuttle.frontend.responses.store import ResponseNotFoundError, ResponseStor
 from shuttle.frontend.state import STATE
 from tests.api.test_api_details import PROMPT, STORY, STORY_TEXT, openai_client, post, served
 from tests.api.test_responses_api import TOOLS, events_of, served_tools
-from tests.api.test_tool_calling import NAMED_TEXT
+from tests.api.test_tool_calling import NAMED_TEXT, script
 from tests.fake_engine import FakeEngine, frontend_app
 
 URL = "/v1/responses"
@@ -535,3 +536,37 @@ def test_a_continued_and_a_background_response_equal_the_chat_endpoints_greedy_o
         time.sleep(0.05)
     assert queued.status == "queued" and done.status == first.status and done.output_text == first.output_text
     assert client.responses.retrieve(second.id).output_text == second.output_text
+
+
+async def test_a_call_cut_off_by_max_output_tokens_is_left_out_when_the_conversation_goes_on():
+    """A fresh-clone trial: the response's last call, cut off by the length limit, is an "incomplete" item whose
+    arguments are no JSON object; continuing the stored response (or sending its output back) was refused with
+    "input[-1].arguments must be a JSON object as text", which no client could mend. The cut call is left out of
+    the continued conversation: the prompt is the chat request's with the whole call alone."""
+    cut = '[{"name": "get_weather", "parameters": ' + NAMED_TEXT + '}, {"name": "get_time", "parameters": {"tz'
+    messages = [{"role": "user", "content": "Weather?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "CALL", "type": "function", "function": {"name": "get_weather", "arguments": NAMED_TEXT}}]},
+                {"role": "tool", "tool_call_id": "CALL", "content": "sunny"}]
+    engine = FakeEngine(script=script(cut, eos=False), script_end=FinishReason.LENGTH)  # the length limit cuts it
+    async with served(engine, template="tools_chat.jinja") as (client, engine):
+        status, called = await post(client, URL, {"input": "Weather?", "tools": TOOLS, "tool_choice": "required"})
+        assert status == 200, called
+        assert called["status"] == "incomplete", called
+        whole, broken = called["output"]
+        assert (whole["arguments"], whole["status"]) == (NAMED_TEXT, "completed")
+        assert (broken["name"], broken["arguments"], broken["status"]) == ("get_time", '{"tz', "incomplete")
+        answer = {"type": "function_call_output", "call_id": whole["call_id"], "output": "sunny"}
+        status, body = await post(client, URL, {"previous_response_id": called["id"], "tools": TOOLS,
+                                                "tool_choice": "none", "input": [answer]})
+        assert status == 200, body
+        status, body = await post(client, URL, {"tools": TOOLS, "tool_choice": "none", "input": [
+            {"role": "user", "content": "Weather?"}, *called["output"], answer]})
+        assert status == 200, body
+        messages[1]["tool_calls"][0]["id"] = messages[2]["tool_call_id"] = whole["call_id"]
+        status, _ = await post(client, "/v1/chat/completions", {"messages": messages, "tools": [
+            {"type": "function", "function": {k: v for k, v in TOOLS[0].items() if k != "type"}},
+            {"type": "function", "function": {"name": "get_time"}}], "tool_choice": "none"})
+        assert status == 200
+    assert engine.submitted[1].prompt_token_ids == engine.submitted[2].prompt_token_ids == \
+        engine.submitted[3].prompt_token_ids
