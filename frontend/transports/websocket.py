@@ -1,8 +1,8 @@
 """GET /v1/ws: token streaming over a WebSocket.
 
 Protocol (JSON text frames; several generations may share one socket, told apart by `id`):
-  client -> {"type": "generate", "id": <optional string or integer, echoed as sent; default "gen-N">, ...any
-             /v1/completions field}
+  client -> {"type": "generate", "id": <optional string or integer, echoed as sent; default "gen-N", the next N
+             not in use>, ...any /v1/completions field}
   server -> {"type": "delta", "id": ..., "text": "...", "token_ids": [...]}         one per text delta
   server -> {"type": "done", "id": ..., "finish_reason": "stop"|"length"|"abort", "usage": {...}}
   client -> {"type": "cancel", "id": ...}       the generation ends with a "done" whose finish_reason is "abort"
@@ -115,8 +115,10 @@ class _Session:
             return await self.error(None, 400, "frame must be a JSON object")
         client_id = frame.get("id")
         kind = frame.get("type")
-        if client_id is None:
+        if client_id is None:  # the next free name: one in use (a client's own "gen-1") would refuse this one under it
             client_id = f"gen-{next(self._ids)}"
+            while client_id in self.streams:
+                client_id = f"gen-{next(self._ids)}"
         elif isinstance(client_id, bool) or not isinstance(client_id, (str, int)):
             if kind == "cancel":
                 return  # it names no generation

@@ -286,3 +286,22 @@ async def test_invalid_requests_are_counted_whichever_transport_carried_them(app
             assert response.status == 400
     assert frames[-1]["type"] == "error" and frames[-1]["error"]["param"] == "max_tokens"
     assert invalid._value.get() == before + 3
+
+
+async def test_an_unnamed_generate_is_never_named_after_a_running_one():
+    """A fresh-clone trial: a client's own "gen-1" ran, and the second id-less generate, named "gen-1" too, was
+    refused as a duplicate under that id, so "gen-1" got an error and a done. Unnamed generates skip the names in
+    use: each of the three ends once."""
+    slow = await start_app(api_key=KEY, step_delay=0.05)
+    try:
+        async with aiohttp.ClientSession(headers=auth()) as session, \
+                session.ws_connect(f"{slow.url}/v1/ws") as ws:
+            await ws.send_str('{"type": "generate", "id": "gen-1", "prompt": "Hi", "max_tokens": 6}')
+            await ws.send_str('{"type": "generate", "prompt": "Hi", "max_tokens": 1}')
+            await ws.send_str('{"type": "generate", "prompt": "Hi", "max_tokens": 1}')
+            frames = await collect_frames(ws, {"gen-0", "gen-1", "gen-2"})
+    finally:
+        await slow.close()
+    ends = [(f["id"], f["type"]) for f in frames if f["type"] in ("done", "error")]
+    assert sorted(ends) == [("gen-0", "done"), ("gen-1", "done"), ("gen-2", "done")]
+    assert [f["usage"]["completion_tokens"] for f in frames if f["type"] == "done" and f["id"] == "gen-1"] == [6]
