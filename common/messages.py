@@ -34,7 +34,7 @@ class FinishReason(enum.IntEnum):
 class TokenLogprobs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, kw_only=True):
     """Log-probabilities (natural log, of the model's raw distribution) around one sampled or prompt token.
     `rank`: how many tokens of the vocabulary have a logprob at least the token's own (1: the most likely; vLLM's
-    rank), computed for prompt tokens only (0: not computed)."""
+    rank; 0 where a test's fabricated output leaves it out)."""
 
     logprob: float
     top_token_ids: list[int] = []

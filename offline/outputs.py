@@ -100,5 +100,5 @@ def position_logprobs(token_id: int, logprobs: TokenLogprobs, token_text) -> Pos
     position = {t: Logprob(lp, rank, token_text(t))
                 for rank, (t, lp) in enumerate(zip(logprobs.top_token_ids, logprobs.top_logprobs), start=1)}
     if token_id not in position:
-        position = {token_id: Logprob(logprobs.logprob, None, token_text(token_id)), **position}
+        position = {token_id: Logprob(logprobs.logprob, logprobs.rank or None, token_text(token_id)), **position}
     return position

@@ -224,15 +224,18 @@ def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
 
 def _logprobs(raw: torch.Tensor, rows: list[int], params: list[SamplingParams], tokens: list[int],
               num_rows: int) -> list[TokenLogprobs | None]:
-    """The sampled token's raw logprob and the k most likely, for the rows that asked (raw: [len(rows), vocab])."""
+    """The sampled token's raw logprob, its rank and the k most likely, for the rows that asked (raw:
+    [len(rows), vocab])."""
     out: list[TokenLogprobs | None] = [None] * num_rows
     k_max = max(params[i].logprobs or 0 for i in rows)  # (every row here asked: none is None)
     top = raw.topk(k_max, dim=-1) if k_max else None
-    chosen = raw.gather(1, torch.tensor([tokens[i] for i in rows], device=raw.device).unsqueeze(1)).squeeze(1).tolist()
+    picked = raw.gather(1, torch.tensor([tokens[i] for i in rows], device=raw.device).unsqueeze(1))
+    chosen = picked.squeeze(1).tolist()
+    ranks = (raw >= picked).sum(dim=-1).tolist()  # as prompt tokens' (worker.py): the tokens at least as likely
     top_ids = top.indices.tolist() if top is not None else []  # without top, every k is 0: never read
     top_values = top.values.tolist() if top is not None else []
     for j, i in enumerate(rows):
         k = params[i].logprobs
         out[i] = TokenLogprobs(logprob=chosen[j], top_token_ids=top_ids[j][:k] if k else [],
-                               top_logprobs=top_values[j][:k] if k else [])
+                               top_logprobs=top_values[j][:k] if k else [], rank=ranks[j])
     return out

@@ -85,6 +85,20 @@ def test_n_seeded_samples_and_prompt_logprobs(llm):
     assert all(token in position for token, position in zip(ids[1:], first.prompt_logprobs[1:]))
 
 
+def test_every_logprob_has_its_rank(llm):
+    """A prompt token or a sampled one outside the top-k keeps its rank in the vocabulary (vLLM's Logprob.rank is an
+    int); a fresh-clone trial found rank None for both."""
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=24, logprobs=1, prompt_logprobs=1, ignore_eos=True)
+    (out,) = llm.generate("Once upon a time the dog", params, use_tqdm=False)
+    prompt_ranks = [p[t].rank for t, p in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:])]
+    sampled_ranks = [p[t].rank for t, p in zip(out.outputs[0].token_ids, out.outputs[0].logprobs)]
+    for ranks in (prompt_ranks, sampled_ranks):
+        assert all(isinstance(r, int) and r >= 1 for r in ranks) and max(ranks) > 1, ranks
+    for position in out.outputs[0].logprobs:  # the top-1 entry is rank 1; a token less likely ranks after it
+        ranked = sorted(position.values(), key=lambda lp: lp.rank)
+        assert ranked[0].rank == 1 and all(a.logprob >= b.logprob for a, b in zip(ranked, ranked[1:]))
+
+
 def test_max_tokens_past_max_model_len_ends_there_and_none_means_all_of_it():
     small = LLM(str(MODEL_DIR), max_model_len=40, num_kv_blocks=16, device="cpu")
     prompt = [1] + [300] * 29
