@@ -23,6 +23,10 @@ def main() -> None:
              "weights %.1f MiB", worker.num_kv_blocks, cache.block_size, tokens, worker.kv_bytes_per_token,
              requests_that_fit(worker.num_kv_blocks, cache.block_size, model.max_model_len), model.max_model_len,
              worker.weight_bytes / 2**20)
+    if tokens < model.max_model_len:  # served as asked, but said: such a request is refused (400) when it comes
+        log.warning("the KV cache holds %d tokens, fewer than max_model_len %d: a request whose prompt plus "
+                    "max_tokens needs more is refused; give the cache more (--kv-cache-memory, --num-kv-blocks) or "
+                    "lower --max-model-len", tokens, model.max_model_len)
     report_ready(config, "scheduler", num_kv_blocks=worker.num_kv_blocks, block_size=cache.block_size,
                  kv_tokens=tokens, kv_bytes_per_token=worker.kv_bytes_per_token, weight_bytes=worker.weight_bytes,
                  max_model_len=model.max_model_len, device=worker.device, dtype=worker.dtype,
