@@ -10,7 +10,9 @@ the same response bodies out (see frontend/transports/zmq_batch.py).
 `max_in_flight` jobs unanswered), a heartbeat to the server every second (so the server aborts the jobs of a
 client that died), a clear BatchServerGone when the server falls silent, 503s retried after their Retry-After
 instead of being reported, and unanswered jobs sent again when the server restarted (its heartbeat's instance
-changed) within the timeout.
+changed) within the timeout. A 503 from a server shutting down (`should_retry` false) is not retried there: the job
+waits for the server's next instance (sent again when its heartbeat says it restarted) or, if none comes within the
+timeout, is among the unanswered ones BatchServerGone names.
 """
 
 from __future__ import annotations
@@ -96,6 +98,7 @@ class AsyncBatchClient:
         exhausted = False
         last_heard = time.monotonic()
         instance = ""  # the server's, from its heartbeats
+        shut_out: set[str] = set()  # jobs a shutting-down server refused: outstanding, sent to its next instance
         try:
             while True:
                 now = time.monotonic()
@@ -120,9 +123,11 @@ class AsyncBatchClient:
                     message = await asyncio.wait_for(channel.recv(), max(wait, 0.001))
                 except TimeoutError:
                     if time.monotonic() - last_heard >= self.server_timeout:
+                        held = len(shut_out & outstanding.keys())
+                        refused = f", {held} of them refused as it shut down" if held else ""
                         raise BatchServerGone(
                             f"the shuttle batch endpoint {self.endpoint} sent nothing for {self.server_timeout:g} s "
-                            f"(stopped or unreachable); {len(outstanding)} job(s) unanswered") from None
+                            f"(stopped or unreachable); {len(outstanding)} job(s) unanswered{refused}") from None
                     continue
                 if message is None:
                     continue  # malformed (counted and logged by the channel): not a sign of a live server
@@ -130,11 +135,15 @@ class AsyncBatchClient:
                 if isinstance(message, BatchHeartbeat):
                     if instance and message.instance != instance:  # a restarted server lost what it held
                         self.num_resent += await self._resend(channel, outstanding, retries)
+                        shut_out.clear()
                     instance = message.instance
                     continue
                 if message.job_id not in outstanding or _refused_as_running(message):
                     continue  # a resent job that had reached the new server after all: the first copy answers
-                if message.status_code == 503:  # queue full, draining, restarting: come back when told
+                if message.status_code == 503 and not message.should_retry:
+                    shut_out.add(message.job_id)  # shutting down: held for the next instance, not retried here
+                    continue
+                if message.status_code == 503:  # queue full, restarting: come back when told
                     self.num_retried += 1
                     due = last_heard + max(message.retry_after, MIN_RETRY_S)
                     heapq.heappush(retries, (due, next(order), outstanding[message.job_id]))

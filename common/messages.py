@@ -342,13 +342,15 @@ class BatchResponse(msgspec.Struct, tag="response", **_BATCH_WIRE):
     """A job's one terminal answer: `status_code` and `body` as an HTTP call would have got them (200 and the
     completion or chat completion; else the status and an OpenAI error body naming the field). `request_id` is
     the response's id (cmpl-..., chatcmpl-...). With 503, `retry_after` is seconds after which a retry is
-    expected to be admitted."""
+    expected to be admitted, and `should_retry` False when the server is shutting down (HTTP's x-should-retry:
+    false): no retry will be admitted by this server."""
 
     job_id: str
     status_code: int
     body: Any
     request_id: str = ""
     retry_after: float = 0.0
+    should_retry: bool = True
 
 
 class BatchHeartbeat(msgspec.Struct, tag="heartbeat", **_BATCH_WIRE):

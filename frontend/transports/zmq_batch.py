@@ -149,7 +149,8 @@ class BatchEndpoint:
                 log.exception("batch job %s failed", job.job_id)
             status, param = known or (500, None)
             response = _error(job.job_id, status, str(exc) if known else "internal server error", param,
-                              getattr(exc, "retry_after", None) or 0.0, call.request_id if call else "")
+                              getattr(exc, "retry_after", None) or 0.0, call.request_id if call else "",
+                              should_retry=not (status == 503 and self.state.engine.draining))
         await self._answer(identity, response)
 
     async def _watch(self) -> None:
@@ -188,9 +189,9 @@ class BatchEndpoint:
 
 
 def _error(job_id: str, status: int, message: str, param: str | None = None, retry_after: float = 0.0,
-           request_id: str = "") -> BatchResponse:
+           request_id: str = "", should_retry: bool = True) -> BatchResponse:
     return BatchResponse(job_id=job_id, status_code=status, body=error_body(status, message, param),
-                         request_id=request_id, retry_after=retry_after)
+                         request_id=request_id, retry_after=retry_after, should_retry=should_retry)
 
 
 class _JobId(msgspec.Struct):

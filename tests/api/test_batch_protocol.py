@@ -176,7 +176,7 @@ async def test_a_silent_server_raises_naming_the_endpoint():
 
 async def test_credit_bounds_jobs_in_flight_and_503s_are_retried(app):
     app.engine.step_delay = 0.01
-    app.engine.draining = True  # every job is refused with 503 + Retry-After at first
+    app.engine.down_reason = "a test's restart"  # every job is refused with 503 + Retry-After at first
     peak = 0
 
     async def watch():
@@ -186,7 +186,7 @@ async def test_credit_bounds_jobs_in_flight_and_503s_are_retried(app):
             await asyncio.sleep(0.002)
 
     watcher = asyncio.create_task(watch())
-    asyncio.get_running_loop().call_later(0.3, setattr, app.engine, "draining", False)
+    asyncio.get_running_loop().call_later(0.3, setattr, app.engine, "down_reason", None)
     try:
         async with AsyncBatchClient(app.batch.endpoint, max_in_flight=3, api_key=KEY) as client:
             results = [r async for r in client.run({"custom_id": str(i), "body": {"prompt": "Hi", "max_tokens": 4}}
@@ -195,10 +195,28 @@ async def test_credit_bounds_jobs_in_flight_and_503s_are_retried(app):
     finally:
         watcher.cancel()
         app.engine.step_delay = 0.0
-        app.engine.draining = False
+        app.engine.down_reason = None
     assert sorted(int(r.job_id) for r in results) == list(range(20))
     assert {r.status_code for r in results} == {200}
     assert 1 <= peak <= 3
+
+
+async def test_jobs_a_shutting_down_server_refuses_wait_for_its_next_instance_not_retried():
+    """A fresh-clone trial: while the server drained, the client resent its refused jobs every 0.2 s until the
+    server fell silent. A 503 while draining says should_retry false; the client holds those jobs (for a restarted
+    server's next instance) and, when the server goes quiet, names them in BatchServerGone."""
+    draining = await start_app(api_key=KEY, batch=True)
+    draining.engine.draining = True
+    try:
+        async with AsyncBatchClient(draining.batch.endpoint, max_in_flight=3, api_key=KEY,
+                                    server_timeout=1.0) as client:
+            asyncio.get_running_loop().call_later(0.6, draining.batch.close)  # then the server falls silent
+            with pytest.raises(BatchServerGone, match=r"3 job\(s\) unanswered, 3 of them refused as it shut down"):
+                async for _ in client.run({"custom_id": str(i), "body": {"prompt": "Hi"}} for i in range(5)):
+                    pass
+        assert client.num_retried == 0
+    finally:
+        await draining.close()
 
 
 async def test_sync_batch_client(app):
