@@ -113,7 +113,7 @@ class BatchEndpoint:
             return
         task = asyncio.create_task(self._run(identity, client, job))
         client.jobs[job.job_id] = task
-        task.add_done_callback(lambda _: client.jobs.pop(job.job_id, None))
+        task.add_done_callback(lambda done: _release(client, job.job_id, done))
 
     def _spawn(self, coroutine) -> None:
         task = asyncio.create_task(coroutine)
@@ -151,6 +151,9 @@ class BatchEndpoint:
             response = _error(job.job_id, status, str(exc) if known else "internal server error", param,
                               getattr(exc, "retry_after", None) or 0.0, call.request_id if call else "",
                               should_retry=not (status == 503 and self.state.engine.draining))
+        # the id is free before the answer goes out: a 503's retry may come back before this task ends, and
+        # refused as "already running" it would never be answered (the client waits for the running copy's answer)
+        _release(client, job.job_id, asyncio.current_task())
         await self._answer(identity, response)
 
     async def _watch(self) -> None:
@@ -186,6 +189,12 @@ class BatchEndpoint:
             for task in client.jobs.values():
                 task.cancel()
         self.channel.close()
+
+
+def _release(client: _Client, job_id: str, task: asyncio.Task | None) -> None:
+    """Forget `job_id` as running, if `task` is what runs under it (not a later job of the same id)."""
+    if client.jobs.get(job_id) is task:
+        del client.jobs[job_id]
 
 
 def _error(job_id: str, status: int, message: str, param: str | None = None, retry_after: float = 0.0,

@@ -431,3 +431,31 @@ async def test_jobs_lost_to_a_quick_server_restart_are_sent_again(app):
             if endpoint is not None:
                 endpoint.close()
     assert sorted(int(r.job_id) for r in results) == list(range(30)) and {r.status_code for r in results} == {200}
+
+
+async def test_a_retry_that_comes_back_before_the_refused_job_ended_is_run(app, monkeypatch):
+    """A fresh-clone trial once saw a batch client wait forever after a worker restart, the server holding no job
+    of it. The race: a job's 503 went out while its task still ran (it ends just after), the client's retry came
+    back within that moment and was refused as "already running", which the client takes for a resend's echo and
+    drops. Here the answer is slow to let go (the task lingers 1.5 s after each 503): the retry is still run."""
+    answer = app.batch._answer
+
+    async def lingering(identity, message):
+        await answer(identity, message)
+        if getattr(message, "status_code", 0) == 503:
+            await asyncio.sleep(1.5)  # past the 1 s Retry-After of an engine down with no estimate
+
+    monkeypatch.setattr(app.batch, "_answer", lingering)
+    app.engine.down_reason = "a test's restart"
+    asyncio.get_running_loop().call_later(0.1, setattr, app.engine, "down_reason", None)
+    try:
+        async with AsyncBatchClient(app.batch.endpoint, api_key=KEY) as client:
+            results = await asyncio.wait_for(
+                _all(client.run([{"custom_id": "once", "body": {"prompt": "Hi", "max_tokens": 2}}])), HANG)
+    finally:
+        app.engine.down_reason = None
+    assert [(r.job_id, r.status_code) for r in results] == [("once", 200)] and client.num_retried == 1
+
+
+async def _all(responses) -> list:
+    return [r async for r in responses]
