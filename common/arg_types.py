@@ -162,7 +162,8 @@ def chat_template_text(value: str) -> str:
     syntax ({{ or {%), as vLLM takes it.
 
     Raises:
-        argparse.ArgumentTypeError: an unreadable file, or neither a file nor a template.
+        argparse.ArgumentTypeError: an unreadable file, neither a file nor a template, or a template that does not
+            compile (a Jinja syntax error: refused at start-up, not answered as every chat request's 400).
     """
     try:
         is_file = Path(value).is_file()
@@ -170,12 +171,27 @@ def chat_template_text(value: str) -> str:
         is_file = False
     if is_file:
         try:
-            return Path(value).read_text()
+            text = Path(value).read_text()
         except (OSError, UnicodeDecodeError) as exc:
             raise argparse.ArgumentTypeError(f"cannot read {value}: {getattr(exc, 'strerror', None) or exc}") from None
+        _check_template_syntax(text, value)
+        return text
     if any(mark in value for mark in JINJA_MARKS):
+        _check_template_syntax(value, "the template given")
         return value
     raise argparse.ArgumentTypeError(f"{value!r} is neither a file nor a Jinja template (which holds {{{{ or {{%)")
+
+
+def _check_template_syntax(text: str, where: str) -> None:
+    """Compile `text` as transformers will render it (its Jinja environment and extensions; cached there)."""
+    import jinja2
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    try:
+        _compile_jinja_template(text)
+    except jinja2.TemplateSyntaxError as exc:
+        raise argparse.ArgumentTypeError(f"{where} is no valid Jinja template: {exc.message} (line {exc.lineno})"
+                                         ) from None
 
 
 def chat_template(value: str) -> str:

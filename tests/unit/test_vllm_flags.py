@@ -332,6 +332,19 @@ def test_chat_template_is_a_file_or_the_template_itself(tmp_path, capsys):
     assert exit_.value.code == 2 and "neither a file nor a Jinja template" in err
 
 
+@pytest.mark.parametrize("broken", ["{% if x %}{{ messages[0].content ", "{{ x | no_such_filter }}"])
+def test_a_chat_template_that_does_not_compile_is_refused_at_start_up(tmp_path, capsys, broken):
+    """A fresh-clone trial: a broken template started the server, and every chat request then got a 400 blaming
+    the client's messages. Inline or in a file, it is refused by the command line, with Jinja's reason."""
+    file = tmp_path / "broken.jinja"
+    file.write_text(broken)
+    for value in (broken, str(file)):
+        with pytest.raises(SystemExit) as exit_:
+            cli.build_parser().parse_args(["serve", "--chat-template", value])
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert exit_.value.code == 2 and "is no valid Jinja template" in err and "(line 1)" in err, err
+
+
 def test_an_inline_chat_template_renders(tmp_path):
     from shuttle.frontend.request.chat_template import ChatTemplate
     from shuttle.frontend.request.protocol import ChatMessage
