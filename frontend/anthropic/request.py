@@ -234,7 +234,11 @@ def chat_messages(system: str | list[Any] | None, messages: list[MessageParam]) 
     """
     if not messages:
         raise InvalidRequestError("messages must hold at least one message", param="messages")
-    out = [] if system is None else [ChatMessage(role="system", content=_text_parts("system", system, "system"))]
+    out: list[ChatMessage] = []
+    if system is not None:  # its blocks run on, as vLLM's Messages endpoint joins them (a chat's parts: by "\n")
+        blocks = _text_parts("system", system, "system")
+        out.append(ChatMessage(role="system", content=blocks if isinstance(blocks, str) else
+                               "".join(block["text"] for block in blocks)))
     tool_use_ids: set[str] = set()
     for i, message in enumerate(messages):
         if not message.content and not (message.role == "assistant" and i == len(messages) - 1):
@@ -334,8 +338,10 @@ def chat_request_of(body: CountTokensRequest) -> ChatCompletionRequest:
     """
     refusals(body)
     messages = chat_messages(body.system, body.messages)
-    last = body.messages[-1]
-    prefill = last.role == "assistant" and not messages[-1].tool_calls  # the answer continues this turn
+    # the answer continues a final assistant turn: the one in the prompt (a turn of thinking alone is left out, and
+    # then the prompt ends with the user's turn, which must not be continued)
+    prefill = body.messages[-1].role == "assistant" and messages[-1].role == "assistant" and \
+        not messages[-1].tool_calls
     choice = body.tool_choice
     fields: dict[str, Any] = {}
     if isinstance(body, MessagesRequest):

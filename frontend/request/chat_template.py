@@ -135,7 +135,7 @@ def _text_content(content) -> str:
             raise InvalidRequestError("only text content parts ({'type': 'text', 'text': ...}) are supported",
                                       param="messages")
         parts.append(part["text"])
-    return "".join(parts)
+    return "\n".join(parts)  # as vLLM joins a message's text parts
 
 
 def _token_text(token) -> str:

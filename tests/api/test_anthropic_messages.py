@@ -173,6 +173,20 @@ async def test_a_last_assistant_turn_is_continued():
     assert first == continued != fresh
 
 
+@pytest.mark.parametrize("block", [{"type": "thinking", "thinking": "Hmm.", "signature": ""},
+                                   {"type": "redacted_thinking", "data": "x"}])
+async def test_a_last_assistant_turn_of_thinking_alone_is_no_prefill(block):
+    """Its thinking is left out of the prompt, so nothing of the turn is left to continue: the prompt is the one
+    without it, ending with the generation prompt. A fresh-clone trial found the user's turn continued instead (the
+    prefill flag read from the request, not from the prompt), the answer going on with the user's words."""
+    turns = [{"role": "user", "content": "Tom had a ball."}]
+    async with served(template="turns_chat.jinja") as (client, engine):
+        for messages in (turns, [*turns, {"role": "assistant", "content": [block]}]):
+            status, body = await post(client, URL, {"model": MODEL, "max_tokens": 4, "messages": messages})
+            assert status == 200, body
+    assert engine.submitted[0].prompt_token_ids == engine.submitted[1].prompt_token_ids
+
+
 # ---- tools -------------------------------------------------------------------------------------------------------
 
 async def test_a_named_tool_is_one_tool_use_block_under_its_grammar():

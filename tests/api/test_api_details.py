@@ -668,3 +668,15 @@ async def test_text_offsets_count_a_character_of_byte_tokens_once_streamed_or_no
         # <s>, "Once", " ", the bytes of two 😀, " there"; then the output's, after the 13 echoed characters
         prompt_offsets = [0, 0, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7]
         assert choice["logprobs"]["text_offset"] == prompt_offsets + [13 + o for o in output_offsets]
+
+
+async def test_a_messages_text_parts_are_joined_by_newlines_as_vllm_joins_them():
+    """A fresh-clone trial: parts "Hello" and "world" made the prompt "Helloworld"; vLLM joins a message's text
+    parts with "\\n", so the same request gives the same prompt on both servers."""
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]}]
+    joined = [{"role": "user", "content": "Hello\nworld"}]
+    async with served(template="turns_chat.jinja") as (client, engine):
+        for messages in (parts, joined):
+            status, body = await post(client, "/v1/chat/completions", {"messages": messages, "max_tokens": 2})
+            assert status == 200, body
+    assert engine.submitted[0].prompt_token_ids == engine.submitted[1].prompt_token_ids
