@@ -125,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_model_options(serve: argparse.ArgumentParser) -> None:
     """Where the model comes from and how it is served, under vLLM's flag names (ModelConfig's fields)."""
     serve.add_argument("--model", dest="model_option", default=None, metavar="MODEL", help="MODEL as a flag")
-    serve.add_argument("--revision", default=None, help="branch, tag or commit of a Hugging Face id (default: main)")
+    serve.add_argument("--revision", default=None, help="branch, tag or commit of a Hugging Face id (none given: main)")
     serve.add_argument("--tokenizer", default=None, metavar="DIR_OR_ID",
                        help="tokenizer directory or Hugging Face id (default: MODEL's)")
     serve.add_argument("--download-dir", default=None, metavar="DIR",
