@@ -40,24 +40,29 @@ class StopStringMatcher:
         """Add a delta; returns the text to emit now. Sets `stopped` once a stop string is found."""
         if self.stopped:
             return ""
-        buffer = self._held + text
-        start = self.released  # where buffer[0] is in the whole text
-        first = int(min(max(self._search_from - start, 0), len(buffer)))  # earliest index a stop string may start
-        if self.stops:
-            hits = [(buffer.find(stop, first), stop) for stop in self.stops]
-            hits = [(index, stop) for index, stop in hits if index >= 0]
-            if hits:
-                index, stop = min(hits)
-                self.stopped, self._held, self.matched = True, "", stop
-                return self._emit(buffer[:index] + (stop if self.include_stop else ""))
-        keep = self._partial_match_length(buffer[first:])
-        self._held = buffer[len(buffer) - keep:] if keep else ""
-        return self._emit(buffer[:len(buffer) - keep])
+        return self._scan(self._held + text, final=False)
 
     def flush(self) -> str:
-        """At the end of the output: release held text (it never became a stop string)."""
+        """At the end of the output: release held text, up to a stop string in it (one found while a longer one
+        that starts earlier could still complete)."""
         held, self._held = self._held, ""
-        return "" if self.stopped else self._emit(held)
+        return "" if self.stopped else self._scan(held, final=True)
+
+    def _scan(self, buffer: str, final: bool) -> str:
+        start = self.released  # where buffer[0] is in the whole text
+        first = int(min(max(self._search_from - start, 0), len(buffer)))  # earliest index a stop string may start
+        hits = [(buffer.find(stop, first), stop) for stop in self.stops]
+        hit = min(((index, stop) for index, stop in hits if index >= 0), default=None)
+        # the earliest start of text that may still become a stop string (a proper prefix of one, to the end)
+        pending = len(buffer) if final else len(buffer) - self._partial_match_length(buffer[first:])
+        if hit is not None and hit[0] <= pending:
+            index, stop = hit
+            self.stopped, self._held, self.matched = True, "", stop
+            return self._emit(buffer[:index] + (stop if self.include_stop else ""))
+        # nothing found, or a stop string found after the start of one that may yet complete: the earliest start
+        # wins (whatever the deltas), so that is decided when more text comes
+        self._held = buffer[pending:]
+        return self._emit(buffer[:pending])
 
     def _emit(self, text: str) -> str:
         self.released += len(text)
