@@ -13,8 +13,9 @@ Structs, the fields refused by name, and the request as the chat request that as
     stop_sequences, max_tokens, temperature, top_p, top_k    the chat fields of the same meaning
     output_config.format (json_schema)       response_format json_schema
 
-`metadata`, `service_tier`, `user_profile_id`, `workspace_id` and `cache_control` (top-level, on blocks and tools)
-are taken and change nothing (the prefix cache is automatic). Content shuttle does not serve (images, documents,
+`metadata` (`user_id` only), `service_tier` (auto, standard_only), `user_profile_id`, `workspace_id` and
+`cache_control` (top-level, on blocks and tools) are taken and change nothing (the prefix cache is automatic). A text
+block must hold text, as Anthropic's API has it. Content shuttle does not serve (images, documents,
 server tools, ...) and the `thinking` option are refused by name.
 """
 
@@ -101,6 +102,12 @@ class CountTokensRequest(msgspec.Struct, kw_only=True):
     diagnostics: Any = None
 
 
+class Metadata(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Anthropic's request metadata: an opaque id of the end user (taken, changes nothing)."""
+
+    user_id: Annotated[str, msgspec.Meta(max_length=256)] | None = None
+
+
 class MessagesRequest(CountTokensRequest, kw_only=True):
     """Body of POST /v1/messages. `max_tokens` is required, as in Anthropic's API; `model` must name the served
     model. `metadata` and `service_tier` are taken and change nothing."""
@@ -111,8 +118,8 @@ class MessagesRequest(CountTokensRequest, kw_only=True):
     temperature: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] | None = None  # Anthropic's range, not OpenAI's 0-2
     top_p: float | None = None
     top_k: int | None = None
-    metadata: dict[str, Any] | None = None
-    service_tier: str | None = None
+    metadata: Metadata | None = None
+    service_tier: Literal["auto", "standard_only"] | None = None
     output_config: OutputConfig | None = None
 
 
@@ -149,7 +156,7 @@ def refusals(body: CountTokensRequest) -> None:
 
 class _TextBlock(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     type: Literal["text"]
-    text: str
+    text: Annotated[str, msgspec.Meta(min_length=1)]  # Anthropic refuses an empty text block
     cache_control: Any = None
     citations: None = None  # citations of documents: none are served, so only null
 

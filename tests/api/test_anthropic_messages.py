@@ -537,3 +537,20 @@ def test_greedy_message_equals_the_chat_completion_streamed_or_not(server):
     assert message.usage.input_tokens == final.usage.input_tokens == counted.input_tokens == \
         chat.usage.prompt_tokens
     assert message.usage.output_tokens == final.usage.output_tokens == chat.usage.completion_tokens
+
+
+@pytest.mark.parametrize("fields, where", [
+    ({"metadata": {"user_id": "u1", "plan": "pro"}}, "unknown field `plan` - at `$.metadata`"),
+    ({"service_tier": "fastest"}, "Invalid enum value 'fastest' - at `$.service_tier`"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": ""}]}]}, "messages[0].content[0]"),
+    ({"system": [{"type": "text", "text": ""}]}, "system[0]"),
+])
+async def test_fields_anthropic_checks_are_checked_here_too(fields, where):
+    """A fresh-clone trial: these were taken silently where Anthropic's API refuses them (metadata holds only
+    user_id; service_tier is auto or standard_only; a text block is never empty)."""
+    async with served() as (client, engine):
+        status, body = await post(client, URL, {"model": MODEL, "max_tokens": 2, "messages": CONVERSATION, **fields})
+        ok, _ = await post(client, URL, {"model": MODEL, "max_tokens": 2, "messages": CONVERSATION,
+                                         "metadata": {"user_id": "u1"}, "service_tier": "standard_only"})
+    assert status == 400 and body["type"] == "error" and where in body["error"]["message"], body
+    assert ok == 200 and len(engine.submitted) == 1
