@@ -288,12 +288,20 @@ async def test_previous_response_id_continues_the_stored_conversation():
     assert first.previous_response_id is None and third.output_text == STORY_TEXT
 
 
-async def test_a_function_call_output_continues_the_stored_call():
+async def chat_of_the_answered_call(client, call_id: str) -> int:
+    """POST the chat request that says what a stored get_weather call `call_id` (NAMED_TEXT) answered "sunny"
+    continues: the user's question, the call, the answer. Returns its status."""
     messages = [{"role": "user", "content": "Weather?"},
                 {"role": "assistant", "content": None, "tool_calls": [
-                    {"id": "CALL", "type": "function", "function": {"name": "get_weather",
-                                                                    "arguments": NAMED_TEXT}}]},
-                {"role": "tool", "tool_call_id": "CALL", "content": "sunny"}]
+                    {"id": call_id, "type": "function", "function": {"name": "get_weather", "arguments": NAMED_TEXT}}]},
+                {"role": "tool", "tool_call_id": call_id, "content": "sunny"}]
+    status, _ = await post(client, "/v1/chat/completions", {"messages": messages, "tools": [
+        {"type": "function", "function": {k: v for k, v in TOOLS[0].items() if k != "type"}},
+        {"type": "function", "function": {"name": "get_time"}}], "tool_choice": "none"})
+    return status
+
+
+async def test_a_function_call_output_continues_the_stored_call():
     async with served_tools(NAMED_TEXT) as (client, engine):
         status, called = await post(client, URL, {"input": "Weather?", "tools": TOOLS,
                                                   "tool_choice": {"type": "function", "name": "get_weather"}})
@@ -304,11 +312,7 @@ async def test_a_function_call_output_continues_the_stored_call():
                                                     {"type": "function_call_output", "call_id": call["call_id"],
                                                      "output": "sunny"}]})
         assert status == 200, body
-        messages[1]["tool_calls"][0]["id"] = messages[2]["tool_call_id"] = call["call_id"]
-        status, _ = await post(client, "/v1/chat/completions", {"messages": messages, "tools": [
-            {"type": "function", "function": {k: v for k, v in TOOLS[0].items() if k != "type"}},
-            {"type": "function", "function": {"name": "get_time"}}], "tool_choice": "none"})
-        assert status == 200
+        assert await chat_of_the_answered_call(client, call["call_id"]) == 200
     assert call["type"] == "function_call" and call["arguments"] == NAMED_TEXT
     assert engine.submitted[1].prompt_token_ids == engine.submitted[2].prompt_token_ids
 
@@ -544,10 +548,6 @@ async def test_a_call_cut_off_by_max_output_tokens_is_left_out_when_the_conversa
     "input[-1].arguments must be a JSON object as text", which no client could mend. The cut call is left out of
     the continued conversation: the prompt is the chat request's with the whole call alone."""
     cut = '[{"name": "get_weather", "parameters": ' + NAMED_TEXT + '}, {"name": "get_time", "parameters": {"tz'
-    messages = [{"role": "user", "content": "Weather?"},
-                {"role": "assistant", "content": None, "tool_calls": [
-                    {"id": "CALL", "type": "function", "function": {"name": "get_weather", "arguments": NAMED_TEXT}}]},
-                {"role": "tool", "tool_call_id": "CALL", "content": "sunny"}]
     engine = FakeEngine(script=script(cut, eos=False), script_end=FinishReason.LENGTH)  # the length limit cuts it
     async with served(engine, template="tools_chat.jinja") as (client, engine):
         status, called = await post(client, URL, {"input": "Weather?", "tools": TOOLS, "tool_choice": "required"})
@@ -563,10 +563,6 @@ async def test_a_call_cut_off_by_max_output_tokens_is_left_out_when_the_conversa
         status, body = await post(client, URL, {"tools": TOOLS, "tool_choice": "none", "input": [
             {"role": "user", "content": "Weather?"}, *called["output"], answer]})
         assert status == 200, body
-        messages[1]["tool_calls"][0]["id"] = messages[2]["tool_call_id"] = whole["call_id"]
-        status, _ = await post(client, "/v1/chat/completions", {"messages": messages, "tools": [
-            {"type": "function", "function": {k: v for k, v in TOOLS[0].items() if k != "type"}},
-            {"type": "function", "function": {"name": "get_time"}}], "tool_choice": "none"})
-        assert status == 200
+        assert await chat_of_the_answered_call(client, whole["call_id"]) == 200
     assert engine.submitted[1].prompt_token_ids == engine.submitted[2].prompt_token_ids == \
         engine.submitted[3].prompt_token_ids
