@@ -25,6 +25,7 @@ from shuttle.frontend.chat_call import ChatCall, chat_prompt_ids
 from shuttle.frontend.choices import collect
 from shuttle.frontend.serving import check_model, response_model
 from shuttle.frontend.state import FrontendState
+from shuttle.frontend.tools.request import tool_use_of
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
@@ -44,6 +45,9 @@ def count_tokens(state: FrontendState, body: CountTokensRequest) -> dict:
     """
     check_model(state, body.model)
     chat = chat_request_of(body)
+    tool_config = state.config.tool_calls  # the tools and tool_choice checked as a Messages request checks them
+    tool_use_of(chat.tools, chat.tool_choice, chat.parallel_tool_calls,
+                tool_config.enable_auto_tool_choice and tool_config.tool_call_parser is not None)
     return {"input_tokens": len(chat_prompt_ids(state, chat, chat.add_special_tokens, any_length=True))}
 
 

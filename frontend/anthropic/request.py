@@ -265,6 +265,9 @@ def chat_messages(system: str | list[Any] | None, messages: list[MessageParam]) 
             elif isinstance(block, (_ThinkingBlock, _RedactedThinkingBlock)):
                 pass  # an earlier answer's thinking: left out of the prompt, as reasoning models' templates do
             elif isinstance(block, _ToolUseBlock):
+                if block.id in tool_use_ids:  # a tool_result could not tell them apart (Anthropic refuses it too)
+                    raise InvalidRequestError(f"{where}.id {block.id!r} is the id of an earlier tool_use block; "
+                                              f"tool_use ids must be unique", param="messages")
                 tool_use_ids.add(block.id)
                 calls.append(MessageToolCall(id=block.id, type="function", function=CalledFunction(
                     name=block.name, arguments=json.dumps(block.input, ensure_ascii=False))))

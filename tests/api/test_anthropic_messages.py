@@ -338,6 +338,27 @@ async def test_count_tokens_is_the_prompts_token_count():
     assert counted.input_tokens > 8
 
 
+@pytest.mark.parametrize("fields", [
+    {"tool_choice": {"type": "any"}},  # without tools
+    {"messages": [{"role": "user", "content": "Weather?"},
+                  {"role": "assistant", "content": [
+                      {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}},
+                      {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Rome"}}]},
+                  {"role": "user", "content": [
+                      {"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny"}]}],
+     "tools": TOOLS},  # one id, two calls: which did the result answer?
+])
+async def test_count_tokens_refuses_what_a_messages_request_refuses(fields):
+    """A fresh-clone trial: count_tokens counted tool_choice "any" without tools, which /v1/messages refuses, and
+    both took two tool_use blocks of one id."""
+    body = {"model": MODEL, "messages": CONVERSATION, **fields}
+    async with served() as (client, engine):
+        counted, count_body = await post(client, "/v1/messages/count_tokens", body)
+        status, answer = await post(client, URL, {**body, "max_tokens": 2})
+    assert (counted, status) == (400, 400) and engine.submitted == []
+    assert count_body["error"]["message"] == answer["error"]["message"], (count_body, answer)
+
+
 @pytest.mark.parametrize("repeats", [300, 40_000])  # 8,100 characters (in place), 1.1 MB (tokenized off the GIL)
 async def test_count_tokens_counts_a_prompt_far_over_the_context(repeats):
     from tests.conftest import hf_tokenizer
