@@ -45,9 +45,9 @@ def count_tokens(state: FrontendState, body: CountTokensRequest) -> dict:
     """
     check_model(state, body.model)
     chat = chat_request_of(body)
-    tool_config = state.config.tool_calls  # the tools and tool_choice checked as a Messages request checks them
-    tool_use_of(chat.tools, chat.tool_choice, chat.parallel_tool_calls,
-                tool_config.enable_auto_tool_choice and tool_config.tool_call_parser is not None)
+    # the tools and tool_choice checked as a Messages request checks them, but for the server's parser of "auto"
+    # calls: counting a prompt parses no output
+    tool_use_of(chat.tools, chat.tool_choice, chat.parallel_tool_calls, auto_tool_choice=True)
     return {"input_tokens": len(chat_prompt_ids(state, chat, chat.add_special_tokens, any_length=True))}
 
 
