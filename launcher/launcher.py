@@ -272,9 +272,11 @@ class Launcher:
         """Graceful stop: the frontend drains (admission off, in-flight requests finish or time out), then the
         engine goes. Exit status 0."""
         timeout = self.config.ops.shutdown_timeout
+        if self.frontend is None:  # `shuttle engine`: the frontends that drain are elsewhere; it stops in cleanup
+            say("stopping: a shuttle engine does not drain; its requests end now, each answered by its frontend "
+                "(drain a frontend with SIGTERM to let requests finish)")
+            return 0
         say(f"stopping: draining in-flight requests for up to {timeout:g} s (a second Ctrl-C ends them now)")
-        if self.frontend is None:
-            return 0  # `shuttle engine`: its frontend is elsewhere; the engine stops in run()'s cleanup
         frontend = self.frontend.procs.get("frontend")
         if frontend is None or frontend.poll() is not None or self.frontend.restart_at is not None:
             return 0
