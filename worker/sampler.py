@@ -230,12 +230,13 @@ def _logprobs(raw: torch.Tensor, rows: list[int], params: list[SamplingParams], 
     k_max = max(params[i].logprobs or 0 for i in rows)  # (every row here asked: none is None)
     top = raw.topk(k_max, dim=-1) if k_max else None
     picked = raw.gather(1, torch.tensor([tokens[i] for i in rows], device=raw.device).unsqueeze(1))
-    chosen = picked.squeeze(1).tolist()
-    ranks = (raw >= picked).sum(dim=-1).tolist()  # as prompt tokens' (worker.py): the tokens at least as likely
+    ranks = (raw >= picked).sum(dim=-1)  # as prompt tokens' (worker.py): the tokens at least as likely
+    # one copy to the host for both (float64 holds either exactly)
+    chosen, rank_values = torch.stack((picked.squeeze(1).double(), ranks.double())).tolist()
     top_ids = top.indices.tolist() if top is not None else []  # without top, every k is 0: never read
     top_values = top.values.tolist() if top is not None else []
     for j, i in enumerate(rows):
         k = params[i].logprobs
         out[i] = TokenLogprobs(logprob=chosen[j], top_token_ids=top_ids[j][:k] if k else [],
-                               top_logprobs=top_values[j][:k] if k else [], rank=ranks[j])
+                               top_logprobs=top_values[j][:k] if k else [], rank=int(rank_values[j]))
     return out

@@ -350,8 +350,7 @@ def chat_request_of(body: CountTokensRequest) -> ChatCompletionRequest:
     messages = chat_messages(body.system, body.messages)
     # the answer continues a final assistant turn: the one in the prompt (a turn of thinking alone is left out, and
     # then the prompt ends with the user's turn, which must not be continued)
-    prefill = body.messages[-1].role == "assistant" and messages[-1].role == "assistant" and \
-        not messages[-1].tool_calls
+    prefill = messages[-1].role == "assistant" and not messages[-1].tool_calls
     choice = body.tool_choice
     fields: dict[str, Any] = {}
     if isinstance(body, MessagesRequest):

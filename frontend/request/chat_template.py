@@ -115,12 +115,18 @@ def _template_message(i: int, message: ChatMessage, escape: Callable[[str], str]
     return out
 
 
-def _arguments(i: int, j: int, text: str) -> dict[str, Any]:
+def arguments_object(text: str) -> dict[str, Any] | None:
+    """A tool call's arguments as the chat template reads them (an object), or None when `text` is no JSON object."""
     try:
         arguments = json.loads(text)
     except (ValueError, RecursionError):
-        arguments = None
-    if not isinstance(arguments, dict):
+        return None
+    return arguments if isinstance(arguments, dict) else None
+
+
+def _arguments(i: int, j: int, text: str) -> dict[str, Any]:
+    arguments = arguments_object(text)
+    if arguments is None:
         raise InvalidRequestError(f"messages[{i}].tool_calls[{j}].function.arguments must be a JSON object as text",
                                   param="messages")
     return arguments

@@ -17,6 +17,7 @@ from typing import Annotated, Any, Iterator, Literal
 import msgspec
 
 from shuttle.common.errors import InvalidRequestError
+from shuttle.frontend.request.chat_template import arguments_object
 from shuttle.frontend.request.decoding import Refused
 from shuttle.frontend.request.protocol import (
     ChatCompletionRequest,
@@ -245,7 +246,7 @@ def input_messages(instructions: str | None, given: str | list[dict[str, Any]],
         if isinstance(item, _ReasoningItem):
             continue
         if isinstance(item, _FunctionCallItem):
-            if not _is_json_object(item.arguments):
+            if arguments_object(item.arguments) is None:
                 if item.status == "incomplete":  # a response's call cut off by max_output_tokens, stored or sent
                     continue  # back: never a call anyone could answer, nor one a chat template can render
                 raise InvalidRequestError(f"input[{i}].arguments must be a JSON object as text", param="input")
@@ -283,14 +284,6 @@ def _item(i: int, data: Any) -> _MessageItem | _FunctionCallItem | _FunctionCall
         return msgspec.convert({k: v for k, v in data.items() if v is not None}, shape)
     except msgspec.ValidationError as exc:
         raise InvalidRequestError(f"input[{i}] is not a valid {kind} item: {exc}", param="input") from None
-
-
-def _is_json_object(text: str) -> bool:
-    """Whether a function call's arguments are a JSON object as text (what the chat template renders)."""
-    try:
-        return isinstance(json.loads(text), dict)
-    except (ValueError, RecursionError):
-        return False
 
 
 def _text(i: int, content: str | list[dict[str, Any]]) -> str:
