@@ -206,7 +206,8 @@ class OpsConfig:
                                        "engine restarts; a slow but working step may take 10 times as long "
                                        "(0: never)", type=seconds)
     heartbeat_timeout: float = option(30.0, "seconds without a heartbeat after which the launcher declares a "
-                                            "process hung and restarts it (0: never)", type=seconds)
+                                            "process hung and restarts it, and a frontend declares a remote serving "
+                                            "group (--engine-endpoint) lost (0: never)", type=seconds)
     max_restarts: int = option(5, "restarts in a row of the engine (scheduler + worker) or of the frontend before "
                                   "the launcher gives up and exits 1 (0: exit at the first failure; a unit that "
                                   "then serves 60 s starts counting afresh)", type=count)

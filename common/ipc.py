@@ -28,6 +28,7 @@ T = TypeVar("T")
 
 _ENCODER = msgspec.msgpack.Encoder()
 CURVE_ENV = "SHUTTLE_CURVE_KEYS"
+PEER_PING_INTERVAL_MS = 1000  # ZeroMQ's heartbeat on a connection with a peer_timeout (AsyncChannel)
 
 
 @dataclass(frozen=True)
@@ -94,9 +95,15 @@ def _secure(ctx: zmq.Context, sock: zmq.Socket, bind: bool, keys: CurveKeys) -> 
 
 
 def _open(ctx: zmq.Context, kind: int, endpoint: str, bind: bool, curve: bool = False,
-          max_message_bytes: int = 0) -> zmq.Socket:
+          max_message_bytes: int = 0, peer_timeout: float = 0.0) -> zmq.Socket:
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
+    if peer_timeout > 0:  # options that shape a connection must precede connect()
+        # ZeroMQ's own heartbeat (ZMTP PING/PONG, libzmq >= 4.2): the peer's I/O thread answers each PING whatever
+        # its application thread is doing, so only a peer that is not running or not reachable stays silent, and
+        # libzmq then closes the connection (a socket monitor sees EVENT_DISCONNECTED) and reconnects.
+        sock.setsockopt(zmq.HEARTBEAT_IVL, PEER_PING_INTERVAL_MS)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(peer_timeout * 1000))
     if max_message_bytes:  # per frame; a many-frame message is still buffered whole by libzmq before delivery
         sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
     # Unbounded queues: the scheduler's flow control is its own (step budgets), never a dropped message.
@@ -219,13 +226,20 @@ class Channel(_Reader[T]):
 
 
 class AsyncChannel(_Reader[T]):
-    """The asyncio twin of Channel (same arguments), for the frontend's event loop."""
+    """The asyncio twin of Channel (same arguments), for the frontend's event loop.
+
+    Args:
+        peer_timeout: seconds the peer may leave ZeroMQ's heartbeat (a PING every PEER_PING_INTERVAL_MS)
+            unanswered before libzmq drops the connection (0: no heartbeat).
+    """
 
     socket: zmq.asyncio.Socket  # what an asyncio context's socket() makes: its send and recv return awaitables
 
     def __init__(self, ctx: zmq.asyncio.Context, kind: int, endpoint: str, *, bind: bool, recv_type: Any = None,
-                 curve: bool = False, max_message_bytes: int = 0, max_depth: int = 0, name: str = ""):
-        super().__init__(_open(ctx, kind, endpoint, bind, curve, max_message_bytes), recv_type, max_depth, name)
+                 curve: bool = False, max_message_bytes: int = 0, max_depth: int = 0, name: str = "",
+                 peer_timeout: float = 0.0):
+        super().__init__(_open(ctx, kind, endpoint, bind, curve, max_message_bytes, peer_timeout), recv_type,
+                         max_depth, name)
 
     async def send(self, msg: msgspec.Struct, identity: bytes | None = None) -> None:
         payload = _ENCODER.encode(msg)

@@ -42,6 +42,7 @@ log = logging.getLogger("shuttle.frontend")
 
 HEARTBEAT_INTERVAL_S = 1.0  # the scheduler takes a frontend silent for 10 s as gone (scheduler/liveness.py)
 REMOTE_RESTART_GUESS_S = 10.0  # a remote group away for the first time: about one engine start-up on a CPU
+REMOTE_SILENCE_S = 30.0  # --heartbeat-timeout's default: a remote group silent to ZeroMQ's heartbeat this long is lost
 
 
 class ServingGroup(abc.ABC):
@@ -174,14 +175,25 @@ class EngineClient(ServingGroup):
     its request's queue, abort when the consumer leaves early (client gone, cancel, stop string).
 
     Every request yields RequestOutputs until exactly one carries a finish_reason.
+
+    Args:
+        endpoint: the scheduler's ROUTER (ipc:// for the launcher's own groups, tcp:// for a remote one).
+        curve: authenticate a tcp:// endpoint with the launch's CURVE keys.
+        remote: another host's `shuttle engine` (no launcher here reports its failures): the group is down when
+            its connection drops or stays silent.
+        silence_timeout: seconds a remote group's connection may leave ZeroMQ's heartbeat unanswered before it is
+            taken as lost (--heartbeat-timeout; common/ipc.py's peer_timeout; 0: only a dropped connection).
     """
 
-    def __init__(self, endpoint: str, curve: bool = False, remote: bool = False):
+    def __init__(self, endpoint: str, curve: bool = False, remote: bool = False,
+                 silence_timeout: float = REMOTE_SILENCE_S):
         super().__init__(endpoint)
         self._curve = curve
         # A remote group (another host's `shuttle engine`) has no launcher here to say it died: a dropped
-        # connection on the socket monitor says it instead.
+        # connection on the socket monitor says it instead, and so does a connection that stays open but answers
+        # nothing (a stopped host, a partition): see _connect.
         self._remote = remote
+        self._silence_timeout = silence_timeout
         self._monitor: asyncio.Task | None = None
         self._channel: AsyncChannel[SchedulerMessage] = self._connect()
         self._listener: asyncio.Task | None = None
@@ -191,7 +203,7 @@ class EngineClient(ServingGroup):
     def _connect(self) -> AsyncChannel[SchedulerMessage]:
         channel: AsyncChannel[SchedulerMessage] = AsyncChannel(
             zmq.asyncio.Context.instance(), zmq.DEALER, self._endpoint, bind=False, recv_type=SchedulerMessage,
-            curve=self._curve)
+            curve=self._curve, peer_timeout=self._silence_timeout if self._remote else 0.0)
         if self._remote:
             monitor = channel.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
             self._monitor = asyncio.get_running_loop().create_task(self._watch(channel, monitor),
@@ -199,14 +211,22 @@ class EngineClient(ServingGroup):
         return channel
 
     async def _watch(self, channel: AsyncChannel, monitor) -> None:
-        """A remote group's connection dropped (its scheduler died, or the network): the group is down."""
+        """A remote group's connection dropped (its scheduler died, or the network), or answered no heartbeat for
+        `silence_timeout` seconds (libzmq then drops it): the group is down."""
         try:
-            await monitor.recv_multipart()
+            while True:
+                await monitor.recv_multipart()
+                if channel is not self._channel:
+                    return
+                if self.is_up:
+                    break
+                # Not serving (down already, or not yet joined): nothing new to report. libzmq reconnects this
+                # socket itself, and the Hello queued on it goes out once a connection completes its handshake.
         finally:
             monitor.close(linger=0)
-        if channel is self._channel:  # no launcher here to estimate its restart: the last one measured, if any
-            self.engine_down(f"lost the connection to {self._endpoint}",
-                             self._restart.last_restart_s or REMOTE_RESTART_GUESS_S)
+        # no launcher here to estimate its restart: the last one measured, if any
+        self.engine_down(f"lost the connection to {self._endpoint}",
+                         self._restart.last_restart_s or REMOTE_RESTART_GUESS_S)
 
     async def start(self, timeout: float = 120.0, wait: bool = True) -> SchedulerInfo | None:
         """Say Hello and wait for the scheduler's cache geometry; outputs and stats flow from then on.

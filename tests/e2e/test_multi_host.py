@@ -4,7 +4,8 @@ with CURVE keys shared by both (as two machines would share them), each its own 
 The frontend starts first with `--data-parallel-size 0 --engine-endpoint tcp://127.0.0.3:PORT` and answers 503
 until the group joins; `shuttle engine --listen tcp://127.0.0.3:PORT` then joins it, and a streamed request is
 served end to end, token-exact. A kill -9 of the remote scheduler is noticed by the frontend through the dropped
-connection; the remote launcher restarts its group, which joins again.
+connection; the remote launcher restarts its group, which joins again. A frozen group (its processes stopped, its
+connection open) is noticed by its silence to ZeroMQ's heartbeat.
 """
 
 import asyncio
@@ -25,6 +26,7 @@ from tests.conftest import hf_greedy
 from tests.server import MODEL_DIR, REPO, ShuttleServer
 
 HANG = 120.0
+SILENCE_S = 8.0  # the frontend's --heartbeat-timeout: how long a frozen group goes unnoticed
 IDS = [1, 403, 407, 261, 378]  # "Once upon a time"
 
 
@@ -39,7 +41,7 @@ def hosts():
     env = {CURVE_ENV: CurveKeys.generate().to_env()}
     endpoint = f"tcp://127.0.0.3:{free_port('127.0.0.3')}"
     frontend = ShuttleServer("--host", "127.0.0.2", "--data-parallel-size", "0", "--engine-endpoint", endpoint,
-                             env=env)
+                             "--heartbeat-timeout", str(SILENCE_S), env=env)
     try:
         yield frontend, endpoint, lambda: ShuttleServer("--listen", endpoint, command="engine", env=env)
     finally:
@@ -80,8 +82,44 @@ async def test_remote_group_joins_serves_a_stream_and_comes_back(hosts):
             events = await stream_completion(session, frontend.url, prompt=IDS, max_tokens=16, temperature=0,
                                              return_token_ids=True)
             assert [t for e in events for c in e["choices"] for t in c.get("token_ids") or []] == hf_greedy(IDS, 16)
+
+            # A frozen host: the group's processes stop, its connection stays open. The frontend notices within
+            # its --heartbeat-timeout, ends the stream in flight with one error, and takes the group back once it
+            # runs again.
+            started = asyncio.Event()
+            stream = asyncio.create_task(stream_until_end(session, frontend.url, started))
+            await asyncio.wait_for(started.wait(), HANG)
+            group = os.getpgid(engine.pids["scheduler"])
+            os.killpg(group, signal.SIGSTOP)
+            try:
+                frozen = time.monotonic()
+                down = await wait_health(session, frontend.url, 503)
+                assert time.monotonic() - frozen >= SILENCE_S * 0.9
+                assert down["groups"][0]["reason"] == f"lost the connection to {endpoint}"
+                ended = await asyncio.wait_for(stream, HANG)
+                assert ended[-1]["error"]["code"] == 503 and all("error" not in e for e in ended[:-1])
+            finally:
+                os.killpg(group, signal.SIGCONT)
+            await wait_health(session, frontend.url, 200)
+            events = await stream_completion(session, frontend.url, prompt=IDS, max_tokens=16, temperature=0,
+                                             return_token_ids=True)
+            assert [t for e in events for c in e["choices"] for t in c.get("token_ids") or []] == hf_greedy(IDS, 16)
         finally:
             engine.stop()
+
+
+async def stream_until_end(session, url: str, started: asyncio.Event) -> list[dict]:
+    """A long stream's events to its end (`started` once its first token is out)."""
+    events = []
+    body = {"prompt": IDS, "max_tokens": 400, "ignore_eos": True, "temperature": 0, "stream": True}
+    async with session.post(f"{url}/v1/completions", json=body) as response:
+        assert response.status == 200
+        async for raw in response.content:
+            line = raw.decode().strip()
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[6:]))
+                started.set()
+    return events
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
