@@ -153,11 +153,14 @@ class StepOutputs(msgspec.Struct, **_WIRE):
 
 
 class SchedulerInfo(msgspec.Struct, **_WIRE):
-    """Answer to Hello: the cache geometry the frontend needs to validate requests."""
+    """Answer to Hello: the cache geometry the frontend needs to validate requests. Sent again with `draining` to
+    every frontend when a `shuttle engine` drains (SIGTERM): it takes no new request, those in flight finish, then
+    it exits; the frontends route around it meanwhile."""
 
     num_kv_blocks: int
     block_size: int
     max_model_len: int
+    draining: bool = False
 
 
 SchedulerMessage = StepOutputs | SchedulerStats | SchedulerInfo

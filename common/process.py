@@ -27,6 +27,8 @@ HEARTBEAT_INTERVAL_S = 1.0
 # error itself (frontend/last_words.py), then SIGKILL.
 LAST_WORDS_SIGNAL = signal.SIGUSR2
 LAST_WORDS_S = 2.0
+# The launcher of a `shuttle engine` asks its scheduler to drain with this signal (SIGTERM stops a child at once).
+DRAIN_SIGNAL = signal.SIGUSR1
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 

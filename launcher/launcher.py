@@ -14,7 +14,8 @@ the URL and the KV capacity, and then watches:
   until the new scheduler answers it.
 - SIGTERM or Ctrl-C drains: the frontend stops admitting, lets in-flight requests finish for up to
   --shutdown-timeout seconds, ends the rest with an error and exits; then the engine stops; exit status 0.
-  A second signal ends the drain at once.
+  A second signal ends the drain at once. Under `shuttle engine` each scheduler drains instead (DRAIN_SIGNAL):
+  it refuses new requests and tells its frontends to route around it while the rest finish.
 Every child dies with the launcher (Linux parent-death signal), so a killed launcher leaves nothing behind.
 """
 
@@ -35,7 +36,7 @@ from shuttle.common.devices import device_type, rank_device
 from shuttle.common.ipc import CURVE_ENV, Channel, CurveKeys
 from shuttle.common.log_format import launcher_line
 from shuttle.common.messages import ControlMessage, EngineDown
-from shuttle.common.process import LAST_WORDS_S, raise_fd_limit
+from shuttle.common.process import DRAIN_SIGNAL, LAST_WORDS_S, raise_fd_limit
 from shuttle.launcher.processes import process_end
 from shuttle.launcher.ray_backend import RayPlacer, RayProcess
 from shuttle.launcher.supervised_unit import (
@@ -272,10 +273,8 @@ class Launcher:
         """Graceful stop: the frontend drains (admission off, in-flight requests finish or time out), then the
         engine goes. Exit status 0."""
         timeout = self.config.ops.shutdown_timeout
-        if self.frontend is None:  # `shuttle engine`: the frontends that drain are elsewhere; it stops in cleanup
-            say("stopping: a shuttle engine does not drain; its requests end now, each answered by its frontend "
-                "(drain a frontend with SIGTERM to let requests finish)")
-            return 0
+        if self.frontend is None:
+            return self._drain_engines(timeout)
         say(f"stopping: draining in-flight requests for up to {timeout:g} s (a second Ctrl-C ends them now)")
         frontend = self.frontend.procs.get("frontend")
         if frontend is None or frontend.poll() is not None or self.frontend.restart_at is not None:
@@ -299,6 +298,26 @@ class Launcher:
             say("the frontend did not finish draining in time; killing it")
             frontend.kill()
         frontend.wait()
+        return 0
+
+    def _drain_engines(self, timeout: float) -> int:
+        """`shuttle engine`'s graceful stop: each scheduler drains (it refuses new requests, tells its frontends to
+        route around it, lets the rest finish, then exits), for up to `timeout` seconds; what is left then ends when
+        the group stops, each request answered by its frontend. Exit status 0."""
+        say(f"stopping: draining in-flight requests for up to {timeout:g} s (a second Ctrl-C ends them now)")
+        schedulers = [unit.procs["scheduler"] for unit in self.engines
+                      if unit.restart_at is None and unit.procs.get("scheduler") is not None]
+        for scheduler in schedulers:
+            if scheduler.poll() is None:
+                scheduler.send_signal(DRAIN_SIGNAL)
+        deadline = time.monotonic() + timeout + DRAIN_EXIT_GRACE_S
+        while any(s.poll() is None for s in schedulers) and time.monotonic() < deadline and self.signals < 2:
+            self._read_control(POLL_MS)
+            if any(unit.failure(0.0) for unit in self.engines if unit.procs.get("scheduler") in schedulers
+                   and unit.procs["scheduler"].poll() is None):
+                break  # a worker died under the drain: nothing more will finish
+        if any(s.poll() is None for s in schedulers):
+            say("the drain did not finish; ending the requests left")
         return 0
 
     def _ray_line(self) -> str:

@@ -1,21 +1,25 @@
 """`python -m shuttle.scheduler --config JSON`: the scheduler process (started by the launcher)."""
 
 import logging
+import signal
 import sys
 
 import zmq
 
 from shuttle.common.capacity import requests_that_fit
-from shuttle.common.process import child_main_args, report_ready
+from shuttle.common.process import DRAIN_SIGNAL, child_main_args, report_ready
 from shuttle.scheduler.liveness import EXIT_WORKER_HUNG, WorkerHung
 from shuttle.scheduler.loop import SchedulerLoop
 
 log = logging.getLogger("shuttle.scheduler")
 
+FLUSH_LINGER_MS = 2000  # after a drain: how long the last answers may take to leave
+
 
 def main() -> None:
     config = child_main_args("scheduler")
     loop = SchedulerLoop(config, zmq.Context.instance())
+    signal.signal(DRAIN_SIGNAL, lambda *_: setattr(loop, "drain_requested", True))  # the loop acts on it
     worker = loop.wait_for_worker()
     cache, model = config.cache, config.model
     tokens = worker.num_kv_blocks * cache.block_size
@@ -37,6 +41,10 @@ def main() -> None:
     except WorkerHung as exc:  # the engine's state is lost with the worker: exit, the launcher restarts both
         log.error("%s; exiting so that the launcher restarts the engine", exc)
         sys.exit(EXIT_WORKER_HUNG)
+    # drained: every request answered; those answers may still be queued in ZeroMQ, so close every socket letting
+    # the frontends' linger that long (the others drop what they hold) and wait for them
+    loop.frontends.socket.setsockopt(zmq.LINGER, FLUSH_LINGER_MS)
+    zmq.Context.instance().destroy()
 
 
 if __name__ == "__main__":

@@ -77,6 +77,10 @@ class SchedulerLoop:
         self.heartbeat = HeartbeatSender(config, "scheduler")
         self.watchdog = StepWatchdog(config.ops.step_timeout)
         self.frontend_watch = FrontendWatch()
+        # A `shuttle engine` drains on DRAIN_SIGNAL (scheduler/__main__.py sets drain_requested from its handler):
+        # new requests are refused, the frontends told to route around this group, the rest finish, run() returns.
+        self.drain_requested = False
+        self.draining = False
 
     def wait_for_worker(self) -> WorkerReady:
         """Block until every worker rank reports its KV capacity, then build the scheduler around the group's.
@@ -112,10 +116,13 @@ class SchedulerLoop:
         return msg
 
     def run(self) -> None:
+        """Serve until drained (see drain_requested); returns then, every request ended and answered."""
         assert hasattr(self, "pipeline"), "wait_for_worker() first"
         scheduler, pipeline = self.scheduler, self.pipeline
         while True:
             self.heartbeat.beat()  # proves this loop turns
+            if self.drain_requested and not self.draining:
+                self._start_draining()
             idle = not pipeline.in_flight and not scheduler.has_work
             self._drain_inbox(IDLE_POLL_MS if idle else 0)
             self._reap_gone_frontends()  # after reading the inbox: a heartbeat queued there counts
@@ -126,6 +133,21 @@ class SchedulerLoop:
             elif not sent and scheduler.has_work:
                 self._drain_inbox(IDLE_POLL_MS)  # nothing fits and nothing runs: wait for a change, don't spin
             self._publish()
+            if self.draining and not pipeline.in_flight and not scheduler.has_work:
+                log.info("drained: every request has ended")
+                return
+
+    def _start_draining(self) -> None:
+        self.draining = True
+        log.info("draining: new requests are refused; %d running and %d waiting finish, then the group stops",
+                 len(self.scheduler.running), self.scheduler.num_waiting)
+        for client in self.clients:
+            self.frontends.send(self._info(), identity=client)
+
+    def _info(self) -> SchedulerInfo:
+        kv = self.scheduler.kv
+        return SchedulerInfo(num_kv_blocks=kv.pool.num_blocks, block_size=kv.block_size,
+                             max_model_len=self.scheduler.max_model_len, draining=self.draining)
 
     def _plan_and_send(self) -> bool:
         """Plan one step and send it; False when the plan was empty and nothing was sent."""
@@ -198,14 +220,14 @@ class SchedulerLoop:
             self.frontend_watch.seen(client)  # any message (Heartbeat included) proves it alive
             self.clients.add(client)
             if isinstance(msg, Submit):
-                self.scheduler.add_request(client, msg)
+                if self.draining:  # sent before this frontend heard of the drain
+                    self.scheduler.reject(client, msg.request_id, 503, "this serving group is shutting down; retry")
+                else:
+                    self.scheduler.add_request(client, msg)
             elif isinstance(msg, Abort):
                 self.scheduler.abort(msg.request_ids)
             elif isinstance(msg, Hello):
-                kv = self.scheduler.kv
-                self.frontends.send(SchedulerInfo(num_kv_blocks=kv.pool.num_blocks, block_size=kv.block_size,
-                                                  max_model_len=self.scheduler.max_model_len),
-                                    identity=client)
+                self.frontends.send(self._info(), identity=client)
                 self._last_broadcast = None  # make sure the newcomer gets stats at once
         self._send_grammar_work()
 

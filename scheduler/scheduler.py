@@ -105,24 +105,24 @@ class Scheduler:
     def add_request(self, client: bytes, submit: Submit) -> None:
         """Queue a request, or answer at once with a terminal error when it can never run or the queue is full."""
         if submit.request_id in self.requests:
-            return self._reject(client, submit.request_id, 400, f"request id {submit.request_id!r} is already in use")
+            return self.reject(client, submit.request_id, 400, f"request id {submit.request_id!r} is already in use")
         max_len = min(len(submit.prompt_token_ids) + submit.sampling.max_tokens, self.max_model_len)
         if self.kv.blocks_needed(max_len) > self.kv.pool.num_blocks:
-            return self._reject(client, submit.request_id, 400,
+            return self.reject(client, submit.request_id, 400,
                                 f"prompt + max_tokens needs {max_len} {NEVER_FITS}; the whole cache holds "
                                 f"{self.kv.pool.num_blocks * self.kv.block_size}")
         if submit.lora_name and (self.lora is None or not submit.lora_path):
-            return self._reject(client, submit.request_id, 404, f"LoRA adapter {submit.lora_name!r} is not served")
+            return self.reject(client, submit.request_id, 404, f"LoRA adapter {submit.lora_name!r} is not served")
         request = Request(submit.request_id, client, list(submit.prompt_token_ids), submit.sampling,
                           submit.arrival_time, submit.priority, submit.group_id or submit.request_id,
                           background=submit.background, lora_name=submit.lora_name,
                           lora_key=f"{submit.lora_name}\0{submit.lora_path}" if submit.lora_name else "")
         request.rank = self.waiting.rank(request)
         if self.num_waiting >= self.config.max_waiting_requests and not self._make_room_for(request):
-            return self._reject(client, submit.request_id, 503, "the server is at capacity: waiting queue is full")
+            return self.reject(client, submit.request_id, 503, "the server is at capacity: waiting queue is full")
         verdict = self.admission.check(self._admission_view(), request, submit.ttft_slo_ms)
         if verdict is not None:  # its first token would come too late even if it waited: say so now
-            return self._reject(client, submit.request_id, 503,
+            return self.reject(client, submit.request_id, 503,
                                 f"the server cannot meet the TTFT objective now: predicted time to first token "
                                 f"{verdict.predicted_ttft_s * 1000:.0f} ms", verdict.retry_after_s, "slo")
         timeout = submit.timeout or self.config.request_timeout
@@ -211,8 +211,10 @@ class Scheduler:
             logprobs=logprobs or [], first_scheduled_time=request.first_scheduled_time if first else 0.0,
             prompt_logprobs=request.prompt_logprobs if first else []))
 
-    def _reject(self, client: bytes, request_id: str, status: int, message: str, retry_after_s: float = 0.0,
+    def reject(self, client: bytes, request_id: str, status: int, message: str, retry_after_s: float = 0.0,
                 rejection: str = "") -> None:
+        """Answer a request that is not queued with its one terminal error (`status`: 400, 404, 503; counted in
+        num_rejected; `retry_after_s` and `rejection` as RequestOutput's)."""
         self.num_rejected += 1
         self._pending_outputs[client].append(
             RequestOutput(request_id=request_id, finish_reason=FinishReason.ERROR, error_status=status,

@@ -42,6 +42,7 @@ log = logging.getLogger("shuttle.frontend")
 
 HEARTBEAT_INTERVAL_S = 1.0  # the scheduler takes a frontend silent for 10 s as gone (scheduler/liveness.py)
 REMOTE_RESTART_GUESS_S = 10.0  # a remote group away for the first time: about one engine start-up on a CPU
+GROUP_DRAINING = "its shuttle engine is shutting down (draining)"  # down_reason while a remote group drains
 REMOTE_SILENCE_S = 30.0  # --heartbeat-timeout's default: a remote group silent to ZeroMQ's heartbeat this long is lost
 
 
@@ -148,8 +149,17 @@ class ServingGroup(abc.ABC):
         self.fail_all(503, f"the engine stopped ({reason}); it is restarting, retry shortly")
 
     def _serving(self, info: SchedulerInfo) -> None:
-        """A scheduler answered Hello with its cache geometry: the group takes work (again)."""
+        """A scheduler answered Hello with its cache geometry: the group takes work (again). Unless it drains (its
+        `shuttle engine` is stopping): then it takes none, and what it runs finishes."""
         self.info = info
+        if info.draining:
+            if self.down_reason != GROUP_DRAINING:
+                log.info("the engine at %s is draining: no new requests go there; its %d in flight finish",
+                         self._endpoint, len(self._queues))
+                self.down_reason = GROUP_DRAINING
+                self._restart.down(time.monotonic(), self._restart.last_restart_s or REMOTE_RESTART_GUESS_S)
+                self._up.clear()
+            return
         if self.down_reason is not None:
             self._restart.up(time.monotonic())
             log.info("the engine at %s is serving again (%.1f s after it stopped)", self._endpoint,
@@ -218,7 +228,7 @@ class EngineClient(ServingGroup):
                 await monitor.recv_multipart()
                 if channel is not self._channel:
                     return
-                if self.is_up:
+                if self.is_up or self.down_reason == GROUP_DRAINING:
                     break
                 # Not serving (down already, or not yet joined): nothing new to report. libzmq reconnects this
                 # socket itself, and the Hello queued on it goes out once a connection completes its handshake.

@@ -26,6 +26,7 @@ from tests.conftest import hf_greedy
 from tests.server import MODEL_DIR, REPO, ShuttleServer
 
 HANG = 120.0
+STREAM_TOKENS = 400  # long enough to be in flight when the group freezes or drains
 SILENCE_S = 8.0  # the frontend's --heartbeat-timeout: how long a frozen group goes unnoticed
 IDS = [1, 403, 407, 261, 378]  # "Once upon a time"
 
@@ -104,6 +105,20 @@ async def test_remote_group_joins_serves_a_stream_and_comes_back(hosts):
             events = await stream_completion(session, frontend.url, prompt=IDS, max_tokens=16, temperature=0,
                                              return_token_ids=True)
             assert [t for e in events for c in e["choices"] for t in c.get("token_ids") or []] == hf_greedy(IDS, 16)
+
+            # SIGTERM drains the group: the stream in flight finishes whole, new requests are refused meanwhile.
+            started = asyncio.Event()
+            stream = asyncio.create_task(stream_until_end(session, frontend.url, started))
+            await asyncio.wait_for(started.wait(), HANG)
+            engine.proc.send_signal(signal.SIGTERM)
+            draining = await wait_health(session, frontend.url, 503)
+            assert "draining" in draining["groups"][0]["reason"]
+            async with session.post(f"{frontend.url}/v1/completions", json={"prompt": IDS, "max_tokens": 2}) as refused:
+                assert refused.status == 503
+            ended = await asyncio.wait_for(stream, HANG)
+            assert ended[-1]["choices"][0]["finish_reason"] == "length", ended[-1]
+            assert sum(len(e["choices"][0]["token_ids"]) for e in ended) == STREAM_TOKENS
+            assert engine.proc.wait(HANG) == 0
         finally:
             engine.stop()
 
@@ -111,7 +126,8 @@ async def test_remote_group_joins_serves_a_stream_and_comes_back(hosts):
 async def stream_until_end(session, url: str, started: asyncio.Event) -> list[dict]:
     """A long stream's events to its end (`started` once its first token is out)."""
     events = []
-    body = {"prompt": IDS, "max_tokens": 400, "ignore_eos": True, "temperature": 0, "stream": True}
+    body = {"prompt": IDS, "max_tokens": STREAM_TOKENS, "ignore_eos": True, "temperature": 0, "stream": True,
+            "return_token_ids": True}
     async with session.post(f"{url}/v1/completions", json=body) as response:
         assert response.status == 200
         async for raw in response.content:

@@ -1,0 +1,189 @@
+"""How the frontend's link follows a remote serving group (`shuttle engine` on another host) that does not fail
+outright:
+
+- one whose host stops (or is cut off) without its TCP connection dropping is noticed: the link takes it as lost after
+  --heartbeat-timeout seconds without an answer to ZeroMQ's heartbeat, fails its in-flight requests with one 503 each,
+  leaves the routing, and rejoins when the group answers again;
+- one that drains (its `shuttle engine` got SIGTERM) takes no new request while its requests in flight go on, and
+  rejoins once it is started again.
+
+The group is a stand-in scheduler in its own process (a ROUTER that answers Hello and keeps every Submit unanswered),
+stopped with SIGSTOP (its socket stays open, as a frozen host's or a partitioned link's does), told to drain with
+SIGUSR1 (it says so to every frontend it knows) and to exit with SIGUSR2.
+"""
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from shuttle.common.messages import FinishReason, SamplingParams, Submit
+from shuttle.frontend.engine.client import GROUP_DRAINING, EngineClient
+from shuttle.frontend.engine.router import Router
+
+SILENCE_S = 2.0
+
+STAND_IN = """
+import signal, sys, msgspec, zmq
+from shuttle.common.messages import FrontendMessage, Hello, SchedulerInfo
+sock = zmq.Context().socket(zmq.ROUTER)
+sock.setsockopt(zmq.LINGER, 0)
+sock.bind(sys.argv[1])
+decoder, encoder = msgspec.msgpack.Decoder(FrontendMessage), msgspec.msgpack.Encoder()
+clients, draining = set(), False
+def info():
+    return encoder.encode(SchedulerInfo(num_kv_blocks=64, block_size=16, max_model_len=128, draining=draining))
+def drain(*_):
+    global draining
+    draining = True
+    for client in clients:
+        sock.send_multipart([client, info()])
+def leave(*_):
+    sock.close()
+    sys.exit(0)
+signal.signal(signal.SIGUSR1, drain)
+signal.signal(signal.SIGUSR2, leave)
+print("bound", flush=True)
+while True:
+    client, payload = sock.recv_multipart()
+    clients.add(client)
+    if isinstance(decoder.decode(payload), Hello):
+        sock.send_multipart([client, info()])
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class StandIns:
+    """Stand-in schedulers on one endpoint, one at a time; each stopped by PID at the end."""
+
+    def __init__(self):
+        self.endpoint = f"tcp://127.0.0.1:{free_port()}"
+        self.processes: list[subprocess.Popen] = []
+
+    def start(self) -> subprocess.Popen:
+        process = subprocess.Popen([sys.executable, "-c", STAND_IN, self.endpoint], stdout=subprocess.PIPE, text=True)
+        self.processes.append(process)
+        assert process.stdout.readline().strip() == "bound"
+        return process
+
+    def stop(self) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                os.kill(process.pid, signal.SIGCONT)  # a stopped process: let it take the SIGKILL at once
+                process.kill()
+            process.wait()
+
+
+@pytest.fixture
+def stand_ins():
+    stand_ins = StandIns()
+    try:
+        yield stand_ins
+    finally:
+        stand_ins.stop()
+
+
+@pytest.fixture
+def stand_in(stand_ins):
+    return stand_ins.endpoint, stand_ins.start()
+
+
+def submit(request_id: str) -> Submit:
+    return Submit(request_id=request_id, prompt_token_ids=[1, 2, 3], sampling=SamplingParams(),
+                  arrival_time=time.time())
+
+
+async def wait_until(condition, timeout: float) -> float:
+    start = time.monotonic()
+    while not condition():
+        assert time.monotonic() - start < timeout, "timed out"
+        await asyncio.sleep(0.05)
+    return time.monotonic() - start
+
+
+async def test_a_silent_remote_group_fails_its_requests_and_rejoins_when_it_answers(stand_in):
+    endpoint, process = stand_in
+    group = EngineClient(endpoint, remote=True, silence_timeout=SILENCE_S)
+    router = Router([group], max_num_seqs=8, wait_for=0)
+    try:
+        await router.start()
+        await wait_until(lambda: group.is_up, 30)
+        outputs = []
+
+        async def consume(request_id: str) -> None:
+            async for output in router.generate(submit(request_id)):
+                outputs.append(output)
+
+        requests = [asyncio.create_task(consume(f"r{i}")) for i in range(3)]
+        await wait_until(lambda: group.num_in_flight == 3, 10)
+        os.kill(process.pid, signal.SIGSTOP)
+        noticed = await wait_until(lambda: not group.is_up, 10 * SILENCE_S)
+        await asyncio.wait_for(asyncio.gather(*requests), 5)
+        assert noticed >= SILENCE_S * 0.9  # not before the timeout
+        assert sorted(o.request_id for o in outputs) == ["r0", "r1", "r2"]  # exactly one output each: the end
+        assert all(o.finish_reason == FinishReason.ERROR and o.error_status == 503 for o in outputs)
+        assert group.down_reason == f"lost the connection to {endpoint}" and group.times_down == 1
+        error = router.admission_error()
+        assert error is not None and error.status == 503  # the router sends it nothing while it is down
+
+        os.kill(process.pid, signal.SIGCONT)
+        await wait_until(lambda: group.is_up, 60)
+        assert group.times_down == 1 and router.admission_error() is None
+    finally:
+        router.close()
+
+
+async def test_a_quiet_remote_group_that_answers_heartbeats_stays_up(stand_in):
+    """No traffic but the heartbeat's for several timeouts (an idle group, a long step) is not silence."""
+    endpoint, _ = stand_in
+    group = EngineClient(endpoint, remote=True, silence_timeout=SILENCE_S)
+    try:
+        await group.start(timeout=30)
+        await asyncio.sleep(3 * SILENCE_S)
+        assert group.is_up and group.times_down == 0
+    finally:
+        group.close()
+
+
+async def test_a_draining_remote_group_takes_no_new_request_and_rejoins_when_started_again(stand_ins):
+    stand_in = stand_ins.start()
+    group = EngineClient(stand_ins.endpoint, remote=True, silence_timeout=SILENCE_S)
+    router = Router([group], max_num_seqs=8, wait_for=0)
+    try:
+        await router.start()
+        await wait_until(lambda: group.is_up, 30)
+        outputs = []
+
+        async def consume(request_id: str) -> None:
+            async for output in router.generate(submit(request_id)):
+                outputs.append(output)
+
+        request = asyncio.create_task(consume("r0"))
+        await wait_until(lambda: group.num_in_flight == 1, 10)
+        os.kill(stand_in.pid, signal.SIGUSR1)
+        await wait_until(lambda: not group.is_up, 10)
+        assert group.down_reason == GROUP_DRAINING and group.times_down == 0
+        error = router.admission_error()
+        assert error is not None and error.status == 503
+        await asyncio.sleep(3 * SILENCE_S)  # the request it holds goes on: the group answers heartbeats
+        assert not request.done() and outputs == [] and group.num_in_flight == 1
+
+        os.kill(stand_in.pid, signal.SIGUSR2)  # it leaves with r0 unfinished (its drain ran out of time)
+        await asyncio.wait_for(request, 10)
+        assert [(o.request_id, o.finish_reason, o.error_status) for o in outputs] == [("r0", FinishReason.ERROR, 503)]
+        assert group.times_down == 1
+        stand_ins.start()  # the group is started again on its endpoint
+        await wait_until(lambda: group.is_up, 60)
+        assert router.admission_error() is None
+    finally:
+        router.close()
