@@ -222,6 +222,12 @@ def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp(max=probs.shape[1] - 1)
 
 
+def token_ranks(logprobs: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """vLLM's logprob rank: how many tokens are at least as likely as the chosen one, itself included (ties share the
+    worse rank). logprobs [R, vocab] float, chosen [R] or [R, 1] (each row's chosen logprob); returns int64 [R]."""
+    return (logprobs >= chosen.reshape(-1, 1)).sum(dim=-1)
+
+
 def _logprobs(raw: torch.Tensor, rows: list[int], params: list[SamplingParams], tokens: list[int],
               num_rows: int) -> list[TokenLogprobs | None]:
     """The sampled token's raw logprob, its rank and the k most likely, for the rows that asked (raw:
@@ -230,7 +236,7 @@ def _logprobs(raw: torch.Tensor, rows: list[int], params: list[SamplingParams], 
     k_max = max(params[i].logprobs or 0 for i in rows)  # (every row here asked: none is None)
     top = raw.topk(k_max, dim=-1) if k_max else None
     picked = raw.gather(1, torch.tensor([tokens[i] for i in rows], device=raw.device).unsqueeze(1))
-    ranks = (raw >= picked).sum(dim=-1)  # as prompt tokens' (worker.py): the tokens at least as likely
+    ranks = token_ranks(raw, picked)
     # one copy to the host for both (float64 holds either exactly)
     chosen, rank_values = torch.stack((picked.squeeze(1).double(), ranks.double())).tolist()
     top_ids = top.indices.tolist() if top is not None else []  # without top, every k is 0: never read

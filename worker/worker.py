@@ -38,7 +38,7 @@ from shuttle.worker.lora import LoRAAdapters
 from shuttle.worker.model_loader import DTYPES, UnsupportedModelError, architecture, load_model, probe_geometry
 from shuttle.worker.parallel import TensorParallel, local_device, local_numel
 from shuttle.worker.quantization import quantize_model
-from shuttle.worker.sampler import LOGPROB_FLOOR, Sampler
+from shuttle.worker.sampler import LOGPROB_FLOOR, Sampler, token_ranks
 from shuttle.worker.speculation import verify_drafts
 from shuttle.worker.staging import StepStaging
 
@@ -416,8 +416,7 @@ class ModelRunner:
             top = log_softmax.topk(k, dim=-1) if k else None
             rows_index = torch.arange(len(rows), device=logits.device)
             chosen = log_softmax[rows_index, torch.tensor(targets, device=logits.device)]
-            # vLLM's rank counts the tokens at least as likely, the token itself included (ties share the worse rank)
-            ranks = (log_softmax >= chosen.unsqueeze(1)).sum(dim=-1).tolist()
+            ranks = token_ranks(log_softmax, chosen).tolist()
             values = chosen.tolist()
             out.append(PromptLogprobs(request_id=state.request_id, entries=[
                 TokenLogprobs(logprob=values[i], top_token_ids=top.indices[i].tolist() if top else [],
