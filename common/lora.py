@@ -17,6 +17,7 @@ from pathlib import Path
 
 import msgspec
 
+from shuttle.common.adapter_weights import check_adapter_weights
 from shuttle.common.arg_types import option, positive
 from shuttle.common.errors import ModelDirError
 
@@ -32,11 +33,14 @@ _MUST_BE = {"use_dora": (False, None), "bias": ("none", None), "fan_in_fan_out":
 
 class LoRAModule(msgspec.Struct, frozen=True, kw_only=True):
     """One --lora-modules entry: the name requests give as their `model`, the adapter's directory (absolute once
-    the launcher has checked it), and the model /v1/models names as its parent ("" = the served model)."""
+    the launcher has checked it), and the model /v1/models names as its parent ("" = the served model). `load_id`
+    tells one runtime load from another of the same name and directory (whose files may have changed between
+    them): the scheduler's slots and prefix cache name an adapter's weights by all three ("" for --lora-modules)."""
 
     name: str
     path: str
     base_model_name: str = ""
+    load_id: str = ""
 
 
 class AdapterSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -102,7 +106,7 @@ def read_adapter(path: str | Path, max_lora_rank: int, base_modules: frozenset[s
         if key in config and config[key] not in allowed:
             raise ModelDirError(f"LoRA adapter {directory}: {key} = {json.dumps(config[key])} is not implemented")
     rank = config.get("r")
-    if not isinstance(rank, int) or rank < 1:
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
         raise ModelDirError(f"LoRA adapter {directory}: r must be a positive integer, got {rank!r}")
     if rank > max_lora_rank:
         raise ModelDirError(f"LoRA adapter {directory}: rank {rank} exceeds --max-lora-rank {max_lora_rank}")
@@ -120,6 +124,11 @@ def read_adapter(path: str | Path, max_lora_rank: int, base_modules: frozenset[s
         if missing:
             raise ModelDirError(f"LoRA adapter {directory}: target module {missing[0]!r} is not in the served model")
     alpha = config.get("lora_alpha", rank)
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
+        raise ModelDirError(f"LoRA adapter {directory}: lora_alpha must be a finite number, got {alpha!r}")
+    if not isinstance(config.get("use_rslora", False), bool):
+        raise ModelDirError(f"LoRA adapter {directory}: use_rslora must be true or false, got "
+                            f"{config['use_rslora']!r}")
     scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     return AdapterSpec(rank=rank, scale=float(scale), target_modules=tuple(sorted(targets)))
 
@@ -168,7 +177,8 @@ def checked_lora_config(config: LoRAConfig, served_names: tuple[str, ...]) -> Lo
     for module in config.lora_modules:
         if module.name in served_names:
             raise ModelDirError(f"--lora-modules: adapter name {module.name!r} is the served model's name")
-        read_adapter(module.path, config.max_lora_rank)
+        spec = read_adapter(module.path, config.max_lora_rank)
+        check_adapter_weights(module.path, spec.rank, spec.scale)
         modules.append(msgspec.structs.replace(module, path=str(Path(module.path).absolute())))
     return dataclasses.replace(config, lora_modules=tuple(modules))
 
@@ -229,9 +239,9 @@ def checkpoint_layer_shapes(weight_shapes: dict[str, tuple[int, ...]]) -> dict[s
 
 
 def check_adapter_for(model_dir: str, path: str, max_lora_rank: int) -> AdapterSpec:
-    """An adapter loaded at run time, checked as a launch checks --lora-modules and every weight's shape against
-    the served model's layers, both read from safetensors headers (no torch, no tensor data); a model or adapter
-    stored another way is checked by the worker when it loads the adapter.
+    """An adapter loaded at run time, checked as a launch checks --lora-modules: its config, its weights whole and
+    finite (common/adapter_weights.py), and every weight's shape against the served model's layers read from the
+    safetensors headers (no torch); a model stored another way is checked by the worker when it loads the adapter.
 
     Raises:
         ModelDirError: one line naming the adapter and what is wrong with it.
@@ -242,6 +252,7 @@ def check_adapter_for(model_dir: str, path: str, max_lora_rank: int) -> AdapterS
     shapes = None if model_shapes is None else checkpoint_layer_shapes(model_shapes)
     modules = None if shapes is None else frozenset(name.rsplit(".", 1)[-1] for name in shapes)
     spec = read_adapter(path, max_lora_rank, modules)
+    check_adapter_weights(path, spec.rank, spec.scale)
     weights = safetensors_shapes(Path(path) / "adapter_model.safetensors")
     if shapes is not None and weights is not None:
         adapter_layers(weights, spec, path, shapes)

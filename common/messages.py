@@ -59,6 +59,7 @@ class Submit(msgspec.Struct, **_WIRE):
     background: bool = False  # batch work: waits behind every interactive request, under either policy
     lora_name: str = ""  # the LoRA adapter the request runs through (--lora-modules); "" = the base model
     lora_path: str = ""  # that adapter's directory (the frontend's registry names it: runtime loads included)
+    lora_load_id: str = ""  # which load of it ("" for --lora-modules): a reload is new weights to slots and cache
 
 
 class Abort(msgspec.Struct, **_WIRE):
@@ -271,6 +272,13 @@ class WorkerReady(msgspec.Struct, **_WIRE):
     pid: int = 0
 
 
+class RequestFailure(msgspec.Struct, array_like=True, gc=False):
+    """A request the worker could not run (its state is dropped): the scheduler ends it with this error (500)."""
+
+    request_id: str
+    message: str
+
+
 class StepResult(msgspec.Struct, **_WIRE):
     """Sampled tokens of one step: `request_ids[i]` sampled `token_ids[i]`. Requests whose chunk did not
     reach the end of their known tokens sample nothing and are absent. A request that verified drafts appears once
@@ -281,6 +289,7 @@ class StepResult(msgspec.Struct, **_WIRE):
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None] = []  # aligned with request_ids when any request asked
     prompt_logprobs: list[PromptLogprobs] = []  # for requests with prompt_logprobs whose prefill ran this step
+    failed: list[RequestFailure] = []  # requests left out of the step (their adapter could not be loaded)
 
 
 class PromptLogprobs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, kw_only=True):

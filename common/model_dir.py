@@ -99,7 +99,7 @@ def check_safetensors(path: Path) -> None:
     def corrupt(why: str) -> ModelDirError:
         return ModelDirError(f"{path} is not a valid safetensors file: {why} (an interrupted download?)")
 
-    header, length, size = _header(path, corrupt)
+    header, length, size = safetensors_header(path, corrupt)
     ranges = []
     for name, info in header.items():
         if name == "__metadata__":
@@ -126,9 +126,13 @@ def check_safetensors(path: Path) -> None:
         raise corrupt(f"its tensors hold {end} bytes but {size - 8 - length} follow the header")
 
 
-def _header(path: Path, corrupt) -> tuple[dict, int, int]:
-    """A safetensors file's header (a JSON object), its length and the file's size; `corrupt(why)` makes the
-    error raised for a malformed one."""
+def safetensors_header(path: Path, corrupt) -> tuple[dict, int, int]:
+    """A safetensors file's header (a JSON object), its length and the file's size, in bytes; the tensors' data
+    starts at byte 8 + length. `corrupt(why)` makes the exception raised for a malformed one.
+
+    Raises:
+        ModelDirError: the file cannot be read; what `corrupt` makes: the header is malformed.
+    """
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
@@ -165,7 +169,7 @@ def safetensors_shapes(directory: str | os.PathLike) -> dict[str, tuple[int, ...
         return None
     shapes: dict[str, tuple[int, ...]] = {}
     for shard in _shards(weights):
-        header, _, _ = _header(shard, lambda why, shard=shard: ModelDirError(f"{shard}: {why}"))
+        header, _, _ = safetensors_header(shard, lambda why, shard=shard: ModelDirError(f"{shard}: {why}"))
         shapes.update({name: tuple(info["shape"]) for name, info in header.items()
                        if name != "__metadata__" and isinstance(info, dict) and isinstance(info.get("shape"), list)})
     return shapes

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import uuid
 from pathlib import Path
 
 import msgspec
@@ -70,7 +71,7 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
         raise InvalidRequestError(str(exc), param="lora_path") from None
     if name in state.lora_modules:  # another load of the name finished while this one was checked
         raise InvalidRequestError(f"The lora adapter '{name}' has already been loaded.", param="lora_name")
-    state.lora_modules[name] = LoRAModule(name=name, path=path)
+    state.lora_modules[name] = LoRAModule(name=name, path=path, load_id=uuid.uuid4().hex)
     return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
 
 

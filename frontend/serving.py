@@ -99,7 +99,8 @@ def build_generations(state: FrontendState, body: SamplingFields, prompts: list[
             request = Submit(request_id=f"{request_id}-{index}", prompt_token_ids=ids, sampling=sampling,
                              arrival_time=time.time(), priority=body.priority, timeout=body.timeout or 0.0,
                              group_id=request_id, ttft_slo_ms=body.ttft_slo_ms or 0.0, background=background,
-                             lora_name=adapter, lora_path=state.lora_modules[adapter].path if adapter else "")
+                             lora_name=adapter, lora_path=state.lora_modules[adapter].path if adapter else "",
+                             lora_load_id=state.lora_modules[adapter].load_id if adapter else "")
             metrics = prompt_metrics.sequence(len(ids))
             generations.append(TextGeneration(state.engine, state.tokenizer, request, index, stops,
                                               body.include_stop_str_in_output, metrics,

@@ -1,9 +1,10 @@
 """Which LoRA adapter sits in each of the worker's --max-loras slots, and who may take one.
 
-An adapter is named here by its key, "NAME\\0PATH" (scheduler/request.py `lora_key`), as each request carries both
-from the frontend, whose registry (the --lora-modules, then runtime loads and unloads) is the one list of served
-adapters: an adapter unloaded and loaded again from another directory under the same name is another key, so no
-slot serves the old weights for it. A running request holds its adapter's slot; a slot no running request holds is
+An adapter is named here by its key, "NAME\\0PATH\\0LOAD_ID" (scheduler/request.py `lora_key`), as each request
+carries all three from the frontend, whose registry (the --lora-modules, then runtime loads and unloads) is the one
+list of served adapters: an adapter unloaded and loaded again under the same name, from another directory or from
+the same one (whose files may have changed), is another key, so neither a slot nor the prefix cache serves the old
+weights for it. A running request holds its adapter's slot; a slot no running request holds is
 idle and keeps its adapter (a later request for it needs no load) until another adapter needs the room, the least
 recently used idle slot first. A slot changing hands is a LoRALoad in the next plan (common/messages.py), applied by
 the worker before that step.
@@ -49,7 +50,7 @@ class LoRASlots:
                 raise RuntimeError(f"no LoRA slot free for {key.partition(chr(0))[0]!r}")
             slot = min(idle, key=lambda s: (self.keys[s] is not None, self._last_used[s]))
             self.keys[slot] = key
-            name, _, path = key.partition("\0")
+            name, path, _ = key.rsplit("\0", 2)  # a path holds no NUL, nor a load id
             self.pending = [load for load in self.pending if load.slot != slot]
             self.pending.append(LoRALoad(slot=slot, name=name, path=path))
         self.holders[slot] += 1

@@ -116,7 +116,8 @@ class Scheduler:
         request = Request(submit.request_id, client, list(submit.prompt_token_ids), submit.sampling,
                           submit.arrival_time, submit.priority, submit.group_id or submit.request_id,
                           background=submit.background, lora_name=submit.lora_name,
-                          lora_key=f"{submit.lora_name}\0{submit.lora_path}" if submit.lora_name else "")
+                          lora_key=f"{submit.lora_name}\0{submit.lora_path}\0{submit.lora_load_id}"
+                          if submit.lora_name else "")
         request.rank = self.waiting.rank(request)
         if self.num_waiting >= self.config.max_waiting_requests and not self._make_room_for(request):
             return self.reject(client, submit.request_id, 503, "the server is at capacity: waiting queue is full")
@@ -406,10 +407,16 @@ class Scheduler:
         Outputs collect in `take_outputs()`."""
         self.admission.on_settled(step)
         scheduled = step.scheduled
+        failed = {failure.request_id: failure.message for failure in result.failed}
         for entry in scheduled.values():
             request = entry.request
-            if request.is_live and request.epoch == entry.epoch and not entry.draft_token_ids:
+            if request.is_live and request.epoch == entry.epoch and not entry.draft_token_ids \
+                    and request.request_id not in failed:  # a request the worker left out wrote no KV
                 self.kv.commit(request, entry.start + entry.num_new)  # a speculative entry commits once settled
+        for request_id, message in failed.items():
+            left_out = scheduled.get(request_id)
+            if left_out is not None and left_out.request.is_live and left_out.request.epoch == left_out.epoch:
+                self._finish(left_out.request, FinishReason.ERROR, 500, message)
         for chunk in result.prompt_logprobs:
             chunk_entry = scheduled.get(chunk.request_id)
             if chunk_entry is not None and chunk_entry.request.is_live:

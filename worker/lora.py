@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
+from shuttle.common.adapter_weights import check_adapter_weights
 from shuttle.common.lora import TARGET_MODULES, AdapterSpec, adapter_layers, read_adapter
 from shuttle.worker.model_loader import UnsupportedModelError
 
@@ -162,6 +163,7 @@ class LoRAAdapters:
         """The adapter's checked config and its (A, B) per adapted layer, every shape checked before any slot is
         written (common/lora.py adapter_layers)."""
         spec = read_adapter(path, self.max_rank, self.base_modules)
+        check_adapter_weights(path, spec.rank, spec.scale)  # whole and finite: no NaN reaches a shared step
         tensors = load_file(str(Path(path) / "adapter_model.safetensors"))
         shapes = {name: layer.global_shape for name, layer in self.layers.items()}
         layers = adapter_layers({k: tuple(t.shape) for k, t in tensors.items()}, spec, path, shapes)

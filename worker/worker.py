@@ -13,7 +13,7 @@ from shuttle.common.capacity import blocks_per_request, kv_blocks_for_memory, kv
 from shuttle.common.config import ShuttleConfig
 from shuttle.common.cpu_threads import WORKER_THREADS_ENV
 from shuttle.common.devices import cpu_bf16_flags, resolve_dtype
-from shuttle.common.messages import PromptLogprobs, StepPlan, StepResult, TokenLogprobs
+from shuttle.common.messages import PromptLogprobs, RequestFailure, StepPlan, StepResult, TokenLogprobs
 from shuttle.common.speculative import DRAFT_MODEL
 from shuttle.worker.attention import StepAttention
 from shuttle.worker.attention_backends import make_backend
@@ -24,7 +24,7 @@ from shuttle.worker.draft_model import DraftModel
 from shuttle.worker.flex_attention import compiled_head_dim_problem, max_kv_blocks_for, token_buckets
 from shuttle.worker.grammar import GrammarCompiler, GrammarMasks
 from shuttle.worker.graph_runner import DecodeGraphRunner, graph_runner_for, graphs_off_reason
-from shuttle.worker.input_batch import InputBatch, StepInputs
+from shuttle.worker.input_batch import CachedRequestState, InputBatch, StepInputs
 from shuttle.worker.kv_cache import KVCache
 from shuttle.worker.kv_sizing import (
     CUDA_GRAPH_ALLOWANCE,
@@ -304,21 +304,41 @@ class ModelRunner:
         if plan.lora_loads:
             assert self.lora is not None  # a scheduler without --enable-lora plans no load
             for load in plan.lora_loads:
-                self.lora.load(load.slot, load.name, load.path)
+                try:
+                    self.lora.load(load.slot, load.name, load.path)
+                except Exception as exc:  # its slot is marked broken: only the requests through it fail, below
+                    log.error("LoRA adapter %s could not be loaded into slot %d: %s", load.name, load.slot, exc)
         scheduled = self.batch.apply(plan)
+        failed = self._leave_out_broken_adapters(scheduled)
         if not scheduled:
-            return StepResult(step_id=plan.step_id, request_ids=[], token_ids=[])
+            return StepResult(step_id=plan.step_id, request_ids=[], token_ids=[], failed=failed)
         try:
             if self.batch.num_constrained and self.grammars is not None:
                 self._attach_grammars(plan, self.grammars)
             packed = None
             if self.drafter is not None:  # the draft model writes its KV for the step's rows and fills draft slots
                 packed = self.drafter.propose(self.forward, self.batch, scheduled)
-            return self._run(plan.step_id, packed or self.batch.pack(scheduled))
+            result = self._run(plan.step_id, packed or self.batch.pack(scheduled))
         except Exception:
             for state, _ in scheduled:
                 self.batch.drop(state.request_id)
             raise
+        result.failed = failed
+        return result
+
+    def _leave_out_broken_adapters(self, scheduled: list[tuple[CachedRequestState, int]]) -> list[RequestFailure]:
+        """Take the requests whose adapter slot is broken (its load failed) out of `scheduled` (in place) and drop
+        their state: each fails alone, the rest of the step runs."""
+        if self.lora is None or not self.lora.broken:
+            return []
+        broken = self.lora.broken
+        failed = [RequestFailure(state.request_id, broken[state.lora_slot]) for state, _ in scheduled
+                  if state.lora_slot in broken]
+        if failed:
+            scheduled[:] = [(state, n) for state, n in scheduled if state.lora_slot not in broken]
+            for failure in failed:
+                self.batch.drop(failure.request_id)
+        return failed
 
     def _run(self, step_id: int, inputs: StepInputs) -> StepResult:
         if self.lora is not None:

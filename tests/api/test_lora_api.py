@@ -42,6 +42,8 @@ async def test_without_enable_lora_an_adapter_name_is_an_unknown_model():
 async def test_adapters_load_and_unload_at_run_time_under_vllms_rule(tmp_path, monkeypatch):
     import json
 
+    from safetensors.torch import load_file, save_file
+
     from tests.engine.test_lora_engine import write_adapter
     from tests.server import MODEL_DIR
 
@@ -61,7 +63,15 @@ async def test_adapters_load_and_unload_at_run_time_under_vllms_rule(tmp_path, m
             assert (response.status, await response.text()) == (200, "Success: LoRA adapter 'live' added successfully.")
         status, body = await post(client, "/v1/load_lora_adapter", load)
         assert (status, body["error"]["message"]) == (400, "The lora adapter 'live' has already been loaded.")
-        for path, why in [(wide, "rank 32 exceeds --max-lora-rank 16"),
+        poisoned = write_adapter(tmp_path / "poisoned", MODEL_DIR, {"q_proj"}, rank=4, alpha=8, seed=4)
+        cut = write_adapter(tmp_path / "cut", MODEL_DIR, {"q_proj"}, rank=4, alpha=8, seed=5)
+        tensors = load_file(str(poisoned / "adapter_model.safetensors"))
+        next(iter(tensors.values()))[0, 0] = float("nan")
+        save_file(tensors, str(poisoned / "adapter_model.safetensors"))
+        weights = cut / "adapter_model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:-100])
+        for path, why in [(poisoned, "holds NaN or infinite values"), (cut, "is not a valid safetensors file"),
+                          (wide, "rank 32 exceeds --max-lora-rank 16"),
                           (skewed, "v_proj has A (2, 64) and B (32, 2), the layer needs A [4, 64] and B [32, 4]"),
                           (tmp_path / "nowhere", "no adapter_config.json")]:
             status, body = await post(client, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": str(path)})
@@ -76,5 +86,15 @@ async def test_adapters_load_and_unload_at_run_time_under_vllms_rule(tmp_path, m
             assert await response.text() == "Success: LoRA adapter 'live' removed successfully."
         status, _ = await post(client, "/v1/completions", {"model": "live", "prompt": PROMPT, "max_tokens": 2})
         assert status == 404
+        # loaded again from the same directory (its files may have changed): another load id, so the scheduler's
+        # slots and prefix cache take it for other weights
+        async with client.post("/v1/load_lora_adapter", json=load) as response:
+            assert response.status == 200
+        assert (await post(client, "/v1/completions", {"model": "live", "prompt": PROMPT, "max_tokens": 2}))[0] == 200
+        again = engine.submitted[-1]
+        assert (again.lora_path, again.lora_name) == (submitted.lora_path, "live")
+        assert again.lora_load_id and submitted.lora_load_id and again.lora_load_id != submitted.lora_load_id
+        async with client.post("/v1/unload_lora_adapter", json={"lora_name": "live"}) as response:
+            assert response.status == 200
         status, body = await post(client, "/v1/unload_lora_adapter", {"lora_name": "live"})
         assert (status, body["error"]["message"]) == (404, "The lora adapter 'live' cannot be found.")

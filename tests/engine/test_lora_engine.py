@@ -6,6 +6,7 @@ compiled decode forward (worker/cpu_compiled_decode.py), which adapters loading 
 again."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -72,12 +73,16 @@ def merged_greedy(model_dir, adapter_dir, prompts):
                 for p in prompts]
 
 
-def serve(model_dir, lora: LoRAConfig, jobs, num_blocks=256):
-    """Every job's (prompt, adapter name) greedy output, all submitted at once, and the scheduler."""
+def serve(model_dir, lora: LoRAConfig, jobs, num_blocks=256, before=None, errors=None):
+    """Every job's (prompt, adapter name) greedy output, all submitted at once, and the scheduler. `before` runs
+    once the runner is built; `errors`, when given, collects each request that ends in error (id -> output)
+    instead of failing."""
     model = ModelConfig.from_dir(model_dir, max_model_len=128)
     config = ShuttleConfig(model=model, ipc=IpcConfig.in_directory("/nonexistent"), cache=CacheConfig(4, num_blocks),
                            scheduler=SchedulerConfig(), lora=lora)
     runner = ModelRunner(config)
+    if before is not None:
+        before()
     scheduler = Scheduler(config.scheduler, KVCacheManager(num_blocks, 4, True), model.max_model_len, (),
                           lora=lora_slots_for(lora))
     outputs = {str(i): [] for i in range(len(jobs))}
@@ -89,6 +94,10 @@ def serve(model_dir, lora: LoRAConfig, jobs, num_blocks=256):
 
     def collect(batch):
         for out in batch:
+            if errors is not None and out.error_status:
+                assert out.request_id not in errors
+                errors[out.request_id] = out
+                continue
             assert out.error_status == 0, out.error_message
             outputs[out.request_id] += out.new_token_ids
 
@@ -167,3 +176,26 @@ def test_the_offline_llm_generates_through_an_adapter_per_prompt(tmp_path):
     with pytest.raises(ValueError, match=r"lora_request needs LLM\(..., enable_lora=True\)"):
         LLM(str(MODEL_DIR), max_model_len=128).generate("Once", params, use_tqdm=False,
                                                         lora_request=LoRARequest("first", 1, str(first)))
+
+
+def test_an_adapter_that_cannot_be_loaded_fails_its_own_requests_alone(tmp_path):
+    """The adapter's files vanish after start-up: when a request first needs it, loading it into a slot fails, and
+    that adapter's requests end with one 500 each while the base model's and another adapter's, in the same steps,
+    finish exactly."""
+    good = write_adapter(tmp_path / "good", MODEL_DIR, {"q_proj", "v_proj"}, rank=4, alpha=8, seed=1)
+    gone = write_adapter(tmp_path / "gone", MODEL_DIR, {"q_proj"}, rank=4, alpha=8, seed=2)
+    prompts = [[1, 15, 27, 99, 300, 41, 7], [1, 400, 23, 8, 91]]
+    want = {name: merged_greedy(MODEL_DIR, adapter, prompts) for name, adapter in (("", None), ("good", good))}
+    lora = LoRAConfig(enable_lora=True, max_loras=2, max_lora_rank=8,
+                      lora_modules=(LoRAModule(name="good", path=str(good)), LoRAModule(name="gone", path=str(gone))))
+    jobs = [(p, name) for p in prompts for name in ("good", "gone", "")]
+    errors: dict = {}
+    got, scheduler = serve(MODEL_DIR, lora, jobs, before=lambda: shutil.rmtree(gone), errors=errors)
+    failed = sorted(i for i, (_, name) in enumerate(jobs) if name == "gone")
+    assert sorted(int(i) for i in errors) == failed
+    for out in errors.values():
+        assert out.error_status == 500 and "LoRA adapter gone could not be loaded" in out.error_message
+    for i, (prompt, name) in enumerate(jobs):
+        if name != "gone":
+            assert got[i] == want[name][prompts.index(prompt)], (i, name)
+    assert not scheduler.requests

@@ -81,7 +81,7 @@ def test_the_lora_flags_reach_their_section(tmp_path):
 
     adapter = tmp_path / "sql"
     adapter.mkdir()
-    (adapter / "adapter_model.safetensors").write_bytes(b"")
+    (adapter / "adapter_model.safetensors").write_bytes(b"\x02" + b"\x00" * 7 + b"{}")  # safetensors of no tensor
     (adapter / "adapter_config.json").write_text(json.dumps({"r": 4, "target_modules": ["q_proj"]}))
     argv = ["serve", str(MODEL_DIR), "--enable-lora", "--lora-modules", f"sql={adapter}", "--max-loras", "2"]
     lora = ShuttleConfig.from_args(build_parser().parse_args(argv), IpcConfig.in_directory("/x")).lora

@@ -53,6 +53,42 @@ def test_adapter_configs_are_read_with_their_scale_and_refused_by_name(tmp_path)
         read_adapter(adapter(tmp_path / "d", target_modules=["down_proj"]), 16, frozenset({"q_proj", "v_proj"}))
     with pytest.raises(ModelDirError, match="no adapter_config.json"):
         read_adapter(tmp_path / "nowhere", 16)
+    for config, why in [({"lora_alpha": "16"}, "lora_alpha must be a finite number, got '16'"),
+                        ({"lora_alpha": float("inf")}, "lora_alpha must be a finite number, got inf"),
+                        ({"lora_alpha": float("nan")}, "lora_alpha must be a finite number"),
+                        ({"lora_alpha": True}, "lora_alpha must be a finite number, got True"),
+                        ({"r": True}, "r must be a positive integer, got True"),
+                        ({"use_rslora": "yes"}, "use_rslora must be true or false")]:
+        with pytest.raises(ModelDirError, match=why):  # json.dumps writes inf and nan as JSON's readers take them
+            read_adapter(adapter(tmp_path / "e", **config), 16)
+
+
+KEY = "base_model.model.model.layers.0.self_attn.q_proj.lora_"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_adapter_weights_must_be_whole_and_finite_also_once_scaled(tmp_path, dtype):
+    import torch
+    from safetensors.torch import save_file
+
+    from shuttle.common.adapter_weights import check_adapter_weights
+
+    a, b = torch.randn(4, 8).to(getattr(torch, dtype)), torch.randn(8, 4).to(getattr(torch, dtype))
+    weights = tmp_path / "adapter_model.safetensors"
+    save_file({KEY + "A.weight": a, KEY + "B.weight": b}, str(weights))
+    check_adapter_weights(tmp_path, 4, 2.0)
+    with pytest.raises(ModelDirError, match="overflows float32"):
+        check_adapter_weights(tmp_path, 4, 1e38)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        poisoned = b.clone()
+        poisoned[3, 1] = bad
+        save_file({KEY + "A.weight": a, KEY + "B.weight": poisoned}, str(weights))
+        with pytest.raises(ModelDirError, match="'base_model.+lora_B.weight' holds NaN or infinite values"):
+            check_adapter_weights(tmp_path, 4, 2.0)
+    save_file({KEY + "A.weight": a, KEY + "B.weight": b}, str(weights))
+    weights.write_bytes(weights.read_bytes()[:-10])  # cut short
+    with pytest.raises(ModelDirError, match="is not a valid safetensors file"):
+        check_adapter_weights(tmp_path, 4, 2.0)
 
 
 def test_the_flag_rules():
@@ -68,7 +104,7 @@ def test_the_flag_rules():
 
 def test_slots_keep_idle_adapters_and_evict_the_least_recently_used():
     slots = LoRASlots(2)
-    a, b, c = (f"{n}\0/{n}" for n in "abc")
+    a, b, c = (f"{n}\0/{n}\0" for n in "abc")  # NAME, PATH, LOAD_ID (none: --lora-modules)
     assert slots.take(a) == 0 and slots.take(b) == 1 and slots.take(a) == 0
     assert slots.take_loads() == [LoRALoad(slot=0, name="a", path="/a"), LoRALoad(slot=1, name="b", path="/b")]
     assert not slots.can_take(c) and slots.can_take(a)
@@ -81,7 +117,7 @@ def test_slots_keep_idle_adapters_and_evict_the_least_recently_used():
     assert slots.take(b) == 0  # a was used longer ago than c
     assert slots.take(c) == 1 and slots.take_loads() == [LoRALoad(slot=0, name="b", path="/b")]
     slots.give_back(0)
-    assert slots.take("b\0/elsewhere") == 0  # the same name from another directory: loaded again, not reused
+    assert slots.take("b\0/elsewhere\0") == 0  # the same name from another directory: loaded again, not reused
     assert slots.take_loads() == [LoRALoad(slot=0, name="b", path="/elsewhere")]
 
 
