@@ -273,10 +273,12 @@ class WorkerReady(msgspec.Struct, **_WIRE):
 
 
 class RequestFailure(msgspec.Struct, array_like=True, gc=False):
-    """A request the worker could not run (its state is dropped): the scheduler ends it with this error (500)."""
+    """A request the worker could not run on (its state is dropped): the scheduler ends it with this error alone,
+    the rest of the step standing (500: its adapter could not be loaded; 400: its constraint admits no token)."""
 
     request_id: str
     message: str
+    status: int = 500
 
 
 class StepResult(msgspec.Struct, **_WIRE):
@@ -289,7 +291,7 @@ class StepResult(msgspec.Struct, **_WIRE):
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None] = []  # aligned with request_ids when any request asked
     prompt_logprobs: list[PromptLogprobs] = []  # for requests with prompt_logprobs whose prefill ran this step
-    failed: list[RequestFailure] = []  # requests left out of the step (their adapter could not be loaded)
+    failed: list[RequestFailure] = []  # requests that ended in this step with an error of their own
 
 
 class PromptLogprobs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, kw_only=True):

@@ -407,16 +407,16 @@ class Scheduler:
         Outputs collect in `take_outputs()`."""
         self.admission.on_settled(step)
         scheduled = step.scheduled
-        failed = {failure.request_id: failure.message for failure in result.failed}
+        failed = {failure.request_id: failure for failure in result.failed}
         for entry in scheduled.values():
             request = entry.request
             if request.is_live and request.epoch == entry.epoch and not entry.draft_token_ids \
-                    and request.request_id not in failed:  # a request the worker left out wrote no KV
+                    and request.request_id not in failed:  # its KV may be unwritten (left out of the step)
                 self.kv.commit(request, entry.start + entry.num_new)  # a speculative entry commits once settled
-        for request_id, message in failed.items():
+        for request_id, failure in failed.items():
             left_out = scheduled.get(request_id)
             if left_out is not None and left_out.request.is_live and left_out.request.epoch == left_out.epoch:
-                self._finish(left_out.request, FinishReason.ERROR, 500, message)
+                self._finish(left_out.request, FinishReason.ERROR, failure.status, failure.message)
         for chunk in result.prompt_logprobs:
             chunk_entry = scheduled.get(chunk.request_id)
             if chunk_entry is not None and chunk_entry.request.is_live:

@@ -22,7 +22,7 @@ from shuttle.worker.cpu_compiled_decode import CompiledCpuDecode, compiled_decod
 from shuttle.worker.cpu_linears import prepare_cpu_linears
 from shuttle.worker.draft_model import DraftModel
 from shuttle.worker.flex_attention import compiled_head_dim_problem, max_kv_blocks_for, token_buckets
-from shuttle.worker.grammar import GrammarCompiler, GrammarMasks
+from shuttle.worker.grammar import GrammarCompiler, GrammarError, GrammarMasks
 from shuttle.worker.graph_runner import DecodeGraphRunner, graph_runner_for, graphs_off_reason
 from shuttle.worker.input_batch import CachedRequestState, InputBatch, StepInputs
 from shuttle.worker.kv_cache import KVCache
@@ -323,7 +323,7 @@ class ModelRunner:
             for state, _ in scheduled:
                 self.batch.drop(state.request_id)
             raise
-        result.failed = failed
+        result.failed = failed + result.failed
         return result
 
     def _leave_out_broken_adapters(self, scheduled: list[tuple[CachedRequestState, int]]) -> list[RequestFailure]:
@@ -363,12 +363,14 @@ class ModelRunner:
             self._mask_by_grammar(logits[:len(requests)], requests)
         sampled = self.sampler(logits[:len(requests)], [r.sampling for r in requests], [r.token_ids for r in requests])
         self.parallel.share_tokens(sampled.token_ids, len(requests))
+        failed: list[RequestFailure] = []
         for state, token in zip(requests, sampled.token_ids):
             state.token_ids.append(token)
-            state.sampling.record(token)
-        return StepResult(step_id=step_id, request_ids=[r.request_id for r in requests], token_ids=sampled.token_ids,
-                          logprobs=sampled.logprobs or [],
-                          prompt_logprobs=prompt_logprobs)
+            self._record(state, token, failed)
+        result = StepResult(step_id=step_id, request_ids=[r.request_id for r in requests],
+                            token_ids=sampled.token_ids, logprobs=sampled.logprobs or [],
+                            prompt_logprobs=prompt_logprobs, failed=failed)
+        return _without_failed(result) if failed else result
 
     def _verify(self, step_id: int, logits: torch.Tensor, inputs: StepInputs,
                 prompt_logprobs: list[PromptLogprobs]) -> StepResult:
@@ -379,6 +381,7 @@ class ModelRunner:
         request_ids: list[str] = []
         token_ids: list[int] = []
         logprobs: list[TokenLogprobs | None] = []
+        failed: list[RequestFailure] = []
         if requests:
             if self.batch.num_constrained:
                 self._mask_by_grammar(logits[:len(requests)], requests)
@@ -386,7 +389,7 @@ class ModelRunner:
                                    [r.token_ids for r in requests])
             for state, token in zip(requests, sampled.token_ids):
                 state.token_ids.append(token)
-                state.sampling.record(token)
+                self._record(state, token, failed)
             request_ids += [r.request_id for r in requests]
             token_ids += sampled.token_ids
             logprobs += sampled.logprobs or [None] * len(requests)
@@ -397,15 +400,33 @@ class ModelRunner:
             start = len(state.token_ids) - 1  # the step computed from the last known token
             for token in gained:
                 state.token_ids.append(token)
-                state.sampling.record(token)
+                if not self._record(state, token, failed):
+                    break
+            if failed and failed[-1].request_id == state.request_id:
+                continue  # dropped: the scheduler ends it
             self.batch.trim_blocks(state, start + len(gained))
             state.draft_token_ids = []
             request_ids += [state.request_id] * len(gained)
             token_ids += gained
             logprobs += gained_logprobs
-        return StepResult(step_id=step_id, request_ids=request_ids, token_ids=token_ids,
-                          logprobs=logprobs if any(lp is not None for lp in logprobs) else [],
-                          prompt_logprobs=prompt_logprobs)
+        result = StepResult(step_id=step_id, request_ids=request_ids, token_ids=token_ids,
+                            logprobs=logprobs if any(lp is not None for lp in logprobs) else [],
+                            prompt_logprobs=prompt_logprobs, failed=failed)
+        return _without_failed(result) if failed else result
+
+    def _record(self, state: CachedRequestState, token: int, failed: list[RequestFailure]) -> bool:
+        """Advance `state`'s sampling (penalty counts, grammar) by its sampled `token`. A constrained request whose
+        grammar admitted no token at all (its mask left every logit at -inf: a constraint that matches no text, or
+        nothing past what it produced) cannot go on: it is dropped and added to `failed` (a 400 for it alone)."""
+        try:
+            state.sampling.record(token)
+            return True
+        except GrammarError:
+            position = len(state.token_ids) - 1 - state.sampling.prompt_len
+            failed.append(RequestFailure(state.request_id, f"the structured output constraint admits no token at "
+                                         f"output position {position}: it matches no text that way", status=400))
+            self.batch.drop(state.request_id)
+            return False
 
     def _attach_grammars(self, plan: StepPlan, grammars: GrammarCompiler) -> None:
         """A matcher for each new constrained request, past the outputs it already has (after a preemption)."""
@@ -443,3 +464,15 @@ class ModelRunner:
                               top_logprobs=top.values[i].tolist() if top else [], rank=ranks[i])
                 for i in range(len(rows))], start=first))
         return out
+
+
+def _without_failed(result: StepResult) -> StepResult:
+    """`result` without the tokens of its failed requests (they end with their error instead)."""
+    gone = {failure.request_id for failure in result.failed}
+    keep = [i for i, request_id in enumerate(result.request_ids) if request_id not in gone]
+    result.request_ids = [result.request_ids[i] for i in keep]
+    result.token_ids = [result.token_ids[i] for i in keep]
+    if result.logprobs:
+        result.logprobs = [result.logprobs[i] for i in keep]
+    result.prompt_logprobs = [chunk for chunk in result.prompt_logprobs if chunk.request_id not in gone]
+    return result

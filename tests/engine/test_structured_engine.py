@@ -271,3 +271,33 @@ def test_many_distinct_grammars_through_a_tiny_cache_never_compile_on_the_step()
     for i in range(12):
         assert re.fullmatch(f"[a-z]{{{i % 6 + 1}}}", tok.decode(results[str(i)], skip_special_tokens=True))
     assert runner.grammars.step_compiles == step_compiles
+
+
+@pytest.mark.parametrize("spec", [StructuredOutput(kind="regex", spec=r"[^\s\S]"),
+                                  StructuredOutput(kind="regex", spec=r"ab[^\w\W]")])
+def test_a_constraint_that_admits_no_token_ends_its_request_alone_with_400(spec):
+    """A constraint that compiles but matches no text (at once, or after a prefix): when its mask leaves no token,
+    its request ends with one 400; the free request in the same steps goes on to the end, token for token."""
+    scheduler, runner = make_engine(256, 64)
+    out: dict[str, list] = {"free": [], "empty": []}
+    ends = {}
+
+    def collect(batch):
+        for o in batch:
+            out[o.request_id] += o.new_token_ids
+            if o.finish_reason is not None:
+                assert o.request_id not in ends, "a second terminal output"
+                ends[o.request_id] = o
+
+    greedy = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    scheduler.add_request(b"c", Submit(request_id="free", prompt_token_ids=PROMPT_IDS, sampling=greedy,
+                                       arrival_time=time.time()))
+    scheduler.add_request(b"c", Submit(request_id="empty", prompt_token_ids=PROMPT_IDS, arrival_time=time.time(),
+                                       sampling=SamplingParams(max_tokens=20, temperature=0.0, structured=spec)))
+    drive(scheduler, runner, collect)
+    alone, _ = _run_greedy_alone(greedy)
+    assert out["free"] == alone and ends["free"].finish_reason == FinishReason.LENGTH
+    empty = ends["empty"]
+    assert (empty.finish_reason, empty.error_status) == (FinishReason.ERROR, 400)
+    assert "constraint admits no token at output position" in empty.error_message
+    assert scheduler.kv.pool.num_free == 256 and not scheduler.requests
