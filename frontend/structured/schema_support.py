@@ -24,8 +24,9 @@ ENFORCED, REFUSED, ANNOTATION = "enforced", "refused", "annotation (not a constr
 # keyword -> (how it fares, the condition or the reason)
 KEYWORDS: dict[str, tuple[str, str]] = {
     "type": (ENFORCED, "one type or a non-empty list of types"),
-    "enum": (ENFORCED, "a non-empty list; each value of the `type` beside it, if any (the engine writes them anyway)"),
-    "const": (ENFORCED, "of the `type` beside it, if any (the engine writes it anyway)"),
+    "enum": (ENFORCED, "a non-empty list; each value satisfying the keywords beside it, if any (the engine writes the "
+                       "listed values and keeps no other keyword)"),
+    "const": (ENFORCED, "satisfying the keywords beside it, if any (the engine writes it and keeps no other keyword)"),
     "properties": (ENFORCED, ""),
     "required": (ENFORCED, "each name must be one of `properties`; refused otherwise (the engine writes `{}`)"),
     "additionalProperties": (ENFORCED, ""),
@@ -174,6 +175,8 @@ def _check_node(node: dict[str, Any], root: dict[str, Any], param: str, where: s
             _refuse(param, where, f"{path}/{keyword}", f"{json.dumps(strays[0])[:100]} is not of the `type` beside "
                                                       f"it ({', '.join(sorted(types))}): the engine would write it")
     typed_values = "enum" in node or "const" in node
+    if typed_values:
+        _check_listed_values(node, root, listed, param, where, path)
     for keyword in _NUMERIC:
         if keyword in node and not types & {"integer", "number"} and not typed_values:
             _refuse(param, where, f"{path}/{keyword}", f"`{keyword}` needs `\"type\": \"integer\"` or `\"number\"` "
@@ -292,6 +295,30 @@ def _resolve(branch: Any, root: dict[str, Any]) -> Any:
 
 def _pointer(name: str) -> str:
     return str(name).replace("~", "~0").replace("/", "~1")
+
+
+def _check_listed_values(node: dict[str, Any], root: dict[str, Any], listed: dict[str, list], param: str, where: str,
+                         path: str) -> None:
+    """Where `enum` or `const` lists the values, the engine writes one of them and keeps no other keyword of the
+    node: each value must then satisfy the node's other keywords (checked by the jsonschema library, formats
+    included, local references resolved against `root`), else that value could be served against the schema."""
+    siblings = {k: v for k, v in node.items() if k not in ("enum", "const") and KEYWORDS.get(k, ("",))[0] != ANNOTATION}
+    if not set(siblings) - {"type"}:
+        return  # the type alone: checked by the caller
+    from jsonschema import Draft202012Validator
+    from jsonschema.exceptions import SchemaError
+
+    schema = {**{k: v for k, v in root.items() if k in ("$defs", "definitions")}, **siblings}
+    try:
+        validator = Draft202012Validator(schema, format_checker=Draft202012Validator.FORMAT_CHECKER)
+        for keyword, values in listed.items():
+            for value in values:
+                error = next(validator.iter_errors(value), None)
+                if error is not None:
+                    _refuse(param, where, f"{path}/{keyword}", f"{json.dumps(value)[:100]} breaks the keywords beside "
+                                                              f"it ({error.message[:200]}): the engine would write it")
+    except SchemaError as exc:  # (the walk refuses invalid schemas first; this is a last guard)
+        _refuse(param, where, path, f"not a valid schema: {exc.message[:200]}")
 
 
 def _refuse(param: str, where: str, path: str, message: str) -> None:

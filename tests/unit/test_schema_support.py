@@ -34,12 +34,12 @@ ENFORCED_CASES = {
     "properties": ({**OBJ, "properties": {"a": {"type": "integer"}}, "required": ["a"]}, '{"a": 1}', '{"a": "x"}'),
     "required": ({**OBJ, "properties": {"a": {"type": "integer"}}, "required": ["a"]}, '{"a": 1}', "{}"),
     "additionalProperties": ({**OBJ, "properties": {"a": {}}, "additionalProperties": False}, '{"a": 1}',
-                             '{"b": 1}'),
+                             '{"b":1}'),
     "patternProperties": ({**OBJ, "patternProperties": {"^x": {"type": "integer"}}, "additionalProperties": False},
                           '{"x": 1}', '{"y": 1}'),
     "propertyNames": ({**OBJ, "propertyNames": {"type": "string", "maxLength": 1}}, '{"a": 1}', '{"ab": 1}'),
     "unevaluatedProperties": ({**OBJ, "properties": {"a": {}}, "unevaluatedProperties": False}, '{"a": 1}',
-                              '{"b": 1}'),
+                              '{"b":1}'),
     "minProperties": ({**OBJ, "properties": {"a": {}, "b": {}}, "minProperties": 1}, '{"a": 1}', "{}"),
     "maxProperties": ({**OBJ, "maxProperties": 1}, "{}", '{"a": 1, "b": 2}'),
     "items": ({"type": "array", "items": {"type": "integer"}}, "[1]", '["a"]'),
@@ -147,6 +147,36 @@ def test_what_the_engine_would_weaken_is_refused_naming_the_keyword(schema, keyw
     {"type": ["string", "null"], "enum": ["a", None]}, {"enum": [1, "a", None, True, [1], {"a": 1}]},
     {"type": "object", "const": {"a": 1}}, {"type": "boolean", "enum": [True]}])
 def test_const_and_enum_values_of_the_type_beside_them_pass(schema):
+    check_schema(schema, "response_format", "schema")
+
+
+@pytest.mark.parametrize("schema, keyword, instance", [
+    ({"type": "string", "pattern": "^a$", "enum": ["b"]}, "enum", '"b"'),
+    ({"type": "integer", "minimum": 5, "enum": [1, 2]}, "enum", "2"),
+    ({"type": "integer", "maximum": 1, "const": 3}, "const", "3"),
+    ({"type": "integer", "multipleOf": 2, "const": 3}, "const", "3"),
+    ({"type": "string", "maxLength": 2, "enum": ["hello"]}, "enum", '"hello"'),
+    ({"type": "string", "format": "date", "enum": ["not-a-date"]}, "enum", '"not-a-date"'),
+    ({"type": "array", "maxItems": 1, "enum": [[1, 2, 3]]}, "enum", "[1,2,3]"),  # listed values: compact
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "const": {"b": 1}}, "const",
+     '{"b":1}'),
+    ({"$defs": {"u": {"type": "string", "maxLength": 3}}, "type": "object",
+      "properties": {"x": {"$ref": "#/$defs/u", "enum": ["abcd"]}}}, "properties/x/enum", None)])
+def test_listed_values_that_break_the_keywords_beside_them_are_refused(schema, keyword, instance):
+    """The engine writes a listed value and keeps no other keyword of its node (`instance`: what its own grammar
+    takes against the schema, where that is the node itself)."""
+    with pytest.raises(InvalidRequestError, match=f"at /{keyword}: .* breaks the keywords beside it"):
+        check_schema(schema, "response_format", "schema")
+    if instance is not None:
+        assert accepts(grammar(schema), instance)
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "string", "enum": ["a", "b"], "description": "x"}, {"type": "integer", "minimum": 0, "enum": [1, 2]},
+    {"type": "string", "format": "date", "enum": ["2024-01-02"]},
+    {"$defs": {"u": {"type": "string", "maxLength": 3}}, "type": "object",
+     "properties": {"x": {"$ref": "#/$defs/u", "enum": ["ab"]}}}])
+def test_listed_values_within_the_keywords_beside_them_pass(schema):
     check_schema(schema, "response_format", "schema")
 
 
