@@ -27,7 +27,8 @@ HEARTBEAT_INTERVAL_S = 1.0
 # error itself (frontend/last_words.py), then SIGKILL.
 LAST_WORDS_SIGNAL = signal.SIGUSR2
 LAST_WORDS_S = 2.0
-# The launcher of a `shuttle engine` asks its scheduler to drain with this signal (SIGTERM stops a child at once).
+# The launcher asks its frontend, or under `shuttle engine` its scheduler, to drain with this signal (children ignore
+# SIGTERM: see child_main_args); the frontend takes a second one as "end the drain now".
 DRAIN_SIGNAL = signal.SIGUSR1
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
@@ -63,9 +64,10 @@ def raise_fd_limit() -> tuple[int, int]:
 def child_main_args(name: str) -> ShuttleConfig:
     """Parse `--config JSON`, set up logging, and tie this process's life to its launcher's.
 
-    A launched child ignores SIGINT (Ctrl-C reaches the whole process group; the launcher decides the
-    order of shutdown), exits on SIGTERM (the frontend replaces that with a drain), and is killed by the
-    kernel as soon as its launcher is gone, so no child outlives it.
+    A launched child ignores SIGINT and SIGTERM: Ctrl-C reaches the whole process group, and so does SIGTERM when a
+    service manager stops the group (systemd's default KillMode=control-group); the launcher alone decides the order
+    of shutdown and tells each child with a signal of its own (DRAIN_SIGNAL: drain; LAST_WORDS_SIGNAL: end now;
+    SIGKILL). The kernel kills a child as soon as its launcher is gone, so no child outlives it.
     """
     parser = argparse.ArgumentParser(prog=f"python -m shuttle.{name}")
     parser.add_argument("--config", required=True, help="ShuttleConfig as JSON (written by the launcher)")
@@ -73,7 +75,7 @@ def child_main_args(name: str) -> ShuttleConfig:
     group = os.environ.get(DP_GROUP_ENV)  # set for an engine's processes: their lines name their serving group
     configure_logging(name, os.environ.get(LOG_LEVEL_ENV, "INFO"), int(group) if group is not None else None)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     die_with_parent()
     old, new = raise_fd_limit()
     if new != old:

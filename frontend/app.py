@@ -5,11 +5,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import signal
 
 from aiohttp import web
 
 from shuttle.common.config import ShuttleConfig
+from shuttle.common.process import DRAIN_SIGNAL
 from shuttle.common.version import shuttle_version
 from shuttle.frontend import last_words
 from shuttle.frontend.anthropic.errors import anthropic_errors
@@ -160,7 +160,8 @@ def build_app(state: FrontendState, api_key: str | None = None) -> web.Applicati
 
 async def serve(config: ShuttleConfig, on_ready) -> None:
     """Connect to the scheduler, listen on config.host:config.port or the Unix socket config.api.uds (and the batch
-    endpoint), call `on_ready(url, batch_endpoint)` (url "unix:PATH" on a socket), serve until SIGTERM, then drain."""
+    endpoint), call `on_ready(url, batch_endpoint)` (url "unix:PATH" on a socket), serve until the launcher says
+    drain (DRAIN_SIGNAL), then drain."""
     tokenizer = TextTokenizer(config.model.tokenizer_dir or config.model.model_dir)
     local = len(config.ipc.all_groups) - len(config.ipc.remote_groups)  # the launcher's; remote ones join later
     engine = Router([EngineClient(endpoint, config.ipc.curve, remote=endpoint in config.ipc.remote_groups,
@@ -186,7 +187,7 @@ async def serve(config: ShuttleConfig, on_ready) -> None:
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
     await runner.setup()
     shutdown = Shutdown()
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, shutdown.on_signal)
+    asyncio.get_running_loop().add_signal_handler(DRAIN_SIGNAL, shutdown.on_signal)  # the launcher's; SIGTERM: ignored
     last_words.install()  # the launcher's SIGUSR2 when it replaces this process: open streams end with an error
     uds = config.api.uds
     server = await listen(runner, config.host, config.port, config.ops, uds=uds,

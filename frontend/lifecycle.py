@@ -1,4 +1,5 @@
-"""The frontend's side of supervision: the launcher's messages, liveness, and the drain on SIGTERM."""
+"""The frontend's side of supervision: the launcher's messages, liveness, and the drain the launcher asks for (it
+got SIGTERM or Ctrl-C)."""
 
 from __future__ import annotations
 
@@ -62,7 +63,7 @@ class SupervisorLink:
 
 
 class Shutdown:
-    """SIGTERM once: drain. Again: end the drain now."""
+    """The launcher's DRAIN_SIGNAL once (it got SIGTERM or Ctrl-C): drain. Again: end the drain now."""
 
     def __init__(self):
         self.requested = asyncio.Event()

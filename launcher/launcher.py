@@ -46,7 +46,6 @@ from shuttle.launcher.supervised_unit import (
     engine_roles,
 )
 
-STOP_TIMEOUT_S = 4.0  # SIGTERM to SIGKILL for the engine's processes at shutdown
 DRAIN_EXIT_GRACE_S = 5.0  # beyond --shutdown-timeout, for the frontend to write its last answers and exit
 START_TIMEOUT_S = 300.0
 POLL_MS = 50
@@ -165,8 +164,8 @@ class Launcher:
         finally:
             for sig in previous:
                 signal.signal(sig, signal.SIG_IGN)
-            for unit in reversed(self.units):  # the frontend first
-                unit.terminate(STOP_TIMEOUT_S)
+            for unit in reversed(self.units):  # the frontend first: its open streams end with an error, not a cut
+                unit.kill(LAST_WORDS_S if unit is self.frontend else 0.0)
             self.control.close()
             if self.to_frontend is not None:
                 self.to_frontend.close()
@@ -279,14 +278,14 @@ class Launcher:
         frontend = self.frontend.procs.get("frontend")
         if frontend is None or frontend.poll() is not None or self.frontend.restart_at is not None:
             return 0
-        frontend.terminate()
+        frontend.send_signal(DRAIN_SIGNAL)
         forwarded = 1
         deadline = time.monotonic() + timeout + DRAIN_EXIT_GRACE_S
         while frontend.poll() is None and time.monotonic() < deadline:
             self._read_control(POLL_MS)
             if self.signals > forwarded:  # again: the frontend ends the rest now
                 forwarded = self.signals
-                frontend.terminate()
+                frontend.send_signal(DRAIN_SIGNAL)
             for unit in self.engines:
                 reason = unit.failure(0.0) if unit.restart_at is None else None
                 if reason is not None:

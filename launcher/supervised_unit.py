@@ -201,19 +201,6 @@ class Unit:
         self.ready, self.heartbeats = {}, {}
         self._release()
 
-    def terminate(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in self.procs.values():
-            try:
-                proc.wait(timeout=max(deadline - time.monotonic(), 0.01))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        self._release()
-
     def _release(self) -> None:
         """Give a Ray-placed group's bundles back (its processes are gone)."""
         if self.placer is not None and self.group is not None:

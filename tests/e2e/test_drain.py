@@ -1,4 +1,5 @@
-"""Issue 9 acceptance 2: SIGTERM drains. Admission stops at once (503 with Connection: close and no Retry-After,
+"""Issue 9 acceptance 2: SIGTERM drains, also sent to the launcher's whole process group (as a service manager
+sends it). Admission stops at once (503 with Connection: close and no Retry-After,
 /health 503 "draining"), running streams finish up to --shutdown-timeout, the rest end with an error event, and
 the exit status is 0. One server, since SIGTERM ends it: short streams that finish within the timeout and long
 ones that cannot (the step delay is a floor under their time, whatever the machine's speed). Waits are bounds that
@@ -6,6 +7,7 @@ only a hang exceeds."""
 
 import asyncio
 import json
+import os
 import signal
 
 import aiohttp
@@ -45,7 +47,9 @@ async def test_sigterm_finishes_short_streams_ends_long_ones_with_an_error_and_r
             tasks = [asyncio.create_task(stream(session, srv.url, SHORT if i < 20 else LONG, e))
                      for i, e in enumerate(started)]
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), HANG)
-            srv.proc.send_signal(signal.SIGTERM)
+            # to the whole process group, as a service manager stops it (systemd's default KillMode): every child
+            # gets it too, and still only the launcher acts on it
+            os.killpg(os.getpgid(srv.proc.pid), signal.SIGTERM)
             while True:  # the frontend hears of the SIGTERM through the launcher
                 async with session.get(f"{srv.url}/health") as response:
                     if response.status == 503:

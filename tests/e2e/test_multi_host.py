@@ -110,7 +110,7 @@ async def test_remote_group_joins_serves_a_stream_and_comes_back(hosts):
             started = asyncio.Event()
             stream = asyncio.create_task(stream_until_end(session, frontend.url, started))
             await asyncio.wait_for(started.wait(), HANG)
-            engine.proc.send_signal(signal.SIGTERM)
+            os.killpg(os.getpgid(engine.proc.pid), signal.SIGTERM)  # the whole group, as systemd stops it
             draining = await wait_health(session, frontend.url, 503)
             assert "draining" in draining["groups"][0]["reason"]
             async with session.post(f"{frontend.url}/v1/completions", json={"prompt": IDS, "max_tokens": 2}) as refused:

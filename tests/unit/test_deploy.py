@@ -18,9 +18,10 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from shuttle.common.process import LAST_WORDS_S
 from shuttle.frontend.web.middleware import OPEN_PATHS
 from shuttle.launcher.cli import build_parser
-from shuttle.launcher.launcher import DRAIN_EXIT_GRACE_S, STOP_TIMEOUT_S
+from shuttle.launcher.launcher import DRAIN_EXIT_GRACE_S
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 MANIFESTS = sorted((DEPLOY / "kubernetes").glob("*.yaml"))
@@ -124,7 +125,7 @@ def test_shuttle_command_lines_parse_and_probes_reach_its_routes(path):
             pre_stop = container.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", [])
             sleep = float(pre_stop[1]) if pre_stop[:1] == ["sleep"] else 0.0
             assert pod["terminationGracePeriodSeconds"] >= sleep + args.shutdown_timeout + DRAIN_EXIT_GRACE_S + \
-                STOP_TIMEOUT_S
+                LAST_WORDS_S  # the frontend's last words at the very end; the engine is killed at once
     assert found == 1
 
 
