@@ -26,11 +26,21 @@ import threading
 import time
 from typing import Any, AsyncIterable, AsyncIterator, Iterable, Iterator
 
+import msgspec
 import zmq
 import zmq.asyncio
 
+from shuttle.common.config import OpsConfig
 from shuttle.common.ipc import AsyncChannel
-from shuttle.common.messages import BatchHeartbeat, BatchPing, BatchRequest, BatchResponse, BatchServerMessage
+from shuttle.common.messages import (
+    BATCH_MAX_DEPTH,
+    BatchHeartbeat,
+    BatchPing,
+    BatchRequest,
+    BatchResponse,
+    BatchServerMessage,
+)
+from shuttle.common.wire_guard import nesting_exceeds
 
 HEARTBEAT_S = 1.0
 SERVER_TIMEOUT_S = 5.0  # silence after which the server is taken as gone (it beats every second)
@@ -52,10 +62,15 @@ class AsyncBatchClient:
         max_in_flight: jobs sent and not yet answered (the credit); a 503 being retried still holds its credit.
         api_key: the server's API key, put into every job (default: $SHUTTLE_API_KEY).
         server_timeout: seconds of silence from the server after which BatchServerGone is raised.
+        max_message_bytes: the server's --max-batch-message-bytes: a job larger than this once encoded, or nested
+            deeper than the server reads (BATCH_MAX_DEPTH), is answered here with a 400 and never sent (the server
+            would drop the connection for the one, answer the other under no job id: neither answer could reach
+            its job).
     """
 
     def __init__(self, endpoint: str, max_in_flight: int = 64, api_key: str | None = None,
-                 server_timeout: float = SERVER_TIMEOUT_S, heartbeat: float = HEARTBEAT_S):
+                 server_timeout: float = SERVER_TIMEOUT_S, heartbeat: float = HEARTBEAT_S,
+                 max_message_bytes: int = OpsConfig().max_batch_message_bytes):
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight must be at least 1, got {max_in_flight}")
         self.endpoint = endpoint
@@ -63,6 +78,7 @@ class AsyncBatchClient:
         self.api_key = api_key if api_key is not None else os.environ.get("SHUTTLE_API_KEY", "")
         self.server_timeout = server_timeout
         self.heartbeat = heartbeat
+        self.max_message_bytes = max_message_bytes
         self.num_retried = 0  # 503s retried after their Retry-After
         self.num_resent = 0  # jobs sent again because the server restarted while they were unanswered
         self._ctx = zmq.asyncio.Context()
@@ -112,6 +128,10 @@ class AsyncBatchClient:
                         break
                     if job.job_id in outstanding:
                         raise ValueError(f"job id {job.job_id!r} is already in flight")
+                    refusal = self._unsendable(job)
+                    if refusal is not None:
+                        yield refusal
+                        continue
                     outstanding[job.job_id] = job
                     await channel.send(job)
                 if not outstanding:
@@ -153,6 +173,20 @@ class AsyncBatchClient:
         finally:
             beat.cancel()
 
+    def _unsendable(self, job: BatchRequest) -> BatchResponse | None:
+        """The 400 for a job the server could not read (too large, nested too deep), or None: send it."""
+        payload = msgspec.msgpack.encode(job)
+        if len(payload) > self.max_message_bytes:
+            why = (f"is {len(payload)} bytes encoded, over the server's {self.max_message_bytes} "
+                   f"(--max-batch-message-bytes)")
+        elif nesting_exceeds(payload, BATCH_MAX_DEPTH):
+            why = f"nests deeper than the {BATCH_MAX_DEPTH} levels the server reads"
+        else:
+            return None
+        message = f"job {job.job_id!r} {why}; not sent"
+        return BatchResponse(job_id=job.job_id, status_code=400, body={"error": {
+            "message": message, "type": "invalid_request_error", "param": "body", "code": 400}})
+
     @staticmethod
     async def _resend(channel: AsyncChannel, outstanding: dict[str, BatchRequest],
                       retries: list[tuple[float, int, BatchRequest]]) -> int:
@@ -189,11 +223,13 @@ class BatchClient:
     long the caller takes over each result. Arguments as AsyncBatchClient."""
 
     def __init__(self, endpoint: str, max_in_flight: int = 64, api_key: str | None = None,
-                 server_timeout: float = SERVER_TIMEOUT_S):
+                 server_timeout: float = SERVER_TIMEOUT_S,
+                 max_message_bytes: int = OpsConfig().max_batch_message_bytes):
         self.endpoint = endpoint
         self.max_in_flight = max_in_flight
         self.api_key = api_key
         self.server_timeout = server_timeout
+        self.max_message_bytes = max_message_bytes
 
     def run(self, jobs: Iterable[Job]) -> Iterator[BatchResponse]:
         """Yield each job's BatchResponse as it arrives (see AsyncBatchClient.run; the same errors are raised
@@ -207,7 +243,8 @@ class BatchClient:
             holder["task"] = asyncio.current_task()
             holder["loop"] = asyncio.get_running_loop()
             started.set()
-            client = AsyncBatchClient(self.endpoint, self.max_in_flight, self.api_key, self.server_timeout)
+            client = AsyncBatchClient(self.endpoint, self.max_in_flight, self.api_key, self.server_timeout,
+                                      max_message_bytes=self.max_message_bytes)
             try:
                 async for response in client.run(jobs):
                     results.put(response)

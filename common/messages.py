@@ -352,6 +352,9 @@ class BatchPing(msgspec.Struct, tag="ping", **_BATCH_WIRE):
 BatchClientMessage = BatchRequest | BatchPing
 
 
+BATCH_MAX_DEPTH = 128  # nesting levels a batch message may have (HTTP bodies of the same jobs need well under 20)
+
+
 class BatchResponse(msgspec.Struct, tag="response", **_BATCH_WIRE):
     """A job's one terminal answer: `status_code` and `body` as an HTTP call would have got them (200 and the
     completion or chat completion; else the status and an OpenAI error body naming the field). `request_id` is

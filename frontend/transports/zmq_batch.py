@@ -33,7 +33,13 @@ import zmq
 import zmq.asyncio
 
 from shuttle.common.ipc import AsyncChannel, MalformedMessage
-from shuttle.common.messages import BatchClientMessage, BatchHeartbeat, BatchRequest, BatchResponse
+from shuttle.common.messages import (
+    BATCH_MAX_DEPTH,
+    BatchClientMessage,
+    BatchHeartbeat,
+    BatchRequest,
+    BatchResponse,
+)
 from shuttle.frontend.open_call import open_call
 from shuttle.frontend.request.errors import client_error, error_body
 from shuttle.frontend.state import FrontendState
@@ -43,7 +49,7 @@ log = logging.getLogger("shuttle.frontend")
 
 HEARTBEAT_S = 1.0  # the server's heartbeat period to each live client
 CLIENT_TIMEOUT_S = 3.0  # a client silent this long is gone: its jobs are aborted
-MAX_DEPTH = 128  # nesting levels a message may have (HTTP bodies of the same jobs need well under 20)
+MAX_DEPTH = BATCH_MAX_DEPTH
 _FIELD = re.compile(r"at `\$\.([A-Za-z_]\w*)`|missing required field `([A-Za-z_]\w*)`")
 
 

@@ -459,3 +459,22 @@ async def test_a_retry_that_comes_back_before_the_refused_job_ended_is_run(app, 
 
 async def _all(responses) -> list:
     return [r async for r in responses]
+
+
+async def test_jobs_the_server_could_not_read_are_answered_by_the_client_and_the_rest_run(app):
+    """A job nested deeper than the server reads (its 400 could name no job) or larger than its frame limit (it
+    would drop the connection, and the answers of the jobs beside it with it) is answered by the client with a 400
+    and never sent; the jobs around it run as usual."""
+    deep: object = "x"
+    for _ in range(200):
+        deep = [deep]
+    jobs = [{"custom_id": "small1", "body": {"prompt": "Hi", "max_tokens": 2}},
+            {"custom_id": "deep", "body": {"prompt": "Hi", "max_tokens": 2, "extra": deep}},
+            {"custom_id": "huge", "body": {"prompt": "Hi " * 2_000_000, "max_tokens": 2}},
+            {"custom_id": "small2", "body": {"prompt": "Hi", "max_tokens": 2}}]
+    async with AsyncBatchClient(app.batch.endpoint, api_key=KEY, server_timeout=HANG) as client:
+        results = {r.job_id: r async for r in client.run(jobs)}
+    assert {job_id: r.status_code for job_id, r in results.items()} == {"small1": 200, "deep": 400, "huge": 400,
+                                                                       "small2": 200}
+    assert "nests deeper than the 128 levels" in results["deep"].body["error"]["message"]
+    assert "over the server's 4194304 (--max-batch-message-bytes)" in results["huge"].body["error"]["message"]
