@@ -51,6 +51,17 @@ class AdapterSpec(msgspec.Struct, frozen=True, kw_only=True):
     target_modules: tuple[str, ...]
 
 
+MAX_ADAPTER_NAME_CHARS = 256
+
+
+def adapter_name_error(name: str) -> str | None:
+    """Why `name` cannot name an adapter, or None: it is a model name in every answer and a label value in /metrics
+    (whose running_lora_adapters joins names with commas)."""
+    if len(name) > MAX_ADAPTER_NAME_CHARS or not name.isprintable() or "," in name:
+        return f"an adapter name must be at most {MAX_ADAPTER_NAME_CHARS} printable characters without a comma"
+    return None
+
+
 def parse_lora_module(value: str) -> LoRAModule:  # defined before LoRAConfig, whose declaration names it
     """One --lora-modules value: NAME=PATH, or vLLM's JSON form {"name": ..., "path": ..., "base_model_name": ...}.
 
@@ -76,6 +87,9 @@ def parse_lora_module(value: str) -> LoRAModule:  # defined before LoRAConfig, w
         module = LoRAModule(name=name.strip(), path=path.strip())
     if not module.name or not module.path:
         raise argparse.ArgumentTypeError(f"an adapter needs a name and a path, got {value!r}")
+    why = adapter_name_error(module.name)
+    if why is not None:
+        raise argparse.ArgumentTypeError(f"{why}, got {module.name[:100]!r}")
     return module
 
 

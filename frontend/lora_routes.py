@@ -21,7 +21,7 @@ import msgspec
 from aiohttp import web
 
 from shuttle.common.errors import InvalidRequestError, ModelDirError, ModelNotFoundError
-from shuttle.common.lora import LoRAModule, check_adapter_for
+from shuttle.common.lora import LoRAModule, adapter_name_error, check_adapter_for
 from shuttle.frontend.request.decoding import decode_body
 from shuttle.frontend.state import STATE, FrontendState
 from shuttle.frontend.web.server import request_body
@@ -61,7 +61,12 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
     name = body.lora_name
     if not name or not body.lora_path:
         raise InvalidRequestError("lora_name and lora_path must not be empty", param="lora_name")
-    if name in state.lora_modules or name in state.config.model.served_model_names:
+    why = adapter_name_error(name)
+    if why is not None:
+        raise InvalidRequestError(why, param="lora_name")
+    if name in state.config.model.served_model_names:
+        raise InvalidRequestError(f"lora_name {name!r} is the served model's name", param="lora_name")
+    if name in state.lora_modules:
         raise InvalidRequestError(f"The lora adapter '{name}' has already been loaded.", param="lora_name")
     path = str(Path(body.lora_path).absolute())
     try:

@@ -63,6 +63,10 @@ async def test_adapters_load_and_unload_at_run_time_under_vllms_rule(tmp_path, m
             assert (response.status, await response.text()) == (200, "Success: LoRA adapter 'live' added successfully.")
         status, body = await post(client, "/v1/load_lora_adapter", load)
         assert (status, body["error"]["message"]) == (400, "The lora adapter 'live' has already been loaded.")
+        for name, why in [(SERVED, "is the served model's name"), ("a,b", "without a comma"),
+                          ("a\x00b", "printable characters"), ("x" * 257, "at most 256")]:
+            status, body = await post(client, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(good)})
+            assert status == 400 and why in body["error"]["message"] and body["error"]["param"] == "lora_name", body
         poisoned = write_adapter(tmp_path / "poisoned", MODEL_DIR, {"q_proj"}, rank=4, alpha=8, seed=4)
         cut = write_adapter(tmp_path / "cut", MODEL_DIR, {"q_proj"}, rank=4, alpha=8, seed=5)
         tensors = load_file(str(poisoned / "adapter_model.safetensors"))

@@ -25,7 +25,8 @@ def test_lora_modules_take_name_equals_path_and_vllms_json():
     assert parse_lora_module('{"name": "fr", "path": "/a/fr", "base_model_name": "b"}') == LoRAModule(
         name="fr", path="/a/fr", base_model_name="b")
     for value, why in [("sql", "expected NAME=PATH or a JSON object"), ("=/a", "needs a name and a path"),
-                       ('{"name": "x", "path": "/p", "rank": 8}', "key 'rank' is not implemented")]:
+                       ('{"name": "x", "path": "/p", "rank": 8}', "key 'rank' is not implemented"),
+                       ("a,b=/p", "without a comma"), ('{"name": "a\\u0000", "path": "/p"}', "printable")]:
         with pytest.raises(argparse.ArgumentTypeError, match=why):
             parse_lora_module(value)
 
