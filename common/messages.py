@@ -312,12 +312,14 @@ class WorkerFailed(msgspec.Struct, **_WIRE):
 
 class GrammarsCompiled(msgspec.Struct, **_WIRE):
     """Answers to CompileGrammars, sent whenever compiles finish (between steps or while idle): `errors[i]` is ""
-    when the constraint keyed `keys[i]` (StructuredOutput.key) compiled, else why it cannot (its requests get 400);
+    when the constraint keyed `keys[i]` (StructuredOutput.key) compiled, else why it cannot (its requests get 400,
+    or `statuses[i]` when given: 503 for "not now");
     `sizes[i]`: the compiled grammar's bytes in the worker (0 for an error)."""
 
     keys: list[str]
     errors: list[str]
     sizes: list[int] = []
+    statuses: list[int] = []
 
 
 WorkerMessage = WorkerReady | StepResult | WorkerFailed | GrammarsCompiled

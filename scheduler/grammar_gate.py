@@ -109,17 +109,19 @@ class GrammarGate:
         evict, self._to_evict = self._to_evict, []
         return evict
 
-    def answered(self, message: GrammarsCompiled) -> tuple[list[Request], list[tuple[Request, str]]]:
-        """(requests that may be queued now, (request, error) pairs that must fail) for the worker's answers."""
+    def answered(self, message: GrammarsCompiled) -> tuple[list[Request], list[tuple[Request, str, int]]]:
+        """(requests that may be queued now, (request, error, HTTP status) for those that must fail) for the
+        worker's answers."""
         ready: list[Request] = []
-        failed: list[tuple[Request, str]] = []
+        failed: list[tuple[Request, str, int]] = []
         sizes = message.sizes or [0] * len(message.keys)
-        for key, error, size in zip(message.keys, message.errors, sizes):
+        statuses = message.statuses or [400] * len(message.keys)
+        for key, error, size, status in zip(message.keys, message.errors, sizes, statuses):
             self._asked.discard(key)
             requests = self._held.pop(key, [])
             self._num_held -= len(requests)
             if error:
-                failed.extend((r, error) for r in requests)
+                failed.extend((r, error, status or 400) for r in requests)
                 continue
             if key in self._to_evict:  # asked again before its eviction went out: it stays
                 self._to_evict.remove(key)

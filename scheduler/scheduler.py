@@ -139,14 +139,15 @@ class Scheduler:
 
     def on_grammars_compiled(self, message: GrammarsCompiled) -> None:
         """The worker's answer to CompileGrammars: queue the requests whose grammar is ready; end with 400 those
-        whose constraint does not compile (before they ever ran: the client gets a plain 400)."""
+        whose constraint does not compile (before they ever ran: the client gets a plain 400), with 503 those the
+        worker cannot compile now."""
         ready, failed = self.grammars.answered(message)
         for request in ready:
             if request.is_live:
                 self.waiting.push(request)
-        for request, error in failed:
+        for request, error, status in failed:
             if request.is_live:
-                self._finish(request, FinishReason.ERROR, 400, error)
+                self._finish(request, FinishReason.ERROR, status, error)
 
     @property
     def num_waiting(self) -> int:

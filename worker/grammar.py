@@ -54,7 +54,12 @@ MAX_ABANDONED = 2
 
 
 class GrammarError(ValueError):
-    """A StructuredOutput xgrammar cannot compile (the message says why)."""
+    """A StructuredOutput xgrammar cannot compile (the message says why). `status` 503: not now (the server is busy
+    with over-long compiles), never kept for the spec; 400: not this spec."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
 
 
 class _Job:
@@ -235,7 +240,8 @@ class GrammarCompiler:
         del self._jobs[job.spec.key]
         if value is None:
             value = GrammarError("internal error: the compile ended without a result")
-        self._keep(job.spec.key, value)
+        if not (isinstance(value, GrammarError) and value.status == 503):  # busy now: the next ask compiles
+            self._keep(job.spec.key, value)
         self._answers.append((job.spec.key, value))
 
     def _pump(self) -> None:
@@ -247,7 +253,7 @@ class GrammarCompiler:
                 while lane.queue:
                     self._settle(lane.queue.popleft(), GrammarError(
                         f"the {CONSTRAINT_REFUSAL} now: the server is still running {len(self._abandoned)} "
-                        f"over-long compiles; retry later or send a smaller constraint"))
+                        f"over-long compiles; retry later or send a smaller constraint", status=503))
             if lane.running is None and lane.queue:
                 job = lane.running = lane.queue.popleft()
                 job.started = self.clock()
@@ -320,7 +326,9 @@ def _answer(answers: list[tuple[str, CompiledGrammar | GrammarError]]) -> Gramma
     """GrammarsCompiled of (key, CompiledGrammar or GrammarError) pairs: the error's text or "", and the bytes."""
     errors = [str(value) if isinstance(value, GrammarError) else "" for _, value in answers]
     sizes = [0 if isinstance(value, GrammarError) else value.memory_size_bytes for _, value in answers]
-    return GrammarsCompiled(keys=[key for key, _ in answers], errors=errors, sizes=sizes)
+    statuses = [value.status if isinstance(value, GrammarError) else 0 for _, value in answers]
+    return GrammarsCompiled(keys=[key for key, _ in answers], errors=errors, sizes=sizes,
+                            statuses=statuses if any(s == 503 for s in statuses) else [])
 
 
 def choice_grammar(choices: list[str]) -> str:
