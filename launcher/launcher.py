@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import subprocess
 import time
 from urllib.parse import urlsplit
 
@@ -46,6 +47,7 @@ from shuttle.launcher.supervised_unit import (
     engine_roles,
 )
 
+STOP_TIMEOUT_S = 4.0  # a frontend still running when the launcher stops on its own: its drain, then last words
 DRAIN_EXIT_GRACE_S = 5.0  # beyond --shutdown-timeout, for the frontend to write its last answers and exit
 START_TIMEOUT_S = 300.0
 POLL_MS = 50
@@ -164,8 +166,11 @@ class Launcher:
         finally:
             for sig in previous:
                 signal.signal(sig, signal.SIG_IGN)
-            for unit in reversed(self.units):  # the frontend first: its open streams end with an error, not a cut
-                unit.kill(LAST_WORDS_S if unit is self.frontend else 0.0)
+            for unit in reversed(self.units):  # the frontend first: its clients get answers, not a cut
+                if unit is self.frontend:
+                    self._stop_frontend(unit)
+                else:
+                    unit.kill()
             self.control.close()
             if self.to_frontend is not None:
                 self.to_frontend.close()
@@ -267,6 +272,19 @@ class Launcher:
         say(f"{reason}; the {unit.name} restarts in {backoff:.1f} s "
              f"(restart {unit.failures_in_a_row} of at most {self.config.ops.max_restarts} in a row)")
         return True
+
+    def _stop_frontend(self, unit: Unit) -> None:
+        """A frontend still running at the end (the launcher gave up, or start-up failed) drains for up to
+        STOP_TIMEOUT_S (what is in flight on a lost engine has its 503 already; it writes those answers), then gets
+        its last words and SIGKILL."""
+        proc = unit.procs.get("frontend")
+        if proc is not None and proc.poll() is None and unit.is_ready:
+            proc.send_signal(DRAIN_SIGNAL)
+            try:
+                proc.wait(timeout=STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                pass
+        unit.kill(LAST_WORDS_S)
 
     def _drain(self) -> int:
         """Graceful stop: the frontend drains (admission off, in-flight requests finish or time out), then the
