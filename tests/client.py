@@ -28,6 +28,20 @@ async def stream_completion(session: aiohttp.ClientSession, url: str, **body) ->
     return [json.loads(e) for e in events[:-1]]
 
 
+async def stream_until_end(session: aiohttp.ClientSession, url: str, body: dict, started: asyncio.Event) -> list[dict]:
+    """A streamed completion's decoded `data:` events to its end, [DONE] left out (an error event included);
+    `started` is set at the first one."""
+    events = []
+    async with session.post(f"{url}/v1/completions", json={**body, "stream": True}) as response:
+        assert response.status == 200
+        async for raw in response.content:
+            line = raw.decode().strip()
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[6:]))
+                started.set()
+    return events
+
+
 async def health(session: aiohttp.ClientSession, url: str) -> dict:
     async with session.get(f"{url}/health") as response:
         assert response.status == 200

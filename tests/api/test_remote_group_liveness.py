@@ -111,19 +111,26 @@ async def wait_until(condition, timeout: float) -> float:
     return time.monotonic() - start
 
 
-async def test_a_silent_remote_group_fails_its_requests_and_rejoins_when_it_answers(stand_in):
-    endpoint, process = stand_in
+async def routed(endpoint: str):
+    """The remote group at `endpoint` behind a router, up; the outputs its requests get, and a coroutine function
+    that runs one request (by id) through the router, collecting its outputs."""
     group = EngineClient(endpoint, remote=True, silence_timeout=SILENCE_S)
     router = Router([group], max_num_seqs=8, wait_for=0)
+    await router.start()
+    await wait_until(lambda: group.is_up, 30)
+    outputs: list = []
+
+    async def consume(request_id: str) -> None:
+        async for output in router.generate(submit(request_id)):
+            outputs.append(output)
+
+    return group, router, outputs, consume
+
+
+async def test_a_silent_remote_group_fails_its_requests_and_rejoins_when_it_answers(stand_in):
+    endpoint, process = stand_in
+    group, router, outputs, consume = await routed(endpoint)
     try:
-        await router.start()
-        await wait_until(lambda: group.is_up, 30)
-        outputs = []
-
-        async def consume(request_id: str) -> None:
-            async for output in router.generate(submit(request_id)):
-                outputs.append(output)
-
         requests = [asyncio.create_task(consume(f"r{i}")) for i in range(3)]
         await wait_until(lambda: group.num_in_flight == 3, 10)
         os.kill(process.pid, signal.SIGSTOP)
@@ -157,17 +164,8 @@ async def test_a_quiet_remote_group_that_answers_heartbeats_stays_up(stand_in):
 
 async def test_a_draining_remote_group_takes_no_new_request_and_rejoins_when_started_again(stand_ins):
     stand_in = stand_ins.start()
-    group = EngineClient(stand_ins.endpoint, remote=True, silence_timeout=SILENCE_S)
-    router = Router([group], max_num_seqs=8, wait_for=0)
+    group, router, outputs, consume = await routed(stand_ins.endpoint)
     try:
-        await router.start()
-        await wait_until(lambda: group.is_up, 30)
-        outputs = []
-
-        async def consume(request_id: str) -> None:
-            async for output in router.generate(submit(request_id)):
-                outputs.append(output)
-
         request = asyncio.create_task(consume("r0"))
         await wait_until(lambda: group.num_in_flight == 1, 10)
         os.kill(stand_in.pid, signal.SIGUSR1)

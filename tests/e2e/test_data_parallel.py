@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 
 from shuttle.capacity.story_prompts import MAX_TOKENS, story_prompts
-from tests.client import post_completion
+from tests.client import post_completion, stream_until_end
 from tests.conftest import hf_greedy, hf_tokenizer
 from tests.server import ShuttleServer
 
@@ -130,23 +130,10 @@ async def test_shared_prefix_lands_on_one_group_and_is_cached(srv):
 LONG = {"prompt": "Once upon a time", "max_tokens": 100, "ignore_eos": True, "temperature": 0, "stream": True}
 
 
-async def stream(session, url, started: asyncio.Event) -> list[dict]:
-    """A long stream's events to its end (`started` once its first token is out)."""
-    events = []
-    async with session.post(f"{url}/v1/completions", json=LONG) as response:
-        assert response.status == 200
-        async for raw in response.content:
-            line = raw.decode().strip()
-            if line.startswith("data: ") and line != "data: [DONE]":
-                events.append(json.loads(line[6:]))
-                started.set()
-    return events
-
-
 async def test_kill_one_groups_worker_under_load(srv):
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=HANG)) as session:
         started = [asyncio.Event() for _ in range(8)]
-        tasks = [asyncio.create_task(stream(session, srv.url, event)) for event in started]
+        tasks = [asyncio.create_task(stream_until_end(session, srv.url, LONG, event)) for event in started]
         await asyncio.wait_for(asyncio.gather(*(event.wait() for event in started)), HANG)
         await wait_health(session, srv.url, lambda c, b: per_group(b, "num_running") == [4, 4])
         killed = srv.pids["worker.1"]

@@ -21,7 +21,7 @@ import aiohttp
 import pytest
 
 from shuttle.common.ipc import CURVE_ENV, CurveKeys
-from tests.client import stream_completion
+from tests.client import stream_completion, stream_until_end
 from tests.conftest import hf_greedy
 from tests.server import MODEL_DIR, REPO, ShuttleServer
 
@@ -29,6 +29,7 @@ HANG = 120.0
 STREAM_TOKENS = 400  # long enough to be in flight when the group freezes or drains
 SILENCE_S = 8.0  # the frontend's --heartbeat-timeout: how long a frozen group goes unnoticed
 IDS = [1, 403, 407, 261, 378]  # "Once upon a time"
+LONG = {"prompt": IDS, "max_tokens": STREAM_TOKENS, "ignore_eos": True, "temperature": 0, "return_token_ids": True}
 
 
 def free_port(host: str) -> int:
@@ -59,6 +60,13 @@ async def wait_health(session, url, status: int) -> dict:
         await asyncio.sleep(0.05)
 
 
+async def streams_greedy(session, url: str) -> None:
+    """A streamed request is served end to end, token for token as transformers' greedy generate."""
+    events = await stream_completion(session, url, prompt=IDS, max_tokens=16, temperature=0, return_token_ids=True)
+    assert [t for e in events for c in e["choices"] for t in c.get("token_ids") or []] == hf_greedy(IDS, 16)
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+
+
 async def test_remote_group_joins_serves_a_stream_and_comes_back(hosts):
     frontend, endpoint, start_engine = hosts
     assert frontend.url.startswith("http://127.0.0.2:")
@@ -70,25 +78,19 @@ async def test_remote_group_joins_serves_a_stream_and_comes_back(hosts):
             assert engine.ready_info["endpoint"] == endpoint and "frontend" not in engine.pids
             body = await wait_health(session, frontend.url, 200)
             assert body["groups"][0]["status"] == "ok"
-            events = await stream_completion(session, frontend.url, prompt=IDS, max_tokens=16, temperature=0,
-                                             return_token_ids=True)
-            tokens = [t for e in events for c in e["choices"] for t in c.get("token_ids") or []]
-            assert tokens == hf_greedy(IDS, 16)
-            assert events[-1]["choices"][0]["finish_reason"] == "length"
+            await streams_greedy(session, frontend.url)
             os.kill(engine.pids["scheduler"], signal.SIGKILL)
             down = await wait_health(session, frontend.url, 503)
             assert down["groups"][0]["reason"] == f"lost the connection to {endpoint}"
             engine.wait_restarts(1)
             await wait_health(session, frontend.url, 200)
-            events = await stream_completion(session, frontend.url, prompt=IDS, max_tokens=16, temperature=0,
-                                             return_token_ids=True)
-            assert [t for e in events for c in e["choices"] for t in c.get("token_ids") or []] == hf_greedy(IDS, 16)
+            await streams_greedy(session, frontend.url)
 
             # A frozen host: the group's processes stop, its connection stays open. The frontend notices within
             # its --heartbeat-timeout, ends the stream in flight with one error, and takes the group back once it
             # runs again.
             started = asyncio.Event()
-            stream = asyncio.create_task(stream_until_end(session, frontend.url, started))
+            stream = asyncio.create_task(stream_until_end(session, frontend.url, LONG, started))
             await asyncio.wait_for(started.wait(), HANG)
             group = os.getpgid(engine.pids["scheduler"])
             os.killpg(group, signal.SIGSTOP)
@@ -102,13 +104,11 @@ async def test_remote_group_joins_serves_a_stream_and_comes_back(hosts):
             finally:
                 os.killpg(group, signal.SIGCONT)
             await wait_health(session, frontend.url, 200)
-            events = await stream_completion(session, frontend.url, prompt=IDS, max_tokens=16, temperature=0,
-                                             return_token_ids=True)
-            assert [t for e in events for c in e["choices"] for t in c.get("token_ids") or []] == hf_greedy(IDS, 16)
+            await streams_greedy(session, frontend.url)
 
             # SIGTERM drains the group: the stream in flight finishes whole, new requests are refused meanwhile.
             started = asyncio.Event()
-            stream = asyncio.create_task(stream_until_end(session, frontend.url, started))
+            stream = asyncio.create_task(stream_until_end(session, frontend.url, LONG, started))
             await asyncio.wait_for(started.wait(), HANG)
             os.killpg(os.getpgid(engine.proc.pid), signal.SIGTERM)  # the whole group, as systemd stops it
             draining = await wait_health(session, frontend.url, 503)
@@ -121,21 +121,6 @@ async def test_remote_group_joins_serves_a_stream_and_comes_back(hosts):
             assert engine.proc.wait(HANG) == 0
         finally:
             engine.stop()
-
-
-async def stream_until_end(session, url: str, started: asyncio.Event) -> list[dict]:
-    """A long stream's events to its end (`started` once its first token is out)."""
-    events = []
-    body = {"prompt": IDS, "max_tokens": STREAM_TOKENS, "ignore_eos": True, "temperature": 0, "stream": True,
-            "return_token_ids": True}
-    async with session.post(f"{url}/v1/completions", json=body) as response:
-        assert response.status == 200
-        async for raw in response.content:
-            line = raw.decode().strip()
-            if line.startswith("data: ") and line != "data: [DONE]":
-                events.append(json.loads(line[6:]))
-                started.set()
-    return events
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
