@@ -398,12 +398,9 @@ class ModelRunner:
                                  inputs.spec_requests)
         for state, (gained, gained_logprobs) in zip(inputs.spec_requests, verified):
             start = len(state.token_ids) - 1  # the step computed from the last known token
-            for token in gained:
+            for token in gained:  # (a constrained request drafts nothing: its grammar cannot refuse these)
                 state.token_ids.append(token)
-                if not self._record(state, token, failed):
-                    break
-            if failed and failed[-1].request_id == state.request_id:
-                continue  # dropped: the scheduler ends it
+                state.sampling.record(token)
             self.batch.trim_blocks(state, start + len(gained))
             state.draft_token_ids = []
             request_ids += [state.request_id] * len(gained)
@@ -414,19 +411,19 @@ class ModelRunner:
                             prompt_logprobs=prompt_logprobs, failed=failed)
         return _without_failed(result) if failed else result
 
-    def _record(self, state: CachedRequestState, token: int, failed: list[RequestFailure]) -> bool:
+    @staticmethod
+    def _record(state: CachedRequestState, token: int, failed: list[RequestFailure]) -> None:
         """Advance `state`'s sampling (penalty counts, grammar) by its sampled `token`. A constrained request whose
         grammar admitted no token at all (its mask left every logit at -inf: a constraint that matches no text, or
-        nothing past what it produced) cannot go on: it is dropped and added to `failed` (a 400 for it alone)."""
+        nothing past what it produced) cannot go on: it is added to `failed` (a 400 for it alone). Its state stays
+        until the scheduler's next plan names it finished, as an aborted request's does: every tensor-parallel rank
+        runs the same requests in every step, and only this one (the driver) holds grammars."""
         try:
             state.sampling.record(token)
-            return True
         except GrammarError:
             position = len(state.token_ids) - 1 - state.sampling.prompt_len
             failed.append(RequestFailure(state.request_id, f"the structured output constraint admits no token at "
                                          f"output position {position}: it matches no text that way", status=400))
-            self.batch.drop(state.request_id)
-            return False
 
     def _attach_grammars(self, plan: StepPlan, grammars: GrammarCompiler) -> None:
         """A matcher for each new constrained request, past the outputs it already has (after a preemption)."""
