@@ -302,16 +302,19 @@ def _check_listed_values(node: dict[str, Any], root: dict[str, Any], listed: dic
     """Where `enum` or `const` lists the values, the engine writes one of them and keeps no other keyword of the
     node: each value must then satisfy the node's other keywords (checked by the jsonschema library, formats
     included, local references resolved against `root`), else that value could be served against the schema."""
-    siblings = {k: v for k, v in node.items() if k not in ("enum", "const") and KEYWORDS.get(k, ("",))[0] != ANNOTATION}
-    if not set(siblings) - {"type"}:
-        return  # the type alone: checked by the caller
+    constraining = {k: v for k, v in node.items() if KEYWORDS.get(k, ("",))[0] != ANNOTATION}
+    if not set(constraining) - {"type", "enum"} or not set(constraining) - {"type", "const"}:
+        return  # one list beside the type alone: checked by the caller
     from jsonschema import Draft202012Validator
     from jsonschema.exceptions import SchemaError
 
-    schema = {**{k: v for k, v in root.items() if k in ("$defs", "definitions")}, **siblings}
+    definitions = {k: v for k, v in root.items() if k in ("$defs", "definitions")}
     try:
-        validator = Draft202012Validator(schema, format_checker=Draft202012Validator.FORMAT_CHECKER)
         for keyword, values in listed.items():
+            # every other keyword of the node, the other list too (`const` beside an `enum` that lacks it)
+            siblings = {k: v for k, v in constraining.items() if k != keyword}
+            validator = Draft202012Validator({**definitions, **siblings},
+                                             format_checker=Draft202012Validator.FORMAT_CHECKER)
             for value in values:
                 error = next(validator.iter_errors(value), None)
                 if error is not None:

@@ -161,7 +161,9 @@ def test_const_and_enum_values_of_the_type_beside_them_pass(schema):
     ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "const": {"b": 1}}, "const",
      '{"b":1}'),
     ({"$defs": {"u": {"type": "string", "maxLength": 3}}, "type": "object",
-      "properties": {"x": {"$ref": "#/$defs/u", "enum": ["abcd"]}}}, "properties/x/enum", None)])
+      "properties": {"x": {"$ref": "#/$defs/u", "enum": ["abcd"]}}}, "properties/x/enum", None),
+    ({"const": "x", "enum": ["y"]}, "const", None), ({"const": False, "enum": [0]}, "const", None),
+    ({"const": 1, "enum": [True]}, "const", None)])
 def test_listed_values_that_break_the_keywords_beside_them_are_refused(schema, keyword, instance):
     """The engine writes a listed value and keeps no other keyword of its node (`instance`: what its own grammar
     takes against the schema, where that is the node itself)."""
