@@ -23,6 +23,10 @@ from shuttle.common.messages import Heartbeat, ProcessReady
 log = logging.getLogger("shuttle")
 
 HEARTBEAT_INTERVAL_S = 1.0
+# A watcher (the scheduler's step loop, the launcher's supervision loop) looks at its clocks at least this often; a
+# longer gap between two looks is time the watcher itself did not run (the machine or the process group was paused,
+# or starved): silence it was not there to hear counts only this much of that gap.
+MAX_LOOK_GAP_S = 2.0
 # When the launcher replaces a live frontend: this signal (then SIGCONT), this long to end its open streams with an
 # error itself (frontend/last_words.py), then SIGKILL.
 LAST_WORDS_SIGNAL = signal.SIGUSR2
@@ -137,6 +141,11 @@ class HeartbeatSender:
                 time.sleep(HEARTBEAT_INTERVAL_S / 4)
 
         threading.Thread(target=run, name="heartbeat", daemon=True).start()
+
+
+def unwatched(gap: float) -> float:
+    """The part of a gap between a watcher's two looks (seconds) that it was not running for."""
+    return max(0.0, gap - MAX_LOOK_GAP_S)
 
 
 def boot_id() -> str:

@@ -37,7 +37,7 @@ from shuttle.common.devices import device_type, rank_device
 from shuttle.common.ipc import CURVE_ENV, Channel, CurveKeys
 from shuttle.common.log_format import launcher_line
 from shuttle.common.messages import ControlMessage, EngineDown
-from shuttle.common.process import DRAIN_SIGNAL, LAST_WORDS_S, raise_fd_limit
+from shuttle.common.process import DRAIN_SIGNAL, LAST_WORDS_S, raise_fd_limit, unwatched
 from shuttle.launcher.processes import process_end
 from shuttle.launcher.ray_backend import RayPlacer, RayProcess
 from shuttle.launcher.supervised_unit import (
@@ -48,6 +48,7 @@ from shuttle.launcher.supervised_unit import (
 )
 
 STOP_TIMEOUT_S = 4.0  # a frontend still running when the launcher stops on its own: its drain, then last words
+ENGINE_DRAIN_GRACE_S = 1.0  # beyond --shutdown-timeout, for a drained scheduler to send its last answers and exit
 DRAIN_EXIT_GRACE_S = 5.0  # beyond --shutdown-timeout, for the frontend to write its last answers and exit
 START_TIMEOUT_S = 300.0
 POLL_MS = 50
@@ -224,8 +225,14 @@ class Launcher:
 
     def _supervise(self) -> int:
         heartbeat_timeout = self.config.ops.heartbeat_timeout
+        last_look = time.monotonic()
         while True:
             self._read_control(POLL_MS)
+            now = time.monotonic()
+            gap, last_look = unwatched(now - last_look), now
+            if gap:  # this loop did not run (stopped with its children, or starved): nobody was silent meanwhile
+                for unit in self.units:
+                    unit.paused(gap)
             if self.signals:
                 return self._drain()
             for unit in self.units:
@@ -327,7 +334,7 @@ class Launcher:
         for scheduler in schedulers:
             if scheduler.poll() is None:
                 scheduler.send_signal(DRAIN_SIGNAL)
-        deadline = time.monotonic() + timeout + DRAIN_EXIT_GRACE_S
+        deadline = time.monotonic() + timeout + ENGINE_DRAIN_GRACE_S
         while any(s.poll() is None for s in schedulers) and time.monotonic() < deadline and self.signals < 2:
             self._read_control(POLL_MS)
             if any(unit.failure(0.0) for unit in self.engines if unit.procs.get("scheduler") in schedulers

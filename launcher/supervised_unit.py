@@ -166,6 +166,11 @@ class Unit:
         elif isinstance(msg, Heartbeat):
             self.heartbeats[msg.name] = time.monotonic()
 
+    def paused(self, seconds: float) -> None:
+        """The launcher did not run for `seconds` (the whole process group was stopped, the machine paused): that
+        time is not its children's silence."""
+        self.heartbeats = {role: last + seconds for role, last in self.heartbeats.items()}
+
     def failure(self, heartbeat_timeout: float) -> str | None:
         """Why the unit must go (a process died, or a ready one fell silent), else None."""
         for role, proc in self.procs.items():

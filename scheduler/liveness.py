@@ -10,13 +10,11 @@ import os
 import time
 from typing import Callable
 
-from shuttle.common.process import boot_id
+from shuttle.common.process import boot_id, unwatched
 
 FRONTEND_TIMEOUT_S = 10.0  # a frontend heartbeats every second (frontend/engine/client.py); 10 missed: gone
-# The step loop looks at its clocks at least once a second (idle polls 100 ms, result waits at most 1 s). A longer gap
-# between two looks means the scheduler itself did not run (the machine or the process was paused, or starved):
-# silence it was not there to hear, and a step it was not there to time, count only this much of that gap.
-MAX_LOOK_GAP_S = 2.0
+# The step loop looks at its clocks at least once a second (idle polls 100 ms, result waits at most 1 s); a longer gap
+# is time the scheduler itself did not run (common/process.py unwatched).
 EXIT_WORKER_HUNG = 3  # the scheduler's exit status when the step watchdog fires (the launcher restarts the engine)
 
 
@@ -41,7 +39,7 @@ class StepWatchdog:
     be read (the worker on another host), a step is overdue `timeout` seconds after it was sent.
 
     `poll_ms()` bounds each wait so `check()` runs at least once a second; time the scheduler spent not running (a
-    gap over MAX_LOOK_GAP_S between two checks) does not count against the worker.
+    gap over common/process.py's MAX_LOOK_GAP_S between two checks) does not count against the worker.
 
     Args:
         timeout: seconds one step may go without progress (0: no limit).
@@ -82,10 +80,10 @@ class StepWatchdog:
     def check(self) -> None:
         """Raises WorkerHung when the step in flight is overdue (see the class)."""
         now = self.clock()
-        unwatched = _unwatched(now - self._last_look)
-        self._sent_at += unwatched
-        self._watched_from += unwatched
-        self._advanced_at = [t + unwatched for t in self._advanced_at]
+        missed = unwatched(now - self._last_look)
+        self._sent_at += missed
+        self._watched_from += missed
+        self._advanced_at = [t + missed for t in self._advanced_at]
         self._last_look = now
         if self.timeout <= 0:
             return
@@ -168,9 +166,10 @@ class WorkerCpuClocks:
 class FrontendWatch:
     """Remembers when each frontend (ZeroMQ identity) was last heard from; `gone()` names the silent ones.
 
-    The loop calls `gone()` on every turn, waits included; a gap over MAX_LOOK_GAP_S between two calls is time the
-    scheduler did not run, and counts as MAX_LOOK_GAP_S of silence: after a pause the frontends' heartbeats have not
-    been sent yet, and ending their requests then would leave their clients waiting on answers that never come.
+    The loop calls `gone()` on every turn, waits included; a gap over MAX_LOOK_GAP_S (common/process.py) between two
+    calls is time the scheduler did not run, and counts as MAX_LOOK_GAP_S of silence: after a pause the frontends'
+    heartbeats have not been sent yet, and ending their requests then would leave their clients waiting on answers that
+    never come.
 
     Args:
         timeout: seconds of silence after which a frontend is gone.
@@ -190,11 +189,11 @@ class FrontendWatch:
     def gone(self) -> list[bytes]:
         """Frontends silent for longer than the timeout (each named once); checked at most once a second."""
         now = self.clock()
-        unwatched = _unwatched(now - self._last_look)
+        missed = unwatched(now - self._last_look)
         self._last_look = now
-        if unwatched:
+        if missed:
             for client in self._last_seen:
-                self._last_seen[client] += unwatched
+                self._last_seen[client] += missed
         if now < self._next_check:
             return []
         self._next_check = now + 1.0
@@ -203,7 +202,3 @@ class FrontendWatch:
             del self._last_seen[client]
         return silent
 
-
-def _unwatched(gap: float) -> float:
-    """The part of a gap between two looks (seconds) that the scheduler was not running for."""
-    return max(0.0, gap - MAX_LOOK_GAP_S)

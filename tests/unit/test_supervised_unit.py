@@ -44,6 +44,8 @@ def test_a_stopped_process_is_found_by_its_missing_heartbeat_and_killed(unit):
     assert unit.failure(0.0) is None  # no heartbeat limit (a unit still starting): a stopped process is alive
     assert unit.failure(6.0) is None  # 5 s of silence is within a 6 s limit
     assert unit.failure(4.0) == f"scheduler (pid {stopped.pid}) sent no heartbeat for 5 s"
+    unit.paused(3.0)  # the launcher did not run for 3 of those seconds (the whole group was stopped): not silence
+    assert unit.failure(4.0) is None and unit.failure(1.5) is not None
     unit.kill()  # SIGKILL ends a stopped process too, and the unit waits for each
     assert stopped.returncode == -signal.SIGKILL and unit.ready == unit.heartbeats == {}
 
