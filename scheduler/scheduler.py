@@ -106,6 +106,10 @@ class Scheduler:
         """Queue a request, or answer at once with a terminal error when it can never run or the queue is full."""
         if submit.request_id in self.requests:
             return self.reject(client, submit.request_id, 400, f"request id {submit.request_id!r} is already in use")
+        if len(submit.prompt_token_ids) >= self.max_model_len:  # the frontend checks its own limit; a remote group's
+            return self.reject(client, submit.request_id, 400,  # may be smaller
+                               f"the prompt's {len(submit.prompt_token_ids)} tokens leave no room for output in this "
+                               f"serving group's max_model_len {self.max_model_len}")
         max_len = min(len(submit.prompt_token_ids) + submit.sampling.max_tokens, self.max_model_len)
         if self.kv.blocks_needed(max_len) > self.kv.pool.num_blocks:
             return self.reject(client, submit.request_id, 400,

@@ -61,8 +61,9 @@ class ServingGroup(abc.ABC):
         times_down: failures seen since the frontend started. routed: sequences the router sent here.
     """
 
-    def __init__(self, endpoint: str):
+    def __init__(self, endpoint: str, max_model_len: int | None = None):
         self._endpoint = endpoint
+        self._max_model_len = max_model_len  # the frontend's: the requests it admits are checked against it
         self.info: SchedulerInfo | None = None
         self.stats = SchedulerStats()
         self._totals = StatTotals()
@@ -152,6 +153,14 @@ class ServingGroup(abc.ABC):
         """A scheduler answered Hello with its cache geometry: the group takes work (again). Unless it drains (its
         `shuttle engine` is stopping): then it takes none, and what it runs finishes."""
         self.info = info
+        if self._max_model_len is not None and info.max_model_len != self._max_model_len:
+            reason = (f"its max_model_len {info.max_model_len} differs from this frontend's {self._max_model_len} "
+                      f"(start both with the same --max-model-len)")
+            if self.down_reason != reason:
+                log.error("the engine at %s is not used: %s", self._endpoint, reason)
+                self.down_reason = reason
+                self._up.clear()
+            return
         if info.draining:
             if self.down_reason != GROUP_DRAINING:
                 log.info("the engine at %s is draining: no new requests go there; its %d in flight finish",
@@ -193,11 +202,12 @@ class EngineClient(ServingGroup):
             its connection drops or stays silent.
         silence_timeout: seconds a remote group's connection may leave ZeroMQ's heartbeat unanswered before it is
             taken as lost (--heartbeat-timeout; common/ipc.py's peer_timeout; 0: only a dropped connection).
+        max_model_len: the frontend's; a group that answers with another is kept out (ServingGroup).
     """
 
     def __init__(self, endpoint: str, curve: bool = False, remote: bool = False,
-                 silence_timeout: float = REMOTE_SILENCE_S):
-        super().__init__(endpoint)
+                 silence_timeout: float = REMOTE_SILENCE_S, max_model_len: int | None = None):
+        super().__init__(endpoint, max_model_len)
         self._curve = curve
         # A remote group (another host's `shuttle engine`) has no launcher here to say it died: a dropped
         # connection on the socket monitor says it instead, and so does a connection that stays open but answers
@@ -230,8 +240,10 @@ class EngineClient(ServingGroup):
                     return
                 if self.is_up or self.down_reason == GROUP_DRAINING:
                     break
-                # Not serving (down already, or not yet joined): nothing new to report. libzmq reconnects this
-                # socket itself, and the Hello queued on it goes out once a connection completes its handshake.
+                # Not serving (down already, not yet joined, or kept out): nothing new to report. libzmq reconnects
+                # this socket itself; a Hello queued for the next connection gets the group's answer then (one that
+                # was in flight on the lost connection may be gone with it).
+                self._spawn(channel.send(Hello()))
         finally:
             monitor.close(linger=0)
         # no launcher here to estimate its restart: the last one measured, if any

@@ -37,7 +37,8 @@ sock.bind(sys.argv[1])
 decoder, encoder = msgspec.msgpack.Decoder(FrontendMessage), msgspec.msgpack.Encoder()
 clients, draining = set(), False
 def info():
-    return encoder.encode(SchedulerInfo(num_kv_blocks=64, block_size=16, max_model_len=128, draining=draining))
+    return encoder.encode(SchedulerInfo(num_kv_blocks=64, block_size=16, max_model_len=int(sys.argv[2]),
+                                        draining=draining))
 def drain(*_):
     global draining
     draining = True
@@ -70,8 +71,9 @@ class StandIns:
         self.endpoint = f"tcp://127.0.0.1:{free_port()}"
         self.processes: list[subprocess.Popen] = []
 
-    def start(self) -> subprocess.Popen:
-        process = subprocess.Popen([sys.executable, "-c", STAND_IN, self.endpoint], stdout=subprocess.PIPE, text=True)
+    def start(self, max_model_len: int = 128) -> subprocess.Popen:
+        process = subprocess.Popen([sys.executable, "-c", STAND_IN, self.endpoint, str(max_model_len)],
+                                   stdout=subprocess.PIPE, text=True)
         self.processes.append(process)
         assert process.stdout.readline().strip() == "bound"
         return process
@@ -185,3 +187,21 @@ async def test_a_draining_remote_group_takes_no_new_request_and_rejoins_when_sta
         assert router.admission_error() is None
     finally:
         router.close()
+
+
+async def test_a_group_of_another_max_model_len_is_kept_out_and_joins_once_restarted_to_match(stand_ins):
+    """A remote group started with another --max-model-len would cut or fail the requests this frontend admits: it is
+    kept out, naming both values. Started again with the frontend's, it joins: the frontend says Hello again on every
+    new connection of a group that is not serving."""
+    stand_ins.start(max_model_len=128)
+    group = EngineClient(stand_ins.endpoint, remote=True, silence_timeout=SILENCE_S, max_model_len=512)
+    try:
+        await group.start(wait=False)
+        await wait_until(lambda: group.down_reason is not None, 30)
+        assert group.down_reason.startswith("its max_model_len 128 differs from this frontend's 512")
+        assert not group.is_up and group.admission_error().status == 503
+        stand_ins.stop()
+        stand_ins.start(max_model_len=512)  # the same endpoint, a new process: a new connection
+        await wait_until(lambda: group.is_up, 30)
+    finally:
+        group.close()

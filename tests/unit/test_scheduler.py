@@ -84,6 +84,16 @@ def test_never_fitting_request_is_rejected():
     assert not s.has_work
 
 
+def test_a_prompt_that_leaves_no_room_in_max_model_len_is_rejected():
+    """The frontend checks its own max_model_len; a remote group's may be smaller (the worker then failed the step)."""
+    s = make_scheduler(max_model_len=32)
+    submit(s, "long", 32, max_tokens=4)
+    submit(s, "fits", 31, max_tokens=4)
+    [out] = s.take_outputs()[b"c"]
+    assert (out.request_id, out.finish_reason, out.error_status) == ("long", FinishReason.ERROR, 400)
+    assert "max_model_len 32" in out.error_message and list(s.requests) == ["fits"]
+
+
 def test_preemption_recomputes_and_every_request_finishes():
     s = make_scheduler(num_blocks=12, block_size=4)
     for i in range(6):
