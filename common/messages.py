@@ -162,6 +162,7 @@ class SchedulerInfo(msgspec.Struct, **_WIRE):
     block_size: int
     max_model_len: int
     draining: bool = False
+    lora: bool = False  # its scheduler serves LoRA adapters (--enable-lora)
 
 
 SchedulerMessage = StepOutputs | SchedulerStats | SchedulerInfo

@@ -166,7 +166,7 @@ async def serve(config: ShuttleConfig, on_ready) -> None:
     local = len(config.ipc.all_groups) - len(config.ipc.remote_groups)  # the launcher's; remote ones join later
     engine = Router([EngineClient(endpoint, config.ipc.curve, remote=endpoint in config.ipc.remote_groups,
                                   silence_timeout=config.ops.heartbeat_timeout,
-                                  max_model_len=config.model.max_model_len)
+                                  max_model_len=config.model.max_model_len, lora=config.lora.enable_lora)
                      for endpoint in config.ipc.all_groups], config.scheduler.max_num_seqs, wait_for=local)
     registry = Metrics(lambda: engine.stats, engine.group_states, config, lambda: engine.info)
     if config.observability.otlp_traces_endpoint:  # the launcher checked that the SDK is installed

@@ -147,7 +147,8 @@ class SchedulerLoop:
     def _info(self) -> SchedulerInfo:
         kv = self.scheduler.kv
         return SchedulerInfo(num_kv_blocks=kv.pool.num_blocks, block_size=kv.block_size,
-                             max_model_len=self.scheduler.max_model_len, draining=self.draining)
+                             max_model_len=self.scheduler.max_model_len, draining=self.draining,
+                             lora=self.scheduler.lora is not None)
 
     def _plan_and_send(self) -> bool:
         """Plan one step and send it; False when the plan was empty and nothing was sent."""

@@ -61,9 +61,11 @@ class ServingGroup(abc.ABC):
         times_down: failures seen since the frontend started. routed: sequences the router sent here.
     """
 
-    def __init__(self, endpoint: str, max_model_len: int | None = None):
+    def __init__(self, endpoint: str, max_model_len: int | None = None, lora: bool | None = None):
         self._endpoint = endpoint
-        self._max_model_len = max_model_len  # the frontend's: the requests it admits are checked against it
+        # the frontend's: a group must take every request the frontend admits (None: not checked)
+        self._max_model_len = max_model_len
+        self._lora = lora
         self.info: SchedulerInfo | None = None
         self.stats = SchedulerStats()
         self._totals = StatTotals()
@@ -153,9 +155,14 @@ class ServingGroup(abc.ABC):
         """A scheduler answered Hello with its cache geometry: the group takes work (again). Unless it drains (its
         `shuttle engine` is stopping): then it takes none, and what it runs finishes."""
         self.info = info
+        reason = None
         if self._max_model_len is not None and info.max_model_len != self._max_model_len:
             reason = (f"its max_model_len {info.max_model_len} differs from this frontend's {self._max_model_len} "
                       f"(start both with the same --max-model-len)")
+        elif self._lora is not None and info.lora != self._lora:
+            reason = (f"it {'serves' if info.lora else 'does not serve'} LoRA adapters and this frontend "
+                      f"{'does' if self._lora else 'does not'} (start both with or without --enable-lora)")
+        if reason is not None:
             if self.down_reason != reason:
                 log.error("the engine at %s is not used: %s", self._endpoint, reason)
                 self.down_reason = reason
@@ -202,12 +209,14 @@ class EngineClient(ServingGroup):
             its connection drops or stays silent.
         silence_timeout: seconds a remote group's connection may leave ZeroMQ's heartbeat unanswered before it is
             taken as lost (--heartbeat-timeout; common/ipc.py's peer_timeout; 0: only a dropped connection).
-        max_model_len: the frontend's; a group that answers with another is kept out (ServingGroup).
+        max_model_len, lora: the frontend's --max-model-len and --enable-lora; a group that answers with others is
+            kept out (ServingGroup._serving).
     """
 
     def __init__(self, endpoint: str, curve: bool = False, remote: bool = False,
-                 silence_timeout: float = REMOTE_SILENCE_S, max_model_len: int | None = None):
-        super().__init__(endpoint, max_model_len)
+                 silence_timeout: float = REMOTE_SILENCE_S, max_model_len: int | None = None,
+                 lora: bool | None = None):
+        super().__init__(endpoint, max_model_len, lora)
         self._curve = curve
         # A remote group (another host's `shuttle engine`) has no launcher here to say it died: a dropped
         # connection on the socket monitor says it instead, and so does a connection that stays open but answers

@@ -205,3 +205,17 @@ async def test_a_group_of_another_max_model_len_is_kept_out_and_joins_once_resta
         await wait_until(lambda: group.is_up, 30)
     finally:
         group.close()
+
+
+
+async def test_a_group_without_lora_is_kept_out_of_a_frontend_that_serves_adapters(stand_ins):
+    """Its adapter requests would get 404 there (or run on the base model): kept out, naming why."""
+    stand_ins.start(max_model_len=128)  # the stand-in serves no adapters
+    group = EngineClient(stand_ins.endpoint, remote=True, silence_timeout=SILENCE_S, max_model_len=128, lora=True)
+    try:
+        await group.start(wait=False)
+        await wait_until(lambda: group.down_reason is not None, 30)
+        assert group.down_reason.startswith("it does not serve LoRA adapters and this frontend does")
+        assert not group.is_up
+    finally:
+        group.close()
