@@ -50,6 +50,10 @@ def serve(args: argparse.Namespace) -> int:
     if args.data_parallel_size == 0 and not remote:
         print("shuttle: error: --data-parallel-size 0 needs at least one --engine-endpoint", file=sys.stderr)
         return 2
+    repeated = sorted({e for e in remote if remote.count(e) > 1})
+    if repeated:  # one group counted twice: its capacity and load twice in /health and the router
+        print(f"shuttle: error: --engine-endpoint {repeated[0]} is given twice", file=sys.stderr)
+        return 2
     if any(e.startswith("tcp://") for e in remote) and not os.environ.get(CURVE_ENV):
         print(f"shuttle: error: a tcp:// --engine-endpoint needs the engine host's CURVE keys in ${CURVE_ENV} "
               f"(make them once with `shuttle curve-keys` and export them on both hosts)", file=sys.stderr)

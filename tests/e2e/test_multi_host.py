@@ -138,6 +138,8 @@ def test_tcp_between_hosts_needs_curve_keys():
         assert result.stderr.strip().count("\n") == 0
     result = run_cli("serve", str(MODEL_DIR), "--data-parallel-size", "0")
     assert result.returncode == 2 and "--engine-endpoint" in result.stderr
+    result = run_cli("serve", str(MODEL_DIR), "--engine-endpoint", "ipc:///tmp/x", "--engine-endpoint", "ipc:///tmp/x")
+    assert result.returncode == 2 and "--engine-endpoint ipc:///tmp/x is given twice" in result.stderr
 
 
 def test_curve_keys_are_made_for_the_environment():

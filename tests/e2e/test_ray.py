@@ -21,9 +21,9 @@ import sys
 import aiohttp
 import pytest
 
-from tests.client import post_completion
+from tests.client import post_completion, stream_until_end
 from tests.conftest import hf_greedy
-from tests.e2e.test_data_parallel import HANG, health, per_group, stream, wait_health
+from tests.e2e.test_data_parallel import HANG, LONG, health, per_group, wait_health
 from tests.server import ShuttleServer, pid_alive
 
 cluster_utils = pytest.importorskip("ray.cluster_utils")
@@ -85,7 +85,7 @@ async def test_a_lost_node_fails_only_its_groups_streams(cluster):
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=HANG)) as session:
             _, before = await health(session, srv.url)
             started = [asyncio.Event() for _ in range(30)]
-            tasks = [asyncio.create_task(stream(session, srv.url, event)) for event in started]
+            tasks = [asyncio.create_task(stream_until_end(session, srv.url, LONG, event)) for event in started]
             await asyncio.wait_for(asyncio.gather(*(event.wait() for event in started)), HANG)
             body = await wait_health(session, srv.url, lambda c, b: sum(per_group(b, "num_running")) == 30)
             routed = [a - b for a, b in zip(per_group(body, "routed"), per_group(before, "routed"))]
