@@ -19,9 +19,10 @@ from typing import AsyncGenerator
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from shuttle.common.errors import GenerationError
-from shuttle.common.ipc import AsyncChannel
+from shuttle.common.ipc import CURVE_ENV, AsyncChannel
 from shuttle.common.messages import (
     Abort,
     FinishReason,
@@ -43,6 +44,10 @@ log = logging.getLogger("shuttle.frontend")
 HEARTBEAT_INTERVAL_S = 1.0  # the scheduler takes a frontend silent for 10 s as gone (scheduler/liveness.py)
 REMOTE_RESTART_GUESS_S = 10.0  # a remote group away for the first time: about one engine start-up on a CPU
 GROUP_DRAINING = "its shuttle engine is shutting down (draining)"  # down_reason while a remote group drains
+# what a socket monitor reports when a peer refuses the connection's CURVE handshake (wrong server key: no detail;
+# wrong client key: auth)
+HANDSHAKE_FAILURES = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                      | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 REMOTE_SILENCE_S = 30.0  # --heartbeat-timeout's default: a remote group silent to ZeroMQ's heartbeat this long is lost
 
 
@@ -228,13 +233,14 @@ class EngineClient(ServingGroup):
         self._listener: asyncio.Task | None = None
         self._heartbeat: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
+        self._last_hello = 0.0  # when a Hello was last queued for a reconnection (monotonic seconds)
 
     def _connect(self) -> AsyncChannel[SchedulerMessage]:
         channel: AsyncChannel[SchedulerMessage] = AsyncChannel(
             zmq.asyncio.Context.instance(), zmq.DEALER, self._endpoint, bind=False, recv_type=SchedulerMessage,
             curve=self._curve, peer_timeout=self._silence_timeout if self._remote else 0.0)
         if self._remote:
-            monitor = channel.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            monitor = channel.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILURES)
             self._monitor = asyncio.get_running_loop().create_task(self._watch(channel, monitor),
                                                                    name="engine-client-monitor")
         return channel
@@ -244,20 +250,33 @@ class EngineClient(ServingGroup):
         `silence_timeout` seconds (libzmq then drops it): the group is down."""
         try:
             while True:
-                await monitor.recv_multipart()
+                event = parse_monitor_message(await monitor.recv_multipart())["event"]
                 if channel is not self._channel:
                     return
+                if event & HANDSHAKE_FAILURES:  # the connection is refused before a word: say why, once
+                    self._handshake_failed()
+                    continue
                 if self.is_up or self.down_reason == GROUP_DRAINING:
                     break
                 # Not serving (down already, not yet joined, or kept out): nothing new to report. libzmq reconnects
                 # this socket itself; a Hello queued for the next connection gets the group's answer then (one that
-                # was in flight on the lost connection may be gone with it).
-                self._spawn(channel.send(Hello()))
+                # was in flight on the lost connection may be gone with it). At most one a second: a peer that
+                # refuses every handshake is retried by libzmq ten times a second.
+                if time.monotonic() - self._last_hello >= HEARTBEAT_INTERVAL_S:
+                    self._last_hello = time.monotonic()
+                    self._spawn(channel.send(Hello()))
         finally:
             monitor.close(linger=0)
         # no launcher here to estimate its restart: the last one measured, if any
         self.engine_down(f"lost the connection to {self._endpoint}",
                          self._restart.last_restart_s or REMOTE_RESTART_GUESS_S)
+
+    def _handshake_failed(self) -> None:
+        reason = (f"the handshake with {self._endpoint} failed: it does not take this frontend's CURVE keys "
+                  f"(${CURVE_ENV} must hold the same keys on both hosts)")
+        if self.down_reason != reason and not self.is_up:
+            log.error("the engine at %s is not reached: %s", self._endpoint, reason)
+            self.down_reason = reason
 
     async def start(self, timeout: float = 120.0, wait: bool = True) -> SchedulerInfo | None:
         """Say Hello and wait for the scheduler's cache geometry; outputs and stats flow from then on.

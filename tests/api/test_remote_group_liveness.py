@@ -22,6 +22,7 @@ import time
 
 import pytest
 
+from shuttle.common.ipc import CURVE_ENV, CurveKeys
 from shuttle.common.messages import FinishReason, SamplingParams, Submit
 from shuttle.frontend.engine.client import GROUP_DRAINING, EngineClient
 from shuttle.frontend.engine.router import Router
@@ -219,3 +220,37 @@ async def test_a_group_without_lora_is_kept_out_of_a_frontend_that_serves_adapte
         assert not group.is_up
     finally:
         group.close()
+
+
+CURVE_STAND_IN = """
+import sys, zmq
+from shuttle.common.ipc import Channel
+channel = Channel(zmq.Context.instance(), zmq.ROUTER, sys.argv[1], bind=True, curve=True)
+print("bound", flush=True)
+while True:
+    channel.socket.recv_multipart()
+"""
+
+
+async def test_a_group_that_refuses_this_frontends_curve_keys_is_named_as_such(monkeypatch):
+    """Keys that differ between the hosts: the connection never gets past its handshake. The frontend says so once,
+    in its log and in /health's reason, instead of waiting in silence."""
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    env = {**os.environ, CURVE_ENV: CurveKeys.generate().to_env()}
+    process = subprocess.Popen([sys.executable, "-c", CURVE_STAND_IN, endpoint], stdout=subprocess.PIPE, text=True,
+                               env=env)
+    group = None
+    try:
+        assert process.stdout.readline().strip() == "bound"
+        monkeypatch.setenv(CURVE_ENV, CurveKeys.generate().to_env())  # this frontend's: other keys
+        group = EngineClient(endpoint, curve=True, remote=True, silence_timeout=SILENCE_S)
+        await group.start(wait=False)
+        await wait_until(lambda: group.down_reason is not None, 30)
+        assert group.down_reason.startswith(f"the handshake with {endpoint} failed: it does not take this frontend's "
+                                            f"CURVE keys")
+        assert not group.is_up
+    finally:
+        if group is not None:
+            group.close()
+        process.kill()
+        process.wait()
