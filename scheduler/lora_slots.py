@@ -16,6 +16,17 @@ from shuttle.common.lora import LoRAConfig
 from shuttle.common.messages import LoRALoad
 
 
+def adapter_key(name: str, path: str, load_id: str) -> str:
+    """The key naming one load of an adapter (module docstring); `key_parts` reads it back."""
+    return f"{name}\0{path}\0{load_id}"
+
+
+def key_parts(key: str) -> tuple[str, str, str]:
+    """(name, path, load id) of an adapter_key (a name may hold a NUL; a path or a load id does not)."""
+    name, path, load_id = key.rsplit("\0", 2)
+    return name, path, load_id
+
+
 class LoRASlots:
     """The scheduler's view of the worker's adapter slots.
 
@@ -47,10 +58,10 @@ class LoRASlots:
         else:
             idle = [s for s, h in enumerate(self.holders) if h == 0]
             if not idle:
-                raise RuntimeError(f"no LoRA slot free for {key.partition(chr(0))[0]!r}")
+                raise RuntimeError(f"no LoRA slot free for {key_parts(key)[0]!r}")
             slot = min(idle, key=lambda s: (self.keys[s] is not None, self._last_used[s]))
             self.keys[slot] = key
-            name, path, _ = key.rsplit("\0", 2)  # a path holds no NUL, nor a load id
+            name, path, _ = key_parts(key)
             self.pending = [load for load in self.pending if load.slot != slot]
             self.pending.append(LoRALoad(slot=slot, name=name, path=path))
         self.holders[slot] += 1

@@ -43,7 +43,7 @@ from shuttle.scheduler.admission import AdmissionView, SloAdmission
 from shuttle.scheduler.fairness import GroupShares
 from shuttle.scheduler.grammar_gate import GrammarGate
 from shuttle.scheduler.kv_cache import KVCacheManager
-from shuttle.scheduler.lora_slots import LoRASlots
+from shuttle.scheduler.lora_slots import LoRASlots, adapter_key
 from shuttle.scheduler.queue import WaitingQueue
 from shuttle.scheduler.request import Request, RequestStatus
 from shuttle.scheduler.scheduled_step import ScheduledRequest, ScheduledStep
@@ -120,7 +120,7 @@ class Scheduler:
         request = Request(submit.request_id, client, list(submit.prompt_token_ids), submit.sampling,
                           submit.arrival_time, submit.priority, submit.group_id or submit.request_id,
                           background=submit.background, lora_name=submit.lora_name,
-                          lora_key=f"{submit.lora_name}\0{submit.lora_path}\0{submit.lora_load_id}"
+                          lora_key=adapter_key(submit.lora_name, submit.lora_path, submit.lora_load_id)
                           if submit.lora_name else "")
         request.rank = self.waiting.rank(request)
         if self.num_waiting >= self.config.max_waiting_requests and not self._make_room_for(request):

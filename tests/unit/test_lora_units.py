@@ -14,7 +14,7 @@ from shuttle.common.lora import LoRAConfig, LoRAModule, lora_config_error, parse
 from shuttle.common.messages import FinishReason, LoRALoad, StepResult, Submit
 from shuttle.common.sampling import SamplingParams
 from shuttle.scheduler.kv_cache import KVCacheManager
-from shuttle.scheduler.lora_slots import LoRASlots
+from shuttle.scheduler.lora_slots import LoRASlots, adapter_key
 from shuttle.scheduler.scheduler import Scheduler
 
 _arrival = itertools.count()
@@ -105,7 +105,7 @@ def test_the_flag_rules():
 
 def test_slots_keep_idle_adapters_and_evict_the_least_recently_used():
     slots = LoRASlots(2)
-    a, b, c = (f"{n}\0/{n}\0" for n in "abc")  # NAME, PATH, LOAD_ID (none: --lora-modules)
+    a, b, c = (adapter_key(n, f"/{n}", "") for n in "abc")  # no load id: --lora-modules
     assert slots.take(a) == 0 and slots.take(b) == 1 and slots.take(a) == 0
     assert slots.take_loads() == [LoRALoad(slot=0, name="a", path="/a"), LoRALoad(slot=1, name="b", path="/b")]
     assert not slots.can_take(c) and slots.can_take(a)
@@ -118,7 +118,7 @@ def test_slots_keep_idle_adapters_and_evict_the_least_recently_used():
     assert slots.take(b) == 0  # a was used longer ago than c
     assert slots.take(c) == 1 and slots.take_loads() == [LoRALoad(slot=0, name="b", path="/b")]
     slots.give_back(0)
-    assert slots.take("b\0/elsewhere\0") == 0  # the same name from another directory: loaded again, not reused
+    assert slots.take(adapter_key("b", "/elsewhere", "")) == 0  # same name, another directory: loaded again
     assert slots.take_loads() == [LoRALoad(slot=0, name="b", path="/elsewhere")]
 
 
