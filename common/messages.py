@@ -276,7 +276,7 @@ class WorkerReady(msgspec.Struct, **_WIRE):
 class RequestFailure(msgspec.Struct, array_like=True, gc=False):
     """A request the worker could not run on: the scheduler ends it with this error alone, the rest of the step
     standing (500: its adapter could not be loaded, and it was left out of the step; 400: its constraint admits no
-    token, and its token of this step is left out of the result)."""
+    token, and its token of this step is left out of the result; 500: its logits were NaN or +inf)."""
 
     request_id: str
     message: str

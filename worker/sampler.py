@@ -14,7 +14,7 @@ recomputes it, and on any rank, with no generator state to carry. Unseeded rows 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -100,10 +100,20 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     return torch.max(logits, dim=-1).indices
 
 
+def tokens_and_broken_rows(tokens: torch.Tensor, largest: torch.Tensor) -> tuple[list[int], list[int]]:
+    """The token ids (int64 [S]) as a list, and the rows whose largest logit (float [S], the row's max) is NaN or
+    +inf, in one copy to the host. Such a row's distribution is undefined (softmax gives NaN everywhere): the model
+    (or an adapter) overflowed, and no token drawn from it, nor its logprobs, means anything. A row of -inf alone
+    (a grammar that admits nothing) is not broken here: its grammar reports it."""
+    token_list, flags = torch.stack((tokens, (~(largest < float("inf"))).long())).tolist()
+    return token_list, [i for i, flag in enumerate(flags) if flag]
+
+
 @dataclass
 class SamplerOutput:
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None] | None  # None when no row asked for logprobs
+    broken_rows: list[int] = field(default_factory=list)  # rows whose logits are not finite (tokens_and_broken_rows)
 
 
 class Sampler:
@@ -127,10 +137,13 @@ class Sampler:
             logits: float [S, vocab] at the S sampling positions.
             states: per row sampling state; token_ids: per row prompt + output so far.
         Returns:
-            SamplerOutput with S token ids (and logprobs for rows that asked).
+            SamplerOutput with S token ids (and logprobs for rows that asked), and the rows whose logits hold NaN or
+            +inf (their token is the argmax, a valid id, and means nothing).
         """
         if all(s.plain_greedy for s in states):
-            return SamplerOutput(greedy_tokens(logits).tolist(), None)
+            largest, tokens = torch.max(logits, dim=-1)  # as greedy_tokens
+            token_list, broken = tokens_and_broken_rows(tokens, largest)
+            return SamplerOutput(token_list, None, broken)
         logits = logits.float()
         params = [s.params for s in states]
         wants_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
@@ -139,7 +152,7 @@ class Sampler:
             raw_logprobs = logits[wants_logprobs].log_softmax(dim=-1).clamp_(min=LOGPROB_FLOOR)
         num_outputs = [len(ids) - s.prompt_len for ids, s in zip(token_ids, states)]
         logits = self._process(logits, states, params, token_ids, num_outputs)
-        tokens = greedy_tokens(logits)
+        largest, tokens = torch.max(logits, dim=-1)  # as greedy_tokens; a NaN or +inf survives the processing
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
             rows = torch.tensor(random_rows, device=logits.device)
@@ -150,10 +163,11 @@ class Sampler:
                 if p.seed is not None:
                     uniforms[j] = seeded_uniform(p.seed, num_outputs[i])
             tokens[rows] = _inverse_cdf(probs, uniforms.to(logits.device))
-        token_list = tokens.tolist()
+        token_list, broken = tokens_and_broken_rows(tokens, largest)
         if raw_logprobs is None:
-            return SamplerOutput(token_list, None)
-        return SamplerOutput(token_list, _logprobs(raw_logprobs, wants_logprobs, params, token_list, len(states)))
+            return SamplerOutput(token_list, None, broken)
+        return SamplerOutput(token_list, _logprobs(raw_logprobs, wants_logprobs, params, token_list, len(states)),
+                             broken)
 
     def _process(self, logits: torch.Tensor, states: list[SamplingState], params: list[SamplingParams],
                  token_ids: list[list[int]], num_outputs: list[int]) -> torch.Tensor:

@@ -25,15 +25,15 @@ from shuttle.worker.sampler import (
     _filtered_probabilities,
     _inverse_cdf,
     _logprobs,
-    greedy_tokens,
     seeded_uniform,
+    tokens_and_broken_rows,
 )
 
 ACCEPT_SALT = 0x5DEECE66D  # keys the acceptance test's uniforms apart from the draw's
 
 
 def verify_drafts(sampler: Sampler, logits: torch.Tensor, requests: list[CachedRequestState]
-                  ) -> list[tuple[list[int], list[TokenLogprobs | None]]]:
+                  ) -> list[tuple[list[int], list[TokenLogprobs | None], bool]]:
     """The tokens each request gains: its accepted drafts, then the target's token (1 to 1 + len(drafts) tokens).
 
     Args:
@@ -43,7 +43,8 @@ def verify_drafts(sampler: Sampler, logits: torch.Tensor, requests: list[CachedR
         requests: the verifying requests, in row order (none has a grammar or penalties: the scheduler does not
             speculate for those).
     Returns:
-        per request (token ids, logprobs per token: the target's raw logprobs, None entries when not asked).
+        per request (token ids, logprobs per token: the target's raw logprobs, None entries when not asked, broken:
+        whether a row it used holds NaN or +inf logits, sampler.tokens_and_broken_rows; its tokens mean nothing).
     """
     states, params, histories, num_outputs = [], [], [], []
     verifies: list[int] = []  # per row, the draft it verifies (0 on a request's last row: none)
@@ -59,7 +60,8 @@ def verify_drafts(sampler: Sampler, logits: torch.Tensor, requests: list[CachedR
     wants = [i for i, p in enumerate(params) if p.logprobs is not None]
     raw = logits[wants].log_softmax(dim=-1).clamp_(min=LOGPROB_FLOOR) if wants else None
     processed = sampler._process(logits, states, params, histories, num_outputs)
-    argmax = greedy_tokens(processed).tolist()
+    largest, best = torch.max(processed, dim=-1)  # as greedy_tokens
+    argmax, broken_rows = tokens_and_broken_rows(best, largest)
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     probs: dict[int, torch.Tensor] = {}
     draft_prob: dict[int, tuple[float, float]] = {}  # row -> (p of its draft, total mass), read in one copy
@@ -113,8 +115,9 @@ def verify_drafts(sampler: Sampler, logits: torch.Tensor, requests: list[CachedR
             for k, entry in zip(asked, found):
                 logprobs[k] = entry
     result, offset = [], 0
-    for tokens in out_tokens:
-        result.append((tokens, logprobs[offset:offset + len(tokens)]))
+    broken = set(broken_rows)
+    for tokens, rows in zip(out_tokens, out_rows):
+        result.append((tokens, logprobs[offset:offset + len(tokens)], not broken.isdisjoint(rows)))
         offset += len(tokens)
     return result
 

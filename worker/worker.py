@@ -364,9 +364,9 @@ class ModelRunner:
         sampled = self.sampler(logits[:len(requests)], [r.sampling for r in requests], [r.token_ids for r in requests])
         self.parallel.share_tokens(sampled.token_ids, len(requests))
         failed: list[RequestFailure] = []
-        for state, token in zip(requests, sampled.token_ids):
+        for row, (state, token) in enumerate(zip(requests, sampled.token_ids)):
             state.token_ids.append(token)
-            self._record(state, token, failed)
+            self._record(state, token, failed, row in sampled.broken_rows)
         result = StepResult(step_id=step_id, request_ids=[r.request_id for r in requests],
                             token_ids=sampled.token_ids, logprobs=sampled.logprobs or [],
                             prompt_logprobs=prompt_logprobs, failed=failed)
@@ -387,20 +387,22 @@ class ModelRunner:
                 self._mask_by_grammar(logits[:len(requests)], requests)
             sampled = self.sampler(logits[:len(requests)], [r.sampling for r in requests],
                                    [r.token_ids for r in requests])
-            for state, token in zip(requests, sampled.token_ids):
+            for row, (state, token) in enumerate(zip(requests, sampled.token_ids)):
                 state.token_ids.append(token)
-                self._record(state, token, failed)
+                self._record(state, token, failed, row in sampled.broken_rows)
             request_ids += [r.request_id for r in requests]
             token_ids += sampled.token_ids
             logprobs += sampled.logprobs or [None] * len(requests)
         num_spec_rows = sum(len(s.draft_token_ids) + 1 for s in inputs.spec_requests)
         verified = verify_drafts(self.sampler, logits[len(requests):len(requests) + num_spec_rows],
                                  inputs.spec_requests)
-        for state, (gained, gained_logprobs) in zip(inputs.spec_requests, verified):
+        for state, (gained, gained_logprobs, broken) in zip(inputs.spec_requests, verified):
             start = len(state.token_ids) - 1  # the step computed from the last known token
             for token in gained:  # (a constrained request drafts nothing: its grammar cannot refuse these)
                 state.token_ids.append(token)
                 state.sampling.record(token)
+            if broken:
+                failed.append(_non_finite_failure(state, len(gained)))
             self.batch.trim_blocks(state, start + len(gained))
             state.draft_token_ids = []
             request_ids += [state.request_id] * len(gained)
@@ -412,12 +414,17 @@ class ModelRunner:
         return _without_failed(result) if failed else result
 
     @staticmethod
-    def _record(state: CachedRequestState, token: int, failed: list[RequestFailure]) -> None:
-        """Advance `state`'s sampling (penalty counts, grammar) by its sampled `token`. A constrained request whose
-        grammar admitted no token at all (its mask left every logit at -inf: a constraint that matches no text, or
-        nothing past what it produced) cannot go on: it is added to `failed` (a 400 for it alone). Its state stays
-        until the scheduler's next plan names it finished, as an aborted request's does: every tensor-parallel rank
-        runs the same requests in every step, and only this one (the driver) holds grammars."""
+    def _record(state: CachedRequestState, token: int, failed: list[RequestFailure], broken: bool) -> None:
+        """Advance `state`'s sampling (penalty counts, grammar) by its sampled `token`. A request whose logits were
+        not finite (`broken`: NaN or +inf, the model or its adapter overflowed) is added to `failed` (a 500 for it
+        alone: no token or logprob of it means anything). A constrained request whose grammar admitted no token at
+        all (its mask left every logit at -inf: a constraint that matches no text, or nothing past what it produced)
+        cannot go on either: a 400 for it alone. Either way its state stays until the scheduler's next plan names it
+        finished, as an aborted request's does: every tensor-parallel rank runs the same requests in every step, only
+        this one (the driver) holds grammars, and an overlapped plan may already feed `token` (a valid id) forward."""
+        if broken:
+            failed.append(_non_finite_failure(state, 1))
+            return
         try:
             state.sampling.record(token)
         except GrammarError:
@@ -461,6 +468,15 @@ class ModelRunner:
                               top_logprobs=top.values[i].tolist() if top else [], rank=ranks[i])
                 for i in range(len(rows))], start=first))
         return out
+
+
+def _non_finite_failure(state: CachedRequestState, gained: int) -> RequestFailure:
+    """The 500 of a request whose logits held NaN or +inf, at the first of the `gained` output positions just
+    appended to `state`."""
+    position = len(state.token_ids) - gained - state.sampling.prompt_len
+    return RequestFailure(state.request_id, f"the model's logits at output position {position} are not finite (NaN "
+                          "or +inf: the model or its adapter overflowed in this dtype); no token can be sampled",
+                          status=500)
 
 
 def _without_failed(result: StepResult) -> StepResult:

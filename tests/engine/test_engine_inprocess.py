@@ -8,7 +8,7 @@ import time
 import pytest
 
 from shuttle.common.config import CacheConfig, IpcConfig, SchedulerConfig, ShuttleConfig
-from shuttle.common.messages import Submit
+from shuttle.common.messages import FinishReason, Submit
 from shuttle.common.model_config import ModelConfig
 from shuttle.common.sampling import SamplingParams
 from shuttle.scheduler.in_process import drive as serve_in_process
@@ -207,3 +207,44 @@ def test_prompt_logprobs_are_computed_for_positions_the_prefix_cache_holds():
     assert (cached, len(got)) == (0, len(prompt) - 1)
     assert torch.allclose(torch.tensor([lp.logprob for lp in got]), want, atol=ATOL)
     assert all(lp.top_token_ids == [] for lp in got)
+
+
+@pytest.mark.parametrize("neighbour", [SamplingParams(max_tokens=40, temperature=0.0),
+                                       SamplingParams(max_tokens=40, temperature=0.0, logprobs=1)])
+def test_a_request_whose_logits_turn_nan_ends_alone_with_500(monkeypatch, neighbour):
+    """Logits that hold NaN (a model or adapter overflowing in its dtype) leave nothing to sample: that request ends
+    with one 500 naming the output position, after the tokens it had; its neighbour in the same steps runs to the
+    end equal to transformers, on the sampler's all-greedy path and on its general one (logprobs)."""
+    scheduler, runner = make_engine(256, 64)
+    sampler = runner.sampler
+    poisoned_at = 5  # the poisoned request's output position whose logits are NaN
+
+    def poisoning_sampler(logits, states, token_ids):
+        for row, (state, ids) in enumerate(zip(states, token_ids)):
+            if state.params.max_tokens == 30 and len(ids) - state.prompt_len == poisoned_at:
+                logits[row, 11] = float("nan")
+        return sampler(logits, states, token_ids)
+
+    monkeypatch.setattr(runner, "sampler", poisoning_sampler)
+    outputs: dict[str, list[int]] = {"free": [], "poisoned": []}
+    ends = {}
+
+    def collect(batch):
+        for out in batch:
+            outputs[out.request_id] += out.new_token_ids
+            if out.finish_reason is not None:
+                assert out.request_id not in ends, "a second terminal output"
+                ends[out.request_id] = out
+
+    prompt = [1, 45, 88, 301, 12, 9]
+    scheduler.add_request(b"c", Submit(request_id="free", prompt_token_ids=prompt, sampling=neighbour,
+                                       arrival_time=time.time()))
+    scheduler.add_request(b"c", Submit(request_id="poisoned", prompt_token_ids=prompt, arrival_time=time.time(),
+                                       sampling=SamplingParams(max_tokens=30, temperature=0.0)))
+    drive(scheduler, runner, collect)
+    assert outputs["free"] == hf_greedy(prompt, 40)
+    assert outputs["poisoned"] == hf_greedy(prompt, poisoned_at)
+    failed = ends["poisoned"]
+    assert (failed.finish_reason, failed.error_status) == (FinishReason.ERROR, 500)
+    assert f"logits at output position {poisoned_at} are not finite" in failed.error_message
+    assert scheduler.kv.pool.num_free == 256 and not scheduler.requests

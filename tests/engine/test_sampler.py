@@ -85,3 +85,18 @@ def test_logprobs_are_raw_log_softmax_with_sorted_top_k():
     assert first.top_token_ids == reference[0].topk(5).indices.tolist()
     assert first.top_logprobs == sorted(first.top_logprobs, reverse=True)
     assert abs(third.logprob - reference[2, out.token_ids[2]].item()) < 1e-6
+
+
+def test_rows_whose_logits_hold_nan_or_posinf_are_reported_broken_and_masked_rows_are_not():
+    """A NaN or +inf logit leaves no distribution to sample (softmax is NaN everywhere): the sampler names the row in
+    `broken_rows`, on its all-greedy path and its general one, greedy or random. A row at -inf everywhere (a grammar
+    that admits nothing) is not broken: its grammar reports it."""
+    logits = torch.randn(5, 40, generator=torch.Generator().manual_seed(4))
+    logits[1, 7] = float("nan")
+    logits[3, 2] = float("inf")
+    logits[4] = float("-inf")
+    greedy = SamplingParams(temperature=0.0)
+    assert Sampler()(logits.clone(), states(greedy, 5), [[1]] * 5).broken_rows == [1, 3]
+    for params in (SamplingParams(temperature=0.0, logprobs=2), SamplingParams(temperature=0.8, seed=1)):
+        assert Sampler()(logits.clone(), states(params, 5), [[1]] * 5).broken_rows == [1, 3]
+    assert Sampler()(logits[[0, 2]].clone(), states(greedy, 2), [[1]] * 2).broken_rows == []

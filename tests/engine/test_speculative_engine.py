@@ -223,3 +223,43 @@ def test_greedy_processing_logprobs_and_stops_are_the_ones_without_speculation()
             assert got.logprob == pytest.approx(want.logprob, abs=1e-4)
             assert got.top_logprobs == pytest.approx(want.top_logprobs, abs=1e-4)
     assert spec[3][2] == FinishReason.STOP and spec[3][0][-1] == stop_id  # the stop id cut the gained tokens
+
+
+def test_a_verifying_request_whose_logits_turn_nan_ends_alone_with_500(monkeypatch):
+    """NaN logits in a verifying request's rows (the target overflowing): that request ends with one 500, its
+    neighbour verifying drafts in the same steps runs to the end equal to transformers."""
+    from shuttle.worker import worker as worker_module
+
+    verify = worker_module.verify_drafts
+
+    def poisoning_verify(sampler, logits, requests):
+        row = 0
+        for state in requests:
+            rows = len(state.draft_token_ids) + 1
+            if state.request_id == "1" and len(state.token_ids) - state.sampling.prompt_len >= 6:
+                logits[row:row + rows, 5] = float("nan")
+            row += rows
+        return verify(sampler, logits, requests)
+
+    monkeypatch.setattr(worker_module, "verify_drafts", poisoning_verify)
+    scheduler, runner = make_engine()
+    prompts = repetitive_prompts(2, seed=4)
+    ends, outputs = {}, {"0": [], "1": []}
+    for i, prompt in enumerate(prompts):
+        scheduler.add_request(b"c", Submit(request_id=str(i), prompt_token_ids=prompt, arrival_time=time.time(),
+                                           sampling=SamplingParams(max_tokens=60, temperature=0.0)))
+
+    def collect(batch):
+        for out in batch:
+            outputs[out.request_id] += out.new_token_ids
+            if out.finish_reason is not None:
+                assert out.request_id not in ends, "a second terminal output"
+                ends[out.request_id] = out
+
+    drive(scheduler, runner, collect, max_in_flight=2, check_blocks=True)
+    assert outputs["0"] == hf_greedy(prompts[0], 60) and ends["0"].finish_reason == FinishReason.LENGTH
+    assert (ends["1"].finish_reason, ends["1"].error_status) == (FinishReason.ERROR, 500)
+    assert "are not finite" in ends["1"].error_message
+    assert outputs["1"] == hf_greedy(prompts[1], 60)[:len(outputs["1"])] and len(outputs["1"]) >= 6
+    assert scheduler.stats().spec_num_drafts > 0
+    assert scheduler.kv.pool.num_free == scheduler.kv.pool.num_blocks and not scheduler.requests
