@@ -20,9 +20,11 @@ import msgspec
 from shuttle.common.adapter_weights import check_adapter_weights
 from shuttle.common.arg_types import option, positive
 from shuttle.common.errors import ModelDirError
+from shuttle.common.model_dir import safetensors_header
 
 # The linear layers shuttle adapts, by the names transformers' decoder layers give them (Llama, Qwen, Mistral,
 # Gemma, Phi-3's fused ones excepted: an adapter naming another module is refused)
+ALL_LINEAR = "all-linear"  # PEFT's target_modules for every linear layer but the output projection
 TARGET_MODULES = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"})
 # adapter_config.json keys that change what the adapter computes, and the values shuttle serves exactly
 _MUST_BE = {"use_dora": (False, None), "bias": ("none", None), "fan_in_fan_out": (False, None),
@@ -125,7 +127,9 @@ def read_adapter(path: str | Path, max_lora_rank: int, base_modules: frozenset[s
     if rank > max_lora_rank:
         raise ModelDirError(f"LoRA adapter {directory}: rank {rank} exceeds --max-lora-rank {max_lora_rank}")
     targets = config.get("target_modules")
-    if isinstance(targets, str):
+    if targets == ALL_LINEAR:
+        targets = _adapted_modules(directory)
+    elif isinstance(targets, str):
         raise ModelDirError(f"LoRA adapter {directory}: target_modules as a regular expression is not implemented")
     if not isinstance(targets, list) or not targets:
         raise ModelDirError(f"LoRA adapter {directory}: target_modules must list module names")
@@ -145,6 +149,23 @@ def read_adapter(path: str | Path, max_lora_rank: int, base_modules: frozenset[s
                             f"{config['use_rslora']!r}")
     scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     return AdapterSpec(rank=rank, scale=float(scale), target_modules=tuple(sorted(targets)))
+
+
+def _adapted_modules(directory: Path) -> list[str]:
+    """The module names (q_proj, ...) whose lora_A weights `directory`'s adapter_model.safetensors holds: what PEFT's
+    target_modules "all-linear" expanded to when it trained and saved the adapter (every linear layer but the
+    output projection), read from the file's header alone.
+
+    Raises:
+        ModelDirError: the header is unreadable, or names no lora_A weight.
+    """
+    path = directory / "adapter_model.safetensors"
+    header, _, _ = safetensors_header(path, lambda why: ModelDirError(f"LoRA adapter {directory}: {path.name}: {why}"))
+    modules = sorted({name.split(".lora_A.")[0].rsplit(".", 1)[-1] for name in header if ".lora_A." in name})
+    if not modules:
+        raise ModelDirError(f"LoRA adapter {directory}: target_modules is \"{ALL_LINEAR}\" but its weights adapt no "
+                            "module")
+    return modules
 
 
 @dataclass(frozen=True)

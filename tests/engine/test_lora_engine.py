@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from scripts.dev.check_architectures import build_model_dir
 from shuttle.common.config import CacheConfig, IpcConfig, SchedulerConfig, ShuttleConfig
-from shuttle.common.lora import LoRAConfig, LoRAModule, read_adapter
+from shuttle.common.lora import TARGET_MODULES, LoRAConfig, LoRAModule, read_adapter
 from shuttle.common.messages import Submit
 from shuttle.common.model_config import ModelConfig
 from shuttle.common.sampling import SamplingParams
@@ -35,8 +35,9 @@ def compiled_steps_never_compile_again(monkeypatch):
     monkeypatch.setattr(cpu_compiled_decode, "SERVING_STANCE", "fail_on_recompile")
 
 
-def write_adapter(directory, model_dir, targets, rank, alpha, seed, rslora=False):
-    """A PEFT LoRA adapter for `model_dir` with random A and B large enough to change greedy output."""
+def write_adapter(directory, model_dir, targets, rank, alpha, seed, rslora=False, all_linear=False):
+    """A PEFT LoRA adapter for `model_dir` with random A and B large enough to change greedy output; `all_linear`
+    writes its target_modules as PEFT's "all-linear" (as PEFT saves them: its weights name the modules)."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     generator = torch.Generator().manual_seed(seed)
     tensors = {}
@@ -49,7 +50,8 @@ def write_adapter(directory, model_dir, targets, rank, alpha, seed, rslora=False
     directory.mkdir(parents=True)
     save_file(tensors, str(directory / "adapter_model.safetensors"))
     (directory / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": sorted(targets), "bias": "none",
+        "peft_type": "LORA", "r": rank, "lora_alpha": alpha, "bias": "none",
+        "target_modules": "all-linear" if all_linear else sorted(targets),
         "use_rslora": rslora, "use_dora": False, "base_model_name_or_path": str(model_dir)}))
     return directory
 
@@ -116,8 +118,8 @@ def qwen2(tmp_path_factory):
 def test_two_adapters_and_the_base_in_one_batch_each_equal_merged_weights(architecture, qwen2, tmp_path):
     model_dir = MODEL_DIR if architecture == "llama" else qwen2
     first = write_adapter(tmp_path / "first", model_dir, {"q_proj", "v_proj", "down_proj"}, rank=4, alpha=8, seed=1)
-    second = write_adapter(tmp_path / "second", model_dir, {"k_proj", "o_proj", "gate_proj", "up_proj"}, rank=8,
-                           alpha=16, seed=2, rslora=True)
+    second = write_adapter(tmp_path / "second", model_dir, TARGET_MODULES, rank=8, alpha=16, seed=2, rslora=True,
+                           all_linear=True)
     prompts = [[1, 15, 27, 99, 300, 41, 7], [1, 400, 23, 8, 91], [1, 5, 6, 7, 8, 9, 10, 11]]
     want = {name: merged_greedy(model_dir, adapter, prompts)
             for name, adapter in (("", None), ("first", first), ("second", second))}

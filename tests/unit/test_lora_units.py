@@ -67,6 +67,26 @@ def test_adapter_configs_are_read_with_their_scale_and_refused_by_name(tmp_path)
 KEY = "base_model.model.model.layers.0.self_attn.q_proj.lora_"
 
 
+def test_all_linear_targets_are_the_modules_the_weights_adapt(tmp_path):
+    """PEFT's target_modules "all-linear" is a word, not a pattern: the adapter adapts the modules its weights name."""
+    import torch
+    from safetensors.torch import save_file
+
+    weights = {f"base_model.model.model.layers.{layer}.{block}.{module}.lora_{part}.weight": torch.zeros(2, 2)
+               for layer in (0, 1) for block, module in [("self_attn", "q_proj"), ("self_attn", "o_proj"),
+                                                         ("mlp", "down_proj")] for part in "AB"}
+    save_file(weights, str(adapter(tmp_path / "a", target_modules="all-linear") / "adapter_model.safetensors"))
+    assert read_adapter(tmp_path / "a", 16).target_modules == ("down_proj", "o_proj", "q_proj")
+    with pytest.raises(ModelDirError, match="target module 'down_proj' is not in the served model"):
+        read_adapter(tmp_path / "a", 16, frozenset({"q_proj", "o_proj"}))
+    save_file({"unrelated.weight": torch.zeros(2)}, str(adapter(tmp_path / "b", target_modules="all-linear")
+                                                        / "adapter_model.safetensors"))
+    with pytest.raises(ModelDirError, match="all-linear.*adapt no module"):
+        read_adapter(tmp_path / "b", 16)
+    with pytest.raises(ModelDirError, match="adapter_model.safetensors: "):  # (the empty file `adapter` writes)
+        read_adapter(adapter(tmp_path / "c", target_modules="all-linear"), 16)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_adapter_weights_must_be_whole_and_finite_also_once_scaled(tmp_path, dtype):
     import torch
