@@ -61,6 +61,8 @@ def adapter_name_error(name: str) -> str | None:
     (whose running_lora_adapters joins names with commas)."""
     if len(name) > MAX_ADAPTER_NAME_CHARS or not name.isprintable() or "," in name:
         return f"an adapter name must be at most {MAX_ADAPTER_NAME_CHARS} printable characters without a comma"
+    if name != name.strip():  # " " or "sql " would be told from "sql" by whitespace no one sees in a log line
+        return "an adapter name must not start or end with whitespace"
     return None
 
 

@@ -26,7 +26,8 @@ def test_lora_modules_take_name_equals_path_and_vllms_json():
         name="fr", path="/a/fr", base_model_name="b")
     for value, why in [("sql", "expected NAME=PATH or a JSON object"), ("=/a", "needs a name and a path"),
                        ('{"name": "x", "path": "/p", "rank": 8}', "key 'rank' is not implemented"),
-                       ("a,b=/p", "without a comma"), ('{"name": "a\\u0000", "path": "/p"}', "printable")]:
+                       ("a,b=/p", "without a comma"), ('{"name": " ", "path": "/p"}', "whitespace"),
+                       ('{"name": "a\\u0000", "path": "/p"}', "printable")]:
         with pytest.raises(argparse.ArgumentTypeError, match=why):
             parse_lora_module(value)
 
