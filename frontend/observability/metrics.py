@@ -251,7 +251,12 @@ class Metrics:
     def on_client_error(self, exc: BaseException) -> None:
         """A request refused as invalid (an InvalidRequestError, 400), whichever transport carried it."""
         if isinstance(exc, InvalidRequestError):
-            self.rejected.labels("invalid").inc()
+            self.on_invalid_request()
+
+    def on_invalid_request(self) -> None:
+        """A request refused as invalid (400) before it became an InvalidRequestError: a transport's own refusal
+        (a WebSocket frame or batch message it cannot read, an id already in use)."""
+        self.rejected.labels("invalid").inc()
 
     def prompt(self, n: int = 1) -> "PromptMetrics":
         """The recorder of one prompt's `n` sequences (its choices); each gets its own from `sequence()`."""

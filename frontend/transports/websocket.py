@@ -88,6 +88,12 @@ class _Session:
     async def error(self, client_id: Any, status: int, message: str, param: str | None = None) -> None:
         await self.send({"type": "error", "id": client_id, "error": error_body(status, message, param)["error"]})
 
+    async def refuse(self, client_id: Any, message: str, param: str | None = None) -> None:
+        """A frame refused before it became a generation: its 400, counted as an invalid request (as HTTP counts a
+        body it cannot read)."""
+        self.state.metrics.on_invalid_request()
+        await self.error(client_id, 400, message, param)
+
     async def end(self, stream: _Stream, frame: dict) -> None:
         """Send the stream's one terminal frame (done or error) and forget it."""
         if stream.ended:
@@ -108,11 +114,11 @@ class _Session:
         try:
             frame = json.loads(data)
         except ValueError as exc:
-            return await self.error(None, 400, f"invalid JSON: {exc}")
+            return await self.refuse(None, f"invalid JSON: {exc}")
         except RecursionError:  # as HTTP words it; the interpreter's own message names its internals
-            return await self.error(None, 400, "the frame is nested too deeply")
+            return await self.refuse(None, "the frame is nested too deeply")
         if not isinstance(frame, dict):
-            return await self.error(None, 400, "frame must be a JSON object")
+            return await self.refuse(None, "frame must be a JSON object")
         client_id = frame.get("id")
         kind = frame.get("type")
         if client_id is None:  # the next free name: one in use (a client's own "gen-1") would refuse this one under it
@@ -123,16 +129,16 @@ class _Session:
             if kind == "cancel":
                 return  # it names no generation
             # the id comes back as sent, so the client can still match this generate's one terminal frame
-            return await self.error(client_id, 400, "id must be a string or an integer", "id")
+            return await self.refuse(client_id, "id must be a string or an integer", "id")
         if kind == "cancel":
             stream = self.streams.get(client_id)
             if stream is not None and stream.task is not None:
                 stream.task.cancel()
             return
         if kind != "generate":
-            return await self.error(client_id, 400, "type must be 'generate' or 'cancel'", "type")
+            return await self.refuse(client_id, "type must be 'generate' or 'cancel'", "type")
         if client_id in self.streams:
-            return await self.error(client_id, 400, f"id {client_id!r} is already generating", "id")
+            return await self.refuse(client_id, f"id {client_id!r} is already generating", "id")
         stream = _Stream(client_id)
         self.streams[client_id] = stream
         stream.task = asyncio.create_task(self.run(stream, frame))

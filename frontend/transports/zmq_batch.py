@@ -95,6 +95,7 @@ class BatchEndpoint:
             except MalformedMessage as exc:  # counted and logged (rate-limited) by the channel
                 self._heard(exc.identity)
                 self.state.metrics.batch_malformed.labels(exc.kind).inc()
+                self.state.metrics.on_invalid_request()
                 job_id, param = _salvage(exc.payload, str(exc))
                 self._spawn(self._answer(exc.identity, _error(job_id, 400, f"malformed message: {exc}", param)))
                 continue
@@ -114,6 +115,7 @@ class BatchEndpoint:
             self._spawn(self._answer(identity, _error(job.job_id, 401, "invalid or missing API key")))
             return
         if job.job_id in client.jobs:
+            self.state.metrics.on_invalid_request()
             self._spawn(self._answer(identity, _error(job.job_id, 400, f"job id {job.job_id!r} is already running",
                                                       "job_id")))
             return

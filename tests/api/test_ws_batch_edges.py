@@ -270,22 +270,32 @@ def test_mask_screen_follows_frame_boundaries_across_any_chunking():
 
 async def test_invalid_requests_are_counted_whichever_transport_carried_them(app):
     """request_rejected{reason="invalid"} counted HTTP's 400s only; the batch endpoint and the WebSocket carry the
-    same requests."""
+    same requests, and each transport's own refusals (a message it cannot read, an id already in use) are 400s for
+    invalid requests too, as HTTP's for a body that is not JSON."""
     invalid = app.state.metrics.rejected.labels("invalid")
     before = invalid._value.get()
+    app.engine.step_delay = 0.05
     sock = await dealer(app.batch.endpoint)
     try:
         await sock.send(completion("bad", max_tokens=-1))
         assert (await next_response(sock)).status_code == 400
+        await sock.send(b"\xc1")  # not msgpack
+        assert (await next_response(sock)).status_code == 400
+        await sock.send(completion("same", max_tokens=4))
+        await sock.send(completion("same", max_tokens=4))
+        assert [(await next_response(sock)).status_code for _ in range(2)] == [400, 200]
     finally:
+        app.engine.step_delay = 0.0
         sock.close()
     async with aiohttp.ClientSession(headers=auth()) as session, session.ws_connect(f"{app.url}/v1/ws") as ws:
         await ws.send_str('{"type": "generate", "id": "bad", "prompt": "Hi", "max_tokens": -1}')
         frames = await collect_frames(ws, {"bad"})
+        await ws.send_str("{not json")
+        assert (await ws.receive_json())["error"]["code"] == 400
         async with session.post(f"{app.url}/v1/completions", json={"prompt": "Hi", "max_tokens": -1}) as response:
             assert response.status == 400
     assert frames[-1]["type"] == "error" and frames[-1]["error"]["param"] == "max_tokens"
-    assert invalid._value.get() == before + 3
+    assert invalid._value.get() == before + 6
 
 
 async def test_an_unnamed_generate_is_never_named_after_a_running_one():
