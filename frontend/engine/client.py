@@ -51,6 +51,12 @@ HANDSHAKE_FAILURES = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE
 REMOTE_SILENCE_S = 30.0  # --heartbeat-timeout's default: a remote group silent to ZeroMQ's heartbeat this long is lost
 
 
+def lost_connection_reason(endpoint: str, silence_timeout: float) -> str:
+    """A remote group's down_reason once its connection dropped: closed by its host, or dropped by libzmq after
+    `silence_timeout` seconds without an answer to heartbeats (the host stopped, or the network between)."""
+    return f"lost the connection to {endpoint} (closed, or no answer to heartbeats for {silence_timeout:g} s)"
+
+
 class ServingGroup(abc.ABC):
     """One serving group's standing as the frontend sees it, and what it tells a new request: up or down (and
     why), its latest stats, its sequences in flight and their failure at once. Implements frontend.engine_api.Engine
@@ -122,9 +128,11 @@ class ServingGroup(abc.ABC):
         engine down: the time until it is expected back (frontend/engine/backpressure.py's RestartClock)."""
         if self.draining:
             return GenerationError(503, "the server is shutting down", retry_after=None)
-        if self.down_reason is not None or not self._up.is_set():
-            reason = f" ({self.down_reason})" if self.down_reason else ""
-            return GenerationError(503, f"the engine is restarting{reason}; retry shortly",
+        if self.down_reason is None and not self._up.is_set():  # never joined yet: nothing is restarting
+            return GenerationError(503, f"the engine at {self._endpoint} has not joined yet (its scheduler has not "
+                                   "answered); retry shortly", retry_after=self._restart.retry_after(time.monotonic()))
+        if self.down_reason is not None:
+            return GenerationError(503, f"the engine is restarting ({self.down_reason}); retry shortly",
                                    retry_after=self._restart.retry_after(time.monotonic()))
         return None
 
@@ -268,7 +276,7 @@ class EngineClient(ServingGroup):
         finally:
             monitor.close(linger=0)
         # no launcher here to estimate its restart: the last one measured, if any
-        self.engine_down(f"lost the connection to {self._endpoint}",
+        self.engine_down(lost_connection_reason(self._endpoint, self._silence_timeout),
                          self._restart.last_restart_s or REMOTE_RESTART_GUESS_S)
 
     def _handshake_failed(self) -> None:

@@ -24,7 +24,7 @@ import pytest
 
 from shuttle.common.ipc import CURVE_ENV, CurveKeys
 from shuttle.common.messages import FinishReason, SamplingParams, Submit
-from shuttle.frontend.engine.client import GROUP_DRAINING, EngineClient
+from shuttle.frontend.engine.client import GROUP_DRAINING, EngineClient, lost_connection_reason
 from shuttle.frontend.engine.router import Router
 
 SILENCE_S = 2.0
@@ -142,13 +142,29 @@ async def test_a_silent_remote_group_fails_its_requests_and_rejoins_when_it_answ
         assert noticed >= SILENCE_S * 0.9  # not before the timeout
         assert sorted(o.request_id for o in outputs) == ["r0", "r1", "r2"]  # exactly one output each: the end
         assert all(o.finish_reason == FinishReason.ERROR and o.error_status == 503 for o in outputs)
-        assert group.down_reason == f"lost the connection to {endpoint}" and group.times_down == 1
+        assert group.down_reason == lost_connection_reason(endpoint, SILENCE_S) and group.times_down == 1
         error = router.admission_error()
         assert error is not None and error.status == 503  # the router sends it nothing while it is down
 
         os.kill(process.pid, signal.SIGCONT)
         await wait_until(lambda: group.is_up, 60)
         assert group.times_down == 1 and router.admission_error() is None
+    finally:
+        router.close()
+
+
+async def test_a_remote_group_that_never_joined_is_not_called_restarting(stand_ins):
+    """Before a remote group's scheduler first answers, a request's 503 says so (not "restarting": nothing ran)."""
+    group = EngineClient(stand_ins.endpoint, remote=True, silence_timeout=SILENCE_S)  # nobody bound there yet
+    router = Router([group], max_num_seqs=8, wait_for=0)
+    await router.start()
+    try:
+        error = router.admission_error()
+        assert error is not None and error.status == 503
+        assert f"the engine at {stand_ins.endpoint} has not joined yet" in str(error), str(error)
+        stand_ins.start()
+        await wait_until(lambda: group.is_up, 30)
+        assert router.admission_error() is None
     finally:
         router.close()
 
