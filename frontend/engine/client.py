@@ -328,6 +328,11 @@ class EngineClient(ServingGroup):
         message = Heartbeat(name="frontend", pid=os.getpid())
         while True:
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+            if self._remote and not self.is_up and self.down_reason != GROUP_DRAINING:
+                # Nothing of ours runs there (not joined, lost, or kept out), and an unreachable group's socket would
+                # queue every beat (its queues are unbounded) to deliver them all stale on reconnection; it learns
+                # of this frontend again from the Hello that rejoins it.
+                continue
             try:
                 await self._channel.send(message)
             except zmq.ZMQError:

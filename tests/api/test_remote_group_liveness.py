@@ -169,6 +169,32 @@ async def test_a_remote_group_that_never_joined_is_not_called_restarting(stand_i
         router.close()
 
 
+async def test_a_remote_group_that_is_not_up_is_sent_no_heartbeats(stand_ins, monkeypatch):
+    """A remote group that has not joined (or was lost) runs nothing of this frontend's: heartbeats to it would only
+    queue on its socket (unbounded) while it is away, to arrive stale. Once it joins they flow."""
+    from shuttle.frontend.engine import client as client_module
+
+    monkeypatch.setattr(client_module, "HEARTBEAT_INTERVAL_S", 0.02)
+    group = EngineClient(stand_ins.endpoint, remote=True, silence_timeout=SILENCE_S)
+    await group.start(wait=False)
+    sent: list = []
+    send = group._channel.send
+
+    async def counting_send(message, *args):
+        sent.append(type(message).__name__)
+        await send(message, *args)
+
+    monkeypatch.setattr(group._channel, "send", counting_send)
+    try:
+        await asyncio.sleep(0.5)
+        assert "Heartbeat" not in sent, sent
+        stand_ins.start()
+        await wait_until(lambda: group.is_up, 30)
+        await wait_until(lambda: "Heartbeat" in sent, 5)
+    finally:
+        group.close()
+
+
 async def test_a_quiet_remote_group_that_answers_heartbeats_stays_up(stand_in):
     """No traffic but the heartbeat's for several timeouts (an idle group, a long step) is not silence."""
     endpoint, _ = stand_in
