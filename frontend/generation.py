@@ -185,5 +185,6 @@ class TextGeneration:
         if status == 400:
             constraint, length = self.refusal_params
             message = output.error_message
-            param = constraint if CONSTRAINT_REFUSAL in message else length if NEVER_FITS in message else None
+            param = constraint if CONSTRAINT_REFUSAL in message else length if NEVER_FITS in message else \
+                "ttft_slo_ms" if output.rejection == "slo" and "its ttft_slo_ms" in message else None
         return GenerationError(status, output.error_message, retry_after, param)

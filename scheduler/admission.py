@@ -21,6 +21,7 @@ profile) every request is admitted.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections import deque
@@ -41,10 +42,13 @@ MAX_ITERATIONS = 4000  # bound on one prediction's work; past it the rest is ext
 
 @dataclass(frozen=True, slots=True)
 class Verdict:
-    """A refusal: the predicted TTFT (seconds from now) and when to retry (seconds, >= 1)."""
+    """A refusal: the predicted TTFT (seconds from now) and when to retry (seconds, >= 1). `unattainable`: even on
+    an idle server its prompt's prefill alone would miss the objective (predicted_ttft_s is then that idle
+    prediction), so no retry can help."""
 
     predicted_ttft_s: float
     retry_after_s: float
+    unattainable: bool = False
 
 
 class SloAdmission:
@@ -117,15 +121,20 @@ class SloAdmission:
         if predicted <= slo_s * HEADROOM:
             return None
         self.num_refused += 1
+        alone = self.predict_ttft(dataclasses.replace(view, running=(), waiting=()), request, in_flight=False)
+        if alone > slo_s * HEADROOM:  # a Retry-After would send it back forever (a batch job, a background response)
+            return Verdict(alone, 0.0, unattainable=True)
         return Verdict(predicted, max(1.0, math.ceil(predicted - slo_s)))
 
     # ---- the prediction -------------------------------------------------------------------------------
 
-    def predict_ttft(self, view: AdmissionView, request: Request, horizon_s: float = math.inf) -> float:
+    def predict_ttft(self, view: AdmissionView, request: Request, horizon_s: float = math.inf,
+                     in_flight: bool = True) -> float:
         """Predicted seconds from now until `request`'s first token reaches its client, if it were queued now
         behind the requests that rank before it: the scheduler's rules replayed step by step on the step-cost model
         (tests/unit/test_ttft_prediction.py checks them against the simulator). Past `horizon_s` the remaining
-        queue is extrapolated at the admission rate seen so far."""
+        queue is extrapolated at the admission rate seen so far. `in_flight=False` leaves out the steps already
+        sent (for a prediction on an idle server: `view` without requests)."""
         cost = self.cost
         assert cost is not None  # a prediction needs the step-cost model (check() asks only with one)
         # a newcomer ranks behind every queued request of the same rank (the queue keeps arrival order among ties)
@@ -135,7 +144,7 @@ class SloAdmission:
         in_newest_step = self._newest_step[1] if self._newest_step is not None else frozenset()
         replay = Replay(view, [self._seq(r) for r in view.running], [*map(self._seq, ahead), target], in_newest_step)
         queue_len = len(replay.queue)
-        now = self._in_flight_remaining()
+        now = self._in_flight_remaining() if in_flight else 0.0
         for _ in range(MAX_ITERATIONS):
             chunks, computed = replay.compose()
             if not chunks and replay.lingering:  # only finished requests hold the slots: free after this turn

@@ -126,6 +126,12 @@ class Scheduler:
         if self.num_waiting >= self.config.max_waiting_requests and not self._make_room_for(request):
             return self.reject(client, submit.request_id, 503, "the server is at capacity: waiting queue is full")
         verdict = self.admission.check(self._admission_view(), request, submit.ttft_slo_ms)
+        if verdict is not None and verdict.unattainable:  # too late even alone: a 503 would be retried forever
+            whose = f"its ttft_slo_ms {submit.ttft_slo_ms:g}" if submit.ttft_slo_ms else \
+                f"the server's --ttft-slo-ms {self.admission.default_slo_ms:g}"
+            return self.reject(client, submit.request_id, 400,
+                                f"{whose} can never be met here: this prompt's predicted time to first token on an "
+                                f"idle server is {verdict.predicted_ttft_s * 1000:.0f} ms", rejection="slo")
         if verdict is not None:  # its first token would come too late even if it waited: say so now
             return self.reject(client, submit.request_id, 503,
                                 f"the server cannot meet the TTFT objective now: predicted time to first token "
