@@ -15,10 +15,11 @@ the chat API's prompt_tokens).
 
 from __future__ import annotations
 
-import json
 import uuid
 from contextlib import aclosing
 from typing import Any, AsyncGenerator
+
+import jiter
 
 from shuttle.frontend.anthropic.request import CountTokensRequest, MessagesRequest, chat_request_of
 from shuttle.frontend.chat_call import ChatCall, chat_prompt_ids
@@ -186,11 +187,13 @@ def _tool_use_block(name: str, tool_input: dict) -> dict:
 
 
 def _input(arguments: str) -> dict:
-    """A call's arguments text as tool_use's `input`; a call cut by max_tokens before its arguments object closed
-    has what it had: {} (a stream has sent the partial text as input_json_delta pieces)."""
+    """A call's arguments text as tool_use's `input`. A call cut by max_tokens before its arguments object closed
+    has what its complete values make, read as the official client reads the same text streamed as input_json_delta
+    pieces (jiter in partial mode: a value cut off, a string included, is left out), so a message streamed and the
+    same message whole agree; {} when not even that is an object."""
     try:
-        value = json.loads(arguments)
-    except (ValueError, RecursionError):
+        value = jiter.from_json(arguments.encode(), partial_mode=True)
+    except ValueError:
         return {}
     return value if isinstance(value, dict) else {}
 

@@ -220,6 +220,21 @@ async def test_a_named_tool_is_one_tool_use_block_under_its_grammar():
     assert events[-2]["delta"]["stop_reason"] == "tool_use"
 
 
+async def test_a_named_tool_cut_by_max_tokens_has_the_same_input_whole_and_streamed():
+    """A fresh-clone trial: cut inside its arguments, a tool_use's input was {} whole, and what the official client
+    builds from the streamed input_json_delta pieces ({"city": "What is an"}) when streamed."""
+    async with served_text('{"city": "What is an", "da', eos=False) as (client, engine):
+        async with anthropic_client(client) as api:
+            ask = dict(model=MODEL, max_tokens=64, messages=[{"role": "user", "content": "Weather in Paris?"}],
+                       tools=TOOLS, tool_choice={"type": "tool", "name": "get_weather"})
+            message = await api.messages.create(**ask)
+            async with api.messages.stream(**ask) as stream:
+                final = await stream.get_final_message()
+    [block], [streamed] = message.content, final.content
+    assert (block.type, block.input, message.stop_reason) == ("tool_use", {"city": "What is an"}, "max_tokens")
+    assert (streamed.type, streamed.input, final.stop_reason) == ("tool_use", block.input, "max_tokens")
+
+
 async def test_any_is_required_calls_and_disable_parallel_tool_use_allows_one():
     async with served_text(REQUIRED_TEXT) as (client, engine):
         status, body = await post(client, URL, {"model": MODEL, "max_tokens": 150, "tools": TOOLS,
