@@ -261,9 +261,9 @@ JSON_ARRAY_CASES = [
     # cut off or off the shape
     ('[{"name": "f", "parameters": {"a": "x', msg("", ("f", '{"a": "x'))),
     ('[{"name": "f", "parameters": {"a": 1}', msg("", ("f", '{"a": 1}'))),
-    ('[{"name": "f', msg('[{"name": "f')),  # cut before any name was complete: what was generated, as content
+    ('[{"name": "f', msg("")),  # cut before any name was complete: the grammar's wrapper is not content
     ('[{"name": "f", ', msg("", ("f", ""))),  # cut before its parameters: no arguments made up
-    ('[{"parameters": {"a": 1}', msg('[{"parameters": {"a": 1}')),
+    ('[{"parameters": {"a": 1}', msg("")),
     ('[{"name": "f", "parameters": {}}, {"name": "g', msg("", ("f", "{}"))),  # a later call's name cut: dropped
     ('[{"name": "f", "parameters": {}}] trailing', msg("trailing", ("f", "{}"))),
     ('[{"name": "f", "parameters": {}} x]', msg("x]", ("f", "{}"))),

@@ -26,8 +26,8 @@ class JsonArrayCallsParser:
     without "parameters" gets "{}" (but "" when the output is cut off before them); where the text stops being the
     expected shape (or after the closing `]`) the rest of it is content, from its first non-whitespace character; an
     output cut off inside a call keeps that call with the arguments text so far (a name cut off: the call is
-    dropped), and one cut off before any call's name was complete is all content, as written (what was generated
-    is never lost).
+    dropped, and an output cut off before any call's name was complete has no call and no content: the grammar's
+    wrapper so far, `[{"name": "ge`, says nothing, as vLLM's content "" for such an output).
 
     Streaming is character-level: a call's name is released as soon as its string is closed, then its
     "parameters" text piece by piece as it arrives (held until the name is known when "parameters" comes first).
@@ -64,19 +64,14 @@ class JsonArrayStreamer:
         self._started = False  # whether this call has been started on the output
         self._held: list[str] = []  # this call's parameters text while its name is unknown
         self._had_parameters = False
-        self._unclaimed: list[str] | None = []  # the text while no call has started (None once one has)
 
     def feed(self, delta: str) -> StreamPiece:
-        if self._unclaimed is not None:
-            self._unclaimed.append(delta)
         self._run(delta)
         return self._out.take()
 
     def finish(self) -> StreamPiece:
         if self._state == "start":
             self._out.content(self._lead)
-        elif self._unclaimed is not None and self._state not in ("content", "end"):
-            self._out.content("".join(self._unclaimed))  # cut off before the first name was complete
         self._end_call(cut=True)
         return self._out.finish()
 
@@ -163,7 +158,7 @@ class JsonArrayStreamer:
             name = load_json("".join(self._token))
             if isinstance(name, str) and name:
                 self._name = name
-                self._started, self._unclaimed = True, None
+                self._started = True
                 self._out.start_call(name)
                 for piece in self._held:
                     self._out.arguments(piece)
