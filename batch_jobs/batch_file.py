@@ -5,8 +5,9 @@ Input lines (OpenAI's batch input format): {"custom_id": "...", "method": "POST"
 Output lines (OpenAI's batch output format), one per input line, in completion order:
     {"id": "batch_req_...", "custom_id": "...", "response": {"status_code", "request_id", "body"}, "error": null}
 The server's answers, errors included (status 400 with an OpenAI error body naming the field), go in `response`,
-as OpenAI does; a line that could not be sent at all (not JSON, no custom_id, a method other than POST) gets
-`"response": null, "error": {"code": "invalid_line", "message", "line"}` (custom_id null when unreadable).
+as OpenAI does; a line that could not be sent at all (not JSON, no custom_id, a method other than POST, or none)
+gets `"response": null, "error": {"code": "invalid_line", "message", "line"}` (custom_id null when unreadable; `line`
+its line number only then, else null: a rerun finds the line by its custom_id).
 
 Resumable: OUTPUT is appended to, and a rerun skips every line already answered there (by custom_id; lines
 without one by line number). Duplicate custom_ids are an error before anything is sent.
@@ -64,7 +65,7 @@ def _parse(number: int, text: str) -> Line:
     custom_id = data.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id:
         return Line(number, None, error=f"line {number}: custom_id must be a non-empty string")
-    if data.get("method", "POST") != "POST":
+    if data.get("method") != "POST":  # required, as in OpenAI's batch input: a line without it is not sent
         return Line(number, custom_id, error=f"line {number}: method must be POST, got {data.get('method')!r}")
     # url and body go to the server as they are: it answers a bad one as an HTTP call would (400 naming the field)
     return Line(number, custom_id, job={"custom_id": custom_id, "url": data.get("url"), "body": data.get("body")})

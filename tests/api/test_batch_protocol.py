@@ -237,9 +237,10 @@ def batch_file(path, n: int) -> list[str]:
     each output line is keyed by (custom_id, or the line number for lines without a readable one)."""
     keys, lines = [], []
     for i in range(n):
-        if i % 10 == 9:
-            lines.append("{not json" if i % 20 == 9 else json.dumps({"custom_id": f"m{i}", "method": "GET",
-                                                                    "url": "/v1/completions", "body": {}}))
+        if i % 10 == 9:  # not JSON; a method other than POST, or none (OpenAI's batch input requires it)
+            lines.append("{not json" if i % 20 == 9 else json.dumps({"custom_id": f"m{i}", "url": "/v1/completions",
+                                                                    "body": {}, **({"method": "GET"} if i % 40 == 19
+                                                                                   else {})}))
             keys.append(f"line:{i + 1}" if i % 20 == 9 else f"m{i}")
             continue
         body = {"prompt": f"Story {i}", "max_tokens": 3} if i % 2 else {
@@ -311,6 +312,8 @@ async def test_shuttle_batch_file_kill_9_and_resume(app, tmp_path):
     assert records["r6"]["response"]["status_code"] == 400
     assert records["r6"]["response"]["body"]["error"]["param"] == "max_tokens"
     assert records["m19"]["error"]["code"] == "invalid_line" and records["m19"]["response"] is None
+    assert "method must be POST, got 'GET'" in records["m19"]["error"]["message"]
+    assert "method must be POST, got None" in records["m39"]["error"]["message"] and records["m39"]["response"] is None
     assert records["line:10"]["custom_id"] is None and "not JSON" in records["line:10"]["error"]["message"]
 
 
