@@ -34,6 +34,10 @@ LAST_WORDS_S = 2.0
 # The launcher asks its frontend, or under `shuttle engine` its scheduler, to drain with this signal (children ignore
 # SIGTERM: see child_main_args); the frontend takes a second one as "end the drain now".
 DRAIN_SIGNAL = signal.SIGUSR1
+# The frontend's parent-death signal (the engine's processes get SIGKILL): its launcher is gone (killed, OOM-killed,
+# aborted by Ray's client when its cluster went away) and with it the engine and all supervision; the frontend ends
+# every request in flight with an error and exits, instead of dying with all of them unanswered.
+PARENT_GONE_SIGNAL = signal.SIGHUP
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 

@@ -9,7 +9,7 @@ import os
 from aiohttp import web
 
 from shuttle.common.config import ShuttleConfig
-from shuttle.common.process import DRAIN_SIGNAL
+from shuttle.common.process import DRAIN_SIGNAL, PARENT_GONE_SIGNAL
 from shuttle.common.version import shuttle_version
 from shuttle.frontend import last_words
 from shuttle.frontend.anthropic.errors import anthropic_errors
@@ -189,6 +189,7 @@ async def serve(config: ShuttleConfig, on_ready) -> None:
     await runner.setup()
     shutdown = Shutdown()
     asyncio.get_running_loop().add_signal_handler(DRAIN_SIGNAL, shutdown.on_signal)  # the launcher's; SIGTERM: ignored
+    asyncio.get_running_loop().add_signal_handler(PARENT_GONE_SIGNAL, shutdown.on_parent_gone)  # the launcher died
     last_words.install()  # the launcher's SIGUSR2 when it replaces this process: open streams end with an error
     uds = config.api.uds
     server = await listen(runner, config.host, config.port, config.ops, uds=uds,

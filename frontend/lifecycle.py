@@ -74,6 +74,13 @@ class Shutdown:
             self.hurry.set()
         self.requested.set()
 
+    def on_parent_gone(self) -> None:
+        """PARENT_GONE_SIGNAL: the launcher died, and the engine it ran with it; nothing in flight will finish."""
+        log.error("the launcher is gone (killed, or it crashed): ending every request in flight with an error and "
+                  "exiting")
+        self.requested.set()
+        self.hurry.set()
+
 
 async def drain(engine: Engine, timeout: float, hurry: asyncio.Event,
                 websockets: set[web.WebSocketResponse]) -> None:

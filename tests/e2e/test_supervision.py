@@ -189,3 +189,27 @@ async def test_a_replaced_frontend_ends_every_open_stream_with_one_error(srv):
         await wait_health(session, srv.url, 200)
         await assert_greedy_exact(session, srv.url)
     assert any("frontend" in line and "sent no heartbeat" in line for line in srv.output), srv.output[-5:]
+
+
+async def test_a_killed_launcher_leaves_no_request_unanswered(srv):
+    """Last, as it ends the module's server: SIGKILL of the launcher (the OOM killer's way; Ray's client aborts a
+    launcher whose cluster went away the same way) takes the engine with it. The frontend, told by its parent-death
+    signal, ends each open request with exactly one error instead of a cut connection, and exits."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=HANG)) as session:
+        await wait_health(session, srv.url, 200)
+        started = [asyncio.Event() for _ in range(3)]
+        tasks = [asyncio.create_task(sse(session, srv.url, started[0])),
+                 asyncio.create_task(websocket(session, srv.url, started[1])),
+                 asyncio.create_task(plain(session, srv.url, started[2]))]
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), HANG)
+        while (await health_status(session, srv.url))[1]["scheduler"]["num_running"] < 3:
+            await asyncio.sleep(0.02)
+        srv.proc.kill()
+        srv.proc.wait()
+        events, ws_end, (status, body, _) = await asyncio.wait_for(asyncio.gather(*tasks), HANG)
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == 503, events[-3:]
+    assert all("error" not in json.loads(e) for e in events[:-2])  # exactly one terminal error
+    assert ws_end["type"] == "error" and ws_end["error"]["code"] == 503, ws_end
+    assert status == 503 and body["error"]["code"] == 503, body
+    assert srv.wait_gone(10) == []  # the frontend exited after its answers; the engine died with the launcher
+    assert any("the launcher is gone" in line for line in srv.output), srv.output[-5:]
