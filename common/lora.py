@@ -230,14 +230,18 @@ def adapter_layers(weight_shapes: dict[str, tuple[int, ...]], spec: AdapterSpec,
     Returns:
         adapted layer name -> (its lora_A tensor name, its lora_B tensor name).
     Raises:
-        ModelDirError: a weight names no adaptable layer, one of A and B is missing, or a shape is not
-            A [r, in] and B [out, r].
+        ModelDirError: a weight names no adaptable layer or a module target_modules does not list, one of A and B
+            is missing, or a shape is not A [r, in] and B [out, r].
     """
     parts: dict[str, dict[str, str]] = {}
     for key in weight_shapes:
         layer, part = _split_key(key)
         if layer not in layer_shapes or part == "?":
             raise ModelDirError(f"LoRA adapter {path}: weight {key!r} names no adaptable layer of the served model")
+        module = layer.rsplit(".", 1)[-1]
+        if module not in spec.target_modules:  # PEFT would leave it out: served, it would change the output
+            raise ModelDirError(f"LoRA adapter {path}: weight {key!r} adapts {module}, which its target_modules "
+                                f"({', '.join(spec.target_modules)}) does not list")
         parts.setdefault(layer, {})[part] = key
     layers = {}
     for layer, found in parts.items():

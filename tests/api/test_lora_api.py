@@ -74,8 +74,12 @@ async def test_adapters_load_and_unload_at_run_time_under_vllms_rule(tmp_path, m
         save_file(tensors, str(poisoned / "adapter_model.safetensors"))
         weights = cut / "adapter_model.safetensors"
         weights.write_bytes(weights.read_bytes()[:-100])
+        unlisted = write_adapter(tmp_path / "unlisted", MODEL_DIR, {"q_proj", "v_proj"}, rank=4, alpha=8, seed=6)
+        config = json.loads((unlisted / "adapter_config.json").read_text())
+        (unlisted / "adapter_config.json").write_text(json.dumps({**config, "target_modules": ["q_proj"]}))
         for path, why in [(poisoned, "holds NaN or infinite values"), (cut, "is not a valid safetensors file"),
                           (wide, "rank 32 exceeds --max-lora-rank 16"),
+                          (unlisted, "adapts v_proj, which its target_modules (q_proj) does not list"),
                           (skewed, "v_proj has A (2, 64) and B (32, 2), the layer needs A [4, 64] and B [32, 4]"),
                           (tmp_path / "nowhere", "no adapter_config.json")]:
             status, body = await post(client, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": str(path)})
