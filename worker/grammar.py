@@ -47,7 +47,8 @@ XGRAMMAR_LOG_PREFIX = re.compile(r"^\[\d{2}:\d{2}:\d{2}\] \S+:\d+: ")
 # under LARGE_SPEC_BYTES in one, larger ones in the other, so a trivial constraint never waits behind a huge schema.
 # A compile still running after COMPILE_PATIENCE_S is answered as refused (a 400 naming the field) and left to finish
 # unseen, and its lane goes on with the next one; at most MAX_ABANDONED such compiles may still run, and past that
-# the large lane refuses at once until one ends (each holds a core until xgrammar returns).
+# the large lane refuses at once until one ends (each holds a core until xgrammar returns). A compile still queued
+# after COMPILE_PATIENCE_S (behind others) is refused as busy (503), so a request waits at most about twice that.
 LARGE_SPEC_BYTES = 16 * 1024
 COMPILE_PATIENCE_S = 30.0
 MAX_ABANDONED = 2
@@ -65,8 +66,9 @@ class GrammarError(ValueError):
 class _Job:
     """One compile: its spec, its thread once started, and its result once done."""
 
-    def __init__(self, spec: StructuredOutput):
+    def __init__(self, spec: StructuredOutput, queued: float):
         self.spec = spec
+        self.queued = queued  # when it joined its lane's queue (the compiler's clock)
         self.started = 0.0
         self.thread: threading.Thread | None = None
         self.result: CompiledGrammar | GrammarError | None = None
@@ -131,7 +133,7 @@ class GrammarCompiler:
             if cached is not None:
                 self._answers.append((key, cached))
             elif key not in self._jobs:
-                job = self._jobs[key] = _Job(spec)
+                job = self._jobs[key] = _Job(spec, self.clock())
                 self._lanes[len(spec.spec) >= LARGE_SPEC_BYTES].queue.append(job)
         self._pump()
 
@@ -248,6 +250,12 @@ class GrammarCompiler:
         """Start the next queued compile of each idle lane; past MAX_ABANDONED over-long compiles still running,
         the large lane's queue is refused instead."""
         self._abandoned = [job for job in self._abandoned if not job.done.is_set()]
+        now = self.clock()
+        for lane in self._lanes:  # a request waits for its grammar's compile to start no longer than for the compile
+            while lane.queue and now - lane.queue[0].queued > self.patience_s:
+                self._settle(lane.queue.popleft(), GrammarError(
+                    f"the {CONSTRAINT_REFUSAL} now: it waited {self.patience_s:g} s behind other compiles; retry "
+                    f"later", status=503))
         for large, lane in enumerate(self._lanes):
             if large and len(self._abandoned) >= MAX_ABANDONED:
                 while lane.queue:

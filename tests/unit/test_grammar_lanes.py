@@ -72,12 +72,20 @@ def test_a_compile_past_its_patience_is_refused_and_its_late_result_dropped():
     compiler, gates = compiler_with_gates(clock)
     compiler.submit([large(1), large(2)])  # the second waits in the large lane
     compiler.take_finished()
-    clock.now += COMPILE_PATIENCE_S + 1
+    clock.now += 20
+    compiler.submit([large(3)])  # queued 20 s after them
+    clock.now += COMPILE_PATIENCE_S - 20 + 1
     answered = compiler.take_finished()
-    assert answered.keys == [large(1).key] and CONSTRAINT_REFUSAL in answered.errors[0]
-    assert "within 30 s" in answered.errors[0]
-    gates.setdefault(large(2).key, threading.Event()).set()  # the lane went on with the next
-    assert answers_until(compiler, {large(2).key}) == {large(2).key: ""}
+    errors = dict(zip(answered.keys, answered.errors))
+    statuses = dict(zip(answered.keys, answered.statuses or [400] * len(answered.keys)))
+    assert sorted(errors) == sorted([large(1).key, large(2).key])
+    assert CONSTRAINT_REFUSAL in errors[large(1).key] and "within 30 s" in errors[large(1).key]
+    assert statuses[large(1).key] == 400  # this spec: it compiled for its whole patience
+    # a fresh-clone trial: queued behind over-long compiles, the fourth of four waited 90 s for its answer; a request
+    # waits for its compile to start no longer than for the compile
+    assert "waited 30 s behind other compiles" in errors[large(2).key] and statuses[large(2).key] == 503
+    gates.setdefault(large(3).key, threading.Event()).set()  # the lane went on with the next in time
+    assert answers_until(compiler, {large(3).key}) == {large(3).key: ""}
     gates[large(1).key].set()  # the abandoned compile ends: nobody is told, nothing is kept
     deadline = time.monotonic() + HANG
     while compiler._abandoned and time.monotonic() < deadline:
