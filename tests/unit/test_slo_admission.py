@@ -116,12 +116,12 @@ def test_an_objective_no_idle_server_could_meet_is_a_400_not_a_503_to_retry_fore
     forever, and `shuttle batch` and background responses, which retry a 503, never ended. Refused for good instead
     (400), naming whose objective; an objective missed only because of the queue ahead stays a 503."""
     s = make_scheduler(max_num_seqs=1, ttft_slo_ms=50.0)
-    s.admission = SloAdmission(50.0, StepCostModel({"step": 0.010, "token": 1e-4}))
+    s.admission = SloAdmission(50.0, StepCostModel({"step": 0.010, "token": 5e-4}))
     params = SamplingParams(max_tokens=20, ignore_eos=True)
     s.add_request(b"c", Submit(request_id="never", prompt_token_ids=list(range(10, 14)), sampling=params,
-                               arrival_time=0.0, ttft_slo_ms=5.0))  # one 10 ms step alone misses 5 ms
-    s.add_request(b"c", Submit(request_id="long", prompt_token_ids=list(range(10, 500)), sampling=params,
-                               arrival_time=0.0))  # 490 prompt tokens: 59 ms alone, over the server's 50 ms
+                               arrival_time=0.0, ttft_slo_ms=5.0))  # one step alone (12 ms) misses 5 ms
+    s.add_request(b"c", Submit(request_id="long", prompt_token_ids=list(range(10, 110)), sampling=params,
+                               arrival_time=0.0))  # 100 prompt tokens: 60 ms alone, over the server's 50 ms
     s.add_request(b"c", Submit(request_id="busy", prompt_token_ids=list(range(10, 14)), sampling=params,
                                arrival_time=1.0))
     s.add_request(b"c", Submit(request_id="late", prompt_token_ids=list(range(10, 14)), sampling=params,
@@ -129,7 +129,7 @@ def test_an_objective_no_idle_server_could_meet_is_a_400_not_a_503_to_retry_fore
     never, long, late = s.take_outputs()[b"c"]
     assert (never.request_id, never.error_status, never.rejection) == ("never", 400, "slo")
     assert "its ttft_slo_ms 5 can never be met here" in never.error_message and never.retry_after_s == 0
-    assert "idle server is 12 ms" in never.error_message  # one step and its client time
+    assert "idle server is 12 ms" in never.error_message  # one step of 10 ms and its 4 prompt tokens
     assert (long.request_id, long.error_status) == ("long", 400)
     assert "the server's --ttft-slo-ms 50 can never be met" in long.error_message
     assert (late.request_id, late.error_status, late.rejection) == ("late", 503, "slo") and late.retry_after_s >= 1
