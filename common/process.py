@@ -75,7 +75,8 @@ def child_main_args(name: str) -> ShuttleConfig:
     A launched child ignores SIGINT and SIGTERM: Ctrl-C reaches the whole process group, and so does SIGTERM when a
     service manager stops the group (systemd's default KillMode=control-group); the launcher alone decides the order
     of shutdown and tells each child with a signal of its own (DRAIN_SIGNAL: drain; LAST_WORDS_SIGNAL: end now;
-    SIGKILL). The kernel kills a child as soon as its launcher is gone, so no child outlives it.
+    SIGKILL). The kernel kills a child as soon as its launcher is gone, so no child outlives it; the frontend is sent
+    PARENT_GONE_SIGNAL instead, to answer what it holds first (frontend/lifecycle.py Shutdown.on_parent_gone).
     """
     parser = argparse.ArgumentParser(prog=f"python -m shuttle.{name}")
     parser.add_argument("--config", required=True, help="ShuttleConfig as JSON (written by the launcher)")
@@ -84,7 +85,7 @@ def child_main_args(name: str) -> ShuttleConfig:
     configure_logging(name, os.environ.get(LOG_LEVEL_ENV, "INFO"), int(group) if group is not None else None)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    die_with_parent()
+    die_with_parent(PARENT_GONE_SIGNAL if name == "frontend" else signal.SIGKILL)  # (as the launcher set it at exec)
     old, new = raise_fd_limit()
     if new != old:
         log.info("raised the open-file limit from %d to %d", old, new)

@@ -212,4 +212,3 @@ async def test_a_killed_launcher_leaves_no_request_unanswered(srv):
     assert ws_end["type"] == "error" and ws_end["error"]["code"] == 503, ws_end
     assert status == 503 and body["error"]["code"] == 503, body
     assert srv.wait_gone(10) == []  # the frontend exited after its answers; the engine died with the launcher
-    assert any("the launcher is gone" in line for line in srv.output), srv.output[-5:]
