@@ -78,6 +78,22 @@ def greedy_outputs(scheduler, runner, prompts, max_tokens, first_alone=True, max
     return [outputs[str(i)] for i in range(len(prompts))], cached
 
 
+def terminal_collector(*request_ids: str):
+    """(outputs, ends, collect): `collect` for drive() gathers each request's output tokens into `outputs` and its
+    one terminal output into `ends` (a second one fails the test)."""
+    outputs: dict[str, list[int]] = {request_id: [] for request_id in request_ids}
+    ends: dict = {}
+
+    def collect(batch):
+        for out in batch:
+            outputs[out.request_id] += out.new_token_ids
+            if out.finish_reason is not None:
+                assert out.request_id not in ends, "a second terminal output"
+                ends[out.request_id] = out
+
+    return outputs, ends, collect
+
+
 def drive_one(scheduler, runner, on_outputs):
     step = scheduler.schedule()
     scheduler.update_from_output(step, runner.execute(step.plan))
@@ -226,16 +242,7 @@ def test_a_request_whose_logits_turn_nan_ends_alone_with_500(monkeypatch, neighb
         return sampler(logits, states, token_ids)
 
     monkeypatch.setattr(runner, "sampler", poisoning_sampler)
-    outputs: dict[str, list[int]] = {"free": [], "poisoned": []}
-    ends = {}
-
-    def collect(batch):
-        for out in batch:
-            outputs[out.request_id] += out.new_token_ids
-            if out.finish_reason is not None:
-                assert out.request_id not in ends, "a second terminal output"
-                ends[out.request_id] = out
-
+    outputs, ends, collect = terminal_collector("free", "poisoned")
     prompt = [1, 45, 88, 301, 12, 9]
     scheduler.add_request(b"c", Submit(request_id="free", prompt_token_ids=prompt, sampling=neighbour,
                                        arrival_time=time.time()))

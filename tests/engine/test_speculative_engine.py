@@ -22,6 +22,7 @@ from shuttle.scheduler.kv_cache import KVCacheManager
 from shuttle.scheduler.scheduler import Scheduler
 from shuttle.worker.worker import ModelRunner
 from tests.conftest import hf_greedy
+from tests.engine.test_engine_inprocess import terminal_collector
 from tests.server import MODEL_DIR
 
 NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_max=3, prompt_lookup_min=1)
@@ -244,18 +245,10 @@ def test_a_verifying_request_whose_logits_turn_nan_ends_alone_with_500(monkeypat
     monkeypatch.setattr(worker_module, "verify_drafts", poisoning_verify)
     scheduler, runner = make_engine()
     prompts = repetitive_prompts(2, seed=4)
-    ends, outputs = {}, {"0": [], "1": []}
+    outputs, ends, collect = terminal_collector("0", "1")
     for i, prompt in enumerate(prompts):
         scheduler.add_request(b"c", Submit(request_id=str(i), prompt_token_ids=prompt, arrival_time=time.time(),
                                            sampling=SamplingParams(max_tokens=60, temperature=0.0)))
-
-    def collect(batch):
-        for out in batch:
-            outputs[out.request_id] += out.new_token_ids
-            if out.finish_reason is not None:
-                assert out.request_id not in ends, "a second terminal output"
-                ends[out.request_id] = out
-
     drive(scheduler, runner, collect, max_in_flight=2, check_blocks=True)
     assert outputs["0"] == hf_greedy(prompts[0], 60) and ends["0"].finish_reason == FinishReason.LENGTH
     assert (ends["1"].finish_reason, ends["1"].error_status) == (FinishReason.ERROR, 500)

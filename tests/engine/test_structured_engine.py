@@ -12,7 +12,7 @@ import pytest
 from shuttle.common.messages import FinishReason, GrammarsCompiled, Submit
 from shuttle.common.sampling import SamplingParams, StructuredOutput
 from shuttle.frontend.tokenizer import TextTokenizer
-from tests.engine.test_engine_inprocess import drive, make_engine
+from tests.engine.test_engine_inprocess import drive, make_engine, terminal_collector
 from tests.server import MODEL_DIR
 
 SCHEMA = {
@@ -279,16 +279,7 @@ def test_a_constraint_that_admits_no_token_ends_its_request_alone_with_400(spec)
     """A constraint that compiles but matches no text (at once, or after a prefix): when its mask leaves no token,
     its request ends with one 400; the free request in the same steps goes on to the end, token for token."""
     scheduler, runner = make_engine(256, 64)
-    out: dict[str, list] = {"free": [], "empty": []}
-    ends = {}
-
-    def collect(batch):
-        for o in batch:
-            out[o.request_id] += o.new_token_ids
-            if o.finish_reason is not None:
-                assert o.request_id not in ends, "a second terminal output"
-                ends[o.request_id] = o
-
+    out, ends, collect = terminal_collector("free", "empty")
     greedy = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
     scheduler.add_request(b"c", Submit(request_id="free", prompt_token_ids=PROMPT_IDS, sampling=greedy,
                                        arrival_time=time.time()))
