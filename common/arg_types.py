@@ -69,6 +69,23 @@ def positive(text: str) -> int:
     return value
 
 
+def seed(text: str) -> int:
+    """An integer that fits in 64 bits, signed or not (-2**63 to 2**64 - 1: what torch.Generator.manual_seed and a
+    request's `seed` take)."""
+    value = int(text)
+    if not -(2**63) <= value < 2**64:
+        raise argparse.ArgumentTypeError(f"must fit in 64 bits, got {value}")
+    return value
+
+
+def logprobs_cap(text: str) -> int:
+    """An integer >= 0, or -1 for no cap (vLLM's --max-logprobs: then the vocabulary bounds a request alone)."""
+    value = int(text)
+    if value < -1:
+        raise argparse.ArgumentTypeError(f"must be -1 (no cap) or at least 0, got {value}")
+    return value
+
+
 def count(text: str) -> int:
     """An integer >= 0."""
     value = int(text)

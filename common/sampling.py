@@ -89,7 +89,8 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     def validate(self, vocab_size: int, max_logprobs: int = MAX_LOGPROBS) -> None:
         """Raise InvalidRequestError (naming the parameter) for a value out of range (`max_logprobs`: the server's
         --max-logprobs)."""
-        prompt_cap = min(max_logprobs, vocab_size)  # the worker's top-k cannot list more than the vocabulary
+        # the worker's top-k cannot list more than the vocabulary; --max-logprobs -1: no other cap
+        cap = vocab_size if max_logprobs < 0 else min(max_logprobs, vocab_size)
         checks = (
             ("max_tokens", self.max_tokens >= 1, "must be at least 1"),
             ("temperature", 0.0 <= self.temperature <= 100.0, "must be in [0, 100]"),
@@ -105,10 +106,9 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
             ("repetition_penalty", 0.0 < self.repetition_penalty <= 10.0, "must be in (0, 10]"),
             ("logit_bias", all(0 <= t < vocab_size and -100.0 <= b <= 100.0 for t, b in self.logit_bias),
              f"keys must be token ids in [0, {vocab_size}) and values in [-100, 100]"),
-            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= max_logprobs,
-             f"must be in [0, {max_logprobs}]"),
-            ("prompt_logprobs", self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= prompt_cap,
-             f"must be in [0, {prompt_cap}]"),
+            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= cap, f"must be in [0, {cap}]"),
+            ("prompt_logprobs", self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= cap,
+             f"must be in [0, {cap}]"),
         )
         for param, ok, why in checks:
             if not ok:

@@ -23,9 +23,11 @@ from shuttle.common.arg_types import (
     count,
     dtype_name,
     json_object,
+    logprobs_cap,
     origins,
     parse_bytes,
     positive,
+    seed,
     token_count,
 )
 from shuttle.common.config import (
@@ -146,11 +148,12 @@ def _add_model_options(serve: argparse.ArgumentParser) -> None:
                        help="a JSON object merged into the model's config.json, as vLLM does, for every process (e.g. "
                             "'{\"max_position_embeddings\": 256}' also lowers the --max-model-len default): a nested "
                             "configuration (text_config) takes its keys, any other key is replaced")
-    serve.add_argument("--seed", type=int, default=0,
+    serve.add_argument("--seed", type=seed, default=0,
                        help="seeds the worker's generator, which samples the requests that give no `seed` (a "
                             "request's own seed is reproducible in any batch; these only for the same arrivals)")
-    serve.add_argument("--max-logprobs", type=count, default=20,
-                       help="most `logprobs` / `top_logprobs` alternatives a request may ask for per token")
+    serve.add_argument("--max-logprobs", type=logprobs_cap, default=20,
+                       help="most `logprobs` / `top_logprobs` alternatives a request may ask for per token (-1: no "
+                            "cap but the vocabulary's size)")
     serve.add_argument("--generation-config", default=AUTO, metavar="auto|vllm|FOLDER",
                        help="where the defaults of the request fields temperature, top_p, top_k, min_p, "
                             "repetition_penalty and max_tokens (max_new_tokens) come from: auto, the model's "

@@ -27,7 +27,7 @@ def prompt_logprobs_of(value: int | None, stream: bool, max_logprobs: int, vocab
     if value < 0 and value != ALL:
         raise InvalidRequestError("`prompt_logprobs` must be a positive value or -1.", param="prompt_logprobs")
     k = vocab_size if value == ALL else value
-    if k > max_logprobs:
+    if 0 <= max_logprobs < k:  # (-1: no cap)
         asked = f"-1 (the whole vocabulary, {k})" if value == ALL else str(k)
         raise InvalidRequestError(f"Requested prompt logprobs of {asked}, which is greater than max allowed: "
                                   f"{max_logprobs}", param="prompt_logprobs")

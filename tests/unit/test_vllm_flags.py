@@ -176,6 +176,28 @@ def test_a_malformed_value_of_an_accepted_flag_is_a_usage_error(argv, line, caps
     assert _refusal_lines(argv, capsys) == [f"shuttle serve: error: {line}"]
 
 
+@pytest.mark.parametrize("argv, words", [
+    (["--seed", str(2**64)], "--seed: must fit in 64 bits"),  # the worker's generator took it and crashed
+    (["--seed", str(-(2**63) - 1)], "--seed: must fit in 64 bits"),
+    (["--max-logprobs", "-2"], "--max-logprobs: must be -1 (no cap) or at least 0"),
+])
+def test_a_value_a_child_process_could_not_take_is_refused_by_the_parser(argv, words, capsys):
+    [line] = _refusal_lines(argv, capsys)
+    assert words in line, line
+
+
+def test_max_logprobs_minus_one_is_vllms_no_cap_and_the_vocabulary_bounds_a_request():
+    from shuttle.common.errors import InvalidRequestError
+    from shuttle.common.sampling import SamplingParams
+
+    assert cli.build_parser().parse_args(["serve", "--max-logprobs", "-1", "--seed", str(2**64 - 1)]).max_logprobs == -1
+    SamplingParams(logprobs=512, prompt_logprobs=512).validate(512, -1)
+    for params in (SamplingParams(logprobs=513), SamplingParams(prompt_logprobs=513)):
+        for cap in (-1, 100_000):  # a cap above the vocabulary: the worker's top-k cannot list more than it
+            with pytest.raises(InvalidRequestError, match=r"must be in \[0, 512\]"):
+                params.validate(512, cap)
+
+
 def test_every_refusal_of_a_command_line_is_in_one_message(capsys):
     lines = _refusal_lines(["--swap-space", "4", "--load-format", "pt", "--ssl-certfile", "c.pem", "--no-such-flag",
                             "--max-num-seqs", "8", "--pipeline-parallel-size", "2", "--no-enable-chunked-prefill",
