@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Iterator
 
 from shuttle.batch_jobs.client import BatchClient, BatchServerGone
+from shuttle.common.arg_types import positive, positive_number, zmq_endpoint
 
 
 @dataclass
@@ -109,11 +110,17 @@ def run(args: argparse.Namespace) -> int:
     answered)."""
     try:
         lines = read_input(Path(args.input))
-    except (OSError, ValueError) as exc:
-        print(f"shuttle batch: {exc}", file=sys.stderr)
+    except (OSError, ValueError) as exc:  # (a file that is not UTF-8 is a ValueError naming only the byte)
+        print(f"shuttle batch: {exc}" if args.input in str(exc) else f"shuttle batch: {args.input}: {exc}",
+              file=sys.stderr)
         return 2
     output = Path(args.output)
-    done_ids, done_numbers = answered(output)
+    try:  # before anything is sent: a directory, a missing folder or no permission is one line, not a traceback
+        done_ids, done_numbers = answered(output)
+        out = output.open("a", encoding="utf-8")
+    except (OSError, ValueError) as exc:
+        print(f"shuttle batch: cannot append to OUTPUT {output}: {exc}", file=sys.stderr)
+        return 2
     todo = [line for line in lines if not (line.custom_id in done_ids if line.custom_id is not None
                                            else line.number in done_numbers)]
     errors = sum(1 for line in todo if line.error is not None)
@@ -121,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
     bar = tqdm(total=len(lines), initial=len(lines) - len(todo), unit="req", desc="batch", dynamic_ncols=True,
                disable=args.quiet)
     tokens, start, failed = 0, time.monotonic(), 0
-    with output.open("a", encoding="utf-8") as out:
+    with out:
         for line in todo:
             if line.error is not None:  # nothing to send: its error line now
                 out.write(_record(line.custom_id, None, {"code": "invalid_line", "message": line.error,
@@ -174,13 +181,14 @@ def add_parser(commands) -> None:
     batch.add_argument("input", metavar="INPUT.jsonl", help="OpenAI batch input: custom_id, method, url, body")
     batch.add_argument("output", metavar="OUTPUT.jsonl",
                        help="OpenAI batch output, appended to; a rerun skips the custom_ids already in it")
-    batch.add_argument("--endpoint", default="tcp://127.0.0.1:8001", help="the server's batch endpoint")
-    batch.add_argument("--max-in-flight", type=int, default=64, help="most requests sent and not yet answered")
+    batch.add_argument("--endpoint", default="tcp://127.0.0.1:8001", type=zmq_endpoint,
+                       help="the server's batch endpoint")
+    batch.add_argument("--max-in-flight", type=positive, default=64, help="most requests sent and not yet answered")
     batch.add_argument("--priority", type=int, default=None,
                        help="`priority` of every body without one (lower first, among batch requests, on a server "
                             "with --scheduling-policy priority; an fcfs server refuses a priority other than 0; batch "
                             "work always runs behind interactive traffic unless the server has --no-batch-background)")
     batch.add_argument("--api-key", default=None, help="the server's API key; when not given, $SHUTTLE_API_KEY is used")
-    batch.add_argument("--server-timeout", type=float, default=5.0,
+    batch.add_argument("--server-timeout", type=positive_number, default=5.0,
                        help="seconds without a word from the server (it beats every second) before giving up")
     batch.add_argument("--quiet", action="store_true", help="no progress bar")

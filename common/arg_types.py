@@ -86,6 +86,23 @@ def logprobs_cap(text: str) -> int:
     return value
 
 
+def zmq_endpoint(text: str) -> str:
+    """A ZeroMQ endpoint shuttle's sockets take: tcp://HOST:PORT (PORT 0-65535, or * for any free one) or
+    ipc://PATH (libzmq would refuse anything else only once a process binds or connects it)."""
+    if text.startswith("ipc://") and len(text) > len("ipc://"):
+        return text
+    if text.startswith("tcp://"):
+        host, sep, port = text[len("tcp://"):].rpartition(":")
+        if sep and host and (port == "*" or port.isdigit() and int(port) <= 65535):
+            return text
+    raise argparse.ArgumentTypeError(f"{text!r} is not a ZeroMQ endpoint: tcp://HOST:PORT or ipc://PATH")
+
+
+def zmq_endpoint_or_none(text: str) -> str:
+    """zmq_endpoint, or "none" (off)."""
+    return text if text == "none" else zmq_endpoint(text)
+
+
 def count(text: str) -> int:
     """An integer >= 0."""
     value = int(text)

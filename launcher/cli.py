@@ -29,6 +29,8 @@ from shuttle.common.arg_types import (
     positive,
     seed,
     token_count,
+    zmq_endpoint,
+    zmq_endpoint_or_none,
 )
 from shuttle.common.config import (
     DEFAULT_MODEL_DIR,
@@ -87,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "'[\"https://app.example\"]'), whose browser pages may call the API "
                             "and open the WebSocket: CORS headers and preflight answers for them; '*' allows any "
                             "origin; None: no CORS headers, and WebSockets only from the server's own host")
-    serve.add_argument("--batch-endpoint", default=None,
+    serve.add_argument("--batch-endpoint", default=None, type=zmq_endpoint_or_none,
                        help="ZeroMQ endpoint for batch clients (default: tcp://127.0.0.1:PORT+1, loopback even with "
                             "--host 0.0.0.0; with --uds PATH, ipc://PATH.batch beside the HTTP socket; 'none' "
                             "disables)")
@@ -110,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="serving groups (each a scheduler + its worker, with its own KV cache) behind the one "
                             "frontend, which routes each request by prefix affinity and least load; 0 with only "
                             "--engine-endpoint groups")
-    serve.add_argument("--engine-endpoint", action="append", default=None, metavar="ENDPOINT",
+    serve.add_argument("--engine-endpoint", action="append", default=None, metavar="ENDPOINT", type=zmq_endpoint,
                        help="a serving group started elsewhere with `shuttle engine --listen ENDPOINT` (repeatable); "
                             "it joins when it answers, and a dropped connection takes it out of routing until it "
                             "is back; tcp:// needs the engine host's CURVE keys in $SHUTTLE_CURVE_KEYS")
@@ -192,7 +194,7 @@ def _add_engine_parser(commands, serve: argparse.ArgumentParser) -> None:
     engine = commands.add_parser("engine", parents=[serve], conflict_handler="resolve",
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                                  help="run one serving group (scheduler + worker) for a frontend on another host")
-    engine.add_argument("--listen", required=True, metavar="ENDPOINT",
+    engine.add_argument("--listen", required=True, metavar="ENDPOINT", type=zmq_endpoint,
                         help="where the scheduler listens for frontends, e.g. tcp://10.0.0.3:7100 (tcp:// needs "
                              "$SHUTTLE_CURVE_KEYS, the same as on the frontend's host); frontends name it with "
                              "`shuttle serve --engine-endpoint ENDPOINT`")

@@ -180,6 +180,8 @@ def test_a_malformed_value_of_an_accepted_flag_is_a_usage_error(argv, line, caps
     (["--seed", str(2**64)], "--seed: must fit in 64 bits"),  # the worker's generator took it and crashed
     (["--seed", str(-(2**63) - 1)], "--seed: must fit in 64 bits"),
     (["--max-logprobs", "-2"], "--max-logprobs: must be -1 (no cap) or at least 0"),
+    (["--batch-endpoint", "notanendpoint"], "'notanendpoint' is not a ZeroMQ endpoint"),  # bound only after the load
+    (["--engine-endpoint", "10.0.0.3:7100"], "'10.0.0.3:7100' is not a ZeroMQ endpoint"),
 ])
 def test_a_value_a_child_process_could_not_take_is_refused_by_the_parser(argv, words, capsys):
     [line] = _refusal_lines(argv, capsys)
