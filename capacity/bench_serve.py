@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import aiohttp
 from tqdm import tqdm
 
-from shuttle.common.arg_types import count, positive, range_ratio, request_rate
+from shuttle.common.arg_types import count, output_file, positive, range_ratio, request_rate
 
 
 @dataclass
@@ -247,10 +247,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dataset", default=None, help="JSONL of {prompt, max_tokens} instead of random prompts")
     parser.add_argument("--ttft-slo-ms", type=float, default=None)
     parser.add_argument("--tpot-slo-ms", type=float, default=None)
-    parser.add_argument("--result-json", default="bench_results/bench_serve.json")
+    parser.add_argument("--result-json", default="bench_results/bench_serve.json", type=output_file)
     parser.add_argument("--api-key", default=os.environ.get("SHUTTLE_API_KEY"),
                         help="sent as Authorization: Bearer (default: $SHUTTLE_API_KEY)")
-    parser.add_argument("--save-requests", default=None, metavar="JSONL",
+    parser.add_argument("--save-requests", default=None, metavar="JSONL", type=output_file,
                         help="also write one line per request: sent_s (since the first was sent), prompt_len, "
                              "output_tokens, ttft_s, e2e_s, itls_s, error")
     parser.add_argument("--vocab-size", type=positive, default=None,
@@ -267,12 +267,14 @@ def main(argv: list[str] | None = None) -> int:
             specs = file_workload(args.dataset, args.num_prompts)
         except ValueError as exc:
             parser.error(f"--dataset: {exc}")
+        if not specs:
+            parser.error(f"--dataset: {args.dataset} holds no request")
     else:
         try:
             vocab_size = args.vocab_size or asyncio.run(served_vocab_size(args.url, args.api_key))
         except (aiohttp.ClientError, OSError, KeyError, IndexError, ValueError) as exc:
             parser.error(f"cannot read {args.url}/v1/models ({type(exc).__name__}: {exc}): is the server up at "
-                         f"--url?")
+                         f"--url (its base, without /v1), with --api-key if it needs one?")
         if vocab_size is None:
             parser.error(f"{args.url}/v1/models reports no vocab_size: pass --vocab-size (token ids of random "
                          "prompts must stay inside the model's vocabulary) or --dataset")
@@ -300,4 +302,6 @@ async def served_vocab_size(url: str, api_key: str | None) -> int | None:
     not: None)."""
     async with aiohttp.ClientSession(headers=_headers(api_key)) as session:
         async with session.get(f"{url}/v1/models") as response:
+            if response.status != 200:  # its own words (a 401 for the key, a 404 for a --url ending in /v1)
+                raise ValueError(f"HTTP {response.status}: {(await response.text())[:200]}")
             return (await response.json())["data"][0].get("vocab_size")

@@ -27,7 +27,7 @@ from typing import cast
 from shuttle.capacity import bench_serve
 from shuttle.capacity.simulator import SimResult, Simulator
 from shuttle.capacity.workload import SimRequest, arrivals, from_trace
-from shuttle.common.arg_types import add_config_options, positive, positive_number
+from shuttle.common.arg_types import add_config_options, output_file, positive, positive_number
 from shuttle.common.capacity import kv_blocks_for_memory
 from shuttle.common.config import CacheConfig, SchedulerConfig
 from shuttle.common.errors import ModelDirError
@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="goodput objective; with --slo-admission also the server's --ttft-slo-ms")
     parser.add_argument("--tpot-slo-ms", "--itl-slo-ms", dest="tpot_slo_ms", type=positive_number, default=None)
     parser.add_argument("--slo-admission", action="store_true", help="simulate `shuttle serve --ttft-slo-ms`")
-    parser.add_argument("--result-json", default="bench_results/simulate.json")
+    parser.add_argument("--result-json", default="bench_results/simulate.json", type=output_file)
     args = parser.parse_args(argv)
     cost = load_profile(parser, args.profile)
     workload = load_workload(parser, args, cost)

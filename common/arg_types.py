@@ -103,6 +103,14 @@ def zmq_endpoint_or_none(text: str) -> str:
     return text if text == "none" else zmq_endpoint(text)
 
 
+def output_file(text: str) -> str:
+    """A file path a tool writes its results to at the end of its run: refused at once when it is a directory (the
+    run's results would be lost to a traceback)."""
+    if Path(text).is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a directory, not a file")
+    return text
+
+
 def count(text: str) -> int:
     """An integer >= 0."""
     value = int(text)

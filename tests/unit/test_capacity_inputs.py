@@ -1,6 +1,7 @@
 """Bad input to the capacity tools (`shuttle simulate`, `tune`, `calibrate`): a one-line
 usage error naming what is wrong (exit status 2), never a traceback, and never a table of nonsense."""
 
+import asyncio
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -100,6 +101,31 @@ def test_bench_names_an_unreachable_server_and_an_unreadable_dataset_in_one_line
     bad.write_text('{"prompt": "a"}\n{"max_tokens": 3}\n')
     assert f"--dataset: {bad} line 2: not a {{prompt, max_tokens}} object" in refused(
         bench_serve.main, ["--dataset", str(bad)], capsys)
+
+
+def test_bench_and_simulate_refuse_what_would_lose_the_run_before_it_starts(profile, tmp_path, capsys):
+    """A fresh-clone trial: a --result-json or --save-requests that is a directory was a traceback after the whole
+    run, its results lost; an empty --dataset ran nothing and exited 0."""
+    for flag in ("--result-json", "--save-requests"):
+        assert f"{flag}: {tmp_path} is a directory, not a file" in refused(
+            bench_serve.main, ["--url", "http://127.0.0.1:9", flag, str(tmp_path)], capsys)
+    assert f"--result-json: {tmp_path} is a directory" in refused(
+        simulate.main, ["--profile", str(profile), "--result-json", str(tmp_path)], capsys)
+    (tmp_path / "empty.jsonl").write_text("\n")
+    assert "holds no request" in refused(bench_serve.main, ["--dataset", str(tmp_path / "empty.jsonl")], capsys)
+
+
+async def test_bench_says_what_the_server_answered_when_it_is_not_the_model_list(capsys):
+    """A server with an API key answered 401, and bench said `KeyError: 'data'` and asked whether the server was up."""
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    app = web.Application()
+    app.router.add_get("/v1/models", lambda request: web.json_response({"error": {"message": "bad key"}}, status=401))
+    async with TestServer(app) as server:
+        url = str(server.make_url("")).rstrip("/")
+        said = await asyncio.to_thread(refused, bench_serve.main, ["--url", url], capsys)
+    assert "HTTP 401" in said and "bad key" in said, said
 
 
 def test_the_other_tools_refuse_before_any_work(profile, tmp_path, capsys):
