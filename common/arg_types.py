@@ -111,6 +111,15 @@ def output_file(text: str) -> str:
     return text
 
 
+def served_name(text: str) -> str:
+    """A name clients give as `model`: not empty, no whitespace at either end ("" was ignored, and the server served
+    under the model's own name)."""
+    if not text.strip() or text != text.strip():
+        raise argparse.ArgumentTypeError(f"{text!r}: a served model name must not be empty or start or end with "
+                                         "whitespace")
+    return text
+
+
 def count(text: str) -> int:
     """An integer >= 0."""
     value = int(text)

@@ -28,6 +28,7 @@ from shuttle.common.arg_types import (
     parse_bytes,
     positive,
     seed,
+    served_name,
     token_count,
     zmq_endpoint,
     zmq_endpoint_or_none,
@@ -137,7 +138,7 @@ def _add_model_options(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--trust-remote-code", action="store_true",
                        help="let transformers run a model's own Python code (config.json auto_map); without it "
                             "such a model is refused")
-    serve.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+    serve.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME", type=served_name,
                        help="the `model` names clients may use, the first reported in responses; None: MODEL as "
                             "typed")
     serve.add_argument("--dtype", default="auto", type=dtype_name, choices=["auto", "float32", "bfloat16", "float16"],

@@ -182,6 +182,8 @@ def test_a_malformed_value_of_an_accepted_flag_is_a_usage_error(argv, line, caps
     (["--max-logprobs", "-2"], "--max-logprobs: must be -1 (no cap) or at least 0"),
     (["--batch-endpoint", "notanendpoint"], "'notanendpoint' is not a ZeroMQ endpoint"),  # bound only after the load
     (["--engine-endpoint", "10.0.0.3:7100"], "'10.0.0.3:7100' is not a ZeroMQ endpoint"),
+    (["--served-model-name", ""], "a served model name must not be empty"),  # served under the model's name
+    (["--served-model-name", "a", " b"], "a served model name must not be empty or start or end with whitespace"),
 ])
 def test_a_value_a_child_process_could_not_take_is_refused_by_the_parser(argv, words, capsys):
     [line] = _refusal_lines(argv, capsys)
