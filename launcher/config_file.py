@@ -44,7 +44,10 @@ def expand_config_file(argv: list[str], command_parser: argparse.ArgumentParser)
     for key, value in data.items():
         flag = "--" + str(key).lstrip("-").replace("_", "-")
         action = command_parser._option_string_actions.get(flag)
-        if action is None or flag in ("--config", "--help"):
+        if flag in ("--config", "--help"):
+            raise ConfigFileError(f"--config {path}: key {key!r} is not taken in a config file ({flag} only on the "
+                                  f"command line)")
+        if action is None:
             raise ConfigFileError(f"--config {path}: unknown key {key!r} (`{command_parser.prog}` has no {flag})")
         tokens += _flag_tokens(flag, action, value, path)
     model = argv[1:2] if len(argv) > 1 and not argv[1].startswith("-") else []

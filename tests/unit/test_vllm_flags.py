@@ -318,7 +318,7 @@ def test_a_config_files_model_key_is_the_model(tmp_path):
 
 @pytest.mark.parametrize("text, words", [
     ("max-num-seqs: 4\nno-such-flag: 1\n", "unknown key 'no-such-flag'"),
-    ("config: other.yaml\n", "unknown key 'config'"),
+    ("config: other.yaml\n", "key 'config' is not taken in a config file (--config only on the command line)"),
     ("- a\n- b\n", "must be a mapping"),
     ("trust-remote-code: 1\n", "is a switch"),
     ("a: [\n", "not YAML"),
