@@ -5,7 +5,7 @@ Input lines (OpenAI's batch input format): {"custom_id": "...", "method": "POST"
 Output lines (OpenAI's batch output format), one per input line, in completion order:
     {"id": "batch_req_...", "custom_id": "...", "response": {"status_code", "request_id", "body"}, "error": null}
 The server's answers, errors included (status 400 with an OpenAI error body naming the field), go in `response`,
-as OpenAI does; a line that could not be sent at all (not JSON, no custom_id, a method other than POST, or none)
+as OpenAI does; a line that could not be sent at all (not JSON, no custom_id, a method other than POST, or none, another key)
 gets `"response": null, "error": {"code": "invalid_line", "message", "line"}` (custom_id null when unreadable; `line`
 its line number only then, else null: a rerun finds the line by its custom_id).
 
@@ -56,6 +56,9 @@ def read_input(path: Path) -> list[Line]:
     return lines
 
 
+LINE_KEYS = frozenset({"custom_id", "method", "url", "body"})  # an OpenAI batch input line's
+
+
 def _parse(number: int, text: str) -> Line:
     try:
         data = json.loads(text)
@@ -68,6 +71,10 @@ def _parse(number: int, text: str) -> Line:
         return Line(number, None, error=f"line {number}: custom_id must be a non-empty string")
     if data.get("method") != "POST":  # required, as in OpenAI's batch input: a line without it is not sent
         return Line(number, custom_id, error=f"line {number}: method must be POST, got {data.get('method')!r}")
+    unknown = sorted(set(data) - LINE_KEYS)
+    if unknown:  # nothing is silently ignored
+        return Line(number, custom_id, error=f"line {number}: key {unknown[0]!r} is not one of OpenAI's batch input "
+                                             f"({', '.join(sorted(LINE_KEYS))})")
     # url and body go to the server as they are: it answers a bad one as an HTTP call would (400 naming the field)
     return Line(number, custom_id, job={"custom_id": custom_id, "url": data.get("url"), "body": data.get("body")})
 

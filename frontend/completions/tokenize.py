@@ -27,9 +27,22 @@ async def tokenize(request: web.Request) -> web.Response:
     if body.messages is not None:
         ids = chat_prompt_ids(state, body, bool(body.add_special_tokens))
     else:
+        _refuse_chat_fields(body)
         ids = state.tokenizer.encode(body.prompt, body.add_special_tokens is not False, max_model_len)
     return web.json_response({"tokens": ids, "count": len(ids), "max_model_len": state.config.model.max_model_len,
                               "token_strs": state.tokenizer.token_strs(ids) if body.return_token_strs else None})
+
+
+def _refuse_chat_fields(body: TokenizeRequest) -> None:
+    """A prompt's tokens ignore the chat template's fields: one set to other than its default is refused by name.
+
+    Raises:
+        InvalidRequestError: naming the first such field.
+    """
+    for name, default in (("tools", None), ("add_generation_prompt", True), ("continue_final_message", False),
+                          ("chat_template_kwargs", None), ("parse_special_tokens_in_content", False)):
+        if getattr(body, name) != default:
+            raise InvalidRequestError(f"{name} applies to messages (the chat template), not to a prompt", param=name)
 
 
 async def detokenize(request: web.Request) -> web.Response:

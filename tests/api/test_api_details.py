@@ -98,6 +98,17 @@ async def test_explicit_null_is_the_default_for_every_optional_field():
         assert (status, tokens["tokens"]) == (200, PROMPT_IDS)
 
 
+async def test_tokenize_refuses_a_chat_field_beside_a_prompt_by_name():
+    """The chat template's fields mean nothing to a prompt's tokens: one set to other than its default was ignored."""
+    async with served() as (client, _):
+        for field, value in [("add_generation_prompt", False), ("continue_final_message", True),
+                             ("chat_template_kwargs", {"x": 1}), ("tools", [])]:
+            status, body = await post(client, "/tokenize", {"prompt": PROMPT, field: value})
+            assert (status, body["error"]["param"]) == (400, field), body
+        status, tokens = await post(client, "/tokenize", {"prompt": PROMPT, "add_generation_prompt": True})
+        assert (status, tokens["tokens"]) == (200, PROMPT_IDS)  # its default: no effect to hide
+
+
 async def test_official_client_with_none_parameters():
     async with served() as (client, engine):
         api = openai_client(client, max_retries=0)

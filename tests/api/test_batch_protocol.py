@@ -243,6 +243,11 @@ def batch_file(path, n: int) -> list[str]:
                                                                                    else {})}))
             keys.append(f"line:{i + 1}" if i % 20 == 9 else f"m{i}")
             continue
+        if i == 11:  # a key OpenAI's batch input does not have
+            lines.append(json.dumps({"custom_id": f"m{i}", "method": "POST", "url": "/v1/completions",
+                                     "body": {"prompt": "Story", "max_tokens": 3}, "foo": 1}))
+            keys.append(f"m{i}")
+            continue
         body = {"prompt": f"Story {i}", "max_tokens": 3} if i % 2 else {
             "messages": [{"role": "user", "content": f"Story {i}"}], "max_tokens": 3}
         if i % 7 == 6:
@@ -314,6 +319,7 @@ async def test_shuttle_batch_file_kill_9_and_resume(app, tmp_path):
     assert records["m19"]["error"]["code"] == "invalid_line" and records["m19"]["response"] is None
     assert "method must be POST, got 'GET'" in records["m19"]["error"]["message"]
     assert "method must be POST, got None" in records["m39"]["error"]["message"] and records["m39"]["response"] is None
+    assert "key 'foo' is not one of OpenAI's batch input" in records["m11"]["error"]["message"]
     assert records["line:10"]["custom_id"] is None and "not JSON" in records["line:10"]["error"]["message"]
 
 
