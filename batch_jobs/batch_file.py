@@ -5,9 +5,9 @@ Input lines (OpenAI's batch input format): {"custom_id": "...", "method": "POST"
 Output lines (OpenAI's batch output format), one per input line, in completion order:
     {"id": "batch_req_...", "custom_id": "...", "response": {"status_code", "request_id", "body"}, "error": null}
 The server's answers, errors included (status 400 with an OpenAI error body naming the field), go in `response`,
-as OpenAI does; a line that could not be sent at all (not JSON, no custom_id, a method other than POST, or none, another key)
-gets `"response": null, "error": {"code": "invalid_line", "message", "line"}` (custom_id null when unreadable; `line`
-its line number only then, else null: a rerun finds the line by its custom_id).
+as OpenAI does; a line that could not be sent at all (not JSON, no custom_id, a method other than POST, or none,
+another key) gets `"response": null, "error": {"code": "invalid_line", "message", "line"}` (custom_id null when
+unreadable; `line` its line number only then, else null: a rerun finds the line by its custom_id).
 
 Resumable: OUTPUT is appended to, and a rerun skips every line already answered there (by custom_id; lines
 without one by line number). Duplicate custom_ids are an error before anything is sent.

@@ -21,6 +21,7 @@ from shuttle.common.errors import ModelDirError
 from shuttle.common.generation_config import SamplingDefaults
 from shuttle.common.ipc import CURVE_ENV
 from shuttle.common.model_dir import check_model_dir
+from shuttle.common.unix_socket import unix_socket_problem
 from shuttle.frontend.observability.tracing import tracing_unavailable
 from shuttle.launcher.launcher import Launcher, say
 from shuttle.launcher.ports import Listen, PortError, check_ports, tcp_listen
@@ -235,6 +236,8 @@ def _cuda_devices(config: ShuttleConfig) -> int:
 def _frontend_listens(args: argparse.Namespace, config: ShuttleConfig) -> list[Listen]:
     """The frontend's TCP ports: HTTP (unless --port 0 or --uds) and the batch endpoint (PORT+1 unless
     --batch-endpoint)."""
+    if config.api.uds and (problem := unix_socket_problem(config.api.uds)) is not None:
+        raise PortError(f"--uds {config.api.uds}: {problem}")
     listens = [Listen(config.host, config.port, "the HTTP server, --port")] if config.port and not config.api.uds \
         else []
     flag = "--batch-endpoint" if args.batch_endpoint else "PORT+1 unless --batch-endpoint says otherwise ('none' " \

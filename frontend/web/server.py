@@ -38,6 +38,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 
 from shuttle.common.config import OpsConfig
+from shuttle.common.unix_socket import unix_socket_problem
 from shuttle.frontend.request.errors import error_body
 from shuttle.frontend.transports.ws_frames import MaskedFramesOnly
 from shuttle.frontend.web.access_log import RequestAccessLogger
@@ -186,15 +187,10 @@ def listen_url(host: str, server: asyncio.Server, uds: str | None = None) -> str
 
 def _refuse_live_socket(path: str) -> None:
     """asyncio replaces a socket file left at `path` (by a server that ended without removing it); one that a
-    server still accepts on is refused instead of being taken from it."""
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.connect(path)
-    except OSError:
-        return  # nothing there, or nobody listening: free to take
-    finally:
-        probe.close()
-    raise OSError(errno.EADDRINUSE, f"a server already listens on the Unix socket {path}")
+    server still accepts on is refused instead of being taken from it (common/unix_socket.py)."""
+    problem = unix_socket_problem(path)
+    if problem is not None:
+        raise OSError(errno.EADDRINUSE if "listens" in problem else errno.EINVAL, f"the Unix socket {path}: {problem}")
 
 
 def remove_socket_file(path: str) -> None:

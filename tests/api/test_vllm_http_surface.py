@@ -313,6 +313,28 @@ def test_the_launcher_checks_no_http_port_on_uds():
     assert [listen.port for listen in _frontend_listens(args, replace(config, api=ApiConfig(uds="/tmp/s")))] == [8001]
 
 
+def test_the_launcher_refuses_a_uds_path_no_server_could_listen_on(tmp_path):
+    """A fresh-clone trial: a --uds path in a missing directory, or one a server already listens on, failed only
+    after the model was loaded and compiled (exit 1); the launcher names it first, as a taken port."""
+    from shuttle.launcher.ports import PortError
+
+    config = replace(make_config(), port=8000, batch_endpoint="")
+    args = argparse.Namespace(batch_endpoint="none")
+    live = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    live.bind(str(tmp_path / "live.sock"))
+    live.listen(1)
+    (tmp_path / "plain").write_text("")
+    try:
+        for path, words in [(tmp_path / "no" / "s.sock", "does not exist"),
+                            (tmp_path / "live.sock", "a server already listens on it"),
+                            (tmp_path / "plain", "a file that is not a socket is there")]:
+            with pytest.raises(PortError, match=f"--uds {path}: .*{words}"):
+                _frontend_listens(args, replace(config, api=ApiConfig(uds=str(path))))
+    finally:
+        live.close()
+    assert _frontend_listens(args, replace(config, api=ApiConfig(uds=str(tmp_path / "free.sock")))) == []
+
+
 def test_uds_puts_the_batch_endpoint_beside_the_http_socket(tmp_path, monkeypatch):
     """Two --uds servers on one host collided on TCP PORT+1: the batch endpoint is ipc://PATH.batch unless given."""
     from shuttle.common.config import IpcConfig, ShuttleConfig
