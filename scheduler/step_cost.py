@@ -267,6 +267,8 @@ class StepCostModel:
         try:
             if not isinstance(data, dict) or not isinstance(data.get("coefficients"), dict):
                 raise ValueError("it holds no `coefficients` object")
+            if not data["coefficients"]:  # every step would take no time: nothing it predicts would mean anything
+                raise ValueError("its `coefficients` object is empty")
             floats = {name: float(data[name]) for name in _SCALARS if name in data}
             roofline = Roofline.from_json(data["roofline"]) if data.get("roofline") is not None else None
             return StepCostModel({name: float(c) for name, c in data["coefficients"].items()}, roofline,

@@ -42,6 +42,7 @@ def refused(main, argv, capsys) -> str:
     ("{not json", "is not JSON"),
     ("[1, 2]", "holds no `coefficients` object"),
     ('{"coefficients": "oops"}', "holds no `coefficients` object"),
+    ('{"coefficients": {}}', "its `coefficients` object is empty"),
     ('{"coefficients": {"step": 0.001}, "client_s": -1}', "negative or missing values: client_s"),
     ('{"coefficients": {"warp": 1.0}}', "unknown cost model features"),
     ('{"coefficients": {"step": 0.001}}', "meta lacks max_model_len, kv_bytes_per_token"),
