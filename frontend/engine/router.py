@@ -147,6 +147,9 @@ class Router:
             if error is None:
                 return None
             errors.append(error)
+        if all(error.retry_after is None for error in errors) and len(errors) > 1:  # none promises a time: say all
+            return GenerationError(503, "no serving group takes requests: " + "; ".join(
+                f"group {i}: {error}" for i, error in enumerate(errors)), retry_after=None)
         # a group's own drain (the router's is checked above) promises no time: it sorts last
         return min(errors, key=lambda e: e.retry_after if e.retry_after is not None else math.inf)
 

@@ -242,8 +242,14 @@ async def test_a_group_of_another_max_model_len_is_kept_out_and_joins_once_resta
         await group.start(wait=False)
         await wait_until(lambda: group.down_reason is not None, 30)
         assert group.down_reason.startswith("its max_model_len 128 differs from this frontend's 512")
-        assert not group.is_up and group.admission_error().status == 503
+        error = group.admission_error()
+        assert not group.is_up and error.status == 503
+        # a fresh-clone trial: "restarting ... retry shortly" with Retry-After: 1, forever, for what no retry fixes
+        assert str(error).startswith(f"the engine at {stand_ins.endpoint} is kept out: its max_model_len 128")
+        assert error.retry_after is None
         stand_ins.stop()
+        await wait_until(lambda: group.down_reason == lost_connection_reason(stand_ins.endpoint, SILENCE_S), 30)
+        assert group.admission_error().retry_after is not None  # gone, no longer misconfigured: a restart is awaited
         stand_ins.start(max_model_len=512)  # the same endpoint, a new process: a new connection
         await wait_until(lambda: group.is_up, 30)
     finally:
