@@ -9,7 +9,7 @@ which browsers never send to a server, so the key appears in no request line and
 
 The feed sends one `data: {json}` event every frontend/observability/stats_feed.py TICK_S seconds. Its keys:
   time                server clock (monotonic seconds), window_s: how much history the windowed figures cover
-  status              "ok", "draining" or "engine_down"
+  status              "ok", "degraded" (a serving group down, another serving), "draining" or "engine_down"
   waiting, running    the scheduler's queue and running set; in_flight: requests this frontend is serving
   kv                  blocks {in_use (referenced), cached (in the prefix index, in use or not), free, total}
   prefix_cache        {hit_rate (in the window, of prompt tokens looked up), hit_rate_total, queries, hits}

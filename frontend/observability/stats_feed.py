@@ -253,7 +253,7 @@ class StatsFeed:
         engine = self.engine
         frame = {
             "time": round(now.time, 3), "window_s": round(now.time - start.time, 3),
-            "status": "draining" if engine.draining else ("engine_down" if engine.down_reason else "ok"),
+            "status": _status(engine),
             "waiting": stats.num_waiting, "running": stats.num_running, "in_flight": engine.num_in_flight,
             "kv": {"in_use": stats.num_blocks_in_use, "cached": stats.num_cached_blocks,
                    "free": stats.num_free_blocks, "total": stats.num_total_blocks},
@@ -291,3 +291,13 @@ class StatsFeed:
                 "block_size": info.block_size if info else cache.block_size,
                 "num_kv_blocks": info.num_kv_blocks if info else cache.num_kv_blocks,
                 "dtype": config.model.dtype}
+
+
+def _status(engine) -> str:
+    """As /health says it: "draining", "engine_down" (no group serves), "degraded" (some group is down while
+    another serves) or "ok"."""
+    if engine.draining:
+        return "draining"
+    if engine.down_reason:
+        return "engine_down"
+    return "ok" if all(group.up for group in engine.group_states()) else "degraded"

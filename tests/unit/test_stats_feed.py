@@ -144,3 +144,20 @@ def test_reads_of_the_histograms_and_counters():
     metrics.finished.labels("stop").inc(2)
     metrics.finished.labels("length").inc(3)
     assert (_total(metrics.generation_tokens), _total(metrics.finished)) == (7, 5)
+
+
+async def test_the_feed_says_degraded_while_a_group_is_down_and_another_serves():
+    """As /health: a fresh-clone trial saw "ok" in every frame while one of two data-parallel groups restarted."""
+    from shuttle.frontend.engine.router import Router
+
+    router = Router([FakeEngine(), FakeEngine()], 128)
+    feed = StatsFeed(router, Metrics(lambda: router.stats), make_config(), tick_s=3600.0, clock=Clock())
+    async with feed.subscribe(5.0) as subscription:
+        assert msgspec.json.decode(await subscription.next())["status"] == "ok"
+        router.engine_down("worker (pid 7) was killed by signal SIGKILL", 5.0, group=1)
+        feed.publish()
+        assert msgspec.json.decode(await subscription.next())["status"] == "degraded"
+        router.engine_down("worker (pid 8) was killed by signal SIGKILL", 5.0, group=0)
+        feed.publish()
+        assert msgspec.json.decode(await subscription.next())["status"] == "engine_down"
+    router.close()
