@@ -283,6 +283,8 @@ class PromptMetrics:
         pending: sequences not yet ended.
         most_tokens: the most tokens one sequence generated so far.
         ran: whether any sequence got a token.
+        refused: whether a sequence was refused at arrival: the prompt is counted once, in request_rejected, and
+            its siblings ended with it are not counted again (as aborted or rejected).
     """
 
     metrics: Metrics
@@ -290,6 +292,7 @@ class PromptMetrics:
     pending: int = field(init=False)
     most_tokens: int = 0
     ran: bool = False
+    refused: bool = False
 
     def __post_init__(self):
         self.pending = self.n
@@ -357,6 +360,9 @@ class RequestMetrics:
             return
         self.done = True
         metrics = self.metrics
+        if self.prompt is not None and self.prompt.refused and not self.first_token:
+            self.prompt.ended(self)  # ended with its refused sibling: the prompt is counted as refused
+            return
         metrics.finished.labels(finish_reason).inc()
         if metrics.tracer is not None:
             metrics.tracer.finish(self, finish_reason)
@@ -376,10 +382,16 @@ class RequestMetrics:
             metrics.params_max_tokens.observe(self.max_tokens)
 
     def on_rejected(self, status: int, reason: str = "") -> None:
-        """Count a refusal at arrival: `reason` when the scheduler gave one ("slo"), else by status."""
+        """Count a refusal at arrival, once per prompt: `reason` when the scheduler gave one ("slo"), else by
+        status."""
+        if self.done:
+            return
         self.done = True
         if self.prompt is not None:
             self.prompt.ended(self)
+            if self.prompt.refused:
+                return
+            self.prompt.refused = True
         if self.metrics.tracer is not None:
             self.metrics.tracer.finish(self, "rejected")
         self.metrics.rejected.labels(reason or ("queue_full" if status == 503 else "never_fits")).inc()
