@@ -84,7 +84,7 @@ class ServingGroup(abc.ABC):
         self.down_reason: str | None = None
         # why down_reason is a misconfiguration no retry helps: "config" (another max_model_len, LoRA or not), "keys"
         # (the CURVE handshake fails); "" when it is not one
-        self.kept_out = ""
+        self._kept_out = ""
         self.draining = False
         self.times_down = 0
         self.routed = 0
@@ -134,7 +134,7 @@ class ServingGroup(abc.ABC):
         if self.down_reason is None and not self._up.is_set():  # never joined yet: nothing is restarting
             return GenerationError(503, f"the engine at {self._endpoint} has not joined yet (its scheduler has not "
                                    "answered); retry shortly", retry_after=self._restart.retry_after(time.monotonic()))
-        if self.kept_out:  # no time to promise: it serves once an operator restarts it to match
+        if self._kept_out:  # no time to promise: it serves once an operator restarts it to match
             return GenerationError(503, f"the engine at {self._endpoint} is kept out: {self.down_reason}",
                                    retry_after=None)
         if self.down_reason is not None:
@@ -184,10 +184,10 @@ class ServingGroup(abc.ABC):
         if reason is not None:
             if self.down_reason != reason:
                 log.error("the engine at %s is not used: %s", self._endpoint, reason)
-                self.down_reason, self.kept_out = reason, "config"
+                self.down_reason, self._kept_out = reason, "config"
                 self._up.clear()
             return
-        self.kept_out = ""
+        self._kept_out = ""
         if info.draining:
             if self.down_reason != GROUP_DRAINING:
                 log.info("the engine at %s is draining: no new requests go there; its %d in flight finish",
@@ -273,8 +273,8 @@ class EngineClient(ServingGroup):
                     continue
                 if self.is_up or self.down_reason == GROUP_DRAINING:
                     break
-                if self.kept_out == "config":  # the misconfigured group went away: say so, not its old config
-                    self.down_reason, self.kept_out = lost_connection_reason(self._endpoint, self._silence_timeout), ""
+                if self._kept_out == "config":  # the misconfigured group went away: say so, not its old config
+                    self.down_reason, self._kept_out = lost_connection_reason(self._endpoint, self._silence_timeout), ""
                 # Not serving (down already, not yet joined, or kept out): nothing new to report. libzmq reconnects
                 # this socket itself; a Hello queued for the next connection gets the group's answer then (one that
                 # was in flight on the lost connection may be gone with it). At most one a second: a peer that
@@ -293,7 +293,7 @@ class EngineClient(ServingGroup):
                   f"(${CURVE_ENV} must hold the same keys on both hosts)")
         if self.down_reason != reason and not self.is_up:
             log.error("the engine at %s is not reached: %s", self._endpoint, reason)
-            self.down_reason, self.kept_out = reason, "keys"
+            self.down_reason, self._kept_out = reason, "keys"
 
     async def start(self, timeout: float = 120.0, wait: bool = True) -> SchedulerInfo | None:
         """Say Hello and wait for the scheduler's cache geometry; outputs and stats flow from then on.

@@ -121,14 +121,14 @@ async def test_groups_that_no_retry_brings_back_are_all_named_and_promise_no_tim
     reason with "retry shortly" and Retry-After: 1, forever). One group only restarting: its time is promised."""
     router = make_router()
     for i, (kind, reason) in enumerate([("config", "its max_model_len 256 differs"), ("keys", "the handshake failed")]):
-        router.groups[i].down_reason, router.groups[i].kept_out = reason, kind
+        router.groups[i].down_reason, router.groups[i]._kept_out = reason, kind
         router.groups[i]._up.clear()
     error = router.admission_error()
     assert error.status == 503 and error.retry_after is None
     said = str(error)
     assert said.startswith("no serving group takes requests: group 0: the engine at ")
     assert "kept out: its max_model_len 256 differs; group 1: " in said and "kept out: the handshake failed" in said
-    router.groups[1].kept_out = ""
+    router.groups[1]._kept_out = ""
     router.engine_down("gone", 3.0, group=1)
     assert router.admission_error().retry_after == pytest.approx(3.0, abs=0.5)
     router.close()
