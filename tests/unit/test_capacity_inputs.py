@@ -121,8 +121,11 @@ async def test_bench_says_what_the_server_answered_when_it_is_not_the_model_list
     from aiohttp import web
     from aiohttp.test_utils import TestServer
 
+    async def models(request):
+        return web.json_response({"error": {"message": "bad key"}}, status=401)
+
     app = web.Application()
-    app.router.add_get("/v1/models", lambda request: web.json_response({"error": {"message": "bad key"}}, status=401))
+    app.router.add_get("/v1/models", models)
     async with TestServer(app) as server:
         url = str(server.make_url("")).rstrip("/")
         said = await asyncio.to_thread(refused, bench_serve.main, ["--url", url], capsys)
