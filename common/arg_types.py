@@ -16,6 +16,8 @@ import sys
 from dataclasses import field
 from pathlib import Path
 
+from shuttle.common.sampling import seed_fits
+
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
           "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
@@ -70,10 +72,9 @@ def positive(text: str) -> int:
 
 
 def seed(text: str) -> int:
-    """An integer that fits in 64 bits, signed or not (-2**63 to 2**64 - 1: what torch.Generator.manual_seed and a
-    request's `seed` take)."""
+    """An integer that fits in 64 bits, signed or not (common/sampling.py seed_fits, as a request's `seed`)."""
     value = int(text)
-    if not -(2**63) <= value < 2**64:
+    if not seed_fits(value):
         raise argparse.ArgumentTypeError(f"must fit in 64 bits, got {value}")
     return value
 

@@ -38,6 +38,13 @@ DRAIN_SIGNAL = signal.SIGUSR1
 # aborted by Ray's client when its cluster went away) and with it the engine and all supervision; the frontend ends
 # every request in flight with an error and exits, instead of dying with all of them unanswered.
 PARENT_GONE_SIGNAL = signal.SIGHUP
+
+
+def parent_death_signal(role: str) -> int:
+    """The signal a launched child of `role` gets when its launcher dies: PARENT_GONE_SIGNAL for the frontend,
+    SIGKILL for the engine's processes. Set twice: by the launcher between fork and exec (no gap) and by the child
+    at start-up (child_main_args), which must not undo it."""
+    return PARENT_GONE_SIGNAL if role == "frontend" else signal.SIGKILL
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 
@@ -85,7 +92,7 @@ def child_main_args(name: str) -> ShuttleConfig:
     configure_logging(name, os.environ.get(LOG_LEVEL_ENV, "INFO"), int(group) if group is not None else None)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    die_with_parent(PARENT_GONE_SIGNAL if name == "frontend" else signal.SIGKILL)  # (as the launcher set it at exec)
+    die_with_parent(parent_death_signal(name))
     old, new = raise_fd_limit()
     if new != old:
         log.info("raised the open-file limit from %d to %d", old, new)

@@ -6,6 +6,12 @@ import msgspec
 
 from shuttle.common.errors import InvalidRequestError
 
+
+def seed_fits(seed: int) -> bool:
+    """Whether `seed` fits in 64 bits, signed or not (-2**63 to 2**64 - 1): what torch.Generator.manual_seed takes,
+    for a request's `seed` and the server's --seed alike."""
+    return -(2**63) <= seed < 2**64
+
 MAX_LOGPROBS = 20  # most alternatives per token, as OpenAI's top_logprobs
 
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
@@ -98,7 +104,7 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
             ("top_k", -1 <= self.top_k < 2**31, "must be -1 or 0 (off), or a positive count below 2**31"),
             ("min_p", 0.0 <= self.min_p <= 1.0, "must be in [0, 1]"),
             ("min_tokens", 0 <= self.min_tokens <= self.max_tokens, "must be in [0, max_tokens]"),
-            ("seed", self.seed is None or -(2**63) <= self.seed < 2**64, "must fit in 64 bits"),
+            ("seed", self.seed is None or seed_fits(self.seed), "must fit in 64 bits"),
             ("stop_token_ids", all(0 <= t < vocab_size for t in self.stop_token_ids),
              f"must be token ids in [0, {vocab_size})"),
             ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "must be in [-2, 2]"),

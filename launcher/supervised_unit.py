@@ -18,7 +18,7 @@ from shuttle.common.config import DEVICE_ENV, DP_GROUP_ENV, TP_RANK_ENV, Shuttle
 from shuttle.common.cpu_threads import CorePlan, other_env, pin, worker_env
 from shuttle.common.devices import device_type
 from shuttle.common.messages import ControlMessage, Heartbeat, ProcessReady
-from shuttle.common.process import LAST_WORDS_SIGNAL, PARENT_GONE_SIGNAL, die_with_parent
+from shuttle.common.process import LAST_WORDS_SIGNAL, die_with_parent, parent_death_signal
 from shuttle.launcher.ports import free_listen_ports
 from shuttle.launcher.processes import FailedProcess, Process, process_end
 from shuttle.launcher.ray_backend import RayUnavailable
@@ -48,9 +48,9 @@ def worker_rank(role: str) -> int | None:
 
 
 def _before_exec(cores: tuple[int, ...], parent_gone: int = signal.SIGKILL) -> None:
-    """In the child between fork and exec: be sent `parent_gone` when the launcher dies (SIGKILL: die with it; the
-    frontend's PARENT_GONE_SIGNAL: answer what it holds, then exit), and bind to `cores` before Python, torch or
-    OpenMP start a thread (every thread they start inherits it)."""
+    """In the child between fork and exec: be sent `parent_gone` when the launcher dies (common/process.py
+    parent_death_signal), and bind to `cores` before Python, torch or OpenMP start a thread (every thread they start
+    inherits it)."""
     die_with_parent(parent_gone)
     pin(cores)
 
@@ -129,9 +129,8 @@ class Unit:
                     self.procs[role] = FailedProcess(str(exc))
                 continue
             child_env, cores = self._placement(role, rank, parallel.tensor_parallel_size, child_env)
-            parent_gone = PARENT_GONE_SIGNAL if role == "frontend" else signal.SIGKILL
-            self.procs[role] = subprocess.Popen(argv, env=child_env,
-                                                preexec_fn=functools.partial(_before_exec, cores, parent_gone))
+            self.procs[role] = subprocess.Popen(
+                argv, env=child_env, preexec_fn=functools.partial(_before_exec, cores, parent_death_signal(role)))
 
     def _placement(self, role: str, rank: int | None, tensor_parallel_size: int,
                    env: dict[str, str]) -> tuple[dict[str, str], tuple[int, ...]]:

@@ -27,7 +27,6 @@ one of them; tests/api/test_http_edges.py and tests/api/test_ws_batch_edges.py e
 from __future__ import annotations
 
 import asyncio
-import errno
 import logging
 import os
 import socket
@@ -190,7 +189,7 @@ def _refuse_live_socket(path: str) -> None:
     server still accepts on is refused instead of being taken from it (common/unix_socket.py)."""
     problem = unix_socket_problem(path)
     if problem is not None:
-        raise OSError(errno.EADDRINUSE if "listens" in problem else errno.EINVAL, f"the Unix socket {path}: {problem}")
+        raise OSError(f"the Unix socket {path}: {problem}")
 
 
 def remove_socket_file(path: str) -> None:
