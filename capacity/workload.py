@@ -8,9 +8,16 @@ workload (`max_concurrency`) sends a request only while fewer than that many are
 
 from __future__ import annotations
 
-import json
 import random
 from dataclasses import dataclass
+from typing import Annotated
+
+import msgspec
+from msgspec import Meta
+
+# A trace line's arrival bound and default output length (see TraceLine).
+MAX_TRACE_ARRIVAL_S = 1e9
+DEFAULT_TRACE_OUTPUT_LEN = 128
 
 
 @dataclass(slots=True)
@@ -66,52 +73,69 @@ def synthetic(n: int, rate: float, input_len: int, output_len: int, range_ratio:
             for t, p, o in zip(times, prompts, outputs)]
 
 
+class TraceLine(msgspec.Struct, forbid_unknown_fields=True):
+    """One line of a JSONL trace; a key not declared here is refused, not ignored.
+
+    Attributes:
+        prompt: the prompt's token ids; or `prompt_len`: its length in tokens (random distinct ids).
+        output_len: tokens to generate (`max_tokens` is the same field under the OpenAI name; default 128).
+        arrival: seconds from the start (finite, at most 1e9 s: beyond it a float's step is no longer far below a
+            millisecond); None: the line comes at the command's `--request-rate`.
+        ttft_slo_ms: the request's own TTFT objective in ms, at most a day as a request's (0: the server's).
+    """
+
+    prompt: list[Annotated[int, Meta(ge=0)]] | None = None
+    prompt_len: Annotated[int, Meta(ge=1)] | None = None
+    output_len: Annotated[int, Meta(ge=1)] | None = None
+    max_tokens: Annotated[int, Meta(ge=1)] | None = None
+    arrival: Annotated[float, Meta(ge=0.0, le=MAX_TRACE_ARRIVAL_S)] | None = None
+    ttft_slo_ms: Annotated[float, Meta(ge=0.0, le=86_400_000.0)] = 0.0
+
+
+def _trace_line(text: str) -> TraceLine:
+    """Decode one trace line. Raises ValueError: not a JSON object of TraceLine's fields, or a length given twice."""
+    try:
+        line = msgspec.json.decode(text, type=TraceLine)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise ValueError(str(exc)) from None
+    if (line.prompt is None) == (line.prompt_len is None):
+        raise ValueError("needs one of `prompt` (a list of token ids) and `prompt_len`, not "
+                         + ("both" if line.prompt is not None else "neither"))
+    if line.prompt == []:
+        raise ValueError("`prompt` is empty")
+    if line.output_len is not None and line.max_tokens is not None:
+        raise ValueError("gives both `output_len` and `max_tokens`, which are the same field")
+    return line
+
+
 def from_trace(path: str, rate: float | None = None, burstiness: float = 1.0, seed: int = 0,
                vocab_size: int = 32000) -> list[SimRequest]:
-    """Read a JSONL trace: one object per line with the prompt (`prompt` as token ids, or `prompt_len`), the
-    output length (`output_len` or `max_tokens`, default 128), optionally `arrival` seconds and `ttft_slo_ms`.
-    Lines without `arrival` get arrivals at `rate` (all at once if rate is None).
+    """Read a JSONL trace: one `TraceLine` object per line. Lines without `arrival` get arrivals at `rate` (all at
+    once if rate is None).
 
     Raises:
-        ValueError: the file cannot be read or holds no request, or a line is not a JSON object, names no prompt,
-            or has a field that is not a number in its range (the message gives the file and line).
+        ValueError: the file cannot be read or holds no request, or a line is not a JSON object of TraceLine's
+            fields in their ranges (the message gives the file and line).
     """
     rng = random.Random(seed + 3)
     items = []
     try:
         lines = open(path).read().splitlines()
-    except OSError as exc:
-        raise ValueError(f"cannot read the trace {path!r}: {exc.strerror or exc}") from None
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read the trace {path!r}: {getattr(exc, 'strerror', None) or exc}") from None
+    for number, text in enumerate(lines, 1):
+        if not text.strip():
             continue
         try:
-            item = json.loads(line)
+            line = _trace_line(text)
         except ValueError as exc:
-            raise ValueError(f"{path}:{number}: not JSON ({exc})") from None
-        if not isinstance(item, dict):
-            raise ValueError(f"{path}:{number}: not a JSON object")
-
-        def number_of(field: str, default, kind, least: float):  # called in this iteration only
-            try:
-                value = kind(item.get(field, default))  # noqa: B023
-            except (TypeError, ValueError):
-                value = None
-            if value is None or not value >= least:
-                raise ValueError(f"{path}:{number}: `{field}` must be a number >= {least}, "  # noqa: B023
-                                 f"got {item.get(field)!r}")  # noqa: B023
-            return value
-
-        prompt = item.get("prompt")
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and t >= 0 for t in prompt):
-            ids = list(prompt)
-        elif "prompt_len" in item:
-            ids = [1] + [rng.randrange(3, vocab_size) for _ in range(number_of("prompt_len", None, int, 1) - 1)]
-        else:
-            raise ValueError(f"{path}:{number}: needs `prompt` (a list of token ids) or `prompt_len`")
-        output_field = "output_len" if "output_len" in item else "max_tokens"
-        items.append((number_of("arrival", 0.0, float, 0.0) if "arrival" in item else None, ids,
-                      number_of(output_field, 128, int, 1), number_of("ttft_slo_ms", 0.0, float, 0.0)))
+            raise ValueError(f"{path}:{number}: {exc}") from None
+        if line.prompt is not None:
+            ids = line.prompt
+        else:  # _trace_line: prompt_len is given when prompt is not
+            ids = [1] + [rng.randrange(3, vocab_size) for _ in range(int(line.prompt_len or 1) - 1)]
+        output_len = line.output_len or line.max_tokens or DEFAULT_TRACE_OUTPUT_LEN
+        items.append((line.arrival, ids, output_len, line.ttft_slo_ms))
     if not items:
         raise ValueError(f"{path}: no requests in the trace")
     times = arrivals(len(items), rate or float("inf"), burstiness, seed)

@@ -15,6 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "dev"))
 import compare_inprocess  # noqa: E402
 
 from shuttle.capacity import bench_serve, calibrate, simulate, tune  # noqa: E402
+from shuttle.capacity.workload import from_trace  # noqa: E402
 
 MODEL = Path(__file__).resolve().parents[2].parent / "shared" / "models" / "stories260K"
 
@@ -56,19 +57,41 @@ def test_a_bad_profile_is_named(tmp_path, capsys, content, says):
 
 
 @pytest.mark.parametrize("lines, says", [
-    (['{"prompt_len": 8}', '{"prompt_len": 8,,}'], ":2: not JSON"),
-    (['{"prompt_len": 8}', "[1, 2]"], ":2: not a JSON object"),
-    (['{"output_len": 8}'], ":1: needs `prompt`"),
-    (['{"prompt_len": "abc"}'], ":1: `prompt_len` must be a number >= 1, got 'abc'"),
-    (['{"prompt_len": 0}'], ":1: `prompt_len` must be a number >= 1"),
-    (['{"prompt_len": 8, "output_len": -4}'], ":1: `output_len` must be a number >= 1"),
-    (['{"prompt_len": 8, "arrival": "soon"}'], ":1: `arrival` must be a number >= 0.0"),
+    (['{"prompt_len": 8}', '{"prompt_len": 8,,}'], ":2: JSON is malformed"),
+    (['{"prompt_len": 8}', "[1, 2]"], ":2: Expected `object`, got `array`"),
+    (['{"output_len": 8}'], ":1: needs one of `prompt` (a list of token ids) and `prompt_len`, not neither"),
+    (['{"prompt": [1, 2], "prompt_len": 2}'], ":1: needs one of `prompt` (a list of token ids) and `prompt_len`, "
+                                              "not both"),
+    (['{"prompt": []}'], ":1: `prompt` is empty"),
+    (['{"prompt": [1, -2]}'], ":1: Expected `int` >= 0 - at `$.prompt[1]`"),
+    (['{"prompt_len": "abc"}'], ":1: Expected `int | null`, got `str` - at `$.prompt_len`"),
+    (['{"prompt_len": 2.5}'], ":1: Expected `int | null`, got `float` - at `$.prompt_len`"),
+    (['{"prompt_len": 0}'], ":1: Expected `int` >= 1 - at `$.prompt_len`"),
+    (['{"prompt_len": 8, "output_len": -4}'], ":1: Expected `int` >= 1 - at `$.output_len`"),
+    (['{"prompt_len": 8, "output_len": 4, "max_tokens": 4}'], ":1: gives both `output_len` and `max_tokens`"),
+    (['{"prompt_len": 8, "arrival": "soon"}'], ":1: Expected `float | null`, got `str` - at `$.arrival`"),
+    (['{"prompt_len": 8, "arrival": 1e308}'], ":1: Expected `float` <= 1000000000.0 - at `$.arrival`"),
+    (['{"prompt_len": 8, "priority": 3}'], ":1: Object contains unknown field `priority`"),
     ([], "no requests in the trace"),
 ])
 def test_a_bad_trace_is_named_with_its_line(profile, tmp_path, capsys, lines, says):
     trace = tmp_path / "trace.jsonl"
     trace.write_text("\n".join(lines) + "\n")
     assert says in refused(simulate.main, ["--profile", str(profile), "--trace", str(trace)], capsys)
+
+
+def test_a_trace_is_read_field_by_field(tmp_path):
+    """The positive side of the refusals above: each documented field lands where it says."""
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text('{"prompt": [1, 5, 9], "output_len": 4, "arrival": 2.5, "ttft_slo_ms": 300}\n'
+                     '\n'
+                     '{"prompt_len": 6, "max_tokens": 7}\n'
+                     '{"prompt_len": 2}\n')
+    first, second, third = from_trace(str(trace), rate=None, vocab_size=50)
+    assert (first.arrival, first.prompt_token_ids, first.output_len, first.ttft_slo_ms) == (2.5, [1, 5, 9], 4, 300.0)
+    assert (second.arrival, len(second.prompt_token_ids), second.output_len, second.ttft_slo_ms) == (0.0, 6, 7, 0.0)
+    assert second.prompt_token_ids[0] == 1 and all(3 <= t < 50 for t in second.prompt_token_ids[1:])
+    assert (third.arrival, len(third.prompt_token_ids), third.output_len) == (0.0, 2, 128)
 
 
 @pytest.mark.parametrize("flags, says", [
