@@ -14,6 +14,13 @@ def seed_fits(seed: int) -> bool:
 
 MAX_LOGPROBS = 20  # most alternatives per token, as OpenAI's top_logprobs
 
+
+def logprobs_limit(max_logprobs: int, vocab_size: int) -> int:
+    """Most alternatives per token a request may ask for (logprobs, top_logprobs, prompt_logprobs): the server's
+    --max-logprobs, -1 meaning no cap (vLLM's), and never more than the vocabulary (the worker's top-k lists at most
+    `vocab_size`)."""
+    return vocab_size if max_logprobs < 0 else min(max_logprobs, vocab_size)
+
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
@@ -95,8 +102,7 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     def validate(self, vocab_size: int, max_logprobs: int = MAX_LOGPROBS) -> None:
         """Raise InvalidRequestError (naming the parameter) for a value out of range (`max_logprobs`: the server's
         --max-logprobs)."""
-        # the worker's top-k cannot list more than the vocabulary; --max-logprobs -1: no other cap
-        cap = vocab_size if max_logprobs < 0 else min(max_logprobs, vocab_size)
+        cap = logprobs_limit(max_logprobs, vocab_size)
         checks = (
             ("max_tokens", self.max_tokens >= 1, "must be at least 1"),
             ("temperature", 0.0 <= self.temperature <= 100.0, "must be in [0, 100]"),

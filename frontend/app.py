@@ -10,6 +10,7 @@ from aiohttp import web
 
 from shuttle.common.config import ShuttleConfig
 from shuttle.common.process import DRAIN_SIGNAL, PARENT_GONE_SIGNAL
+from shuttle.common.sampling import logprobs_limit
 from shuttle.common.version import shuttle_version
 from shuttle.frontend import last_words
 from shuttle.frontend.anthropic.errors import anthropic_errors
@@ -107,7 +108,9 @@ async def openapi(request: web.Request) -> web.Response:
     api = state.config.api
     return web.json_response(openapi_document(state.model_name, state.tokenizer.vocab_size,
                                               api.enable_tokenizer_info_endpoint, normalize_root_path(api.root_path),
-                                              state.config.lora.enable_lora))
+                                              state.config.lora.enable_lora,
+                                              logprobs_limit(state.config.model.max_logprobs,
+                                                             state.tokenizer.vocab_size)))
 
 
 async def version(request: web.Request) -> web.Response:

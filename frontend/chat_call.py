@@ -8,7 +8,7 @@ import time
 import msgspec
 
 from shuttle.common.errors import InvalidRequestError
-from shuttle.common.sampling import StructuredOutput
+from shuttle.common.sampling import StructuredOutput, logprobs_limit
 from shuttle.frontend.choices import CollectedChoice
 from shuttle.frontend.completions.prompt_logprobs import prompt_logprobs_list, prompt_logprobs_of
 from shuttle.frontend.completions.shapes import chat_logprobs
@@ -63,10 +63,9 @@ class ChatCall(Call):
         check_model(state, body.model)
         if body.top_logprobs is not None and not body.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
-        self.logprobs = check_logprobs(body.top_logprobs or 0, "top_logprobs", state.config.model.max_logprobs) \
-            if body.logprobs else None
-        asked = prompt_logprobs_of(body.prompt_logprobs, body.stream, state.config.model.max_logprobs,
-                                   state.tokenizer.vocab_size)
+        limit = logprobs_limit(state.config.model.max_logprobs, state.tokenizer.vocab_size)
+        self.logprobs = check_logprobs(body.top_logprobs or 0, "top_logprobs", limit) if body.logprobs else None
+        asked = prompt_logprobs_of(body.prompt_logprobs, body.stream, limit, state.tokenizer.vocab_size)
         self.prompt_logprobs = None if body.stream else asked  # a stream's chunks never carry them (vLLM)
         tool_config = state.config.tool_calls
         self.tool_use = tool_use_of(body.tools, body.tool_choice, body.parallel_tool_calls,

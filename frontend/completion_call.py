@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 from shuttle.common.errors import InvalidRequestError
+from shuttle.common.sampling import logprobs_limit
 from shuttle.frontend.choices import CollectedChoice
 from shuttle.frontend.completions.prompt_logprobs import first_k, prompt_logprobs_list, prompt_logprobs_of
 from shuttle.frontend.completions.shapes import completion_logprobs, prompt_logprobs_object
@@ -36,9 +37,9 @@ class CompletionCall(Call):
             raise InvalidRequestError("best_of is not supported (leave it out or equal to n)", param="best_of")
         if body.suffix:
             raise InvalidRequestError("suffix is not supported", param="suffix")
-        self.logprobs = check_logprobs(body.logprobs, "logprobs", state.config.model.max_logprobs)
-        asked = prompt_logprobs_of(body.prompt_logprobs, body.stream, state.config.model.max_logprobs,
-                                   state.tokenizer.vocab_size)
+        limit = logprobs_limit(state.config.model.max_logprobs, state.tokenizer.vocab_size)
+        self.logprobs = check_logprobs(body.logprobs, "logprobs", limit)
+        asked = prompt_logprobs_of(body.prompt_logprobs, body.stream, limit, state.tokenizer.vocab_size)
         # echo with logprobs also scores the prompt (how lm-eval-harness computes loglikelihoods), as vLLM: with
         # the k of prompt_logprobs when both are given; a stream shows prompt logprobs only in its echo
         echoed = self.logprobs if body.echo and self.logprobs is not None else None

@@ -12,6 +12,7 @@ from typing import Any
 from shuttle.common.errors import InvalidRequestError
 from shuttle.common.generation_config import SamplingDefaults
 from shuttle.common.sampling import SamplingParams as EngineSampling
+from shuttle.common.sampling import logprobs_limit
 
 # vLLM's fields shuttle does not implement, with why (each refused unless left at its default)
 UNIMPLEMENTED: dict[str, str] = {
@@ -141,16 +142,16 @@ def _prompt_logprobs_k(value: int | None, vocab_size: int, max_logprobs: int) ->
     whole vocabulary, vLLM's sentinel, which the server's prompt_logprobs takes too).
 
     Raises:
-        ValueError: `value` below -1, or more alternatives than min(max_logprobs, vocab_size); the message states
+        ValueError: `value` below -1, or more alternatives than common.sampling.logprobs_limit; the message states
             the range this model and max_logprobs allow.
     """
     if value is None:
         return None
-    cap = min(max_logprobs, vocab_size)
+    cap = logprobs_limit(max_logprobs, vocab_size)
     k = vocab_size if value == -1 else value
     if 0 <= k <= cap:
         return k
-    if vocab_size <= max_logprobs:
+    if cap == vocab_size:
         raise ValueError(f"prompt_logprobs must be -1 (the whole vocabulary) or in [0, {cap}], got {value}")
     raise ValueError(f"prompt_logprobs must be in [0, {cap}] (max_logprobs {max_logprobs}; -1, the whole vocabulary "
                      f"of {vocab_size} tokens, is over it), got {value}")

@@ -10,15 +10,15 @@ from shuttle.frontend.tokenizer import TextTokenizer
 ALL = -1  # prompt_logprobs: -1 asks for every token of the vocabulary (vLLM's sentinel)
 
 
-def prompt_logprobs_of(value: int | None, stream: bool, max_logprobs: int, vocab_size: int) -> int | None:
+def prompt_logprobs_of(value: int | None, stream: bool, limit: int, vocab_size: int) -> int | None:
     """How many alternatives per prompt token the engine computes (None: the request asks for no prompt logprobs).
 
     `value` is the request's prompt_logprobs: k >= 0 alternatives, or -1 for the whole vocabulary (k = vocab_size).
-    As in vLLM, a stream takes only 0 (its chunks never carry prompt logprobs), and k is bounded by the server's
-    --max-logprobs (`max_logprobs`).
+    As in vLLM, a stream takes only 0 (its chunks never carry prompt logprobs), and k is bounded by `limit`
+    (common.sampling.logprobs_limit: the server's --max-logprobs within the vocabulary).
 
     Raises:
-        InvalidRequestError: (param prompt_logprobs) below -1, with stream: true and not 0, or over max_logprobs.
+        InvalidRequestError: (param prompt_logprobs) below -1, with stream: true and not 0, or over `limit`.
     """
     if value is None:
         return None
@@ -27,11 +27,11 @@ def prompt_logprobs_of(value: int | None, stream: bool, max_logprobs: int, vocab
     if value < 0 and value != ALL:
         raise InvalidRequestError("`prompt_logprobs` must be a positive value or -1.", param="prompt_logprobs")
     k = vocab_size if value == ALL else value
-    if 0 <= max_logprobs < k:  # (-1: no cap)
+    if k > limit:
         asked = f"-1 (the whole vocabulary, {k})" if value == ALL else str(k)
         raise InvalidRequestError(f"Requested prompt logprobs of {asked}, which is greater than max allowed: "
-                                  f"{max_logprobs}", param="prompt_logprobs")
-    return min(k, vocab_size)
+                                  f"{limit}", param="prompt_logprobs")
+    return k
 
 
 def prompt_logprobs_list(tokenizer: TextTokenizer, prompt_token_ids: list[int], entries: list[TokenLogprobs],

@@ -138,8 +138,8 @@ def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
 
 
 def check_logprobs(value: int | None, param: str, limit: int = MAX_LOGPROBS) -> int | None:
-    """`value` unless it is outside [0, limit] (the server's --max-logprobs; -1: no cap here, the vocabulary bounds
-    it in SamplingParams.validate). Raises InvalidRequestError."""
-    if value is not None and not (0 <= value <= limit or limit < 0 <= value):
+    """`value` unless it is outside [0, limit] (common.sampling.logprobs_limit: the server's --max-logprobs within
+    the vocabulary). Raises InvalidRequestError."""
+    if value is not None and not 0 <= value <= limit:
         raise InvalidRequestError(f"{param} must be in [0, {limit}]", param=param)
     return value

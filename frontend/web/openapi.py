@@ -13,6 +13,7 @@ from typing import Any
 import msgspec
 
 from shuttle.common.messages import BatchRequest, BatchResponse
+from shuttle.common.sampling import MAX_LOGPROBS
 from shuttle.frontend.anthropic.errors import is_messages_path
 from shuttle.frontend.anthropic.request import CountTokensRequest, MessagesRequest
 from shuttle.frontend.request.protocol import (
@@ -139,13 +140,14 @@ def _get(path: str, summary: str, status: str, content: dict | None, errors: tup
 
 @functools.cache
 def openapi_document(model_name: str, vocab_size: int, tokenizer_info: bool = False, root_path: str = "",
-                     lora: bool = False) -> dict:
+                     lora: bool = False, logprobs_cap: int = MAX_LOGPROBS) -> dict:
     """The whole document (built once per served model name and vocabulary size, which bound request fields):
     with GET /tokenizer_info when `tokenizer_info`, and `root_path` (--root-path, normalized) as its server URL;
-    under `lora` (--enable-lora) a request's model is any string, the adapters changing at run time."""
+    under `lora` (--enable-lora) a request's model is any string, the adapters changing at run time;
+    `logprobs_cap` bounds logprobs, top_logprobs and prompt_logprobs (common.sampling.logprobs_limit)."""
     structs = [struct for struct, *_ in POSTS.values()] + [BatchRequest, BatchResponse]
     refs, components = msgspec.json.schema_components(structs, ref_template="#/components/schemas/{name}")
-    constrain(components, model_name, vocab_size, any_model=lora)
+    constrain(components, model_name, vocab_size, any_model=lora, logprobs_cap=logprobs_cap)
     components["Error"] = ERROR
     components["AnthropicError"] = ANTHROPIC_ERROR
     paths: dict[str, dict] = {}

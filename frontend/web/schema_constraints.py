@@ -81,25 +81,29 @@ def _structured(components: dict) -> None:
                                 **dict.fromkeys(REFUSED_KEYS, NULL))  # refused but for null
 
 
-def constrain(components: dict, model_name: str, vocab_size: int, any_model: bool = False) -> None:
-    """Narrow the msgspec-made component schemas in place (only where the code refuses what the type allows)."""
+def constrain(components: dict, model_name: str, vocab_size: int, any_model: bool = False,
+              logprobs_cap: int = MAX_LOGPROBS) -> None:
+    """Narrow the msgspec-made component schemas in place (only where the code refuses what the type allows).
+    `logprobs_cap`: common.sampling.logprobs_limit of the server's --max-logprobs and the vocabulary."""
     token = _int(0, vocab_size - 1)
     ids = {"type": "array", "items": token, "minItems": 1}
     text_part = {"type": "object", "required": ["type", "text"],
                  "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
     sampling = _sampling(model_name, vocab_size, any_model)
+    # prompt_logprobs -1 is the whole vocabulary: taken only where the cap reaches it
+    sampling["prompt_logprobs"] = _nullable(_int(-1 if logprobs_cap == vocab_size else 0, logprobs_cap))
     _structured(components)
     completion = components["CompletionRequest"]
     completion["properties"].update(sampling, **{
         "prompt": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "minItems": 1,
                                                   "maxItems": MAX_PROMPTS},
                              ids, {"type": "array", "items": ids, "minItems": 1, "maxItems": MAX_PROMPTS}]},
-        "logprobs": _nullable(_int(0, MAX_LOGPROBS)), "suffix": _nullable({"const": ""})})
+        "logprobs": _nullable(_int(0, logprobs_cap)), "suffix": _nullable({"const": ""})})
     completion["required"] = ["prompt"]
     chat = components["ChatCompletionRequest"]
     chat["properties"].update(sampling, **{
         "messages": {"type": "array", "items": {"$ref": "#/components/schemas/ChatMessage"}, "minItems": 1},
-        "max_completion_tokens": _nullable(_int(1)), "top_logprobs": _nullable(_int(0, MAX_LOGPROBS)),
+        "max_completion_tokens": _nullable(_int(1)), "top_logprobs": _nullable(_int(0, logprobs_cap)),
         "chat_template_kwargs": _nullable({"type": "object",
                                            "propertyNames": {"not": {"enum": sorted(RESERVED_KWARGS)}}})})
     message = components["ChatMessage"]

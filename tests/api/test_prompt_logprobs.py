@@ -13,7 +13,9 @@ import torch
 from aiohttp.test_utils import TestClient, TestServer
 
 from shuttle.common.config import ApiConfig
+from shuttle.common.errors import InvalidRequestError
 from shuttle.common.messages import RequestOutput, Submit
+from shuttle.common.sampling import logprobs_limit
 from shuttle.frontend.completions.prompt_logprobs import prompt_logprobs_of
 from shuttle.frontend.tokenizer import TextTokenizer
 from tests.api.test_api_details import PROMPT, PROMPT_IDS, post, served
@@ -146,10 +148,14 @@ async def test_stream_takes_prompt_logprobs_zero_and_computes_nothing():
             assert engine.submitted[-1].sampling.prompt_logprobs is None  # nothing shows them: no cache bypass
 
 
-def test_minus_one_asks_for_the_whole_vocabulary_under_a_large_max_logprobs():
-    assert prompt_logprobs_of(-1, False, max_logprobs=1000, vocab_size=512) == 512
-    assert prompt_logprobs_of(0, True, max_logprobs=20, vocab_size=512) == 0
-    assert prompt_logprobs_of(None, True, max_logprobs=20, vocab_size=512) is None
+@pytest.mark.parametrize("max_logprobs", [1000, 512, -1])
+def test_minus_one_asks_for_the_whole_vocabulary_under_a_large_or_no_max_logprobs(max_logprobs):
+    limit = logprobs_limit(max_logprobs, vocab_size=512)
+    assert prompt_logprobs_of(-1, False, limit, vocab_size=512) == 512
+    assert prompt_logprobs_of(0, True, limit, vocab_size=512) == 0
+    assert prompt_logprobs_of(None, True, limit, vocab_size=512) is None
+    with pytest.raises(InvalidRequestError, match="greater than max allowed: 512"):  # not clipped to the vocabulary
+        prompt_logprobs_of(513, False, limit, vocab_size=512)
 
 
 async def test_echo_with_logprobs_shows_its_own_k_beside_prompt_logprobs():
