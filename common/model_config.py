@@ -196,6 +196,16 @@ def _check_type(key: str, current: Any, value: Any) -> None:
     if given != expected and (given, expected) != ("an integer", "a number"):
         raise ModelDirError(f"--hf-overrides: {key} must be {expected} as in config.json ({json.dumps(current)}), "
                             f"got {given} ({json.dumps(value)})")
+    if _is_size(key.rsplit(".", 1)[-1]) and given == "an integer" and current >= 1 > value:
+        raise ModelDirError(f"--hf-overrides: {key} is a count or size, at least 1 (config.json: {current}), got "
+                            f"{value}")
+
+
+def _is_size(key: str) -> bool:
+    """Whether a config.json key names a count or size (num_hidden_layers, hidden_size, head_dim, ...): a model built
+    with 0 or fewer of them fails deep in transformers, or runs with nothing in it."""
+    return key.startswith("num_") or key.endswith(("_size", "_dim", "_layers", "_heads")) \
+        or key == "max_position_embeddings"
 
 
 def _read_json(path: Path) -> dict:

@@ -459,7 +459,10 @@ def test_hf_override_types_are_checked_nested_too():
                                ({"rms_norm_eps": "1e-5"}, "rms_norm_eps must be a number"),
                                ({"text_config": {"max_position_embeddings": 2.5}},
                                 "text_config.max_position_embeddings must be an integer as in config.json (512), got "
-                                "a number (2.5)")):
+                                "a number (2.5)"),
+                               ({"text_config": {"max_position_embeddings": 0}},  # a trial: -1 layers failed late
+                                "text_config.max_position_embeddings is a count or size, at least 1 (config.json: "
+                                "512), got 0")):
         with pytest.raises(ModelDirError, match=re.escape(f"--hf-overrides: {message}")):
             apply_hf_overrides(base, overrides)
 
