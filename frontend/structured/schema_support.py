@@ -131,11 +131,17 @@ def check_schema(schema: dict[str, Any], param: str, where: str, enforced: bool 
 
 
 def check_regex(pattern: str, param: str, where: str) -> None:
-    """Refuse a regex with a letter escape the engine would match as the letter itself (\\A, \\z, \\Z, ...).
+    """Refuse a regex with a letter escape the engine would match as the letter itself (\\A, \\z, \\Z, ...), or
+    with a lookahead, which the engine drops from a schema's `pattern` without a word (xgrammar 0.1's JSON schema
+    converter logs "Lookahead assertion is not supported and is ignored"), so that the output could break it.
 
     Raises:
-        InvalidRequestError: naming the escape and its position, param `param`.
+        InvalidRequestError: naming the escape or lookahead and its position, param `param`.
     """
+    lookahead = _lookahead_at(pattern)
+    if lookahead is not None:
+        raise InvalidRequestError(f"{where}: the lookahead {pattern[lookahead:lookahead + 3]} at position {lookahead} "
+                                  f"is not supported by the grammar engine", param=param)
     i = pattern.find("\\")
     while 0 <= i < len(pattern) - 1:
         char = pattern[i + 1]
@@ -145,6 +151,31 @@ def check_regex(pattern: str, param: str, where: str) -> None:
                 f"match the letter {char}){' (anchors: the whole output is matched already)' if char in 'AzZ' else ''}",
                 param=param)
         i = pattern.find("\\", i + 2)
+
+
+def _lookahead_at(pattern: str) -> int | None:
+    """Where the first lookahead group, `(?=` or `(?!`, opens in `pattern` (escapes and character classes skipped),
+    or None."""
+    in_class, i = False, 0
+    while i < len(pattern):
+        char = pattern[i]
+        if char == "\\":
+            i += 2
+            continue
+        if in_class:
+            in_class = char != "]"
+        elif char == "[":
+            in_class = True
+            i += 1
+            if pattern.startswith("^", i):
+                i += 1
+            if pattern.startswith("]", i):  # a ] first in a class is a literal
+                i += 1
+            continue
+        elif pattern.startswith(("(?=", "(?!"), i):
+            return i
+        i += 1
+    return None
 
 
 def _check_valid(node: dict[str, Any], param: str, where: str, path: str) -> None:

@@ -4,6 +4,7 @@ worker uses), every refused one is refused by check_schema naming it, and docs/s
 table as scripts/dev/schema_keyword_table.py prints it."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -198,6 +199,24 @@ def test_a_letter_escape_the_engine_reads_as_the_letter_is_refused(pattern):
         check_regex(pattern, "structured_outputs", "structured_outputs.regex")
 
 
+@pytest.mark.parametrize("pattern, at", [("^(?!a)[ab]{3}$", 1), ("a(?=b)b", 1), (r"[\]](?!x)", 4)])
+def test_a_lookahead_the_engine_would_drop_from_a_schema_is_refused(pattern, at):
+    """A trial: xgrammar ignored `(?!a)` in a schema's pattern and the output "abb" broke it."""
+    with pytest.raises(InvalidRequestError, match=re.escape(f"lookahead {pattern[at:at + 3]} at position {at}")):
+        check_regex(pattern, "response_format", "response_format.json_schema.schema/pattern")
+
+
+def test_the_engine_still_drops_a_schemas_lookahead():
+    """Why the refusal above exists; should the engine ever enforce lookaheads, this fails and the refusal can go."""
+    grammar = xgr.Grammar.from_json_schema(json.dumps({"type": "string", "pattern": "^(?!a)[ab]{3}$"}))
+    assert accepts(grammar, '"abb"')
+
+
+@pytest.mark.parametrize("pattern", [r"\(?!x", "[(?!]x", "[^](?=]x", "a(?:b)c"])
+def test_what_only_looks_like_a_lookahead_passes(pattern):
+    check_regex(pattern, "guided_regex", "guided_regex")
+
+
 def test_escapes_the_engine_reads_as_meant_pass():
     pattern = r"\d\D\w\W\s\S\t\n\r\f\v\.\*\+\?\(\)\[\]\{\}\|\^\$\\\/\-"
     check_regex(pattern, "guided_regex", "guided_regex")
@@ -243,6 +262,8 @@ def test_the_docs_hold_the_keyword_table_as_printed():
     ("response_format", {"type": "json_schema", "json_schema": {"name": "ref", "schema": {
         "$ref": "https://example.com/schema.json"}}}, "/$ref"),
     ("structured_outputs", {"regex": r"\A[0-9]{2}\z"}, r"escape \A"),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "la", "schema": {
+        "type": "string", "pattern": "^(?!a)[ab]{3}$"}}}, "/pattern: the lookahead (?! at position 1"),
 ])
 async def test_weakened_constraints_are_400_naming_the_field_and_keyword(field, value, named):
     from tests.api.test_api_details import USER, post, served
