@@ -123,7 +123,17 @@ class ChatCall(Call):
         if self.reasoning is None:
             return {}, text
         thought, content = self.reasoning.split(text)
-        return reasoning_fields(thought if self.body.include_reasoning else None), content
+        # an empty thinking ("<think></think>") is none, as a stream shows it (no reasoning delta is ever sent)
+        return reasoning_fields((thought or None) if self.body.include_reasoning else None), content
+
+    def answering(self, index: int) -> bool:
+        """Whether streamed choice `index` is past its thinking (always, without a reasoning parser): before, no
+        tool call can have begun."""
+        return self.reasoning is None or self.reasoning.answering(index)
+
+    def cut(self, delta: TextDelta) -> bool:
+        """Whether `delta` is its choice's last and a stop the request set ended it (Generation.stopped_by_request)."""
+        return delta.finish_reason is not None and self.generations[delta.index].stopped_by_request
 
     def reasoning_delta(self, delta: TextDelta) -> tuple[str, str]:
         """(thinking, answer) text that a streamed delta releases; the thinking "" under include_reasoning false."""
@@ -155,8 +165,8 @@ class ChatCall(Call):
         thought, text = self.split_reasoning(choice.text)  # tool calls are read from the answer only
         self._output_ids[g.index] = choice.token_ids
         message, finish = {"role": "assistant", "content": text}, g.finish_reason
-        if self.tool_calls is not None:
-            message, finish = self.tool_calls.message(text or "", finish)
+        if self.tool_calls is not None and text is not None:  # None: cut while thinking, no call begun
+            message, finish = self.tool_calls.message(text, finish, g.stopped_by_request)
         message.update(thought)
         return self._choice("message", g.index, message, choice.token_ids, choice.logprobs, finish)
 
@@ -164,8 +174,8 @@ class ChatCall(Call):
         thought, text = self.reasoning_delta(delta)
         self._output_ids.setdefault(delta.index, []).extend(delta.token_ids)
         message, finish = {"content": text} if text else {}, delta.finish_reason
-        if self.tool_calls is not None:
-            message, finish = self.tool_calls.delta(delta.index, text, finish)
+        if self.tool_calls is not None and self.answering(delta.index):
+            message, finish = self.tool_calls.delta(delta.index, text, finish, self.cut(delta))
         if thought:
             message = {**reasoning_fields(thought), **message}
         # a delta that released nothing (a think tag, text held as a possible tag) and carries nothing else is not

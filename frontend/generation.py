@@ -64,6 +64,7 @@ class TextGeneration:
     _detokenizer: IncrementalDetokenizer | None = field(default=None, init=False, repr=False)
     _matcher: StopStringMatcher | None = field(default=None, init=False, repr=False)
     _text_length: int = field(default=0, init=False, repr=False)  # characters the detokenizer has produced
+    _last_token: int | None = field(default=None, init=False, repr=False)  # the last token the engine sent
     # (start of its text, token id, logprobs) of each token not yet out
     _held: list[tuple[int, int, TokenLogprobs | None]] = field(default_factory=list, init=False, repr=False)
 
@@ -74,6 +75,13 @@ class TextGeneration:
     def stop_string(self) -> str | None:
         """The stop string that ended the output (None: it ended otherwise, or has not ended)."""
         return self._matcher.matched if self._matcher is not None else None
+
+    @property
+    def stopped_by_request(self) -> bool:
+        """Whether a stop the request set ended the output (a stop string, or one of its stop_token_ids), rather than
+        the model's own end (an end-of-sequence token, a finished grammar) or a length: the output was cut."""
+        return self.finish_reason == "stop" and (
+            self.stop_string is not None or self._last_token in self.request.sampling.stop_token_ids)
 
     async def deltas(self) -> AsyncGenerator[TextDelta, None]:
         """Yield text deltas until the sequence finishes; leaving early aborts it in the scheduler.
@@ -132,6 +140,8 @@ class TextGeneration:
         if output.finish_reason == FinishReason.ERROR:
             raise self._error(output)
         self.num_cached_tokens = output.num_cached_tokens
+        if output.new_token_ids:
+            self._last_token = output.new_token_ids[-1]
         if output.prompt_logprobs:
             self.prompt_logprobs = output.prompt_logprobs
         matcher, detokenizer, held = self._matcher, self._detokenizer, self._held

@@ -121,7 +121,8 @@ class FakeEngine(ServingGroup):
             steps = steps + [self.eos[0]]  # the model's end of sequence is a token, as the scheduler sees it
         for position, token_id in enumerate(steps):
             finish = None
-            if token_id in self.eos and not sampling.ignore_eos and position + 1 >= sampling.min_tokens:
+            if (token_id in self.eos and not sampling.ignore_eos or token_id in sampling.stop_token_ids) and \
+                    position + 1 >= sampling.min_tokens:
                 finish = FinishReason.STOP
             elif position + 1 == sampling.max_tokens:
                 finish = FinishReason.LENGTH

@@ -88,8 +88,8 @@ class MessagesCall(ChatCall):
         finish = choice.generation.finish_reason
         thought, answer = self.split_reasoning(choice.text)  # tool calls are read from the answer only
         text, calls = answer or "", []
-        if self.tool_calls is not None:
-            message, finish = self.tool_calls.message(text, finish)
+        if self.tool_calls is not None and answer is not None:  # None: cut while thinking, no call begun
+            message, finish = self.tool_calls.message(text, finish, choice.generation.stopped_by_request)
             text, calls = message["content"] or "", message.get("tool_calls", [])
         content = [_thinking_block(thought["reasoning"])] if thought.get("reasoning") else []
         content += [_text_block(text)] if text else []
@@ -116,8 +116,8 @@ class MessagesCall(ChatCall):
             while delta is not None:
                 thought, text = self.reasoning_delta(delta)
                 message, reason = {"content": text} if text else {}, delta.finish_reason
-                if self.tool_calls is not None:
-                    message, reason = self.tool_calls.delta(delta.index, text, delta.finish_reason)
+                if self.tool_calls is not None and self.answering(delta.index):
+                    message, reason = self.tool_calls.delta(delta.index, text, delta.finish_reason, self.cut(delta))
                 finish = reason or finish
                 for event in blocks.feed(thought, message):
                     yield event

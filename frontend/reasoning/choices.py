@@ -40,6 +40,11 @@ class ReasoningChoices:
             piece = ReasoningPiece(piece.reasoning + rest.reasoning, piece.content + rest.content)
         return piece
 
+    def answering(self, index: int) -> bool:
+        """Whether streamed choice `index` has left its thinking (its answer, and any tool call, may come)."""
+        stream = self._streams.get(index)
+        return not (stream.in_reasoning if stream is not None else self.thinking)
+
     def count_tokens(self, token_ids: list[int]) -> int:
         """Output tokens of a choice's thinking (usage's reasoning_tokens)."""
         return self.parser.count_reasoning_tokens(token_ids, self.thinking)

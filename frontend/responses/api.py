@@ -95,8 +95,8 @@ class ResponsesCall(ChatCall):
         finish = choice.generation.finish_reason
         thought, text = self.reasoning.split(choice.text) if self.reasoning is not None else (None, choice.text)
         self.output_token_ids = choice.token_ids
-        if self.tool_calls is not None:  # calls are read from the answer only
-            message, _ = self.tool_calls.message(text or "", finish)
+        if self.tool_calls is not None and text is not None:  # calls are read from the answer only (None: cut
+            message, _ = self.tool_calls.message(text, finish)  # while thinking, no call begun)
             content, calls = message["content"] or "", message.get("tool_calls", [])
         else:
             content, calls = text or "", []
@@ -197,7 +197,7 @@ class _EventStream:
         self.call.output_token_ids.extend(delta.token_ids)
         thought, text = self.call.reasoning_delta(delta)
         message: dict[str, Any]  # the chat delta's fields: content text, tool_calls pieces
-        if self.tool_calls is None:
+        if self.tool_calls is None or not self.call.answering(delta.index):
             message = {"content": text} if text else {}
         else:
             message, _ = self.tool_calls.delta(delta.index, text, delta.finish_reason)

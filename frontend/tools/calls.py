@@ -6,7 +6,8 @@ message, stream delta and finish_reason each choice then gets (frontend/chat_cal
     streamed: {"content": ...} as text is released, and per call `{"tool_calls": [{"index", "id", "type",
                "function": {"name", "arguments"}}]}` on its first piece, then `[{"index", "function": {"arguments"}}]`
 
-A choice that made calls and ended by stop (not cut by length) finishes with "tool_calls". With
+A choice that made calls and ended by itself (not cut by length, nor by a stop string or stop token the request
+set) finishes with "tool_calls". With
 parallel_tool_calls false only a choice's first call is kept (the grammar of "required" allows only one anyway).
 """
 
@@ -38,8 +39,10 @@ def new_call_id() -> str:
     return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 
-def finish_reason(finish: str | None, called: bool) -> str | None:
-    return "tool_calls" if called and finish == "stop" else finish
+def finish_reason(finish: str | None, called: bool, cut: bool = False) -> str | None:
+    """The choice's finish_reason: "tool_calls" where calls were made and the output ended by itself (`cut`: a stop
+    the request set ended it, so its last call may be unfinished: "stop" stays)."""
+    return "tool_calls" if called and finish == "stop" and not cut else finish
 
 
 class ToolCallChoices:
@@ -51,24 +54,24 @@ class ToolCallChoices:
         self.parallel = parallel
         self._streams: dict[int, _ChoiceStream] = {}
 
-    def message(self, text: str, finish: str | None) -> tuple[dict, str | None]:
-        """A whole choice's message and finish_reason."""
+    def message(self, text: str, finish: str | None, cut: bool = False) -> tuple[dict, str | None]:
+        """A whole choice's message and finish_reason (`cut`: Generation.stopped_by_request)."""
         parsed = self.parser.parse(text)
         calls = parsed.tool_calls if self.parallel else parsed.tool_calls[:1]
         message: dict = {"role": "assistant", "content": parsed.content or None}
         if calls:
             message["tool_calls"] = [{"id": new_call_id(), "type": "function",
                                       "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
-        return message, finish_reason(finish, bool(calls))
+        return message, finish_reason(finish, bool(calls), cut)
 
-    def delta(self, index: int, text: str, finish: str | None) -> tuple[dict, str | None]:
+    def delta(self, index: int, text: str, finish: str | None, cut: bool = False) -> tuple[dict, str | None]:
         """Choice `index`'s stream delta for its next text (the parser's held-back rest flushed with the last, the
-        one with a finish reason) and the finish_reason to send with it."""
+        one with a finish reason) and the finish_reason to send with it (`cut`: Generation.stopped_by_request)."""
         stream = self._streams.get(index)
         if stream is None:
             stream = self._streams[index] = _ChoiceStream(self.parser.streamer(), self.parallel)
         out = stream.delta(text, finish is not None)
-        return out, finish_reason(finish, bool(stream.ids))
+        return out, finish_reason(finish, bool(stream.ids), cut)
 
 
 class _ChoiceStream:

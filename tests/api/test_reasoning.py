@@ -147,6 +147,42 @@ async def test_a_thinking_cut_by_max_tokens_is_all_reasoning(think_model):
     assert body["choices"][0]["finish_reason"] == "length"
 
 
+async def test_a_forced_call_cut_while_thinking_is_no_call(think_model):
+    """A trial: a named tool_choice cut by max_tokens before </think> still showed a call with arguments "" (chat,
+    every choice of n), a function_call item (Responses) and a tool_use block (Messages)."""
+    tools = [{"type": "function", "function": {"name": "is_prime", "parameters": {"type": "object"}}}]
+    forced = {"tools": tools, "tool_choice": {"type": "function", "function": {"name": "is_prime"}}, "max_tokens": 6}
+    async with served(think_model, '<think>Seven has no divisors. So yes.</think>{"n": 7}',
+                      template=str(TEMPLATES / "tools_chat.jinja")) as (client, _):
+        body = await post(client, {**forced, "n": 2})
+        chunks = await stream(client, forced)
+        async with client.post("/v1/messages", json={
+                "model": "stories", "max_tokens": 6, "messages": USER,
+                "tools": [{"name": "is_prime", "input_schema": {"type": "object"}}],
+                "tool_choice": {"type": "tool", "name": "is_prime"}}) as response:
+            message = await response.json()
+        async with client.post("/v1/responses", json={
+                "model": "stories", "input": "Is 7 prime?", "max_output_tokens": 6, "tool_choice": "required",
+                "tools": [{"type": "function", "name": "is_prime", "parameters": {"type": "object"}}]}) as response:
+            answer = await response.json()
+    for choice in body["choices"]:
+        assert "tool_calls" not in choice["message"] and choice["message"]["content"] is None
+        assert choice["message"]["reasoning_content"].startswith("Seven") and choice["finish_reason"] == "length"
+    assert not any("tool_calls" in c["choices"][0]["delta"] for c in chunks if c["choices"])
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert [block["type"] for block in message["content"]] == ["thinking"] and message["stop_reason"] == "max_tokens"
+    assert [item["type"] for item in answer["output"]] == ["reasoning"], answer
+
+
+async def test_an_empty_thinking_is_none_whole_and_streamed(think_model):
+    async with served(think_model, "<think></think>Yes.") as (client, _):
+        body = await post(client, {})
+        chunks = await stream(client, {})
+    message = body["choices"][0]["message"]
+    assert (message["content"], message["reasoning_content"], message["reasoning"]) == ("Yes.", None, None)
+    assert joined(chunks, "content") == "Yes." and joined(chunks, "reasoning_content") == ""
+
+
 async def test_include_reasoning_false_leaves_the_thinking_out(think_model):
     async with served(think_model, "<think>Seven has no divisors.</think>Yes, it is.") as (client, _):
         body = await post(client, {"include_reasoning": False, "logprobs": True})

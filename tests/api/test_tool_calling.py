@@ -34,7 +34,7 @@ from shuttle.frontend.tools.request import (
     tool_constraint,
     tool_use_of,
 )
-from tests.fake_engine import TEMPLATES, FakeEngine, frontend_app
+from tests.fake_engine import SERVED, TEMPLATES, FakeEngine, frontend_app
 from tests.server import MODEL_DIR
 
 CHAT = "/v1/chat/completions"
@@ -343,6 +343,31 @@ async def test_a_cut_output_keeps_length():
         assert body["choices"][0]["finish_reason"] == "length"
         chunks = await stream(client, {"messages": USER, "tools": TOOLS})
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("stop", [{"stop": ["Paris"]}, {"stop_token_ids": "Paris"}])
+@pytest.mark.parametrize("choice", ["required", NAMED])
+async def test_a_call_cut_by_the_requests_stop_finishes_with_stop_not_tool_calls(choice, stop):
+    """A trial: a forced call cut by a stop string was "tool_calls" with arguments that are not JSON; as a length
+    cut keeps "length", a stop the request set keeps "stop" (whole and streamed, and the Messages API's
+    stop_sequence)."""
+    text = REQUIRED_TEXT if choice == "required" else NAMED_TEXT
+    if "stop_token_ids" in stop:  # "P", the first token of Paris as the scripted output spells it
+        stop = {"stop_token_ids": [Tokenizer.from_file(str(MODEL_DIR / "tokenizer.json")).token_to_id("P")]}
+    fields = {"messages": USER, "tools": TOOLS, "tool_choice": choice, **stop}
+    async with served(text, ToolCallConfig()) as (client, _):
+        status, body = await post(client, fields)
+        chunks = await stream(client, fields)
+        if "stop" in stop:
+            async with client.post("/v1/messages", json={
+                    "model": SERVED, "max_tokens": 64, "messages": USER, "stop_sequences": ["Paris"],
+                    "tools": [{"name": "get_weather", "input_schema": WEATHER}],
+                    "tool_choice": {"type": "tool", "name": "get_weather"}}) as response:
+                message = await response.json()
+            assert (message["stop_reason"], message["stop_sequence"]) == ("stop_sequence", "Paris"), message
+    [call] = calls_of(body["choices"][0]["message"])[:1]
+    assert call["name"] == "get_weather" and "Paris" not in call["arguments"]
+    assert body["choices"][0]["finish_reason"] == "stop" and chunks[-1]["choices"][0]["finish_reason"] == "stop"
 
 
 async def test_without_parallel_calls_auto_keeps_the_first_call():
