@@ -21,9 +21,10 @@ from typing import Any, AsyncGenerator
 
 import jiter
 
-from shuttle.frontend.anthropic.request import CountTokensRequest, MessagesRequest, chat_request_of
+from shuttle.frontend.anthropic.request import CountTokensRequest, MessagesRequest, chat_request_of, messages_fields
 from shuttle.frontend.chat_call import ChatCall, chat_prompt_ids
 from shuttle.frontend.choices import collect
+from shuttle.frontend.generation import TextGeneration
 from shuttle.frontend.serving import check_model, response_model
 from shuttle.frontend.state import FrontendState
 from shuttle.frontend.tools.request import tool_use_of
@@ -46,10 +47,11 @@ def count_tokens(state: FrontendState, body: CountTokensRequest) -> dict:
     """
     check_model(state, body.model)
     chat = chat_request_of(body)
-    # the tools and tool_choice checked as a Messages request checks them, but for the server's parser of "auto"
-    # calls: counting a prompt parses no output
-    tool_use_of(chat.tools, chat.tool_choice, chat.parallel_tool_calls, auto_tool_choice=True)
-    return {"input_tokens": len(chat_prompt_ids(state, chat, chat.add_special_tokens, any_length=True))}
+    with messages_fields():
+        # the tools and tool_choice checked as a Messages request checks them, but for the server's parser of
+        # "auto" calls: counting a prompt parses no output
+        tool_use_of(chat.tools, chat.tool_choice, chat.parallel_tool_calls, auto_tool_choice=True)
+        return {"input_tokens": len(chat_prompt_ids(state, chat, chat.add_special_tokens, any_length=True))}
 
 
 class MessagesCall(ChatCall):
@@ -61,8 +63,13 @@ class MessagesCall(ChatCall):
     """
 
     def __init__(self, state: FrontendState, request: MessagesRequest):
-        super().__init__(state, chat_request_of(request))
+        with messages_fields():
+            super().__init__(state, chat_request_of(request))
         self.request_id = new_id("msg")  # before build(): the engine's requests are named after it
+
+    def build(self) -> list[TextGeneration]:
+        with messages_fields():
+            return super().build()
 
     def message(self, content: list[dict], finish: str | None, output_tokens: int) -> dict:
         """The message object; `finish` None: still being written (no stop_reason yet)."""

@@ -28,6 +28,7 @@ import msgspec
 
 from shuttle.common.errors import InvalidRequestError
 from shuttle.frontend.request.decoding import Refused
+from shuttle.frontend.request.field_names import told_as
 from shuttle.frontend.request.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -295,6 +296,18 @@ class _CustomTool(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     type: Literal["custom"] = "custom"
     cache_control: Any = None
     strict: bool | None = None
+
+
+# the chat fields a Messages request sets, in its own words (tools and the chat's tools are one to one)
+_CHAT_PARAMS = {"response_format": "output_config", "max_completion_tokens": "max_tokens", "stop": "stop_sequences"}
+_CHAT_PATHS = ((r"\bresponse_format\.json_schema\.schema\b", "output_config.format.schema"),
+               (r"\btools\[(\d+)\]\.function\.parameters\b", r"tools[\1].input_schema"),
+               (r"\btools\[(\d+)\]\.function\.", r"tools[\1]."))
+
+
+def messages_fields():
+    """An error of the chat machinery told in the Messages API's fields (response_format -> output_config, ...)."""
+    return told_as(_CHAT_PARAMS, _CHAT_PATHS)
 
 
 def chat_tools(tools: list[Any] | None) -> list[Tool] | None:

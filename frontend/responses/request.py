@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import json
 import uuid
-from contextlib import contextmanager
-from typing import Annotated, Any, Iterator, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
 from shuttle.common.errors import InvalidRequestError
 from shuttle.frontend.request.chat_template import arguments_object
 from shuttle.frontend.request.decoding import Refused
+from shuttle.frontend.request.field_names import told_as
 from shuttle.frontend.request.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -369,14 +369,15 @@ def responses_param(param: str | None) -> str | None:
     return _CHAT_PARAMS.get(param, param) if param is not None else None
 
 
-@contextmanager
-def responses_params() -> Iterator[None]:
-    """An error of the chat machinery named by the Responses field (messages -> input, ...)."""
-    try:
-        yield
-    except InvalidRequestError as exc:
-        exc.param = responses_param(exc.param)
-        raise
+# the chat paths of the fields a Responses request sets, in the words of its own (tools hold function tools only)
+_CHAT_PATHS = ((r"\bresponse_format\.json_schema\.schema\b", "text.format.schema"),
+               (r"\bresponse_format\.json_schema\.", "text.format."),
+               (r"\btools\[(\d+)\]\.function\.", r"tools[\1]."))
+
+
+def responses_params():
+    """An error of the chat machinery named by the Responses field (messages -> input, ...), param and message."""
+    return told_as(_CHAT_PARAMS, _CHAT_PATHS)
 
 
 def new_id(prefix: str) -> str:

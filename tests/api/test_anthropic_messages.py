@@ -425,6 +425,12 @@ BASE = {"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content"
     ({**BASE, "echo": True}, "echo"),
     ({**BASE, "temperature": 1.5}, "<= 1.0"),
     ({**BASE, "temperature": -0.1}, ">= 0.0"),
+    # the chat machinery's checks in this API's words (a trial: they named response_format and function.parameters)
+    ({**BASE, "output_config": {"format": {"type": "json_schema", "schema": {"type": "strng"}}}},
+     "output_config.format.schema at /type: `type` must be one of"),
+    ({**BASE, "tools": [{"name": "f", "input_schema": {"type": "object"}},
+                        {"name": "g", "input_schema": {"type": "strng"}}], "tool_choice": {"type": "any"}},
+     "tools[1].input_schema at /type: `type` must be one of"),
 ])
 async def test_bad_input_is_an_anthropic_invalid_request_error(body, words):
     async with served() as (client, engine):

@@ -272,6 +272,21 @@ async def test_a_function_call_item_with_bad_arguments_is_named_as_its_input_ite
     assert body["error"]["message"] == "input[1].arguments must be a JSON object as text"
 
 
+@pytest.mark.parametrize("fields, param, words", [
+    ({"text": {"format": {"type": "json_schema", "name": "a", "schema": {"type": "strng"}}}}, "text",
+     "text.format.schema at /type: `type` must be one of"),
+    ({"text": {"format": {"type": "json_schema", "name": "a b", "schema": {}}}}, "text", "text.format.name must be"),
+    ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "strng"}}], "tool_choice": "required"},
+     "tools", "tools[0].parameters at /type: `type` must be one of"),
+])
+async def test_the_chat_checks_name_the_responses_fields(fields, param, words):
+    """A trial: these said response_format.json_schema.schema and tools[0].function.parameters."""
+    async with served() as (client, engine):
+        status, body = await post(client, URL, {"input": PROMPT, **fields})
+    assert (status, body["error"]["param"]) == (400, param) and words in body["error"]["message"], body
+    assert "response_format" not in body["error"]["message"] and "function." not in body["error"]["message"]
+
+
 @pytest.mark.parametrize("fields, param", REFUSALS)
 async def test_what_is_not_served_is_refused_by_name(fields, param):
     async with served() as (client, engine):
