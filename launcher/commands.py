@@ -47,6 +47,9 @@ def serve(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"shuttle: error: cannot read --api-key-file: {exc}", file=sys.stderr)
         return 2
+    except ValueError as exc:
+        print(f"shuttle: error: {exc}", file=sys.stderr)
+        return 2
     remote = tuple(args.engine_endpoint or ())
     if args.data_parallel_size == 0 and not remote:
         print("shuttle: error: --data-parallel-size 0 needs at least one --engine-endpoint", file=sys.stderr)
@@ -258,10 +261,22 @@ def _rendezvous_listens(config: ShuttleConfig, groups: int) -> list[Listen]:
 
 def _api_key(args: argparse.Namespace) -> str | None:
     """--api-key-file, else --api-key, else $SHUTTLE_API_KEY, else $VLLM_API_KEY (a vLLM deployment's key keeps
-    protecting it). Raises OSError for an unreadable file."""
+    protecting it).
+
+    Raises:
+        OSError: the file cannot be read.
+        ValueError: both flags are given, or the file's first line holds no key (an empty mounted secret would
+            otherwise serve with no key at all).
+    """
     if getattr(args, "api_key_file", None):
+        if args.api_key:
+            raise ValueError("--api-key and --api-key-file are both given: give one")
         with open(args.api_key_file) as f:
-            return f.readline().strip() or None
+            key = f.readline().strip()
+        if not key:
+            raise ValueError(f"--api-key-file {args.api_key_file}: its first line holds no key (an empty file "
+                             f"would serve with no key at all)")
+        return key
     return args.api_key or os.environ.get("SHUTTLE_API_KEY") or os.environ.get("VLLM_API_KEY") or None
 
 

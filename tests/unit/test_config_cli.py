@@ -6,6 +6,7 @@ import pytest
 
 from shuttle.common.config import SERVE_SECTIONS, CacheConfig, IpcConfig, SchedulerConfig, ShuttleConfig, WorkerConfig
 from shuttle.common.speculative import SpeculativeConfig
+from shuttle.launcher import cli
 from shuttle.launcher.cli import build_parser
 from tests.server import MODEL_DIR
 
@@ -150,3 +151,21 @@ def test_the_api_key_comes_from_vllms_variable_too(monkeypatch, tmp_path):
     monkeypatch.setenv("SHUTTLE_API_KEY", "from-shuttle")
     assert _api_key(args) == "from-shuttle"
     assert _api_key(argparse.Namespace(api_key="given", api_key_file=None)) == "given"
+
+
+@pytest.mark.parametrize("content", ["", "\n\nsecond\n", "   \n"])
+def test_a_key_file_without_a_key_is_refused_not_served_open(content, tmp_path, no_launch, capsys):
+    """A trial: an empty mounted secret started a server that answered every route with no key."""
+    key_file = tmp_path / "key"
+    key_file.write_text(content)
+    assert cli.main(["serve", str(MODEL_DIR), "--port", "0", "--api-key-file", str(key_file)]) == 2
+    assert capsys.readouterr().err == (f"shuttle: error: --api-key-file {key_file}: its first line holds no key (an "
+                                       f"empty file would serve with no key at all)\n")
+
+
+def test_a_key_given_twice_is_refused(tmp_path, no_launch, capsys):
+    key_file = tmp_path / "key"
+    key_file.write_text("from-file\n")
+    argv = ["serve", str(MODEL_DIR), "--port", "0", "--api-key-file", str(key_file), "--api-key", "flag"]
+    assert cli.main(argv) == 2
+    assert capsys.readouterr().err == "shuttle: error: --api-key and --api-key-file are both given: give one\n"
