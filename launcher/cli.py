@@ -43,7 +43,7 @@ from shuttle.common.config import (
 )
 from shuttle.common.generation_config import AUTO
 from shuttle.common.log_format import LOG_FORMAT_ENV, LOG_FORMATS
-from shuttle.launcher.config_file import ConfigFileError, expand_config_file
+from shuttle.launcher.config_file import CONFIG_MODEL_FLAG, ConfigFileError, expand_config_file
 from shuttle.launcher.vllm_flags import AlwaysOn, RefusingParser, add_vllm_flags
 
 __all__ = ["TOOLS", "build_parser", "main", "parse_bytes"]
@@ -130,6 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_model_options(serve: argparse.ArgumentParser) -> None:
     """Where the model comes from and how it is served, under vLLM's flag names (ModelConfig's fields)."""
     serve.add_argument("--model", dest="model_option", default=None, metavar="MODEL", help="MODEL as a flag")
+    # a --config file's `model` key (launcher/config_file.py): MODEL or --model on the command line wins over it
+    serve.add_argument(CONFIG_MODEL_FLAG, dest="config_model", default=None, help=argparse.SUPPRESS)
     serve.add_argument("--revision", default=None, help="branch, tag or commit of a Hugging Face id (none given: main)")
     serve.add_argument("--tokenizer", default=None, metavar="DIR_OR_ID",
                        help="tokenizer directory or Hugging Face id (default: MODEL's)")

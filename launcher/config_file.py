@@ -10,6 +10,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+CONFIG_MODEL_FLAG = "--config-file-model"  # where a file's `model` key goes: the command line's MODEL wins over it
+
 
 class ConfigFileError(ValueError):
     """--config FILE cannot be read or names what no flag is; the message is one line."""
@@ -49,6 +51,8 @@ def expand_config_file(argv: list[str], command_parser: argparse.ArgumentParser)
                                   f"command line)")
         if action is None:
             raise ConfigFileError(f"--config {path}: unknown key {key!r} (`{command_parser.prog}` has no {flag})")
+        if flag == "--model":
+            flag, action = CONFIG_MODEL_FLAG, command_parser._option_string_actions[CONFIG_MODEL_FLAG]
         tokens += _flag_tokens(flag, action, value, path)
     model = argv[1:2] if len(argv) > 1 and not argv[1].startswith("-") else []
     return argv[:1] + model + tokens + argv[1 + len(model):]

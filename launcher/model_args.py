@@ -26,10 +26,11 @@ def resolve_model_args(args: argparse.Namespace) -> None:
             without safetensors weights.
     """
     option = getattr(args, "model_option", None)
-    if option and args.model_dir == str(DEFAULT_MODEL_DIR):
+    if args.model_dir == str(DEFAULT_MODEL_DIR) and (option or getattr(args, "config_model", None)):
         args.model_dir = None  # the positional's default, not a MODEL typed beside --model
     if option and args.model_dir and option != args.model_dir:
         raise ModelDirError(f"MODEL {args.model_dir!r} and --model {option!r} disagree; give one")
+    option = option or (None if args.model_dir else getattr(args, "config_model", None))  # the file's yields
     typed = option or args.model_dir
     if typed is None:
         raise ModelDirError("no MODEL given and the default ../shared/models/stories260K is missing")

@@ -310,10 +310,22 @@ def test_a_config_file_sets_flags_and_the_command_line_wins(tmp_path):
     assert (args.model_dir, args.served_model_name) == (str(MODEL_DIR), ["c"])
 
 
-def test_a_config_files_model_key_is_the_model(tmp_path):
+def test_a_config_files_model_key_is_the_model_unless_the_command_line_names_one(tmp_path):
+    """A trial: MODEL on the command line beside a file's `model` was refused as a disagreement, where every other
+    flag of the command line wins over the file's."""
     config = tmp_path / "serve.yaml"
+    config.write_text("model: acme/not-this-one\n")
+    typed = tmp_path / "typed"  # the default model under another name: a MODEL typed, not the default
+    typed.symlink_to(MODEL_DIR)
+    for argv in (["serve", "--config", str(config), str(typed)], ["serve", str(typed), "--config", str(config)],
+                 ["serve", "--config", str(config), "--model", str(typed)]):
+        args = _parsed(argv)
+        resolve_model_args(args)
+        assert args.model == str(typed), argv
     config.write_text(f"model: {MODEL_DIR}\n")
-    assert _parsed(["serve", "--config", str(config)]).model_option == str(MODEL_DIR)
+    args = _parsed(["serve", "--config", str(config)])
+    resolve_model_args(args)
+    assert (args.model, args.model_dir) == ("stories260K", str(MODEL_DIR))  # the default model's served name
 
 
 @pytest.mark.parametrize("text, words", [
