@@ -260,5 +260,9 @@ class AsyncChannel(_Reader[T]):
         """
         return self._routed(await self.socket.recv_multipart(copy=False))
 
+    def has_unread(self) -> bool:
+        """Whether a message has arrived that no recv has taken yet (the reader is behind)."""
+        return bool(self.socket.get(zmq.EVENTS) & zmq.POLLIN)
+
     def close(self) -> None:
         self.socket.close(linger=0)

@@ -334,7 +334,7 @@ WorkerMessage = WorkerReady | StepResult | WorkerFailed | GrammarsCompiled
 _BATCH_WIRE = dict(omit_defaults=True, tag_field="type", kw_only=True)
 
 
-class BatchRequest(msgspec.Struct, tag="request", **_BATCH_WIRE):
+class BatchRequest(msgspec.Struct, tag="request", forbid_unknown_fields=True, **_BATCH_WIRE):
     """One job: the body of a POST to `url` (/v1/completions or /v1/chat/completions), exactly as over HTTP.
 
     `job_id` is the client's own (the batch file's custom_id); its one BatchResponse comes back under it, in
@@ -348,7 +348,7 @@ class BatchRequest(msgspec.Struct, tag="request", **_BATCH_WIRE):
     api_key: str = ""
 
 
-class BatchPing(msgspec.Struct, tag="ping", **_BATCH_WIRE):
+class BatchPing(msgspec.Struct, tag="ping", forbid_unknown_fields=True, **_BATCH_WIRE):
     """The client's heartbeat (also its first message): a client silent for a few seconds is taken as gone and
     its running jobs are aborted."""
 

@@ -50,6 +50,9 @@ def batch_kinds(key: str) -> dict[str, tuple[list[bytes], str]]:
         "job id not a string": ([pack({"type": "request", "job_id": 1, "url": "/v1/completions"})], ""),
         "unknown type tag": ([pack({"type": "launch", "job_id": "tagged"})], "tagged"),
         "no type": ([pack({"job_id": "untyped", "url": "/v1/completions", "body": {}})], "untyped"),
+        # a trial: a field beside body (meant inside it) was ignored without a word
+        "unknown field": ([pack({"type": "request", "job_id": "beside", "url": "/v1/completions", "body": {},
+                                 "api_key": key, "priority": -7})], "beside"),
         "invalid utf-8": ([b"\x82\xa4type\xa7request\xa6job_id\xa2\xff\xfe"], ""),
         "array as a map key": ([b"\x81\x91\x01\x01"], ""),
         "array claims 4G items": ([b"\xdd\xff\xff\xff\xff"], ""),

@@ -166,13 +166,16 @@ class BatchEndpoint:
 
     async def _watch(self) -> None:
         """Every heartbeat period: a heartbeat to each live client; clients silent too long are dropped and their
-        jobs aborted (cancelling a job's task closes its generations, which sends Abort to the scheduler)."""
+        jobs aborted (cancelling a job's task closes its generations, which sends Abort to the scheduler). Nobody is
+        taken as silent while messages wait unread: a busy event loop (thousands of jobs arriving) reads them late,
+        and a client's ping may be among them."""
         beat = BatchHeartbeat(instance=self.instance)
         while True:
             await asyncio.sleep(self.heartbeat)
             now = time.monotonic()
+            behind = self.channel.has_unread()
             for identity, client in list(self.clients.items()):
-                if now - client.last_seen <= self.client_timeout:
+                if now - client.last_seen <= self.client_timeout or behind:
                     await self._answer(identity, beat)
                     continue
                 del self.clients[identity]

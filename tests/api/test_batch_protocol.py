@@ -16,8 +16,8 @@ import zmq
 import zmq.asyncio
 
 from shuttle.batch_jobs.client import AsyncBatchClient, BatchClient, BatchServerGone
-from shuttle.common.messages import BatchHeartbeat, BatchRequest, BatchServerMessage
-from shuttle.frontend.transports.zmq_batch import BatchEndpoint
+from shuttle.common.messages import BatchHeartbeat, BatchPing, BatchRequest, BatchServerMessage
+from shuttle.frontend.transports.zmq_batch import BatchEndpoint, _Client
 from tests.batch_wire import HANG, dealer, next_response
 from tests.inprocess import start_app
 from tests.server import REPO
@@ -156,6 +156,30 @@ async def test_a_silent_client_has_its_jobs_aborted(app):
         app.engine.step_delay = 0.0
         sock.close()
         serving.cancel()
+        endpoint.close()
+
+
+async def test_nobody_is_taken_as_silent_while_messages_wait_unread(app):
+    """A trial: 10,000 jobs sent at once kept the event loop so busy that the client's pings sat unread, and 4,224
+    of its jobs were aborted as a silent client's (408) while it pinged every half second."""
+    endpoint = BatchEndpoint(app.state, "tcp://127.0.0.1:*", KEY, client_timeout=0.3, heartbeat=0.05)
+    sock = await dealer(endpoint.endpoint)
+    serving = None
+    try:
+        endpoint.clients[b"quiet"] = _Client(time.monotonic() - 10)  # last heard long ago, by the server's count
+        await sock.send(msgspec.msgpack.encode(BatchPing()))  # unread: no receive loop runs yet
+        await wait_until(endpoint.channel.has_unread, "the ping arrived")
+        watching = asyncio.create_task(endpoint._watch())
+        await asyncio.sleep(0.3)  # six heartbeat periods
+        assert b"quiet" in endpoint.clients  # not judged while the reader is behind: its ping may be what waits
+        watching.cancel()
+        serving = asyncio.create_task(endpoint.serve())  # the backlog read: now silence is silence
+        await wait_until(lambda: b"quiet" not in endpoint.clients, "a silent client dropped once all is read")
+        assert len(endpoint.clients) == 1  # the pinging client stays
+    finally:
+        sock.close()
+        if serving is not None:
+            serving.cancel()
         endpoint.close()
 
 
