@@ -262,7 +262,7 @@ class AsyncChannel(_Reader[T]):
 
     def has_unread(self) -> bool:
         """Whether a message has arrived that no recv has taken yet (the reader is behind)."""
-        return bool(self.socket.get(zmq.EVENTS) & zmq.POLLIN)
+        return bool(int(self.socket.get(zmq.EVENTS)) & zmq.POLLIN)
 
     def close(self) -> None:
         self.socket.close(linger=0)
