@@ -403,11 +403,13 @@ ControlMessage = ProcessReady | Heartbeat
 class EngineDown(msgspec.Struct, **_WIRE):
     """A serving group's engine (scheduler + worker) stopped: end that group's in-flight requests with an error
     and route nothing to it until its new scheduler answers Hello (503 only when no group serves). `retry_after`:
-    the launcher's estimate of seconds until it serves again."""
+    the launcher's estimate of seconds until it serves again; `restarting` False: it will not (the launcher gave
+    up after --max-restarts, or is stopping), so nothing tells the clients to retry."""
 
     reason: str
     retry_after: float = 1.0
     group: int = 0  # which serving group (data parallelism); the others keep serving
+    restarting: bool = True
 
 
 SupervisorMessage = EngineDown

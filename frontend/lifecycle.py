@@ -48,7 +48,9 @@ class SupervisorLink:
         while True:
             msg = await self.channel.recv()
             if isinstance(msg, EngineDown):
-                self.engine.engine_down(msg.reason, msg.retry_after, msg.group)
+                if not msg.restarting:  # the launcher stops: every refusal from now on promises nothing
+                    self.engine.draining = True
+                self.engine.engine_down(msg.reason, msg.retry_after, msg.group, msg.restarting)
 
     async def _beat(self) -> None:
         while True:

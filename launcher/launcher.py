@@ -268,7 +268,8 @@ class Launcher:
         backoff = unit.next_backoff()
         if unit is not self.frontend and self.to_frontend is not None:
             eta = backoff + unit.expected_start_s()
-            self.to_frontend.try_send(EngineDown(reason=reason, retry_after=eta, group=unit.engine_group))
+            self.to_frontend.try_send(EngineDown(reason=reason, retry_after=eta, group=unit.engine_group,
+                                                 restarting=not give_up))
         if give_up:
             say(f"{reason}; {unit.failures_in_a_row} restart(s) in a row already (--max-restarts "
                  f"{self.config.ops.max_restarts}): stopping the others")
@@ -316,7 +317,8 @@ class Launcher:
                 if reason is not None:
                     unit.kill()
                     if self.to_frontend is not None:
-                        self.to_frontend.try_send(EngineDown(reason=reason, retry_after=0.0, group=unit.engine_group))
+                        self.to_frontend.try_send(EngineDown(reason=reason, retry_after=0.0, group=unit.engine_group,
+                                                             restarting=False))
                     unit.restart_at = float("inf")  # no restart while stopping
         if frontend.poll() is None:
             say("the frontend did not finish draining in time; killing it")

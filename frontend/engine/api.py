@@ -82,5 +82,6 @@ class Engine(Protocol):
     def fail_all(self, status: int, message: str) -> None:
         """End every in-flight request with an error output, so each client gets a terminal answer."""
 
-    def engine_down(self, reason: str, retry_after: float, group: int = 0) -> None:
-        """The launcher says serving group `group` stopped and is expected back in `retry_after` seconds."""
+    def engine_down(self, reason: str, retry_after: float, group: int = 0, restarting: bool = True) -> None:
+        """The launcher says serving group `group` stopped and is expected back in `retry_after` seconds (`restarting`
+        False: it is not coming back, the launcher stops)."""

@@ -156,19 +156,21 @@ class ServingGroup(abc.ABC):
         for request_id, queue in self._queues.items():
             queue.put_nowait(error_output(request_id, status, message))
 
-    def engine_down(self, reason: str, retry_after: float, group: int = 0) -> None:
+    def engine_down(self, reason: str, retry_after: float, group: int = 0, restarting: bool = True) -> None:
         """The launcher says the engine stopped (a lone group is group 0; another number is not this one): fail
-        what is in flight and refuse new requests until a new scheduler answers."""
+        what is in flight and refuse new requests until a new scheduler answers (`restarting` False: none will,
+        the launcher stops)."""
         if group != 0:
             return
-        log.warning("the engine at %s stopped (%s); failing %d in-flight request(s), restart expected in %.1f s",
-                    self._endpoint, reason, len(self._queues), retry_after)
+        log.warning("the engine at %s stopped (%s); failing %d in-flight request(s), %s", self._endpoint, reason,
+                    len(self._queues), f"restart expected in {retry_after:.1f} s" if restarting else "no restart")
         self.down_reason = reason
         self.times_down += 1
         self._restart.down(time.monotonic(), retry_after)
         self._up.clear()
         self.stats = self._totals.restarted()  # its queues are gone; its counts stay in the totals
-        self.fail_all(503, f"the engine stopped ({reason}); it is restarting, retry shortly")
+        self.fail_all(503, f"the engine stopped ({reason}); " + (
+            "it is restarting, retry shortly" if restarting else "it will not restart: the server is stopping"))
 
     def _serving(self, info: SchedulerInfo) -> None:
         """A scheduler answered Hello with its cache geometry: the group takes work (again). Unless it drains (its
@@ -376,12 +378,12 @@ class EngineClient(ServingGroup):
             if not finished and channel is self._channel:
                 self._spawn(channel.send(Abort(request_ids=[request_id])))  # safe from a cancelled task
 
-    def engine_down(self, reason: str, retry_after: float, group: int = 0) -> None:
+    def engine_down(self, reason: str, retry_after: float, group: int = 0, restarting: bool = True) -> None:
         """ServingGroup.engine_down, then reconnect on a fresh socket (nothing queued for the dead one is replayed);
         the group is up again as soon as the new scheduler answers its Hello."""
         if group != 0:
             return
-        super().engine_down(reason, retry_after)
+        super().engine_down(reason, retry_after, restarting=restarting)
         if self._listener is not None:
             self._listener.cancel()
         self._close_channel()

@@ -228,11 +228,11 @@ class Router:
 
     # ---- supervision --------------------------------------------------------------------------------------------
 
-    def engine_down(self, reason: str, retry_after: float, group: int = 0) -> None:
+    def engine_down(self, reason: str, retry_after: float, group: int = 0, restarting: bool = True) -> None:
         """The launcher says group `group` stopped: only its requests fail; the others keep serving."""
         if not 0 <= group < len(self.groups):
             return
-        self.groups[group].engine_down(reason, retry_after)
+        self.groups[group].engine_down(reason, retry_after, restarting=restarting)
 
     def fail_all(self, status: int, message: str) -> None:
         for group in self.groups:

@@ -103,6 +103,8 @@ async def test_a_down_group_fails_only_its_requests_and_new_work_goes_elsewhere(
     assert not any(r.startswith("n") for r in router.groups[0].submitted_ids)
     states = router.group_states()
     assert [s.up for s in states] == [False, True] and states[0].times_down == 1 and states[0].reason
+    assert all("it is restarting, retry shortly" in outputs[-1].error_message
+               for i, outputs in enumerate(results) if f"r{i}" in doomed)
     # group 0 comes back (its scheduler answered): it takes work again, with no stale affinity
     router.groups[0].down_reason = None
     router.groups[0]._up.set()
@@ -180,4 +182,18 @@ async def test_start_waits_for_one_local_group_only():
         group._up.clear()
     with pytest.raises(TimeoutError):
         await router.start(timeout=0.2)
+    router.close()
+
+
+async def test_a_group_that_will_not_restart_says_so_to_its_requests():
+    """A trial: after the launcher gave up (--max-restarts), in-flight requests were told "it is restarting, retry
+    shortly"."""
+    router = make_router(step_delay=0.05)
+    task = asyncio.create_task(run(router, "r", [1, 2], max_tokens=8))
+    await asyncio.sleep(0.12)
+    group = 0 if "r" in router.groups[0].submitted_ids else 1
+    router.engine_down("worker (pid 1) was killed by signal SIGKILL", 0.0, group=group, restarting=False)
+    outputs = await task
+    assert outputs[-1].error_status == 503
+    assert outputs[-1].error_message.endswith("; it will not restart: the server is stopping")
     router.close()

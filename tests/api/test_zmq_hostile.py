@@ -414,8 +414,8 @@ async def test_the_frontend_reads_on_past_malformed_scheduler_and_launcher_messa
     client = EngineClient(f"ipc://{tmp_path}/requests.sock")
     ipc = IpcConfig.in_directory(str(tmp_path))
     downs = []
-    link = SupervisorLink(ShuttleConfig(ModelConfig.from_dir(MODEL_DIR), ipc),
-                          SimpleNamespace(engine_down=lambda *a: downs.append(a)))
+    engine = SimpleNamespace(engine_down=lambda *a: downs.append(a), draining=False)
+    link = SupervisorLink(ShuttleConfig(ModelConfig.from_dir(MODEL_DIR), ipc), engine)
     launcher = ctx.socket(zmq.PUSH)
     launcher.connect(ipc.supervisor)
     try:
@@ -435,7 +435,13 @@ async def test_the_frontend_reads_on_past_malformed_scheduler_and_launcher_messa
         while not downs:
             assert time.monotonic() < deadline, "EngineDown after the malformed messages"
             await asyncio.sleep(0.01)
-        assert downs == [("gone", 2.0, 0)]
+        assert downs == [("gone", 2.0, 0, True)] and not engine.draining
+        # a trial: a launcher that gave up (--max-restarts) still told clients "it is restarting, retry shortly"
+        await launcher.send(encode(EngineDown(reason="given up", retry_after=0.0, restarting=False)))
+        while len(downs) < 2:
+            assert time.monotonic() < deadline, "the second EngineDown"
+            await asyncio.sleep(0.01)
+        assert downs[-1] == ("given up", 0.0, 0, False) and engine.draining  # refusals promise nothing now
     finally:
         link.close()
         client.close()
