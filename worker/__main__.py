@@ -53,7 +53,8 @@ def main() -> None:
         log.error("cannot start: %s", exc)
         sys.exit(2)
     kv = runner.kv_cache
-    results.send(WorkerReady(rank=rank, num_kv_blocks=kv.num_blocks, kv_bytes_per_token=kv.bytes_per_token,
+    # a draft model's KV shares the blocks: bytes/token counts both models', as the budget did
+    results.send(WorkerReady(rank=rank, num_kv_blocks=kv.num_blocks, kv_bytes_per_token=runner.kv_bytes_per_token,
                              weight_bytes=runner.weight_bytes, device=str(runner.device), dtype=runner.dtype_label,
                              attention_backend=runner.backend.name,
                              activation_peak_bytes=runner.activation_peak_bytes, kv_budget=runner.kv_budget,

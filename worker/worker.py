@@ -167,7 +167,7 @@ class ModelRunner:
             self.kv_plan = self._size_kv_cache(config, baseline)
             num_blocks = self.kv_plan.num_blocks
         if num_blocks is None and self.drafter is not None:  # the budget holds both models' KV of each block
-            num_blocks = kv_blocks_for_memory(cache_cfg.kv_cache_memory, self._bytes_per_token, self.block_size)
+            num_blocks = kv_blocks_for_memory(cache_cfg.kv_cache_memory, self.kv_bytes_per_token, self.block_size)
         self.kv_cache = KVCache.allocate(self.geometry, self.block_size, self.kv_dtype, self.device, num_blocks,
                                          cache_cfg.kv_cache_memory)
         if self.drafter is not None:
@@ -212,7 +212,7 @@ class ModelRunner:
         return parameters + self.cpu_linears.copied_bytes + draft
 
     @property
-    def _bytes_per_token(self) -> int:
+    def kv_bytes_per_token(self) -> int:
         """KV bytes one token takes in this rank's caches: the target's, plus the draft model's."""
         draft = self.drafter.bytes_per_token(self.kv_dtype) if self.drafter is not None else 0
         return KVCache.bytes_per_token_of(self.geometry, self.kv_dtype) + draft
@@ -224,7 +224,7 @@ class ModelRunner:
         vocab = self.model.get_output_embeddings().weight.shape[0]
         plan, blocks = profile_plan(config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs,
                                     max_model_len, bs, vocab)
-        bytes_per_token = self._bytes_per_token
+        bytes_per_token = self.kv_bytes_per_token
         scratch = KVCache.allocate(self.geometry, bs, self.kv_dtype, self.device, blocks, 0)
         figures = profile_peak(functools.partial(self.profile_step, plan, scratch, max_model_len), self.device,
                                baseline,

@@ -256,3 +256,12 @@ def test_a_verifying_request_whose_logits_turn_nan_ends_alone_with_500(monkeypat
     assert outputs["1"] == hf_greedy(prompts[1], 60)[:len(outputs["1"])] and len(outputs["1"]) >= 6
     assert scheduler.stats().spec_num_drafts > 0
     assert scheduler.kv.pool.num_free == scheduler.kv.pool.num_blocks and not scheduler.requests
+
+
+def test_the_reported_kv_bytes_per_token_count_the_draft_models_too(draft_dir):
+    """A trial: the start-up line said the target's 1280 bytes/token while the budget held 1792 (both models'), so
+    its MiB figure was the target's share alone."""
+    target = _runner(16, 32)
+    both = _runner(16, 32, draft_config(draft_dir))
+    assert target.kv_bytes_per_token == 5 * 256  # stories260K: 5 layers, K + V of 32 float32 values each
+    assert both.kv_bytes_per_token == target.kv_bytes_per_token * 7 // 5  # and its first 2 layers again
