@@ -22,6 +22,8 @@ NOT_IMPLEMENTED = "shuttle does not implement it"
 REFUSED_FLAGS: dict[str, str] = {
     "--ssl-keyfile": "TLS is not implemented: terminate it in a reverse proxy",
     "--ssl-certfile": "TLS is not implemented: terminate it in a reverse proxy",
+    "--allow-credentials": "credentialed CORS (cookies) is not implemented: a browser page sends the API key in an "
+                           "Authorization header, which --allowed-origins allows",
 }
 
 
@@ -46,6 +48,17 @@ def _one_of(*taken: str, why: str) -> Callable[[str], str | None]:
     """A refusal of every value but `taken`: `why` says what shuttle does instead."""
     def refusal(value: str) -> str | None:
         return None if value in taken else f"{why} (taken: {', '.join(taken)})"
+    return refusal
+
+
+def _everything(what: str) -> Callable[[str], str | None]:
+    """A refusal of every value but vLLM's default `["*"]` (or `*`): shuttle's CORS allows every `what`."""
+    def refusal(value: str) -> str | None:
+        try:
+            everything = value.strip() == "*" or json.loads(value) == ["*"]
+        except ValueError:
+            everything = False
+        return None if everything else f"a preflight allows every {what} (taken: [\"*\"])"
     return refusal
 
 
@@ -149,6 +162,12 @@ TAKEN_FLAGS: dict[str, TakenFlag] = {
     "--response-role": TakenFlag(
         "assistant, what shuttle does: chat responses have the role assistant; any other role is refused",
         _one_of("assistant", why="chat responses always have the role assistant"), "assistant"),
+    "--allowed-methods": TakenFlag(
+        '["*"] (vLLM\'s default), what shuttle does: a CORS preflight allows every method its routes take (GET, POST, '
+        "DELETE, OPTIONS); a narrower list is refused", _everything("method of shuttle's routes"), "JSON"),
+    "--allowed-headers": TakenFlag(
+        '["*"] (vLLM\'s default), what shuttle does: a CORS preflight allows every request header the browser asks '
+        "for; a narrower list is refused", _everything("request header"), "JSON"),
     "--max-num-partial-prefills": TakenFlag(
         "1 (vLLM's default, the only value its V1 engine takes), what shuttle does: prompts are prefilled in chunks "
         "as vLLM V1 does, a long one's share of a step bounded by --long-prefill-token-threshold; more are refused",

@@ -117,7 +117,8 @@ class _SchedulerCollector:
                                              stats.prefix_cache_queries),
                     "prefix_cache_hits": ("Prompt tokens found in the prefix cache.", stats.prefix_cache_hits),
                     "num_preemptions": ("Requests preempted (recomputed later).", stats.num_preemptions),
-                    "spec_decode_num_drafts": ("Sequence-steps that verified drafts (n-gram or draft model).", stats.spec_num_drafts),
+                    "spec_decode_num_drafts": ("Sequence-steps that verified drafts (n-gram or draft model).",
+                                               stats.spec_num_drafts),
                     "spec_decode_num_draft_tokens": ("Draft tokens verified.", stats.spec_num_draft_tokens),
                     "spec_decode_num_accepted_tokens": ("Draft tokens accepted.", stats.spec_num_accepted_tokens)}
         for name, (doc, value) in counters.items():

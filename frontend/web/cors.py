@@ -11,7 +11,7 @@ import re
 
 from aiohttp import web
 
-ALLOWED_METHODS = "GET, POST, OPTIONS"
+ALLOWED_METHODS = "GET, POST, DELETE, OPTIONS"  # DELETE: /v1/responses/{id}
 EXPOSED_HEADERS = "x-request-id"
 MAX_AGE_S = 600
 _HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")

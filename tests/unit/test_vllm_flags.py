@@ -128,6 +128,8 @@ ACCEPTED = {
     "--cpu-offload-gb": (["0", "0.0"], "8"),
     "--response-role": (["assistant"], "user"),
     "--max-num-partial-prefills": (["1"], "4"),
+    "--allowed-methods": (['["*"]', "*", '[ "*" ]'], '["GET"]'),
+    "--allowed-headers": (['["*"]', "*"], "not json"),
 }
 
 
