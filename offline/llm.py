@@ -237,9 +237,15 @@ class LLM:
             return [self.get_default_sampling_params()] * count
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * count
+        if isinstance(sampling_params, (str, bytes, dict)) or not isinstance(sampling_params, Sequence):
+            raise TypeError(f"sampling_params must be a SamplingParams or a list of them, not "
+                            f"{type(sampling_params).__name__}")
         params = list(sampling_params)
         if len(params) != count:
             raise ValueError(f"{len(params)} sampling_params for {count} prompts: give one, or one per prompt")
+        wrong = next((p for p in params if not isinstance(p, SamplingParams)), None)
+        if wrong is not None:
+            raise TypeError(f"sampling_params must be SamplingParams, not {type(wrong).__name__}")
         return params
 
     def _adapters(self, lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
@@ -251,9 +257,15 @@ class LLM:
         """
         if lora_request is None:
             return [None] * count
+        if not isinstance(lora_request, (LoRARequest, Sequence)) or isinstance(lora_request, (str, bytes)):
+            raise TypeError(f"lora_request must be a LoRARequest or a list of them, not "
+                            f"{type(lora_request).__name__}")
         requests = [lora_request] * count if isinstance(lora_request, LoRARequest) else list(lora_request)
         if len(requests) != count:
             raise ValueError(f"{len(requests)} lora_request for {count} prompts: give one, or one per prompt")
+        wrong = next((r for r in requests if r is not None and not isinstance(r, LoRARequest)), None)
+        if wrong is not None:
+            raise TypeError(f"lora_request must be LoRARequest or None, not {type(wrong).__name__}")
         lora = self.config.lora
         adapters: list[LoRAModule | None] = []
         for request in requests:

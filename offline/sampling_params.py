@@ -9,10 +9,13 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from shuttle.common.errors import InvalidRequestError
 from shuttle.common.generation_config import SamplingDefaults
 from shuttle.common.sampling import SamplingParams as EngineSampling
 from shuttle.common.sampling import logprobs_limit
+from shuttle.frontend.request.protocol import stop_list
 
 # vLLM's fields shuttle does not implement, with why (each refused unless left at its default)
 UNIMPLEMENTED: dict[str, str] = {
@@ -29,6 +32,42 @@ UNIMPLEMENTED: dict[str, str] = {
     "extra_args": "extra_args is not implemented",
 }
 _DEFAULTS = {"detokenize": True, "skip_special_tokens": True, "spaces_between_special_tokens": True}
+
+
+class _FieldTypes(msgspec.Struct, forbid_unknown_fields=True):
+    """SamplingParams' fields with their types, checked strictly (a bool is no count, 2.5 no token count); the
+    fields of UNIMPLEMENTED take anything here and are refused by name after."""
+
+    n: int = 1
+    best_of: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    bad_words: Any = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    detokenize: Any = True
+    skip_special_tokens: Any = True
+    spaces_between_special_tokens: Any = True
+    logits_processors: Any = None
+    include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: Any = None
+    output_kind: Any = None
+    structured_outputs: Any = None
+    guided_decoding: Any = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: Any = None
+    extra_args: Any = None
 
 
 @dataclass
@@ -85,6 +124,11 @@ class SamplingParams:
     extra_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        try:  # each field's type as the server's request Struct types it: no 2.5 tokens, no True for a count
+            msgspec.convert({f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, _FieldTypes,
+                            strict=True)
+        except msgspec.ValidationError as exc:
+            raise ValueError(f"SamplingParams: {exc}") from None
         for name, why in UNIMPLEMENTED.items():
             if getattr(self, name) != _DEFAULTS.get(name):
                 raise ValueError(f"{name}: shuttle does not implement it: {why}")
@@ -98,12 +142,16 @@ class SamplingParams:
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"{name} must be a finite number")
+        self.stop_strings  # noqa: B018 (checked now, not when the first prompt runs)
         self.engine_params(prompt_len=0, max_model_len=2**31 - 1, vocab_size=2**31 - 1, max_logprobs=2**31 - 1)
 
     @property
     def stop_strings(self) -> list[str]:
-        """`stop` as a list (vLLM takes one string or several)."""
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        """`stop` as a list (vLLM takes one string or several). Raises ValueError as the server refuses a `stop`."""
+        try:
+            return stop_list(self.stop)
+        except InvalidRequestError as exc:
+            raise ValueError(str(exc)) from None
 
     def engine_params(self, prompt_len: int, max_model_len: int, vocab_size: int,
                       max_logprobs: int) -> EngineSampling:

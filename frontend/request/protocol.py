@@ -11,6 +11,20 @@ from shuttle.common.errors import InvalidRequestError
 from shuttle.frontend.tools.request import MessageToolCall, Tool, ToolChoice
 
 MAX_N = 16  # most choices per request
+MAX_STOP_STRINGS = 16
+
+
+def stop_list(stop: str | list[str] | None) -> list[str]:
+    """A request's `stop` (one string, several, or none) as a list.
+
+    Raises:
+        InvalidRequestError: an empty string, or more than MAX_STOP_STRINGS (param "stop").
+    """
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
+        raise InvalidRequestError(f"stop must be a non-empty string or a list of at most {MAX_STOP_STRINGS} of them",
+                                  param="stop")
+    return stops
 MAX_PROMPTS = 64  # most prompts in one completions request
 
 
@@ -131,10 +145,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     guided_decoding_backend: str | None = None
 
     def stop_strings(self) -> list[str]:
-        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if len(stops) > 16 or any(not s for s in stops):
-            raise InvalidRequestError("stop must be a non-empty string or a list of at most 16 of them", param="stop")
-        return stops
+        return stop_list(self.stop)
 
 
 class CompletionRequest(SamplingFields, kw_only=True):

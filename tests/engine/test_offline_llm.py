@@ -259,3 +259,28 @@ def test_an_engine_refusal_raises_and_an_interrupted_call_leaves_the_llm_usable(
     # nothing of the interrupted call runs on or holds a block
     assert not small._scheduler.has_work and small._scheduler.kv.pool.num_free == 4
     assert small.generate("Once", greedy, use_tqdm=False)[0].outputs[0].token_ids == expected
+
+
+@pytest.mark.parametrize("fields, words", [
+    ({"logprobs": True}, "Expected `int | null`, got `bool` - at `$.logprobs`"),
+    ({"prompt_logprobs": True}, "Expected `int | null`, got `bool` - at `$.prompt_logprobs`"),
+    ({"max_tokens": 2.5}, "Expected `int | null`, got `float` - at `$.max_tokens`"),
+    ({"n": True}, "Expected `int`, got `bool` - at `$.n`"),
+    ({"ignore_eos": "yes"}, "Expected `bool`, got `str` - at `$.ignore_eos`"),
+    ({"stop": [""]}, "stop must be a non-empty string or a list of at most 16 of them"),
+    ({"stop": ["a"] * 17}, "stop must be a non-empty string or a list of at most 16 of them"),
+])
+def test_sampling_params_are_typed_as_the_servers_request_fields(fields, words):
+    """A trial: logprobs=True reached the worker's topk mid-batch (a TypeError, the batch's other outputs lost);
+    max_tokens=2.5 ran 3 tokens; stop=[""] ended every output at once."""
+    with pytest.raises(ValueError, match=re.escape(words)):
+        SamplingParams(**fields)
+
+
+def test_sampling_params_and_lora_request_of_another_kind_are_type_errors(llm):
+    for bad in ({"max_tokens": 2}, "notsp", [SamplingParams(), {"max_tokens": 2}]):
+        count = 2 if isinstance(bad, list) else 1
+        with pytest.raises(TypeError, match="sampling_params must be"):
+            llm.generate(["Once"] * count, bad, use_tqdm=False)
+    with pytest.raises(TypeError, match="lora_request must be a LoRARequest or a list of them, not object"):
+        llm.generate("Once", SamplingParams(max_tokens=1), use_tqdm=False, lora_request=object())
