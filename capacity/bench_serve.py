@@ -19,11 +19,13 @@ import random
 import statistics
 import time
 from dataclasses import dataclass, field
+from typing import Annotated
 
 import aiohttp
+import msgspec
 from tqdm import tqdm
 
-from shuttle.common.arg_types import count, output_file, positive, range_ratio, request_rate
+from shuttle.common.arg_types import count, output_file, positive, positive_number, range_ratio, request_rate
 
 
 @dataclass
@@ -62,11 +64,20 @@ def random_workload(n: int, input_len: int, output_len: int, range_ratio: float,
     return specs
 
 
+class DatasetLine(msgspec.Struct, forbid_unknown_fields=True):
+    """One line of a --dataset file; a key not declared here is refused, not ignored."""
+
+    prompt: Annotated[str, msgspec.Meta(min_length=1)] | Annotated[list[Annotated[int, msgspec.Meta(ge=0)]],
+                                                                   msgspec.Meta(min_length=1)]
+    max_tokens: Annotated[int, msgspec.Meta(ge=1)] = 128
+
+
 def file_workload(path: str, n: int) -> list[RequestSpec]:
-    """The first `n` requests of a JSONL file of {"prompt": text or token ids, "max_tokens": int (default 128)}.
+    """The first `n` requests of a JSONL file of DatasetLine: {"prompt": text or token ids, "max_tokens": int
+    (default 128)}.
 
     Raises:
-        ValueError: the file cannot be read, or a line is not such an object (naming the line).
+        ValueError: the file cannot be read, or a line is not such an object (naming the line and why).
     """
     specs = []
     try:
@@ -75,14 +86,13 @@ def file_workload(path: str, n: int) -> list[RequestSpec]:
                 if not line.strip():
                     continue
                 try:
-                    item = json.loads(line)
-                    prompt = item["prompt"]
-                    specs.append(RequestSpec(prompt, len(prompt) if isinstance(prompt, list) else 0,
-                                             int(item.get("max_tokens", 128))))
-                except (ValueError, KeyError, TypeError) as exc:
+                    item = msgspec.json.decode(line, type=DatasetLine)
+                except (msgspec.ValidationError, msgspec.DecodeError) as exc:
                     raise ValueError(f"{path} line {number}: not a {{prompt, max_tokens}} object ({exc})") from None
-    except OSError as exc:
-        raise ValueError(f"cannot read {path}: {exc.strerror}") from None
+                prompt = item.prompt
+                specs.append(RequestSpec(prompt, len(prompt) if isinstance(prompt, list) else 0, item.max_tokens))
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read {path}: {getattr(exc, 'strerror', None) or exc}") from None
     return specs[:n] if n else specs
 
 
@@ -245,8 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--url", default="http://127.0.0.1:8000")
     add_request_shape_args(parser)
     parser.add_argument("--dataset", default=None, help="JSONL of {prompt, max_tokens} instead of random prompts")
-    parser.add_argument("--ttft-slo-ms", type=float, default=None)
-    parser.add_argument("--tpot-slo-ms", type=float, default=None)
+    parser.add_argument("--ttft-slo-ms", type=positive_number, default=None, help="goodput objective (ms)")
+    parser.add_argument("--tpot-slo-ms", type=positive_number, default=None, help="goodput objective (ms)")
     parser.add_argument("--result-json", default="bench_results/bench_serve.json", type=output_file)
     parser.add_argument("--api-key", default=os.environ.get("SHUTTLE_API_KEY"),
                         help="sent as Authorization: Bearer (default: $SHUTTLE_API_KEY)")

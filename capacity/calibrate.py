@@ -28,7 +28,6 @@ import os
 import statistics
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import msgspec
 import torch
@@ -36,8 +35,9 @@ import torch
 from shuttle.capacity import hardware, simulate
 from shuttle.capacity.simulator import RequestRecord, SimResult
 from shuttle.capacity.workload import SimRequest
-from shuttle.common.arg_types import positive
+from shuttle.common.arg_types import add_config_options, output_file, positive
 from shuttle.common.config import CacheConfig, IpcConfig, SchedulerConfig, ShuttleConfig, WorkerConfig
+from shuttle.common.devices import DeviceError, cuda_device_count, resolve_config
 from shuttle.common.messages import PlanMessage, StepPlan, StepResult, Submit, WorkerMessage
 from shuttle.common.model_config import ModelConfig
 from shuttle.common.sampling import SamplingParams
@@ -45,6 +45,8 @@ from shuttle.scheduler.kv_cache import KVCacheManager
 from shuttle.scheduler.scheduled_step import ScheduledStep
 from shuttle.scheduler.scheduler import Scheduler
 from shuttle.scheduler.step_cost import FEATURES, StepCostModel, StepShape, fit_scheduler_seconds, shape_of, spread_of
+from shuttle.worker.kv_sizing import KVSizingError
+from shuttle.worker.model_loader import UnsupportedModelError
 from shuttle.worker.worker import ModelRunner
 
 MAX_PREFILL_TOKENS = 16384  # a decode configuration first prefills batch x context tokens: keep that affordable
@@ -110,7 +112,10 @@ class Calibrator:
         blocks = num_kv_blocks or 128 * -(-min(self.model_config.max_model_len, 2048) // block_size) + 16
         config = ShuttleConfig(model=self.model_config, ipc=IpcConfig.in_directory("/nonexistent"),
                                cache=CacheConfig(block_size, blocks, enable_prefix_caching=False),
-                               worker=WorkerConfig(attention_backend))
+                               worker=WorkerConfig(attention_backend=attention_backend))
+        # the device, dtype and attention backend resolved and checked as `shuttle serve` does (DeviceError)
+        config = resolve_config(config, 1, cuda_device_count())
+        self.model_config = config.model
         self.runner = ModelRunner(config)
         self.vocab = self.runner.model.get_output_embeddings().weight.shape[0]
         self._encoder = msgspec.msgpack.Encoder()
@@ -310,17 +315,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="shuttle calibrate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="the model directory to serve")
-    parser.add_argument("--out", type=Path, required=True, help="where the JSON profile goes")
+    parser.add_argument("--out", type=output_file, required=True, help="where the JSON profile goes")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--max-model-len", type=positive, default=None)
     parser.add_argument("--max-num-batched-tokens", type=positive, default=2048, help="largest chunk measured")
     parser.add_argument("--max-num-seqs", type=positive, default=128, help="largest decode batch measured")
     parser.add_argument("--repeats", type=positive, default=5, help="decode steps per configuration (median kept)")
-    parser.add_argument("--attention-backend", default="auto")
+    add_config_options(parser, WorkerConfig, ["attention_backend"])
     args = parser.parse_args(argv)
     simulate.require_model_dir(parser, args.model, args.max_model_len)
     start = time.time()
-    calibrator = Calibrator(args.model, args.dtype, args.max_model_len, attention_backend=args.attention_backend)
+    try:
+        calibrator = Calibrator(args.model, args.dtype, args.max_model_len, attention_backend=args.attention_backend)
+    except (DeviceError, UnsupportedModelError, KVSizingError) as exc:
+        parser.error(str(exc))
     model, measurements = calibrator.calibrate(args.max_num_batched_tokens, args.max_num_seqs, args.repeats,
                                                progress=lambda line: print(line, flush=True))
     print(f"{'measurement':<60}{'ms':>10}{'fit ms':>10}")

@@ -75,10 +75,8 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
 def build_simulator(args: argparse.Namespace, cost: StepCostModel, ttft_slo_ms: float = 0.0,
                     max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None) -> Simulator:
     """A Simulator for the flags (budgets overridable for sweeps); KV blocks as the worker would size them."""
-    meta = cost.meta
-    max_model_len = args.max_model_len or meta["max_model_len"]
-    blocks = args.num_kv_blocks or kv_blocks_for_memory(args.kv_cache_memory, meta["kv_bytes_per_token"],
-                                                        args.block_size)
+    max_model_len = args.max_model_len or cost.meta["max_model_len"]
+    blocks = kv_blocks(args, cost)
     config = SchedulerConfig(max_num_seqs=max_num_seqs or args.max_num_seqs,
                              max_num_batched_tokens=max_num_batched_tokens or args.max_num_batched_tokens,
                              max_waiting_requests=args.max_waiting_requests,
@@ -87,6 +85,13 @@ def build_simulator(args: argparse.Namespace, cost: StepCostModel, ttft_slo_ms: 
     return Simulator(config, blocks, args.block_size, max_model_len, cost,
                      enable_prefix_caching=args.enable_prefix_caching, max_concurrency=args.max_concurrency,
                      seed=args.seed)
+
+
+def kv_blocks(args: argparse.Namespace, cost: StepCostModel) -> int:
+    """The KV cache's blocks for the flags, as the worker would size them (--num-kv-blocks, else
+    --kv-cache-memory at the profile's bytes per token)."""
+    return args.num_kv_blocks or kv_blocks_for_memory(args.kv_cache_memory, cost.meta["kv_bytes_per_token"],
+                                                      args.block_size)
 
 
 def build_workload(args: argparse.Namespace, cost: StepCostModel,
@@ -124,18 +129,27 @@ def require_model_dir(parser: argparse.ArgumentParser, model_dir: str, max_model
 
 def load_workload(parser: argparse.ArgumentParser, args: argparse.Namespace, cost: StepCostModel,
                   request_rate: float | None = None) -> list[SimRequest]:
-    """build_workload, or a one-line usage error (exit 2): a bad trace, or a request longer than
-    max_model_len (which a real server would refuse with 400, and the simulated scheduler could never place)."""
+    """build_workload, or a one-line usage error (exit 2): a bad trace, a --max-model-len past the profile's (the
+    model's, which the server would refuse), or a request longer than max_model_len or than the whole KV cache
+    (which a real server would refuse with 400, and the simulated scheduler could never place)."""
+    if args.max_model_len is not None and args.max_model_len > cost.meta["max_model_len"]:
+        parser.error(f"--max-model-len {args.max_model_len} exceeds the profile's {cost.meta['max_model_len']} (the "
+                     f"model's, as calibrated)")
     try:
         workload = build_workload(args, cost, request_rate)
     except ValueError as exc:
         parser.error(str(exc))
     max_model_len = args.max_model_len or cost.meta["max_model_len"]
     longest = max(workload, key=lambda w: len(w.prompt_token_ids) + w.output_len)
-    if len(longest.prompt_token_ids) + longest.output_len > max_model_len:
+    needed = len(longest.prompt_token_ids) + longest.output_len
+    if needed > max_model_len:
         parser.error(f"the workload's longest request ({len(longest.prompt_token_ids)} prompt + {longest.output_len} "
                      f"output tokens) exceeds max_model_len {max_model_len}: shorten --input-len, --output-len or "
                      f"--range-ratio (or the trace)")
+    cache_tokens = kv_blocks(args, cost) * args.block_size
+    if needed > cache_tokens:
+        parser.error(f"the workload's longest request ({needed} tokens) needs more KV cache than the whole cache "
+                     f"holds ({cache_tokens} tokens): raise --num-kv-blocks or --kv-cache-memory")
     return workload
 
 
@@ -164,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slo-admission", action="store_true", help="simulate `shuttle serve --ttft-slo-ms`")
     parser.add_argument("--result-json", default="bench_results/simulate.json", type=output_file)
     args = parser.parse_args(argv)
+    if args.slo_admission and args.ttft_slo_ms is None:
+        parser.error("--slo-admission needs --ttft-slo-ms (the objective the simulated server admits by)")
     cost = load_profile(parser, args.profile)
     workload = load_workload(parser, args, cost)
     simulator = build_simulator(args, cost, args.ttft_slo_ms if args.slo_admission and args.ttft_slo_ms else 0.0)

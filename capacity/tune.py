@@ -31,6 +31,7 @@ from pathlib import Path
 
 from shuttle.capacity import bench_serve, simulate
 from shuttle.common.arg_types import count, positive, positive_number, unit_fraction
+from shuttle.common.config import SchedulerConfig
 from shuttle.launcher.local_server import ShuttleServer
 from shuttle.scheduler.step_cost import StepCostModel
 
@@ -205,14 +206,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--headroom", type=unit_fraction, default=0.8,
                         help="operate at most at this share of the highest rate that meets the objectives")
     parser.add_argument("--out", default="bench_results/tune")
+    # swept over --budgets and --seqs: given as flags they would be overridden without a word
+    parser.set_defaults(max_num_batched_tokens=None, max_num_seqs=None)
     args = parser.parse_args(argv)
+    for flag, sweep_flag in (("--max-num-batched-tokens", "--budgets"), ("--max-num-seqs", "--seqs")):
+        name = flag[2:].replace("-", "_")
+        if getattr(args, name) is not None:
+            parser.error(f"{flag}: tune sweeps it; give the values to try with {sweep_flag}")
+        setattr(args, name, getattr(SchedulerConfig(), name))  # the capacity run's: serve's default
     cost = simulate.load_profile(parser, args.profile)
     simulate.load_workload(parser, args, cost)  # a bad trace or too long a request: said now, not after the sweep
-    if args.verify:  # the real runs need the model: a wrong directory is said now
-        simulate.require_model_dir(parser, args.model)
+    simulate.require_model_dir(parser, args.model)  # the verification runs serve it, the plot names it
     _pyplot()  # and so is a missing matplotlib, before the sweep
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        parser.error(f"--out {args.out}: cannot make it ({exc.strerror or exc})")
     started = time.perf_counter()
     print(f"load average {os.getloadavg()[0]:.2f}", flush=True)
     capacity = None

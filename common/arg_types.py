@@ -105,10 +105,15 @@ def zmq_endpoint_or_none(text: str) -> str:
 
 
 def output_file(text: str) -> str:
-    """A file path a tool writes its results to at the end of its run: refused at once when it is a directory (the
-    run's results would be lost to a traceback)."""
-    if Path(text).is_dir():
+    """A file path a tool writes its results to at the end of its run: refused at once when it is a directory or its
+    folder cannot be made (the run's results would be lost to a traceback); the folder is made here."""
+    path = Path(text)
+    if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text} is a directory, not a file")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"{text}: its folder cannot be made ({exc.strerror or exc})") from None
     return text
 
 

@@ -39,6 +39,9 @@ def log_prob_difference(paged: torch.Tensor, reference: torch.Tensor, tolerance:
     return float((reference.float().exp() * difference).sum(-1).max())
 
 
+PROBE_FLOOR = 16  # tokens: the shortest probe sequence check_exactness runs where the model's context allows
+
+
 def path_tolerance(runner) -> float:
     """The TOLERANCE (nats) two paths of `runner`'s model must agree within: its dtype's, the bfloat16 one where
     linears are int8 or the KV cache is rounded to another dtype (log_prob_difference measures by it)."""
@@ -64,8 +67,12 @@ def check_exactness(runner, max_model_len: int) -> float:
     model, block_size = runner.model, runner.block_size
     vocab = model.get_output_embeddings().weight.shape[0]
     window = _smallest_window(model.config)
-    long_len = min(max_model_len, max(2 * block_size + 3, (window or 0) + block_size + 3, 21))
-    short_len = min(max_model_len, max(block_size // 2 + 3, 7))
+    # the probes stay within the served context, but are never shorter than a few blocks' worth the model can take
+    # (a --max-model-len of 1 to 7 made them too short to split into a cached prefix and a decode)
+    positions = getattr(model.config, "max_position_embeddings", None) or max_model_len
+    bound = max(max_model_len, min(PROBE_FLOOR, positions))
+    long_len = min(bound, max(2 * block_size + 3, (window or 0) + block_size + 3, 21))
+    short_len = min(bound, max(block_size // 2 + 3, 7))
     generator = torch.Generator().manual_seed(0)
     sequences = {name: torch.randint(3, vocab, (length,), generator=generator).tolist()
                  for name, length in (("a", long_len), ("b", short_len))}

@@ -8,8 +8,10 @@ import pytest
 
 from shuttle.capacity.calibrate import Calibrator, grid
 from shuttle.capacity.workload import SimRequest
-from shuttle.common.config import SchedulerConfig
+from shuttle.common.config import CacheConfig, IpcConfig, SchedulerConfig, ShuttleConfig
+from shuttle.common.model_config import ModelConfig
 from shuttle.scheduler.step_cost import StepCostModel, StepShape
+from shuttle.worker.worker import ModelRunner
 from tests.server import MODEL_DIR
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "dev"))
@@ -57,3 +59,13 @@ def test_a_mixed_configuration_measures_decodes_beside_each_chunk_of_a_prompt():
     assert [m.shape.prefill_attention for m in found] == [16 * 16, 16 * 32, 16 * 48, 16 * 64]
     assert all(m.seconds > 0 for m in found)
     assert ("mixed", 64, 128, 256) in grid(512, 2048, 128)
+
+
+@pytest.mark.parametrize("max_model_len", [2, 7])
+def test_a_tiny_max_model_len_passes_the_start_up_exactness_check(max_model_len):
+    """A trial: `shuttle calibrate --max-model-len 1` (and serve with 1 to 7) was refused as "the model fails on
+    shuttle's paged attention path": the check's probe sequences were cut to max_model_len, too short to split."""
+    model = ModelConfig.from_dir(MODEL_DIR, max_model_len=max_model_len)
+    runner = ModelRunner(ShuttleConfig(model=model, ipc=IpcConfig.in_directory("/nonexistent"),
+                                       cache=CacheConfig(16, 8)))
+    assert runner.check_difference <= 1e-3

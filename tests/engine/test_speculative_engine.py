@@ -265,3 +265,4 @@ def test_the_reported_kv_bytes_per_token_count_the_draft_models_too(draft_dir):
     both = _runner(16, 32, draft_config(draft_dir))
     assert target.kv_bytes_per_token == 5 * 256  # stories260K: 5 layers, K + V of 32 float32 values each
     assert both.kv_bytes_per_token == target.kv_bytes_per_token * 7 // 5  # and its first 2 layers again
+

@@ -104,6 +104,10 @@ def test_a_trace_is_read_field_by_field(tmp_path):
     (["--range-ratio", "1.5"], "--range-ratio: must be in [0, 1), got '1.5'"),
     (["--range-ratio", "1"], "--range-ratio: must be in [0, 1), got '1'"),
     (["--input-len", "5000"], "exceeds max_model_len 512"),
+    # a trial: each of these ran and reported something that no server would do
+    (["--max-model-len", "100000"], "--max-model-len 100000 exceeds the profile's 512"),
+    (["--num-kv-blocks", "1"], "needs more KV cache than the whole cache holds (16 tokens)"),
+    (["--slo-admission"], "--slo-admission needs --ttft-slo-ms"),
 ])
 def test_simulate_refuses_workloads_it_cannot_mean(profile, capsys, flags, says):
     assert says in refused(simulate.main, ["--profile", str(profile), *flags], capsys)
@@ -125,6 +129,9 @@ def test_bench_names_an_unreachable_server_and_an_unreadable_dataset_in_one_line
     bad.write_text('{"prompt": "a"}\n{"max_tokens": 3}\n')
     assert f"--dataset: {bad} line 2: not a {{prompt, max_tokens}} object" in refused(
         bench_serve.main, ["--dataset", str(bad)], capsys)
+    bad.write_text('{"prompt": "a", "temperature": 0.5}\n')  # a trial: ignored without a word
+    assert "Object contains unknown field `temperature`" in refused(bench_serve.main, ["--dataset", str(bad)], capsys)
+    assert "--ttft-slo-ms: must be a number > 0" in refused(bench_serve.main, ["--ttft-slo-ms", "-5"], capsys)
 
 
 def test_bench_and_simulate_refuse_what_would_lose_the_run_before_it_starts(profile, tmp_path, capsys):
@@ -162,6 +169,20 @@ def test_the_other_tools_refuse_before_any_work(profile, tmp_path, capsys):
         tune.main, ["--profile", str(profile), "--model", str(MODEL), "--budgets", "0", *slos], capsys)
     assert "--repeats: must be at least 1" in refused(
         calibrate.main, ["--model", str(MODEL), "--out", str(tmp_path / "p.json"), "--repeats", "0"], capsys)
+    # a trial: each of these was a traceback, or ran as if the flag had not been given
+    tuned = ["--profile", str(profile), "--model", str(MODEL), *slos, "--verify", "0"]
+    assert "does not exist" in refused(tune.main, [*tuned, "--model", "/no/model"], capsys)
+    assert "--max-num-batched-tokens: tune sweeps it; give the values to try with --budgets" in refused(
+        tune.main, [*tuned, "--max-num-batched-tokens", "99"], capsys)
+    assert "--max-num-seqs: tune sweeps it; give the values to try with --seqs" in refused(
+        tune.main, [*tuned, "--max-num-seqs", "3"], capsys)
+    (tmp_path / "file").write_text("")
+    assert "--out" in refused(tune.main, [*tuned, "--out", str(tmp_path / "file" / "under")], capsys)
+    assert "its folder cannot be made" in refused(
+        calibrate.main, ["--model", str(MODEL), "--out", str(tmp_path / "file" / "p.json")], capsys)
+    assert "invalid choice: 'bogus'" in refused(
+        calibrate.main, ["--model", str(MODEL), "--out", str(tmp_path / "p.json"), "--attention-backend", "bogus"],
+        capsys)
     assert "does not exist" in refused(
         compare_inprocess.main, ["--profile", str(profile), "--model", "/no/model"], capsys)
     assert "--load: must be a number > 0" in refused(

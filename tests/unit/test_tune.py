@@ -9,6 +9,7 @@ import pytest
 
 from shuttle.capacity import bench_serve, simulate, tune
 from shuttle.scheduler.step_cost import StepCostModel
+from tests.server import MODEL_DIR
 
 
 @pytest.fixture
@@ -40,9 +41,9 @@ def test_simulate_prints_and_writes_the_summary(profile, tmp_path, capsys):
 
 
 def test_tune_writes_plots_and_recommends(profile, tmp_path):
-    assert tune.main(["--model", "unused", "--profile", str(profile), "--ttft-slo-ms", "400", "--itl-slo-ms", "60",
-                      "--num-prompts", "40", "--budgets", "128", "512", "--seqs", "4", "32", "--rates", "5", "20",
-                      "80", "--verify", "0", "--out", str(tmp_path)]) == 0
+    assert tune.main(["--model", str(MODEL_DIR), "--profile", str(profile), "--ttft-slo-ms", "400",
+                      "--itl-slo-ms", "60", "--num-prompts", "40", "--budgets", "128", "512", "--seqs", "4", "32",
+                      "--rates", "5", "20", "80", "--verify", "0", "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "tune.json").read_text())
     assert len(result["points"]) == 12
     chosen = result["recommendation"]
