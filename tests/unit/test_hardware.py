@@ -53,6 +53,21 @@ def test_shuttle_plan_device_prints_a_plan_for_a_device_that_is_not_here(capsys)
     assert "unknown device 'tpu'" in capsys.readouterr().err
 
 
+def test_a_device_plan_takes_the_kv_flags_serve_takes(capsys):
+    """A trial: --num-kv-blocks, --kv-cache-memory and --attention-backend were ignored by a --device plan, which
+    printed the utilization's plan whatever they said."""
+    assert device_plan.build(str(MODEL_DIR), "h100", num_kv_blocks=100).num_kv_blocks == 100
+    fixed = device_plan.build(str(MODEL_DIR), "h100", kv_cache_memory=2**30)
+    assert fixed.kv_budget_bytes == 2**30 and fixed.num_kv_blocks == 2**30 // (640 * 16) - 1
+    assert shuttle(["plan", "--device", "h100", "--kv-cache-memory", "1GiB", str(MODEL_DIR)]) == 0
+    assert "(--kv-cache-memory)" in capsys.readouterr().out
+    for flags, says in ((["--kv-cache-memory", "1TiB"], "does not fit in the h100's memory"),
+                        (["--kv-cache-memory", "1KiB"], "leaves the KV cache no block"),
+                        (["--attention-backend", "cpu"], "a --device plan does not depend on the attention backend")):
+        assert shuttle(["plan", "--device", "h100", *flags, str(MODEL_DIR)]) == 2
+        assert says in capsys.readouterr().err
+
+
 def test_the_microbenchmark_measures_positive_peaks():
     device = hardware.measure("float32", "cpu", matmul_size=128, copy_bytes=2 ** 20, repeats=2)
     assert device.peak_flops > 0 and device.bandwidth > 0 and device.source.startswith("measured")
