@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shuttle.common.arg_types import LOG_LEVELS, count, option, seconds
+from shuttle.common.arg_types import LOG_LEVELS, count, option, path_prefix, seconds
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")  # --tool-call-parser's names (vLLM's; frontend/tools/parsers)
 
@@ -44,7 +44,7 @@ class ApiConfig:
 
     uds: str | None = option(None, "serve HTTP on this Unix domain socket instead of --host/--port", metavar="PATH")
     root_path: str = option("", "path prefix a reverse proxy adds in front of every route (e.g. /llm): each route "
-                                "answers both with and without it", metavar="PREFIX")
+                                "answers both with and without it", metavar="PREFIX", type=path_prefix)
     enable_server_load_tracking: bool = option(False, "count the requests being served and report them on GET /load")
     enable_tokenizer_info_endpoint: bool = option(False, "serve GET /tokenizer_info (the tokenizer's configuration "
                                                          "and chat template)")

@@ -194,10 +194,21 @@ def origins(text: str) -> tuple[str, ...]:
     else:
         listed = text.split(",")
     found = tuple(o.strip().rstrip("/") for o in listed if o.strip())
+    if not found:  # an empty flag allowed nothing while it read as if origins had been set
+        raise argparse.ArgumentTypeError(f"names no origin: {text!r} (scheme://host[:port], or *)")
     for origin in found:
         if origin != "*" and not re.match(r"^https?://[^/\s]+$", origin):
             raise argparse.ArgumentTypeError(f"not an origin: {origin!r} (scheme://host[:port], or *)")
     return found
+
+
+def path_prefix(text: str) -> str:
+    """A URL path prefix (--root-path /llm): no query, fragment or whitespace, which no request path can match."""
+    bad = next((c for c in text if c in "?#" or c.isspace()), None)
+    if bad is not None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a path prefix: it holds {bad!r}, which no request path can "
+                                         f"match")
+    return text
 
 
 def json_object(text: str) -> dict:

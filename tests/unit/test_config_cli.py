@@ -169,3 +169,19 @@ def test_a_key_given_twice_is_refused(tmp_path, no_launch, capsys):
     argv = ["serve", str(MODEL_DIR), "--port", "0", "--api-key-file", str(key_file), "--api-key", "flag"]
     assert cli.main(argv) == 2
     assert capsys.readouterr().err == "shuttle: error: --api-key and --api-key-file are both given: give one\n"
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--served-model-name", "a", "b", "a"], "--served-model-name a is given twice"),
+    (["--root-path", "/llm?x=1"], "'/llm?x=1' is not a path prefix: it holds '?'"),
+    (["--allowed-origins", ""], "names no origin: ''"),
+    (["--allowed-origins", "[]"], "names no origin: '[]'"),
+])
+def test_flags_that_could_never_take_effect_are_refused(flags, says, no_launch, capsys):
+    """A trial: each was taken without a word (a name listed twice on /v1/models, a prefix no path matches, an empty
+    origin list that allowed nothing)."""
+    try:
+        code = cli.main(["serve", str(MODEL_DIR), "--port", "0", *flags])
+    except SystemExit as exc:  # the parser's refusals exit; the launcher's checks return
+        code = exc.code
+    assert code == 2 and says in capsys.readouterr().err
