@@ -23,6 +23,17 @@ async def main() -> int:
                         help="sent as Authorization: Bearer (default: $SHUTTLE_API_KEY)")
     args = parser.parse_args()
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    try:
+        return await stream(args, headers)
+    except aiohttp.WSServerHandshakeError as exc:  # 401 (no or wrong key), 403 (Origin), 404 (wrong path)
+        print(f"ws_client: {args.url} refused the WebSocket: HTTP {exc.status} {exc.message}", file=sys.stderr)
+    except (aiohttp.ClientError, OSError) as exc:
+        print(f"ws_client: cannot reach {args.url}: {exc}", file=sys.stderr)
+    return 1
+
+
+async def stream(args: argparse.Namespace, headers: dict[str, str]) -> int:
+    """One generate on the socket, its text printed as it comes; 0 when it ended with `done`."""
     async with aiohttp.ClientSession(headers=headers) as session, session.ws_connect(args.url) as ws:
         await ws.send_json({"type": "generate", "id": "1", "prompt": args.prompt, "max_tokens": args.max_tokens,
                             "temperature": args.temperature})
