@@ -87,11 +87,13 @@ def build_generations(state: FrontendState, body: SamplingFields, prompts: list[
     if len(prompts) * body.n > queue_bound:
         raise InvalidRequestError(f"{len(prompts)} prompt(s) x n={body.n} sequences exceed the server's waiting "
                                   f"queue bound of {queue_bound}", param="n")
+    info = state.engine.info
+    kv_tokens = info.num_kv_blocks * info.block_size if info is not None else None
     generations = []
     for p, ids in enumerate(prompts):
         base = sampling_params(body, len(ids), model.max_model_len, state.tokenizer.vocab_size, max_tokens, logprobs,
                                prompt_param, prompt_logprobs, max_tokens_param, model.max_logprobs, structured,
-                               model.sampling_defaults)
+                               model.sampling_defaults, kv_tokens)
         prompt_metrics = state.metrics.prompt(body.n)
         for j in range(body.n):
             sampling = base if base.seed is None else msgspec.structs.replace(base, seed=(base.seed + j) % 2**64)

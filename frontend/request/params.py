@@ -64,9 +64,10 @@ def sampling_params(request: SamplingFields, num_prompt_tokens: int, max_model_l
                     max_tokens: int | None, logprobs: int | None, prompt_param: str = "prompt",
                     prompt_logprobs: int | None = None, max_tokens_param: str = "max_tokens",
                     max_logprobs: int = MAX_LOGPROBS, structured: StructuredOutput | None = None,
-                    defaults: SamplingDefaults = SamplingDefaults()) -> SamplingParams:
+                    defaults: SamplingDefaults = SamplingDefaults(), kv_tokens: int | None = None) -> SamplingParams:
     """SamplingParams of one prompt of a request; max_tokens defaults to what is left of max_model_len (at most
-    `defaults.max_tokens`). `defaults`: the model's generation_config.json values for the fields the request leaves
+    `defaults.max_tokens`, and of `kv_tokens`, the whole KV cache, where that is smaller: a server started with less
+    cache than max_model_len would refuse a default no request could fit). `defaults`: the model's generation_config.json values for the fields the request leaves
     unset; a field neither sets keeps SamplingParams' default.
     `max_tokens_param` is the field the request gave it in (chat's max_completion_tokens), for errors.
     `structured`: the output constraint (frontend/structured/request.py, or the tools' for tool_choice).
@@ -97,6 +98,8 @@ def sampling_params(request: SamplingFields, num_prompt_tokens: int, max_model_l
             f"This model's maximum context length is {max_model_len} tokens; the prompt has {num_prompt_tokens} "
             f"tokens, which leaves no room for output", param=prompt_param)
     if max_tokens is None:
+        if kv_tokens is not None and 1 <= kv_tokens - num_prompt_tokens < room:
+            room = kv_tokens - num_prompt_tokens
         max_tokens = min(room, defaults.max_tokens or room)
     elif max_tokens < 1:
         raise InvalidRequestError(f"{max_tokens_param} must be at least 1", param=max_tokens_param)

@@ -692,3 +692,18 @@ async def test_a_messages_text_parts_are_joined_by_newlines_as_vllm_joins_them()
             status, body = await post(client, "/v1/chat/completions", {"messages": messages, "max_tokens": 2})
             assert status == 200, body
     assert engine.submitted[0].prompt_token_ids == engine.submitted[1].prompt_token_ids
+
+
+async def test_an_absent_max_tokens_is_bounded_by_a_cache_smaller_than_max_model_len():
+    """A trial: on a server started with a KV cache of 32 tokens (max_model_len 512, served with a warning), every
+    request without max_tokens was refused, blaming a max_tokens the client never sent."""
+    from shuttle.common.messages import SchedulerInfo
+
+    engine = FakeEngine(script=list(STORY))
+    engine._serving(SchedulerInfo(num_kv_blocks=2, block_size=16, max_model_len=512))
+    async with served(engine) as (client, _):
+        status, body = await post(client, "/v1/completions", {"prompt": PROMPT_IDS})
+        assert status == 200, body
+        status, body = await post(client, "/v1/completions", {"prompt": PROMPT_IDS, "max_tokens": 100})
+        assert status == 200  # a max_tokens given is the client's: the engine answers for it
+    assert [s.sampling.max_tokens for s in engine.submitted] == [32 - len(PROMPT_IDS), 100]
