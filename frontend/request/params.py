@@ -67,8 +67,9 @@ def sampling_params(request: SamplingFields, num_prompt_tokens: int, max_model_l
                     defaults: SamplingDefaults = SamplingDefaults(), kv_tokens: int | None = None) -> SamplingParams:
     """SamplingParams of one prompt of a request; max_tokens defaults to what is left of max_model_len (at most
     `defaults.max_tokens`, and of `kv_tokens`, the whole KV cache, where that is smaller: a server started with less
-    cache than max_model_len would refuse a default no request could fit). `defaults`: the model's generation_config.json values for the fields the request leaves
-    unset; a field neither sets keeps SamplingParams' default.
+    cache than max_model_len would refuse a default no request could fit). `defaults`: the model's
+    generation_config.json values for the fields the request leaves unset; a field neither sets keeps
+    SamplingParams' default.
     `max_tokens_param` is the field the request gave it in (chat's max_completion_tokens), for errors.
     `structured`: the output constraint (frontend/structured/request.py, or the tools' for tool_choice).
 
