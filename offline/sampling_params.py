@@ -5,7 +5,9 @@ given anything but its default."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import typing
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,42 +34,6 @@ UNIMPLEMENTED: dict[str, str] = {
     "extra_args": "extra_args is not implemented",
 }
 _DEFAULTS = {"detokenize": True, "skip_special_tokens": True, "spaces_between_special_tokens": True}
-
-
-class _FieldTypes(msgspec.Struct, forbid_unknown_fields=True):
-    """SamplingParams' fields with their types, checked strictly (a bool is no count, 2.5 no token count); the
-    fields of UNIMPLEMENTED take anything here and are refused by name after."""
-
-    n: int = 1
-    best_of: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    bad_words: Any = None
-    ignore_eos: bool = False
-    max_tokens: int | None = 16
-    min_tokens: int = 0
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
-    detokenize: Any = True
-    skip_special_tokens: Any = True
-    spaces_between_special_tokens: Any = True
-    logits_processors: Any = None
-    include_stop_str_in_output: bool = False
-    truncate_prompt_tokens: Any = None
-    output_kind: Any = None
-    structured_outputs: Any = None
-    guided_decoding: Any = None
-    logit_bias: dict[int, float] | None = None
-    allowed_token_ids: Any = None
-    extra_args: Any = None
 
 
 @dataclass
@@ -125,7 +91,7 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         try:  # each field's type as the server's request Struct types it: no 2.5 tokens, no True for a count
-            msgspec.convert({f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, _FieldTypes,
+            msgspec.convert({f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, _field_types(),
                             strict=True)
         except msgspec.ValidationError as exc:
             raise ValueError(f"SamplingParams: {exc}") from None
@@ -183,6 +149,16 @@ class SamplingParams:
         over SamplingParams' own defaults."""
         fields = {f.name for f in dataclasses.fields(SamplingParams)}
         return SamplingParams(**{name: value for name, value in defaults.named().items() if name in fields})
+
+
+@functools.cache
+def _field_types() -> type[msgspec.Struct]:
+    """SamplingParams' fields as a msgspec Struct of their annotated types, to check a value strictly (a bool is no
+    count, 2.5 no token count); the fields of UNIMPLEMENTED take anything there and are refused by name after."""
+    hints = typing.get_type_hints(SamplingParams)
+    return msgspec.defstruct("SamplingParamsTypes", [(f.name, Any if f.name in UNIMPLEMENTED else hints[f.name],
+                                                      f.default) for f in dataclasses.fields(SamplingParams)],
+                             forbid_unknown_fields=True)
 
 
 def _prompt_logprobs_k(value: int | None, vocab_size: int, max_logprobs: int) -> int | None:
