@@ -48,6 +48,10 @@ GROUP_DRAINING = "its shuttle engine is shutting down (draining)"  # down_reason
 # wrong client key: auth)
 HANDSHAKE_FAILURES = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                       | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+# Handshakes failed in a row before the keys are blamed. "No detail" is also what a connection cut mid-handshake
+# gives (a scheduler killed or restarting as the socket reconnects): once is a cut, while other keys fail every one of
+# libzmq's retries (ten a second). A refusal of this frontend's key (auth) is the keys' at once.
+KEY_FAILURES_IN_A_ROW = 3
 REMOTE_SILENCE_S = 30.0  # --heartbeat-timeout's default: a remote group silent to ZeroMQ's heartbeat this long is lost
 
 
@@ -257,7 +261,8 @@ class EngineClient(ServingGroup):
             zmq.asyncio.Context.instance(), zmq.DEALER, self._endpoint, bind=False, recv_type=SchedulerMessage,
             curve=self._curve, peer_timeout=self._silence_timeout if self._remote else 0.0)
         if self._remote:
-            monitor = channel.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILURES)
+            monitor = channel.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILURES
+                                                        | zmq.EVENT_HANDSHAKE_SUCCEEDED)
             self._monitor = asyncio.get_running_loop().create_task(self._watch(channel, monitor),
                                                                    name="engine-client-monitor")
         return channel
@@ -265,13 +270,19 @@ class EngineClient(ServingGroup):
     async def _watch(self, channel: AsyncChannel, monitor) -> None:
         """A remote group's connection dropped (its scheduler died, or the network), or answered no heartbeat for
         `silence_timeout` seconds (libzmq then drops it): the group is down."""
+        failures = 0  # handshakes failed since the last one that succeeded
         try:
             while True:
                 event = parse_monitor_message(await monitor.recv_multipart())["event"]
                 if channel is not self._channel:
                     return
+                if event & zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    failures = 0
+                    continue
                 if event & HANDSHAKE_FAILURES:  # the connection is refused before a word: say why, once
-                    self._handshake_failed()
+                    failures += 1
+                    if event & zmq.EVENT_HANDSHAKE_FAILED_AUTH or failures >= KEY_FAILURES_IN_A_ROW:
+                        self._handshake_failed()
                     continue
                 if self.is_up or self.down_reason == GROUP_DRAINING:
                     break
