@@ -296,8 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     summary["config"] = {k: v for k, v in vars(args).items() if k not in ("no_progress", "api_key")}
     summary["config"]["request_rate"] = str(args.request_rate)
     print_table(summary)
-    if args.result_json:
-        os.makedirs(os.path.dirname(args.result_json) or ".", exist_ok=True)
+    if args.result_json:  # its folder made by the parser (output_file)
         with open(args.result_json, "w") as f:
             json.dump(summary, f, indent=2)
         print(f"wrote {args.result_json}")

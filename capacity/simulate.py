@@ -189,8 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = result.summary(args.ttft_slo_ms, args.tpot_slo_ms)
     print_summary(summary)
     print(f"simulated {len(workload)} requests in {elapsed:.2f} s (load average {os.getloadavg()[0]:.2f})")
-    if args.result_json:
-        os.makedirs(os.path.dirname(args.result_json) or ".", exist_ok=True)
+    if args.result_json:  # its folder made by the parser (output_file)
         config = {k: v for k, v in vars(args).items()}
         config["request_rate"] = str(args.request_rate)
         with open(args.result_json, "w") as f:
