@@ -54,15 +54,13 @@ def serve(args: argparse.Namespace) -> int:
     if args.data_parallel_size == 0 and not remote:
         print("shuttle: error: --data-parallel-size 0 needs at least one --engine-endpoint", file=sys.stderr)
         return 2
-    names = list(getattr(args, "served_model_name", None) or ())
-    twice = next((n for n in names if names.count(n) > 1), None)
-    if twice is not None:  # listed twice on /v1/models, and named twice in every 404
-        print(f"shuttle: error: --served-model-name {twice} is given twice", file=sys.stderr)
-        return 2
-    repeated = sorted({e for e in remote if remote.count(e) > 1})
-    if repeated:  # one group counted twice: its capacity and load twice in /health and the router
-        print(f"shuttle: error: --engine-endpoint {repeated[0]} is given twice", file=sys.stderr)
-        return 2
+    # a name listed twice on /v1/models and in every 404; a group counted twice in /health and the router
+    names = tuple(getattr(args, "served_model_name", None) or ())
+    for flag, values in (("--served-model-name", names), ("--engine-endpoint", remote)):
+        twice = next((v for v in values if values.count(v) > 1), None)
+        if twice is not None:
+            print(f"shuttle: error: {flag} {twice} is given twice", file=sys.stderr)
+            return 2
     if any(e.startswith("tcp://") for e in remote) and not os.environ.get(CURVE_ENV):
         print(f"shuttle: error: a tcp:// --engine-endpoint needs the engine host's CURVE keys in ${CURVE_ENV} "
               f"(make them once with `shuttle curve-keys` and export them on both hosts)", file=sys.stderr)

@@ -98,7 +98,7 @@ class SamplingParams:
         for name, why in UNIMPLEMENTED.items():
             if getattr(self, name) != _DEFAULTS.get(name):
                 raise ValueError(f"{name}: shuttle does not implement it: {why}")
-        if not isinstance(self.n, int) or self.n < 1:
+        if self.n < 1:  # an int: checked above
             raise ValueError(f"n must be at least 1, got {self.n!r}")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError(f"best_of: shuttle does not implement it: every sequence sampled is returned (best_of "
